@@ -1,0 +1,119 @@
+"""The one way out to the loggers.
+
+* Scalars go to every logger attached to the trainer (TensorBoard, CSV, W&B, anything with
+  ``log_metrics``), rank zero only.
+* Histograms, alert text and the custom-scalars layout go to TensorBoard writers only.
+* With no logger at all, scalars are skipped with one info line; alerts still reach Python logging and
+  the JSON-lines file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.loggers.tensorboard import TensorBoardLogger as _FabricTensorBoardLogger
+
+from lightning_gradguard._shared import trainer_state
+
+log = logging.getLogger("lightning_gradguard")
+
+LAYOUT_CATEGORY = "GradGuard"
+
+
+def is_rank_zero(trainer: pl.Trainer) -> bool:
+    return bool(trainer.is_global_zero)
+
+
+def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
+    """Send plain-float scalars to every attached logger at ``step`` (rank zero only)."""
+    if not metrics or not is_rank_zero(trainer):
+        return
+    if not trainer.loggers:
+        state = trainer_state(trainer)
+        if not state.said_no_logger:
+            state.said_no_logger = True
+            log.info(
+                "lightning_gradguard: the trainer has no logger, so scalars and histograms are not recorded; "
+                "alerts still go to Python logging and %s",
+                alerts_path(trainer),
+            )
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(dict(metrics), step=step)
+
+
+def tensorboard_writers(trainer: pl.Trainer) -> list[Any]:
+    """The ``SummaryWriter`` of every TensorBoard logger on the trainer (empty off rank zero)."""
+    if not is_rank_zero(trainer):
+        return []
+    return [lg.experiment for lg in trainer.loggers if isinstance(lg, _FabricTensorBoardLogger)]
+
+
+def log_histogram_raw(
+    trainer: pl.Trainer,
+    tag: str,
+    stats: Sequence[float],
+    edges: Sequence[float],
+    counts: Sequence[float],
+    step: int,
+) -> None:
+    """One histogram from host values computed on the device (see ``functional.device_histograms``).
+
+    ``stats`` is ``(min, max, num, sum, sum_squares)``, ``edges`` has one more entry than ``counts``.
+    An empty histogram (no finite values) is skipped: TensorBoard cannot draw it.
+    """
+    lo, hi, num, total, sumsq = (float(x) for x in stats)
+    if num <= 0:
+        return
+    limits = [float(e) for e in edges[1:]]
+    bucket_counts = [float(c) for c in counts]
+    if hi <= lo:  # a constant tensor: one bucket
+        limits, bucket_counts = [hi], [num]
+    for writer in tensorboard_writers(trainer):
+        writer.add_histogram_raw(
+            tag,
+            min=lo,
+            max=hi,
+            num=int(num),
+            sum=total,
+            sum_squares=sumsq,
+            bucket_limits=limits,
+            bucket_counts=bucket_counts,
+            global_step=step,
+        )
+
+
+def log_text(trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
+    for writer in tensorboard_writers(trainer):
+        writer.add_text(tag, text, global_step=step)
+
+
+def write_layout(trainer: pl.Trainer, charts: Mapping[str, Sequence[str]]) -> None:
+    """Write the "GradGuard" custom-scalars layout once per TensorBoard writer.
+
+    ``charts`` maps a chart title to tag regular expressions (TensorBoard matches them as regexes).
+    """
+    state = trainer_state(trainer)
+    for writer in tensorboard_writers(trainer):
+        if id(writer) in state.layout_written:
+            continue
+        state.layout_written.add(id(writer))
+        layout = {LAYOUT_CATEGORY: {title: ["Multiline", list(tags)] for title, tags in charts.items()}}
+        writer.add_custom_scalars(layout)
+
+
+def log_dir(trainer: pl.Trainer) -> str:
+    """Where this run's logs live: the first logger's ``log_dir``, else the trainer's root dir."""
+    for logger in trainer.loggers:
+        path = getattr(logger, "log_dir", None)
+        if path:
+            return os.fspath(path)
+    return os.fspath(trainer.default_root_dir)
+
+
+def alerts_path(trainer: pl.Trainer) -> str:
+    return os.path.join(log_dir(trainer), "gradguard_alerts.jsonl")

@@ -1,0 +1,133 @@
+"""Alerts: one record for every finding, the sinks they go to, and the error types.
+
+Every callback reports what it finds as an :class:`Alert`. The alert is appended to the callback's
+``alerts`` list and fanned out to the sinks: Python logging (logger ``lightning_gradguard``), TensorBoard
+(a Markdown row under the ``gradguard/alerts`` text tag plus a per-kind count scalar ``alerts/<kind>``)
+and a JSON-lines file beside the run's logs. What happens next is the callback's ``action``:
+``"warn"`` (only report), ``"stop"`` (ask the trainer to stop) or ``"raise"`` (raise a
+:class:`GradGuardError` subclass from the hook).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "ACTIONS",
+    "ALERT_KINDS",
+    "SEVERITIES",
+    "Alert",
+    "GradGuardError",
+    "JsonlSink",
+    "LoggingSink",
+    "Severity",
+]
+
+log = logging.getLogger("lightning_gradguard")
+
+Severity = Literal["info", "warning", "error", "critical"]
+Action = Literal["warn", "stop", "raise"]
+SEVERITIES: tuple[str, ...] = ("info", "warning", "error", "critical")
+ACTIONS: tuple[str, ...] = ("warn", "stop", "raise")
+
+#: The stable vocabulary of alert kinds. New kinds are added; existing ones are never renamed.
+ALERT_KINDS: dict[str, str] = {
+    "clipping_always_active": "gradient clipping fired on nearly every step: the threshold is too low",
+    "clipping_never_active": "gradient clipping never fired: the threshold is far above every norm seen",
+    "nonfinite_gradient_stats": "gradient statistics contained NaN/inf (counted in grad_nonfinite/*)",
+    "unsupported_model": "a parameter layout the callback cannot measure; that part is skipped",
+}
+
+_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
+
+
+@dataclass
+class Alert:
+    """One finding about the health of a run.
+
+    Attributes:
+        kind: what was found, from :data:`ALERT_KINDS` (stable strings, safe to match on).
+        severity: ``"info"``, ``"warning"``, ``"error"`` or ``"critical"``.
+        step: ``trainer.global_step`` when it was found.
+        where: the layer or parameter concerned, or ``None`` for the whole model.
+        message: what was seen, with the numbers.
+        hint: what to do about it.
+        source: the name of the callback that raised it.
+        data: the numbers behind the message.
+    """
+
+    kind: str
+    severity: Severity
+    step: int
+    where: str | None
+    message: str
+    hint: str
+    source: str
+    data: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"`severity` must be one of {SEVERITIES}, got {self.severity!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (non-finite numbers become strings ``"nan"``/``"inf"``)."""
+        d = asdict(self)
+        d["data"] = {k: _json_number(v) for k, v in self.data.items()}
+        return d
+
+    def format(self) -> str:
+        """One human line: severity, kind, place, step, message and hint."""
+        where = f" at {self.where}" if self.where else ""
+        return f"[{self.severity}] {self.kind}{where} (step {self.step}): {self.message} Hint: {self.hint}"
+
+    def markdown(self) -> str:
+        """A Markdown rendering for TensorBoard's text tab."""
+        where = f" at `{self.where}`" if self.where else ""
+        return (
+            f"**{self.severity.upper()}** `{self.kind}`{where}, step {self.step} "
+            f"({self.source})  \n{self.message}  \n*Hint:* {self.hint}"
+        )
+
+
+def _json_number(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class GradGuardError(RuntimeError):
+    """Base of every error lightning_gradguard raises to stop a run; ``alerts`` holds the findings."""
+
+    def __init__(self, message: str, alerts: list[Alert] | None = None) -> None:
+        super().__init__(message)
+        self.alerts: list[Alert] = list(alerts or [])
+
+
+class LoggingSink:
+    """Writes alerts to the ``lightning_gradguard`` Python logger at a level matching the severity."""
+
+    def __call__(self, alert: Alert) -> None:
+        log.log(_LEVELS[alert.severity], alert.format())
+
+
+class JsonlSink:
+    """Appends one JSON object per alert to ``path`` (directories created on first write)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+
+    def __call__(self, alert: Alert) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(alert.to_dict(), sort_keys=True) + "\n")
+
+
+def alert_data(values: Mapping[str, float]) -> dict[str, float]:
+    """Plain-float copy of ``values`` for :attr:`Alert.data`."""
+    return {k: float(v) for k, v in values.items()}

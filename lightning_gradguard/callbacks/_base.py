@@ -1,0 +1,112 @@
+"""What every gradguard callback shares: the alert path, the action, the TensorBoard layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_gradguard import _emit
+from lightning_gradguard._shared import gradguard_callbacks, log_step, trainer_state
+from lightning_gradguard._validate import check_choice, check_int
+from lightning_gradguard.alerts import ACTIONS, Alert, GradGuardError, JsonlSink, LoggingSink, Severity
+
+ALERT_TEXT_TAG = "gradguard/alerts"
+
+
+class GradGuardCallback(Callback):
+    """Base class: keeps ``alerts``, de-duplicates them within a cooldown and fans them out to the sinks.
+
+    Args:
+        action: what a finding of severity ``error`` or above does: ``"warn"`` reports it, ``"stop"``
+            sets ``trainer.should_stop`` (Lightning stops at the end of the current step, after its
+            validation), ``"raise"`` raises a :class:`~lightning_gradguard.GradGuardError` from the hook.
+        cooldown_steps: the same alert kind at the same place is not reported again within this many
+            optimizer steps.
+    """
+
+    error_type: type[GradGuardError] = GradGuardError
+
+    def __init__(self, action: str = "warn", cooldown_steps: int = 100) -> None:
+        check_choice("action", action, ACTIONS)
+        check_int("cooldown_steps", cooldown_steps, 0)
+        self.action = action
+        self.cooldown_steps = cooldown_steps
+        self.alerts: list[Alert] = []
+        self._last_reported: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ layout
+    def layout_charts(self) -> dict[str, list[str]]:
+        """Chart title -> tag regexes this callback contributes to the "GradGuard" custom-scalars section."""
+        return {}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        charts: dict[str, list[str]] = {}
+        for cb in gradguard_callbacks(trainer):
+            charts.update(cb.layout_charts())
+        charts["Alerts (cumulative count per kind)"] = ["alerts/.*"]
+        _emit.write_layout(trainer, charts)
+
+    # ------------------------------------------------------------------ alerts
+    def report(
+        self,
+        trainer: pl.Trainer,
+        kind: str,
+        severity: Severity,
+        where: str | None,
+        message: str,
+        hint: str,
+        data: dict[str, float] | None = None,
+    ) -> Alert | None:
+        """Record and emit an alert, unless the same kind at the same place was reported within the cooldown.
+
+        Returns the alert, or ``None`` when it was suppressed by the cooldown.
+        """
+        step = int(trainer.global_step)
+        key = f"{kind}@{where}"
+        last = self._last_reported.get(key)
+        if last is not None and step - last < self.cooldown_steps:
+            return None
+        self._last_reported[key] = step
+        alert = Alert(
+            kind=kind,
+            severity=severity,
+            step=step,
+            where=where,
+            message=message,
+            hint=hint,
+            source=type(self).__name__,
+            data=dict(data or {}),
+        )
+        self.alerts.append(alert)
+        if trainer.is_global_zero:
+            state = trainer_state(trainer)
+            state.alert_counts[kind] = state.alert_counts.get(kind, 0) + 1
+            LoggingSink()(alert)
+            JsonlSink(_emit.alerts_path(trainer))(alert)
+            at = log_step(trainer)
+            _emit.log_text(trainer, ALERT_TEXT_TAG, alert.markdown(), at)
+            _emit.log_scalars(trainer, {f"alerts/{kind}": float(state.alert_counts[kind])}, at)
+        return alert
+
+    def act(self, trainer: pl.Trainer, alerts: list[Alert]) -> None:
+        """Apply ``action`` to findings of severity error or critical (call it on every rank)."""
+        serious = [a for a in alerts if a.severity in ("error", "critical")]
+        if not serious or self.action == "warn":
+            return
+        if self.action == "stop":
+            trainer.should_stop = True
+            return
+        raise self.error_type("; ".join(a.format() for a in serious), serious)
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_reported": dict(self._last_reported)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_reported = dict(state_dict.get("last_reported", {}))

@@ -1,0 +1,40 @@
+"""Pure tensor math behind the callbacks: no Trainer, usable from a plain PyTorch loop.
+
+Example::
+
+    from lightning_gradguard.functional import grouped_norms, layer_names
+
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    grads = [p.grad for n, p in model.named_parameters() if p.requires_grad]
+    per_param, per_layer, total = grouped_norms(grads, group_index(layer_names(names)))
+"""
+
+from lightning_gradguard.functional.stats import (
+    HistogramSpec,
+    device_histograms,
+    foreach_norms,
+    group_index,
+    grouped_norms,
+    layer_name,
+    layer_names,
+    nonfinite_counts,
+    percentile,
+    reduce_norms,
+    suggest_clip_value,
+    total_norm,
+)
+
+__all__ = [
+    "HistogramSpec",
+    "device_histograms",
+    "foreach_norms",
+    "group_index",
+    "grouped_norms",
+    "layer_name",
+    "layer_names",
+    "nonfinite_counts",
+    "percentile",
+    "reduce_norms",
+    "suggest_clip_value",
+    "total_norm",
+]

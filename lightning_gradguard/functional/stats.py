@@ -1,0 +1,235 @@
+"""Grouped gradient and weight statistics computed on the device in a few fused kernels.
+
+Everything here takes plain tensors and returns tensors that stay on the device: no ``.item()``, no
+``.cpu()``, no Python loop that launches one kernel per parameter for the common statistics. Bringing
+values to the host is the caller's decision (the callbacks do it at most once per logging step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "HistogramSpec",
+    "device_histograms",
+    "foreach_norms",
+    "group_index",
+    "grouped_norms",
+    "layer_name",
+    "layer_names",
+    "nonfinite_counts",
+    "percentile",
+    "reduce_norms",
+    "suggest_clip_value",
+    "total_norm",
+]
+
+
+def _check_norm_type(norm_type: float) -> float:
+    norm_type = float(norm_type)
+    if not (norm_type > 0):
+        raise ValueError(f"`norm_type` must be a positive number or 'inf', got {norm_type!r}")
+    return norm_type
+
+
+def layer_name(param_name: str, depth: int | None = None) -> str:
+    """The layer a parameter belongs to: the module that owns it, optionally cut to ``depth`` levels.
+
+    ``"encoder.blocks.3.attn.qkv.weight"`` belongs to ``"encoder.blocks.3.attn.qkv"``; with ``depth=2``
+    to ``"encoder.blocks"``. A parameter registered directly on the root module is its own layer.
+    """
+    if depth is not None and depth < 1:
+        raise ValueError(f"`depth` must be None or an integer >= 1, got {depth!r}")
+    owner, sep, _ = param_name.rpartition(".")
+    if not sep:
+        return param_name
+    if depth is None:
+        return owner
+    return ".".join(owner.split(".")[:depth])
+
+
+def layer_names(param_names: Sequence[str], depth: int | None = None) -> list[str]:
+    """:func:`layer_name` for every name, in order."""
+    return [layer_name(n, depth) for n in param_names]
+
+
+def group_index(labels: Sequence[str]) -> tuple[list[str], list[int]]:
+    """Unique labels in first-seen order and, for each input, the position of its label."""
+    order: dict[str, int] = {}
+    index = [order.setdefault(label, len(order)) for label in labels]
+    return list(order), index
+
+
+def foreach_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """Per-tensor p-norms as one float32 vector on the first tensor's device.
+
+    Tensors are grouped by (device, dtype) and each group is reduced by one ``torch._foreach_norm``
+    call, so a model with hundreds of parameters costs a handful of kernel launches. A tensor holding a
+    NaN gets a NaN norm, one holding an inf gets an inf norm: finiteness of the result is finiteness
+    of the input.
+    """
+    norm_type = _check_norm_type(norm_type)
+    if len(tensors) == 0:
+        return torch.zeros(0)
+    out_device = tensors[0].device
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    if len(buckets) == 1:
+        return torch.stack(torch._foreach_norm(list(tensors), norm_type)).float()
+    out = torch.empty(len(tensors), dtype=torch.float32, device=out_device)
+    for idx in buckets.values():
+        norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], norm_type)).float()
+        out[torch.tensor(idx, device=out_device)] = norms.to(out_device, non_blocking=True)
+    return out
+
+
+def reduce_norms(norms: Tensor, index: Tensor, num_groups: int, norm_type: float = 2.0) -> Tensor:
+    """Combine per-tensor norms into per-group norms (group ``index[i]`` owns ``norms[i]``).
+
+    The result equals the norm of each group's tensors concatenated into one vector.
+    """
+    norm_type = _check_norm_type(norm_type)
+    if math.isinf(norm_type):
+        init = torch.zeros(num_groups, dtype=norms.dtype, device=norms.device)
+        return init.scatter_reduce(0, index, norms, reduce="amax", include_self=True)
+    powered = norms.pow(norm_type)
+    summed = torch.zeros(num_groups, dtype=norms.dtype, device=norms.device).index_add_(0, index, powered)
+    return summed.pow(1.0 / norm_type)
+
+
+def total_norm(norms: Tensor, norm_type: float = 2.0) -> Tensor:
+    """The norm of all tensors together, from their per-tensor norms (a 0-dim tensor)."""
+    norm_type = _check_norm_type(norm_type)
+    if norms.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=norms.device)
+    return torch.linalg.vector_norm(norms, ord=norm_type)
+
+
+def grouped_norms(
+    tensors: Sequence[Tensor], index: Sequence[int], norm_type: float = 2.0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-tensor norms, per-group norms and the total norm in one pass.
+
+    Args:
+        tensors: the tensors (e.g. gradients), any devices and dtypes.
+        index: for each tensor, the group it belongs to (``0 .. G-1``), e.g. from :func:`group_index`.
+        norm_type: 2.0 (Euclidean), ``float("inf")`` (max-abs) or any positive p.
+
+    Returns:
+        ``(per_tensor[N], per_group[G], total[])``, float32, on the first tensor's device.
+    """
+    if len(index) != len(tensors):
+        raise ValueError(f"`index` has {len(index)} entries for {len(tensors)} tensors")
+    per_tensor = foreach_norms(tensors, norm_type)
+    idx = torch.tensor(list(index), dtype=torch.long).to(per_tensor.device, non_blocking=True)
+    num_groups = max(index) + 1 if len(index) else 0
+    per_group = reduce_norms(per_tensor, idx, num_groups, norm_type)
+    return per_tensor, per_group, total_norm(per_tensor, norm_type)
+
+
+def nonfinite_counts(tensors: Sequence[Tensor]) -> Tensor:
+    """Number of NaN/inf elements in each tensor (int64 vector on the first tensor's device).
+
+    One kernel per tensor: meant for the rare step where a norm already came out non-finite.
+    """
+    if len(tensors) == 0:
+        return torch.zeros(0, dtype=torch.long)
+    device = tensors[0].device
+    return torch.stack([(~torch.isfinite(t)).sum().to(device) for t in tensors])
+
+
+@dataclass(frozen=True)
+class HistogramSpec:
+    """Device-side histograms of many tensors, ready for TensorBoard's ``add_histogram_raw``.
+
+    Row ``i`` describes tensor ``i``: ``stats[i] = (min, max, num, sum, sum_squares)`` over its finite
+    values (non-zero finite values for a log10 histogram), ``edges[i]`` the ``bins + 1`` bucket
+    edges, ``counts[i]`` the ``bins`` counts, ``nonfinite[i]`` how many NaN/inf it held.
+    """
+
+    stats: Tensor
+    edges: Tensor
+    counts: Tensor
+    nonfinite: Tensor
+
+
+def device_histograms(tensors: Sequence[Tensor], bins: int = 64, log10: bool = False) -> HistogramSpec:
+    """Histograms of every tensor at once, on the device: one concatenation, one bincount.
+
+    Non-finite values are excluded from the buckets and counted in ``nonfinite``. With
+    ``log10=True`` the values are ``log10(|x|)`` of the non-zero finite entries, which spreads
+    gradients that span many decades (vanishing layers) over a readable axis.
+    """
+    if bins < 1:
+        raise ValueError(f"`bins` must be >= 1, got {bins!r}")
+    n = len(tensors)
+    if n == 0:
+        z = torch.zeros(0)
+        return HistogramSpec(z.reshape(0, 5), z.reshape(0, bins + 1), z.reshape(0, bins), z)
+    device = tensors[0].device
+    flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
+    sizes = torch.tensor([t.numel() for t in tensors], device=device)
+    seg = torch.repeat_interleave(torch.arange(n, device=device), sizes)
+    finite = torch.isfinite(flat)
+    nonfinite = torch.zeros(n, device=device).index_add_(0, seg, (~finite).float())
+    if log10:
+        absval = flat.abs()
+        keep = finite & (absval > 0)
+        vals = torch.where(keep, absval, torch.ones_like(absval)).log10()
+    else:
+        keep = finite
+        vals = torch.where(keep, flat, torch.zeros_like(flat))
+    w = keep.float()
+    inf = torch.tensor(float("inf"), device=device)
+    lo = torch.full((n,), float("inf"), device=device).scatter_reduce(
+        0, seg, torch.where(keep, vals, inf), reduce="amin"
+    )
+    hi = torch.full((n,), float("-inf"), device=device).scatter_reduce(
+        0, seg, torch.where(keep, vals, -inf), reduce="amax"
+    )
+    empty = ~torch.isfinite(lo)
+    lo = torch.where(empty, torch.zeros_like(lo), lo)
+    hi = torch.where(empty, torch.zeros_like(hi), hi)
+    width = (hi - lo).clamp_min(1e-12)
+    bucket = ((vals - lo[seg]) / width[seg] * bins).floor().clamp_(0, bins - 1).long()
+    counts = torch.bincount(seg * bins + bucket, weights=w, minlength=n * bins).reshape(n, bins)
+    num = torch.zeros(n, device=device).index_add_(0, seg, w)
+    sums = torch.zeros(n, device=device).index_add_(0, seg, vals * w)
+    sumsq = torch.zeros(n, device=device).index_add_(0, seg, vals * vals * w)
+    frac = torch.linspace(0.0, 1.0, bins + 1, device=device)
+    edges = lo[:, None] + (hi - lo)[:, None] * frac[None, :]
+    stats = torch.stack([lo, hi, num, sums, sumsq], dim=1)
+    return HistogramSpec(stats=stats, edges=edges, counts=counts, nonfinite=nonfinite)
+
+
+def percentile(values: Tensor, q: Sequence[float]) -> Tensor:
+    """Percentiles (``q`` in 0..100) of the finite entries of a 1-D tensor; NaN where none are finite."""
+    finite = values[torch.isfinite(values)].float()
+    qs = torch.tensor([float(x) / 100.0 for x in q], device=values.device)
+    if finite.numel() == 0:
+        return torch.full((len(q),), float("nan"), device=values.device)
+    return torch.quantile(finite, qs)
+
+
+def suggest_clip_value(pre_clip_norms: Sequence[float] | Tensor, quantile: float = 0.9) -> float | None:
+    """A ``gradient_clip_val`` that clips the outliers and leaves normal steps alone.
+
+    Following the usual advice (measure typical norms without clipping, then set the threshold at the
+    top of the typical range), this is the ``quantile`` of the observed pre-clip norms, rounded up to
+    two significant digits. ``None`` when no finite norm was observed.
+    """
+    values = torch.as_tensor(pre_clip_norms, dtype=torch.float64).reshape(-1)
+    values = values[torch.isfinite(values)]
+    if values.numel() == 0:
+        return None
+    x = float(torch.quantile(values, quantile))
+    if x <= 0:
+        return None
+    scale = 10 ** (math.floor(math.log10(x)) - 1)
+    return float(f"{math.ceil(x / scale - 1e-9) * scale:.2g}")

@@ -60,12 +60,14 @@ class GradGuardCallback(Callback):
         message: str,
         hint: str,
         data: dict[str, float] | None = None,
+        step: int | None = None,
     ) -> Alert | None:
         """Record and emit an alert, unless the same kind at the same place was reported within the cooldown.
 
+        ``step`` is the ``global_step`` the finding was measured at (default: the current one).
         Returns the alert, or ``None`` when it was suppressed by the cooldown.
         """
-        step = int(trainer.global_step)
+        step = int(trainer.global_step) if step is None else int(step)
         key = f"{kind}@{where}"
         last = self._last_reported.get(key)
         if last is not None and step - last < self.cooldown_steps:

@@ -294,7 +294,7 @@ class GradientNormLogger(GradGuardCallback):
         for i, p in enumerate(pending):
             self._emit_step(trainer, p, {k: v for (j, k), v in values.items() if j == i})
         if (-1, "clip_fraction") in values and clip is not None:
-            self._emit_clip(trainer, pending[-1].step if pending else log_step(trainer), clip, values)
+            self._emit_clip(trainer, pending[-1], clip, values)
 
     def _emit_step(self, trainer: pl.Trainer, p: _Pending, v: dict[str, Tensor]) -> None:
         metrics: dict[str, float] = {f"grad_norm/total{p.suffix}": float(v["grad_total"][0])}
@@ -335,7 +335,7 @@ class GradientNormLogger(GradGuardCallback):
         return out
 
     def _emit_clip(
-        self, trainer: pl.Trainer, at: int, clip: tuple[float, float], values: dict[tuple[int, str], Tensor]
+        self, trainer: pl.Trainer, last: _Pending, clip: tuple[float, float], values: dict[tuple[int, str], Tensor]
     ) -> None:
         window = values[(-1, "clip_window")]
         finite = window[torch.isfinite(window)].double()
@@ -350,7 +350,7 @@ class GradientNormLogger(GradGuardCallback):
         if suggested is not None:
             metrics["grad_clip/suggested_clip_val"] = suggested
         self.last_logged.update(metrics)
-        _emit.log_scalars(trainer, metrics, at)
+        _emit.log_scalars(trainer, metrics, last.step)
         n = int(finite.numel())
         data = {"fraction_clipped": fraction, "clip_val": clip[0], "steps": float(n), **metrics}
         if n >= min(100, self.clip_window) and fraction >= 0.95 and suggested is not None:
@@ -364,6 +364,7 @@ class GradientNormLogger(GradGuardCallback):
                 f"The threshold is below the typical gradient norm, which slows learning. Clip only the "
                 f"outliers: try gradient_clip_val={suggested:g} (90th percentile of recent norms).",
                 data,
+                step=last.stats.step,
             )
         elif n >= self.clip_window and fraction == 0.0 and float(finite.max()) < clip[0] / 10:
             self.report(
@@ -375,6 +376,7 @@ class GradientNormLogger(GradGuardCallback):
                 f"{float(finite.max()):.3g}.",
                 f"Clipping guards nothing at this level. To catch spikes, use about {suggested:g}.",
                 data,
+                step=last.stats.step,
             )
 
     # ------------------------------------------------------------------ state

@@ -1,0 +1,128 @@
+"""The pure statistics against independent computations (torch.linalg, get_total_norm, numpy)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_gradguard.functional import (
+    device_histograms,
+    foreach_norms,
+    group_index,
+    grouped_norms,
+    layer_name,
+    layer_names,
+    nonfinite_counts,
+    percentile,
+    suggest_clip_value,
+    total_norm,
+)
+
+
+def _tensors(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(5, 3), (3,), (7, 2, 2), (1,), (11,)]
+    return [torch.randn(s, generator=g) * (10.0**i) for i, s in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf, 1.0, 3.0])
+def test_foreach_norms_match_vector_norm(norm_type: float) -> None:
+    ts = _tensors()
+    got = foreach_norms(ts, norm_type)
+    want = torch.stack([torch.linalg.vector_norm(t, ord=norm_type) for t in ts])
+    torch.testing.assert_close(got, want)
+
+
+def test_foreach_norms_mixed_dtypes_keep_order() -> None:
+    ts = _tensors()
+    mixed = [ts[0].double(), ts[1], ts[2].bfloat16(), ts[3], ts[4].double()]
+    got = foreach_norms(mixed)
+    want = torch.stack([torch.linalg.vector_norm(t.double()).float() for t in mixed])
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
+    assert got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_grouped_norms_total_equals_get_total_norm(norm_type: float) -> None:
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    model(torch.randn(4, 6)).pow(2).sum().backward()
+    names = [n for n, _ in model.named_parameters()]
+    grads = [p.grad for p in model.parameters()]
+    labels, index = group_index(layer_names(names))
+    assert labels == ["0", "2.0", "2.1"]
+    per_param, per_layer, total = grouped_norms(grads, index, norm_type)
+    torch.testing.assert_close(total, torch.nn.utils.get_total_norm(grads, norm_type=norm_type))
+    for j, label in enumerate(labels):
+        members = [g.reshape(-1) for n, g in zip(names, grads) if n.rsplit(".", 1)[0] == label]
+        torch.testing.assert_close(per_layer[j], torch.linalg.vector_norm(torch.cat(members), ord=norm_type))
+    torch.testing.assert_close(total_norm(per_param, norm_type), total)
+
+
+def test_layer_name_depth_and_root_parameters() -> None:
+    assert layer_name("encoder.blocks.3.attn.qkv.weight") == "encoder.blocks.3.attn.qkv"
+    assert layer_name("encoder.blocks.3.attn.qkv.weight", depth=2) == "encoder.blocks"
+    assert layer_name("encoder.blocks.3.attn.qkv.weight", depth=9) == "encoder.blocks.3.attn.qkv"
+    assert layer_name("pos_embedding") == "pos_embedding"
+    with pytest.raises(ValueError, match="depth"):
+        layer_name("a.b", depth=0)
+
+
+def test_nonfinite_values_propagate_and_are_counted() -> None:
+    ts = _tensors()
+    ts[1][0] = float("nan")
+    ts[2][0, 0, 0] = float("inf")
+    ts[2][1, 0, 1] = float("-inf")
+    norms = foreach_norms(ts)
+    assert torch.isnan(norms[1]) and torch.isinf(norms[2])
+    assert torch.isfinite(norms[[0, 3, 4]]).all()
+    assert nonfinite_counts(ts).tolist() == [0, 1, 2, 0, 0]
+
+
+def test_histograms_match_numpy() -> None:
+    ts = _tensors()
+    ts[0][0, 0] = float("nan")
+    spec = device_histograms(ts, bins=10)
+    for i, t in enumerate(ts):
+        x = t.reshape(-1).numpy()
+        x = x[np.isfinite(x)]
+        counts, edges = np.histogram(x, bins=10, range=(x.min(), x.max()))
+        if x.min() == x.max():  # one value: all in one bucket
+            assert spec.counts[i].sum() == len(x)
+            continue
+        np.testing.assert_allclose(spec.edges[i].numpy(), edges, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(spec.counts[i].numpy(), counts)
+        lo, hi, num, s, sq = spec.stats[i].tolist()
+        assert num == len(x)
+        np.testing.assert_allclose([lo, hi, s, sq], [x.min(), x.max(), x.sum(), (x * x).sum()], rtol=1e-4)
+    assert spec.nonfinite.tolist() == [1, 0, 0, 0, 0]
+
+
+def test_log10_histogram_spans_decades_and_skips_zeros() -> None:
+    t = torch.tensor([0.0, 1e-8, 1e-6, 1e-4, 1e-2, 1.0, -1.0])
+    spec = device_histograms([t], bins=8, log10=True)
+    lo, hi, num, _, _ = spec.stats[0].tolist()
+    assert num == 6  # the zero is not on a log axis
+    assert lo == pytest.approx(-8.0) and hi == pytest.approx(0.0)
+    assert spec.counts[0].sum() == 6
+
+
+def test_percentile_and_suggested_clip() -> None:
+    x = torch.arange(1, 101, dtype=torch.float32)
+    x[3] = float("nan")
+    p = percentile(x, [50, 90])
+    finite = x[torch.isfinite(x)].numpy()
+    np.testing.assert_allclose(p.numpy(), np.percentile(finite, [50, 90]), rtol=1e-5)
+    norms = torch.tensor([0.5, 0.7, 1.2, 1.9, 2.2, 0.8, 1.1, 1.4, 1.0, 50.0])
+    suggested = suggest_clip_value(norms)
+    assert suggested is not None
+    assert np.quantile(norms.numpy(), 0.9) <= suggested < 1.1 * np.quantile(norms.numpy(), 0.9)
+    assert suggest_clip_value([float("nan")]) is None
+
+
+def test_bad_norm_type_is_rejected() -> None:
+    with pytest.raises(ValueError, match="norm_type"):
+        foreach_norms([torch.ones(2)], 0.0)

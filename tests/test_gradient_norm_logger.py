@@ -1,0 +1,344 @@
+"""GradientNormLogger in real Trainer runs, checked against norms the module computes itself."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+from conftest import MemoryLogger, RecordingMLP, make_trainer, random_loader
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.amp.grad_scaler import OptState
+from torch import nn
+
+from lightning_gradguard import GradientNormLogger
+
+
+def _assert_matches(logged: dict[int, float], truth: dict[int, float], rel: float = 1e-5) -> None:
+    assert logged, "nothing was logged"
+    for step, value in logged.items():
+        assert value == pytest.approx(truth[step], rel=rel), f"step {step}"
+
+
+def test_total_and_layer_norms_equal_independent_computation(memory_logger: MemoryLogger) -> None:
+    model = RecordingMLP()
+    cb = GradientNormLogger(log_every_n_steps=3)
+    make_trainer([cb], memory_logger).fit(model, random_loader(n=80))
+    logged = memory_logger.series("grad_norm/total")
+    assert sorted(logged) == [0, 3, 6, 9]
+    _assert_matches(logged, model.true_total)
+    for layer in ("net.0", "net.2"):
+        _assert_matches(
+            memory_logger.series(f"grad_norm/{layer}"), {s: v[layer] for s, v in model.true_layers.items()}
+        )
+    assert memory_logger.series("grad_nonfinite/total") == dict.fromkeys(logged, 0.0)
+
+
+def test_default_cadence_follows_trainer(memory_logger: MemoryLogger) -> None:
+    model = RecordingMLP()
+    make_trainer([GradientNormLogger()], memory_logger, log_every_n_steps=4).fit(model, random_loader(n=80))
+    assert sorted(memory_logger.series("grad_norm/total")) == [0, 4, 8]
+
+
+def test_accumulated_gradients_are_measured_once_per_optimizer_step(memory_logger: MemoryLogger) -> None:
+    model = RecordingMLP()
+    make_trainer([GradientNormLogger(log_every_n_steps=1)], memory_logger, accumulate_grad_batches=3).fit(
+        model, random_loader(n=72)
+    )
+    logged = memory_logger.series("grad_norm/total")
+    assert sorted(logged) == [0, 1, 2]  # 9 batches / 3 = 3 optimizer steps
+    _assert_matches(logged, model.true_total)
+    n_total_calls = sum("grad_norm/total" in m for _, m in memory_logger.calls)
+    assert n_total_calls == 3
+
+
+def test_bf16_mixed_on_cpu(memory_logger: MemoryLogger) -> None:
+    model = RecordingMLP()
+    make_trainer([GradientNormLogger(log_every_n_steps=1)], memory_logger, precision="bf16-mixed").fit(
+        model, random_loader()
+    )
+    _assert_matches(memory_logger.series("grad_norm/total"), model.true_total)
+
+
+class _ScaledMLP(RecordingMLP):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        super().on_before_optimizer_step(optimizer)
+        self.seen_scale = float(self.trainer.precision_plugin.scaler.get_scale())
+
+
+def test_16_mixed_grad_scaler_values_are_unscaled(memory_logger: MemoryLogger) -> None:
+    model = _ScaledMLP()
+    plugin = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    make_trainer([GradientNormLogger(log_every_n_steps=1)], memory_logger, plugins=[plugin]).fit(
+        model, random_loader()
+    )
+    assert model.seen_scale >= 1024.0  # the scaler really was active
+    logged = memory_logger.series("grad_norm/total")
+    _assert_matches(logged, model.true_total, rel=1e-3)  # the hook sees unscaled gradients too
+    assert all(v < 100 for v in logged.values())
+
+
+class _Rescale(pl.Callback):
+    """Puts the gradients back into the scaled state a fused optimizer leaves them in (or undoes that)."""
+
+    def __init__(self, undo: bool) -> None:
+        self.undo = undo
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        scaler = trainer.precision_plugin.scaler
+        state = scaler._per_optimizer_states[id(getattr(optimizer, "optimizer", optimizer))]
+        factor = 1.0 / scaler.get_scale() if self.undo else scaler.get_scale()
+        for p in pl_module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+        state["stage"] = OptState.UNSCALED if self.undo else OptState.READY
+
+
+def test_still_scaled_gradients_are_divided_by_the_scale(memory_logger: MemoryLogger) -> None:
+    """Fused optimizers unscale inside ``step``: our hook then sees scaled gradients and must divide."""
+    model = _ScaledMLP()
+    plugin = MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=512.0))
+    callbacks = [_Rescale(undo=False), GradientNormLogger(log_every_n_steps=1), _Rescale(undo=True)]
+    make_trainer(callbacks, memory_logger, plugins=[plugin]).fit(model, random_loader())
+    _assert_matches(memory_logger.series("grad_norm/total"), model.true_total, rel=1e-3)
+
+
+class _TwoOptimizerGAN(pl.LightningModule):
+    """Manual optimization with two optimizers, each stepped once per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Linear(8, 8)
+        self.disc = nn.Linear(8, 1)
+        self.true: list[tuple[int, str, float]] = []
+
+    def _record(self, which: str, module: nn.Module) -> None:
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        self.true.append((self.trainer.global_step, which, float(torch.nn.utils.get_total_norm(grads))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        loss_d = self.disc(x).mean() - self.disc(self.gen(x).detach()).mean()
+        opt_d.zero_grad()
+        self.manual_backward(loss_d)
+        self._record("d", self.disc)
+        opt_d.step()
+        loss_g = self.disc(self.gen(x)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(loss_g)
+        self._record("g", self.gen)
+        opt_g.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.gen.parameters()), torch.optim.SGD(self.disc.parameters(), lr=0.01)
+
+
+def test_manual_optimization_two_optimizers(memory_logger: MemoryLogger) -> None:
+    model = _TwoOptimizerGAN()
+    make_trainer([GradientNormLogger(log_every_n_steps=2)], memory_logger).fit(model, random_loader(n=48))
+    # 6 batches, 12 optimizer steps; logging follows batches (0, 2, 4) like Lightning's own logging
+    g = memory_logger.series("grad_norm/total_opt0")
+    d = memory_logger.series("grad_norm/total_opt1")
+    assert sorted(g) == sorted(d) == [0, 2, 4]
+    truth_d = [v for _, w, v in model.true if w == "d"]
+    truth_g = [v for _, w, v in model.true if w == "g"]
+    for batch, value in d.items():
+        assert value == pytest.approx(truth_d[batch], rel=1e-5)
+    for batch, value in g.items():
+        assert value == pytest.approx(truth_g[batch], rel=1e-5)
+    # the generator's update is logged against its own weights only
+    first_batch = set().union(*(m for step, m in memory_logger.calls if step == 0))
+    assert first_batch >= {"update_ratio/gen", "update_ratio/disc", "grad_norm/gen", "grad_norm/disc"}
+
+
+class _FrozenBackbone(RecordingMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].requires_grad_(False)
+
+
+def test_frozen_parameters_are_skipped(memory_logger: MemoryLogger) -> None:
+    model = _FrozenBackbone()
+    make_trainer([GradientNormLogger(log_every_n_steps=1)], memory_logger).fit(model, random_loader())
+    tags = set().union(*(m for _, m in memory_logger.calls))
+    assert "grad_norm/net.2" in tags and "weight_norm/net.2" in tags
+    assert not any("net.0" in t for t in tags)
+    _assert_matches(memory_logger.series("grad_norm/total"), model.true_total)
+
+
+class _UnusedBranch(RecordingMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = nn.Linear(8, 8)
+
+
+def test_unused_parameters_have_no_gradient_tag_but_keep_weight_tag(memory_logger: MemoryLogger) -> None:
+    model = _UnusedBranch()
+    make_trainer([GradientNormLogger(log_every_n_steps=1)], memory_logger).fit(model, random_loader(n=16))
+    tags = set().union(*(m for _, m in memory_logger.calls))
+    assert "grad_norm/unused" not in tags
+    assert "weight_norm/unused" in tags
+    assert memory_logger.series("update_ratio/unused") == {0: 0.0, 1: 0.0}
+
+
+def test_per_parameter_and_group_depth(memory_logger: MemoryLogger, tmp_path: Any) -> None:
+    model = RecordingMLP()
+    make_trainer([GradientNormLogger(log_every_n_steps=1, per_parameter=True)], memory_logger).fit(
+        model, random_loader(n=16)
+    )
+    tags = set(memory_logger.calls[0][1])
+    assert {"grad_norm/net.0.weight", "grad_norm/net.0.bias", "grad_norm/net.2.weight"} <= tags
+    other = MemoryLogger(str(tmp_path))
+    model2 = RecordingMLP()
+    make_trainer([GradientNormLogger(log_every_n_steps=1, group_depth=1)], other).fit(model2, random_loader(n=16))
+    assert {t for t in other.calls[0][1] if t.startswith("grad_norm/")} == {"grad_norm/total", "grad_norm/net"}
+    _assert_matches(other.series("grad_norm/net"), model2.true_total)
+
+
+def test_inf_norm(memory_logger: MemoryLogger) -> None:
+    model = RecordingMLP()
+    truth: dict[int, float] = {}
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+            grads = [p.grad for p in pl_module.parameters()]
+            truth[trainer.global_step] = float(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))
+
+    make_trainer([Probe(), GradientNormLogger(log_every_n_steps=1, norm_type="inf")], memory_logger).fit(
+        model, random_loader()
+    )
+    _assert_matches(memory_logger.series("grad_norm/total"), truth)
+
+
+def test_update_ratio_matches_the_applied_update(memory_logger: MemoryLogger) -> None:
+    model = RecordingMLP(lr=0.05)
+    before: dict[int, list[torch.Tensor]] = {}
+    ratio: dict[int, float] = {}
+
+    class Probe(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+            before[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+            step = trainer.global_step - 1
+            old = torch.cat([p.reshape(-1) for p in before[step]])
+            new = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+            ratio[step] = float((new - old).norm() / old.norm())
+
+    make_trainer([Probe(), GradientNormLogger(log_every_n_steps=2)], memory_logger).fit(model, random_loader())
+    _assert_matches(memory_logger.series("update_ratio/total"), ratio, rel=1e-4)
+
+
+def test_clipping_statistics(memory_logger: MemoryLogger) -> None:
+    model = RecordingMLP()
+    cb = GradientNormLogger(log_every_n_steps=4, clip_window=10)
+    make_trainer([cb], memory_logger, gradient_clip_val=0.3).fit(model, random_loader(n=128))
+    # at the last logged step the window holds the pre-clip norms of the 10 latest steps
+    last = max(memory_logger.series("grad_clip/fraction_clipped"))
+    window = [model.true_total[s] for s in range(last - 9, last + 1)]
+    expected_fraction = sum(v > 0.3 for v in window) / len(window)
+    assert memory_logger.series("grad_clip/fraction_clipped")[last] == pytest.approx(expected_fraction)
+    p90 = float(torch.quantile(torch.tensor(window, dtype=torch.float64), 0.9))
+    assert memory_logger.series("grad_clip/pre_clip_norm_p90")[last] == pytest.approx(p90, rel=1e-5)
+    assert memory_logger.series("grad_clip/suggested_clip_val")[last] >= p90
+
+
+def test_clip_below_every_norm_raises_actionable_alert(memory_logger: MemoryLogger, tmp_path: Any) -> None:
+    cb = GradientNormLogger(log_every_n_steps=5, clip_window=10)
+    make_trainer([cb], memory_logger, gradient_clip_val=1e-5).fit(RecordingMLP(), random_loader(n=128))
+    kinds = [a.kind for a in cb.alerts]
+    assert kinds == ["clipping_always_active"]  # reported once: the cooldown holds the repeats back
+    alert = cb.alerts[0]
+    assert alert.severity == "warning" and alert.source == "GradientNormLogger"
+    assert "gradient_clip_val=" in alert.hint and alert.data["fraction_clipped"] == 1.0
+    jsonl = (tmp_path / "gradguard_alerts.jsonl").read_text().splitlines()
+    assert len(jsonl) == 1 and '"clipping_always_active"' in jsonl[0]
+    assert memory_logger.series("alerts/clipping_always_active")
+
+
+def test_no_logger_means_one_info_line_and_no_crash(caplog: pytest.LogCaptureFixture) -> None:
+    cb = GradientNormLogger(log_every_n_steps=1)
+    with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
+        make_trainer([cb], logger=False).fit(RecordingMLP(), random_loader())
+    lines = [r for r in caplog.records if "has no logger" in r.getMessage()]
+    assert len(lines) == 1
+    assert cb.last_logged["grad_norm/total"] > 0
+
+
+def test_nonfinite_gradients_are_counted(memory_logger: MemoryLogger) -> None:
+    class Poison(RecordingMLP):
+        def on_after_backward(self) -> None:
+            if self.trainer.global_step == 1:
+                self.net[2].weight.grad[0, :3] = float("nan")
+                self.net[2].bias.grad[1] = float("inf")
+
+    make_trainer([GradientNormLogger(log_every_n_steps=1)], memory_logger, max_steps=2).fit(
+        Poison(), random_loader()
+    )
+    assert memory_logger.series("grad_nonfinite/total") == {0: 0.0, 1: 4.0}
+    assert memory_logger.series("grad_nonfinite/net.2") == {1: 4.0}
+    assert math.isnan(memory_logger.series("grad_norm/total")[1])
+
+
+def test_no_host_sync_on_steps_that_do_not_log() -> None:
+    """Between logging steps the hook must not read a single value back (no ``.item()``-style call)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountScalarReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                CountScalarReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    cb = GradientNormLogger(log_every_n_steps=1000)
+    hook = cb.on_before_optimizer_step
+    per_step: list[int] = []
+
+    def counted(*args: Any) -> None:
+        before = CountScalarReads.reads
+        with CountScalarReads():
+            hook(*args)
+        per_step.append(CountScalarReads.reads - before)
+
+    cb.on_before_optimizer_step = counted  # type: ignore[method-assign]
+    make_trainer([cb], logger=False, gradient_clip_val=1.0).fit(RecordingMLP(), random_loader())
+    assert len(per_step) == 8 and per_step[1:] == [0] * 7
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"log_every_n_steps": 2.5}, "log_every_n_steps"),
+        ({"histogram_every_n_steps": -1}, "histogram_every_n_steps"),
+        ({"norm_type": 1}, "norm_type"),
+        ({"norm_type": "two"}, "norm_type"),
+        ({"group_depth": 0}, "group_depth"),
+        ({"per_parameter": "yes"}, "per_parameter"),
+        ({"histogram_bins": 1}, "histogram_bins"),
+        ({"clip_window": 3}, "clip_window"),
+        ({"cooldown_steps": -5}, "cooldown_steps"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        GradientNormLogger(**kwargs)
+
+
+def test_state_dict_round_trip(memory_logger: MemoryLogger) -> None:
+    cb = GradientNormLogger(log_every_n_steps=2, clip_window=10)
+    make_trainer([cb], memory_logger, gradient_clip_val=1e-5).fit(RecordingMLP(), random_loader(n=128))
+    state = cb.state_dict()
+    other = GradientNormLogger(log_every_n_steps=2, clip_window=10)
+    other.load_state_dict(state)
+    assert other._clip_seen == cb._clip_seen == 16
+    assert other._clip_norms is not None and cb._clip_norms is not None
+    torch.testing.assert_close(other._clip_norms, cb._clip_norms)
+    assert other._last_reported == cb._last_reported == {"clipping_always_active@None": 10}

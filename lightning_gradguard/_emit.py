@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger as _FabricTensorBoardLogger
+from torch import Tensor
 
 from lightning_gradguard._shared import trainer_state
 
@@ -56,9 +57,9 @@ def tensorboard_writers(trainer: pl.Trainer) -> list[Any]:
 def log_histogram_raw(
     trainer: pl.Trainer,
     tag: str,
-    stats: Sequence[float],
-    edges: Sequence[float],
-    counts: Sequence[float],
+    stats: Sequence[float] | Tensor,
+    edges: Sequence[float] | Tensor,
+    counts: Sequence[float] | Tensor,
     step: int,
 ) -> None:
     """One histogram from host values computed on the device (see ``functional.device_histograms``).
@@ -67,9 +68,10 @@ def log_histogram_raw(
     An empty histogram (no finite values) is skipped: TensorBoard cannot draw it.
     """
     lo, hi, num, total, sumsq = (float(x) for x in stats)
+    edges = [float(e) for e in edges]
     if num <= 0:
         return
-    limits = [float(e) for e in edges[1:]]
+    limits = edges[1:]
     bucket_counts = [float(c) for c in counts]
     if hi <= lo:  # a constant tensor: one bucket
         limits, bucket_counts = [hi], [num]

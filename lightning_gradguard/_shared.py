@@ -63,12 +63,18 @@ def reduce_any(trainer: pl.Trainer, flag: bool) -> bool:
     return bool(trainer.strategy.reduce_boolean_decision(bool(flag), all=False))
 
 
-def _trainable(pl_module: pl.LightningModule, optimizer: Any, state: TrainerState) -> tuple[list[str], list[Tensor]]:
+def _trainable(
+    pl_module: pl.LightningModule, optimizer: Any, state: TrainerState
+) -> tuple[list[str], list[Tensor]]:
     """Names and tensors of the trainable parameters ``optimizer`` updates, in model order (cached)."""
     opt = getattr(optimizer, "optimizer", optimizer)  # unwrap LightningOptimizer
     in_opt = [p for g in opt.param_groups for p in g["params"]]
     cached = state.param_cache.get(id(opt))
-    if cached is not None and len(cached[0]) == len(in_opt) and all(a is b for a, b in zip(cached[0], in_opt)):
+    if (
+        cached is not None
+        and len(cached[0]) == len(in_opt)
+        and all(a is b for a, b in zip(cached[0], in_opt, strict=True))
+    ):
         return cached[1], cached[2]
     wanted = {id(p) for p in in_opt if p.requires_grad}
     names: list[str] = []
@@ -142,16 +148,18 @@ class StepStats:
                 norms = norms / self.grad_scale.to(norms.device).float()
             return norms
 
-        return self._memo(("grad", float(norm_type)), compute)  # type: ignore[no-any-return]
+        return self._memo(("grad", float(norm_type)), compute)
 
     def grad_total(self, norm_type: float = 2.0) -> Tensor:
         """Total gradient norm over every parameter of this optimizer (0-dim)."""
         norms = self.grad_norms(norm_type)
-        return self._memo(  # type: ignore[no-any-return]
+        return self._memo(
             ("grad_total", float(norm_type)),
-            lambda: torch.linalg.vector_norm(norms, ord=norm_type)
-            if norms.numel()
-            else torch.zeros((), device=norms.device),
+            lambda: (
+                torch.linalg.vector_norm(norms, ord=norm_type)
+                if norms.numel()
+                else torch.zeros((), device=norms.device)
+            ),
         )
 
     def grad_groups(
@@ -165,11 +173,11 @@ class StepStats:
             idx = torch.tensor(index, dtype=torch.long, device=norms.device)
             return labels, reduce_norms(norms, idx, len(labels), norm_type)
 
-        return self._memo(("grad_groups", float(norm_type), depth, per_parameter), compute)  # type: ignore[no-any-return]
+        return self._memo(("grad_groups", float(norm_type), depth, per_parameter), compute)
 
     def weight_norms(self, norm_type: float = 2.0) -> Tensor:
         """Per-parameter weight norms (every trainable parameter of the optimizer)."""
-        return self._memo(  # type: ignore[no-any-return]
+        return self._memo(
             ("weight", float(norm_type)),
             lambda: foreach_norms([p.detach() for p in self.params], norm_type),
         )
@@ -183,7 +191,7 @@ class StepStats:
             idx = torch.tensor(index, dtype=torch.long, device=norms.device)
             return labels, reduce_norms(norms, idx, len(labels), norm_type)
 
-        return self._memo(("weight_groups", float(norm_type), depth, per_parameter), compute)  # type: ignore[no-any-return]
+        return self._memo(("weight_groups", float(norm_type), depth, per_parameter), compute)
 
     def grads_finite(self) -> Tensor:
         """0-dim bool: every gradient element is finite (derived from the cached norms: no extra pass)."""

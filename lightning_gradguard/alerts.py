@@ -44,7 +44,12 @@ ALERT_KINDS: dict[str, str] = {
     "unsupported_model": "a parameter layout the callback cannot measure; that part is skipped",
 }
 
-_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
+_LEVELS = {
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 
 @dataclass

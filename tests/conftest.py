@@ -56,7 +56,9 @@ class MemoryLogger(Logger):
         return {int(s): m[tag] for s, m in self.calls if tag in m and s is not None}
 
 
-def random_loader(n: int = 64, features: int = 8, classes: int = 4, batch_size: int = 8, seed: int = 0) -> Any:
+def random_loader(
+    n: int = 64, features: int = 8, classes: int = 4, batch_size: int = 8, seed: int = 0
+) -> Any:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=g)
     y = torch.randint(0, classes, (n,), generator=g)

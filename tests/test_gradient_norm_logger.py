@@ -6,13 +6,13 @@ import logging
 import math
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import MemoryLogger, RecordingMLP, make_trainer, random_loader
-import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch.amp.grad_scaler import OptState
 from torch import nn
+from torch.amp.grad_scaler import OptState
 
 from lightning_gradguard import GradientNormLogger
 
@@ -195,8 +195,13 @@ def test_per_parameter_and_group_depth(memory_logger: MemoryLogger, tmp_path: An
     assert {"grad_norm/net.0.weight", "grad_norm/net.0.bias", "grad_norm/net.2.weight"} <= tags
     other = MemoryLogger(str(tmp_path))
     model2 = RecordingMLP()
-    make_trainer([GradientNormLogger(log_every_n_steps=1, group_depth=1)], other).fit(model2, random_loader(n=16))
-    assert {t for t in other.calls[0][1] if t.startswith("grad_norm/")} == {"grad_norm/total", "grad_norm/net"}
+    make_trainer([GradientNormLogger(log_every_n_steps=1, group_depth=1)], other).fit(
+        model2, random_loader(n=16)
+    )
+    assert {t for t in other.calls[0][1] if t.startswith("grad_norm/")} == {
+        "grad_norm/total",
+        "grad_norm/net",
+    }
     _assert_matches(other.series("grad_norm/net"), model2.true_total)
 
 
@@ -230,7 +235,9 @@ def test_update_ratio_matches_the_applied_update(memory_logger: MemoryLogger) ->
             new = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
             ratio[step] = float((new - old).norm() / old.norm())
 
-    make_trainer([Probe(), GradientNormLogger(log_every_n_steps=2)], memory_logger).fit(model, random_loader())
+    make_trainer([Probe(), GradientNormLogger(log_every_n_steps=2)], memory_logger).fit(
+        model, random_loader()
+    )
     _assert_matches(memory_logger.series("update_ratio/total"), ratio, rel=1e-4)
 
 

@@ -150,7 +150,7 @@ class GradientNormLogger(GradGuardCallback):
     def _log_interval(self, trainer: pl.Trainer) -> int:
         if self.log_every_n_steps is not None:
             return self.log_every_n_steps
-        return max(int(trainer.log_every_n_steps), 1)
+        return max(int(getattr(trainer, "log_every_n_steps", 50)), 1)
 
     def _hist_interval(self, trainer: pl.Trainer) -> int:
         if self.histogram_every_n_steps is not None:
@@ -216,7 +216,7 @@ class GradientNormLogger(GradGuardCallback):
             _, index = stats.groups(stats.names, self.group_depth, self.per_parameter)
             pending.weight_index = torch.tensor(index, dtype=torch.long, device=layer_w.device)
         if self.log_update_ratio and stats.params:
-            pending.snapshot = torch._foreach_mul([p.detach() for p in stats.params], 1.0)
+            pending.snapshot = list(torch._foreach_mul([p.detach() for p in stats.params], 1.0))
         hist_every = self._hist_interval(trainer)
         if hist_every > 0 and at % hist_every == 0 and _emit.tensorboard_writers(trainer):
             pending.histograms = self._histograms(stats)
@@ -269,7 +269,11 @@ class GradientNormLogger(GradGuardCallback):
                 current = [w.detach() for w in p.stats.params]
                 torch._foreach_sub_(p.snapshot, current)
                 upd = foreach_norms(p.snapshot, self.norm_type)
-                add(i, "update_layers", reduce_norms(upd, p.weight_index, len(p.weight_labels), self.norm_type))
+                add(
+                    i,
+                    "update_layers",
+                    reduce_norms(upd, p.weight_index, len(p.weight_labels), self.norm_type),
+                )
                 add(i, "update_total", torch.linalg.vector_norm(upd, ord=self.norm_type).reshape(1))
                 p.snapshot = None
             for name, (_, spec) in p.histograms.items():
@@ -298,16 +302,18 @@ class GradientNormLogger(GradGuardCallback):
 
     def _emit_step(self, trainer: pl.Trainer, p: _Pending, v: dict[str, Tensor]) -> None:
         metrics: dict[str, float] = {f"grad_norm/total{p.suffix}": float(v["grad_total"][0])}
-        for name, x in zip(p.grad_labels, v["grad_layers"].tolist()):
+        for name, x in zip(p.grad_labels, v["grad_layers"].tolist(), strict=True):
             metrics[f"grad_norm/{name}"] = x
         if "weight_layers" in v and self.log_weight_norms:
             metrics[f"weight_norm/total{p.suffix}"] = float(v["weight_total"][0])
-            for name, x in zip(p.weight_labels, v["weight_layers"].tolist()):
+            for name, x in zip(p.weight_labels, v["weight_layers"].tolist(), strict=True):
                 metrics[f"weight_norm/{name}"] = x
         if "update_layers" in v:
             w_total = float(v["weight_total"][0])
             metrics[f"update_ratio/total{p.suffix}"] = float(v["update_total"][0]) / max(w_total, 1e-30)
-            for name, upd, w in zip(p.weight_labels, v["update_layers"].tolist(), v["weight_layers"].tolist()):
+            for name, upd, w in zip(
+                p.weight_labels, v["update_layers"].tolist(), v["weight_layers"].tolist(), strict=True
+            ):
                 metrics[f"update_ratio/{name}"] = upd / max(w, 1e-30)
         metrics.update(self._nonfinite_metrics(p, v["grad_params"]))
         self.last_logged = dict(metrics)
@@ -329,13 +335,17 @@ class GradientNormLogger(GradGuardCallback):
         out[f"grad_nonfinite/total{p.suffix}"] = float(sum(counts))
         labels, index = p.stats.groups(p.stats.grad_names, self.group_depth, self.per_parameter)
         per_layer: dict[str, float] = {}
-        for i, c in zip(bad, counts):
+        for i, c in zip(bad, counts, strict=True):
             per_layer[labels[index[i]]] = per_layer.get(labels[index[i]], 0.0) + float(c)
         out.update({f"grad_nonfinite/{name}": c for name, c in per_layer.items()})
         return out
 
     def _emit_clip(
-        self, trainer: pl.Trainer, last: _Pending, clip: tuple[float, float], values: dict[tuple[int, str], Tensor]
+        self,
+        trainer: pl.Trainer,
+        last: _Pending,
+        clip: tuple[float, float],
+        values: dict[tuple[int, str], Tensor],
     ) -> None:
         window = values[(-1, "clip_window")]
         finite = window[torch.isfinite(window)].double()
@@ -345,7 +355,7 @@ class GradientNormLogger(GradGuardCallback):
         qs = torch.quantile(finite, torch.tensor([q / 100 for q in _PERCENTILES], dtype=torch.float64))
         suggested = suggest_clip_value(finite)
         metrics = {"grad_clip/fraction_clipped": fraction}
-        for q, x in zip(_PERCENTILES, qs.tolist()):
+        for q, x in zip(_PERCENTILES, qs.tolist(), strict=True):
             metrics[f"grad_clip/pre_clip_norm_p{int(q)}"] = x
         if suggested is not None:
             metrics["grad_clip/suggested_clip_val"] = suggested

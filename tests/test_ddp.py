@@ -1,0 +1,42 @@
+"""A real 2-process DDP run on CPU (gloo): rank 0 logs, and the numbers are the all-reduced ones."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent.parent), OMP_NUM_THREADS="1")
+    env.pop("PL_DISABLE_FORK", None)
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / name), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_ddp_two_processes_rank_zero_logs_all_reduced_norms(tmp_path: Path) -> None:
+    proc = run_ddp_script("ddp_grad_norm.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0].keys() == seen[1].keys() and len(seen[0]) == 6  # 96 samples / 2 ranks / batch 8
+    for step in seen[0]:  # after the all-reduce both ranks hold the same gradient
+        assert seen[0][step] == pytest.approx(seen[1][step], rel=1e-6)
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv", newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("grad_norm/total")]
+    logged = {int(r["step"]): float(r["grad_norm/total"]) for r in rows}
+    assert sorted(logged) == [0, 2, 4]
+    for step, value in logged.items():
+        assert value == pytest.approx(seen[0][str(step)], rel=1e-5)
+    assert list((tmp_path / "tb" / "version_0").glob("events.out.tfevents.*")), "no TensorBoard event file"

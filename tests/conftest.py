@@ -77,7 +77,9 @@ class RecordingMLP(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]

@@ -36,7 +36,7 @@ def test_ddp_two_processes_rank_zero_logs_all_reduced_norms(tmp_path: Path) -> N
     with open(tmp_path / "csv" / "version_0" / "metrics.csv", newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r.get("grad_norm/total")]
     logged = {int(r["step"]): float(r["grad_norm/total"]) for r in rows}
-    assert sorted(logged) == [0, 2, 4]
+    assert sorted(logged) == [0, 1, 3, 5]
     for step, value in logged.items():
         assert value == pytest.approx(seen[0][str(step)], rel=1e-5)
     assert list((tmp_path / "tb" / "version_0").glob("events.out.tfevents.*")), "no TensorBoard event file"

@@ -126,3 +126,11 @@ def test_percentile_and_suggested_clip() -> None:
 def test_bad_norm_type_is_rejected() -> None:
     with pytest.raises(ValueError, match="norm_type"):
         foreach_norms([torch.ones(2)], 0.0)
+
+
+def test_histograms_in_chunks_equal_one_pass() -> None:
+    ts = _tensors()
+    whole = device_histograms(ts, bins=7)
+    chunked = device_histograms(ts, bins=7, chunk_elements=20)
+    for field in ("stats", "edges", "counts", "nonfinite"):
+        torch.testing.assert_close(getattr(chunked, field), getattr(whole, field))

@@ -28,7 +28,7 @@ def test_total_and_layer_norms_equal_independent_computation(memory_logger: Memo
     cb = GradientNormLogger(log_every_n_steps=3)
     make_trainer([cb], memory_logger).fit(model, random_loader(n=80))
     logged = memory_logger.series("grad_norm/total")
-    assert sorted(logged) == [0, 3, 6, 9]
+    assert sorted(logged) == [0, 2, 5, 8]  # the first step, then Lightning's (k + 1) % 3 == 0
     _assert_matches(logged, model.true_total)
     for layer in ("net.0", "net.2"):
         _assert_matches(
@@ -40,7 +40,10 @@ def test_total_and_layer_norms_equal_independent_computation(memory_logger: Memo
 def test_default_cadence_follows_trainer(memory_logger: MemoryLogger) -> None:
     model = RecordingMLP()
     make_trainer([GradientNormLogger()], memory_logger, log_every_n_steps=4).fit(model, random_loader(n=80))
-    assert sorted(memory_logger.series("grad_norm/total")) == [0, 4, 8]
+    ours = memory_logger.series("grad_norm/total")
+    assert sorted(ours) == [0, 3, 7]
+    # the same x positions as the loss Lightning logs itself, plus the first step
+    assert set(ours) - set(memory_logger.series("train_loss")) == {0}
 
 
 def test_accumulated_gradients_are_measured_once_per_optimizer_step(memory_logger: MemoryLogger) -> None:
@@ -141,10 +144,10 @@ class _TwoOptimizerGAN(pl.LightningModule):
 def test_manual_optimization_two_optimizers(memory_logger: MemoryLogger) -> None:
     model = _TwoOptimizerGAN()
     make_trainer([GradientNormLogger(log_every_n_steps=2)], memory_logger).fit(model, random_loader(n=48))
-    # 6 batches, 12 optimizer steps; logging follows batches (0, 2, 4) like Lightning's own logging
+    # 6 batches, 12 optimizer steps; logging follows batches like Lightning's own logging
     g = memory_logger.series("grad_norm/total_opt0")
     d = memory_logger.series("grad_norm/total_opt1")
-    assert sorted(g) == sorted(d) == [0, 2, 4]
+    assert sorted(g) == sorted(d) == [0, 1, 3, 5]
     truth_d = [v for _, w, v in model.true if w == "d"]
     truth_g = [v for _, w, v in model.true if w == "g"]
     for batch, value in d.items():
@@ -348,4 +351,4 @@ def test_state_dict_round_trip(memory_logger: MemoryLogger) -> None:
     assert other._clip_seen == cb._clip_seen == 16
     assert other._clip_norms is not None and cb._clip_norms is not None
     torch.testing.assert_close(other._clip_norms, cb._clip_norms)
-    assert other._last_reported == cb._last_reported == {"clipping_always_active@None": 10}
+    assert other._last_reported == cb._last_reported == {"clipping_always_active@None": 9}

@@ -51,6 +51,15 @@ class _Pending:
     histograms: dict[str, tuple[list[str], HistogramSpec]] = field(default_factory=dict)
 
 
+def _on_cadence(at: int, every: int) -> bool:
+    """Lightning's own logging rule (``(step + 1) % every == 0``) plus the very first step.
+
+    Matching Lightning puts our points at the same x as the loss it logs from the same batch; the
+    extra first point shows whether the run starts in a healthy range.
+    """
+    return at == 0 or (at + 1) % every == 0
+
+
 def _parse_norm_type(norm_type: float | str) -> float:
     try:
         value = float(norm_type)
@@ -186,7 +195,7 @@ class GradientNormLogger(GradGuardCallback):
             return
         at = log_step(trainer)
         every = self._log_interval(trainer)
-        sampled = at % every == 0
+        sampled = _on_cadence(at, every)
         clip = self._clip_setting(trainer)
         if not sampled and clip is None:
             return
@@ -218,7 +227,7 @@ class GradientNormLogger(GradGuardCallback):
         if self.log_update_ratio and stats.params:
             pending.snapshot = list(torch._foreach_mul([p.detach() for p in stats.params], 1.0))
         hist_every = self._hist_interval(trainer)
-        if hist_every > 0 and at % hist_every == 0 and _emit.tensorboard_writers(trainer):
+        if hist_every > 0 and _on_cadence(at, hist_every) and _emit.tensorboard_writers(trainer):
             pending.histograms = self._histograms(stats)
         self._pending.append(pending)
 

@@ -159,20 +159,42 @@ class HistogramSpec:
     nonfinite: Tensor
 
 
-def device_histograms(tensors: Sequence[Tensor], bins: int = 64, log10: bool = False) -> HistogramSpec:
-    """Histograms of every tensor at once, on the device: one concatenation, one bincount.
+def device_histograms(
+    tensors: Sequence[Tensor], bins: int = 64, log10: bool = False, chunk_elements: int = 1 << 24
+) -> HistogramSpec:
+    """Histograms of every tensor at once, on the device: one concatenation, one bincount per chunk.
 
-    Non-finite values are excluded from the buckets and counted in ``nonfinite``. With
-    ``log10=True`` the values are ``log10(|x|)`` of the non-zero finite entries, which spreads
-    gradients that span many decades (vanishing layers) over a readable axis.
+    Tensors are processed in chunks of about ``chunk_elements`` entries so the temporary
+    concatenation stays bounded for large models. Non-finite values are excluded from the buckets
+    and counted in ``nonfinite``. With ``log10=True`` the values are ``log10(|x|)`` of the non-zero
+    finite entries, which spreads gradients that span many decades (vanishing layers) over a
+    readable axis.
     """
     if bins < 1:
         raise ValueError(f"`bins` must be >= 1, got {bins!r}")
-    n = len(tensors)
-    if n == 0:
+    if len(tensors) == 0:
         z = torch.zeros(0)
         return HistogramSpec(z.reshape(0, 5), z.reshape(0, bins + 1), z.reshape(0, bins), z)
-    device = tensors[0].device
+    chunks: list[list[Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if chunks[-1] and size + t.numel() > chunk_elements:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(t)
+        size += t.numel()
+    parts = [_histogram_chunk(chunk, bins, log10, tensors[0].device) for chunk in chunks]
+    if len(parts) == 1:
+        return parts[0]
+    return HistogramSpec(
+        *(torch.cat([getattr(p, f) for p in parts]) for f in ("stats", "edges", "counts", "nonfinite"))
+    )
+
+
+def _histogram_chunk(
+    tensors: Sequence[Tensor], bins: int, log10: bool, device: torch.device
+) -> HistogramSpec:
+    n = len(tensors)
     flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float32) for t in tensors])
     sizes = torch.tensor([t.numel() for t in tensors], device=device)
     seg = torch.repeat_interleave(torch.arange(n, device=device), sizes)

@@ -26,6 +26,7 @@ __all__ = [
     "GradGuardError",
     "JsonlSink",
     "LoggingSink",
+    "NonFiniteError",
     "Severity",
 ]
 
@@ -38,6 +39,10 @@ ACTIONS: tuple[str, ...] = ("warn", "stop", "raise")
 
 #: The stable vocabulary of alert kinds. New kinds are added; existing ones are never renamed.
 ALERT_KINDS: dict[str, str] = {
+    "nonfinite_loss": "the loss was NaN/inf before backward (NaNSentinel)",
+    "nonfinite_gradient": "a gradient held NaN/inf before the optimizer step (NaNSentinel)",
+    "nonfinite_parameter": "a parameter held NaN/inf after an optimizer step (NaNSentinel)",
+    "loss_scale_collapse": "the 16-mixed GradScaler scale fell below its floor or kept skipping (NaNSentinel)",
     "clipping_always_active": "gradient clipping fired on nearly every step: the threshold is too low",
     "clipping_never_active": "gradient clipping never fired: the threshold is far above every norm seen",
     "nonfinite_gradient_stats": "gradient statistics contained NaN/inf (counted in grad_nonfinite/*)",
@@ -112,6 +117,25 @@ class GradGuardError(RuntimeError):
     def __init__(self, message: str, alerts: list[Alert] | None = None) -> None:
         super().__init__(message)
         self.alerts: list[Alert] = list(alerts or [])
+
+
+class NonFiniteError(GradGuardError):
+    """A NaN/inf loss, gradient or parameter stopped the run (raised by ``NaNSentinel`` on every rank).
+
+    ``report`` is the forensic report (also written as JSON beside the run's logs) and ``report_dir``
+    the folder holding it, the offending batch and the last-good checkpoint.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        alerts: list[Alert] | None = None,
+        report: dict[str, Any] | None = None,
+        report_dir: str | None = None,
+    ) -> None:
+        super().__init__(message, alerts)
+        self.report: dict[str, Any] = dict(report or {})
+        self.report_dir = report_dir
 
 
 class LoggingSink:

@@ -40,3 +40,16 @@ def test_ddp_two_processes_rank_zero_logs_all_reduced_norms(tmp_path: Path) -> N
     for step, value in logged.items():
         assert value == pytest.approx(seen[0][str(step)], rel=1e-5)
     assert list((tmp_path / "tb" / "version_0").glob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+def test_ddp_nan_on_one_rank_fails_every_rank_the_same_way(tmp_path: Path) -> None:
+    proc = run_ddp_script("ddp_nan_one_rank.py", tmp_path, timeout=120)  # a hang would time out here
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["error"] for r in results] == ["NonFiniteError", "NonFiniteError"], proc.stderr[-4000:]
+    assert results[0]["message"] == results[1]["message"]
+    report = results[0]["report"]
+    assert report["kind"] == "nonfinite_loss" and report["step"] == 3 and report["rank"] == 1
+    assert report["origin"]["in_input"] is True  # rank 1 replayed its own bad batch
+    assert abs(results[0]["time"] - results[1]["time"]) < 10
+    folder = tmp_path / "nan_report" / "step_3"
+    assert {"report.json", "batch.pt", "last_good.ckpt"} <= {p.name for p in folder.iterdir()}

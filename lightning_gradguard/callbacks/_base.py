@@ -28,9 +28,10 @@ class GradGuardCallback(Callback):
     """
 
     error_type: type[GradGuardError] = GradGuardError
+    allowed_actions: tuple[str, ...] = ACTIONS
 
     def __init__(self, action: str = "warn", cooldown_steps: int = 100) -> None:
-        check_choice("action", action, ACTIONS)
+        check_choice("action", action, self.allowed_actions)
         check_int("cooldown_steps", cooldown_steps, 0)
         self.action = action
         self.cooldown_steps = cooldown_steps

@@ -42,7 +42,7 @@ ALERT_KINDS: dict[str, str] = {
     "nonfinite_loss": "the loss was NaN/inf before backward (NaNSentinel)",
     "nonfinite_gradient": "a gradient held NaN/inf before the optimizer step (NaNSentinel)",
     "nonfinite_parameter": "a parameter held NaN/inf after an optimizer step (NaNSentinel)",
-    "loss_scale_collapse": "the 16-mixed GradScaler scale fell below its floor or kept skipping (NaNSentinel)",
+    "loss_scale_collapse": "the 16-mixed GradScaler scale fell below its floor or kept skipping",
     "clipping_always_active": "gradient clipping fired on nearly every step: the threshold is too low",
     "clipping_never_active": "gradient clipping never fired: the threshold is far above every norm seen",
     "nonfinite_gradient_stats": "gradient statistics contained NaN/inf (counted in grad_nonfinite/*)",

@@ -90,8 +90,16 @@ def log_histogram_raw(
 
 
 def log_text(trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
+    """Markdown text under exactly ``tag`` (``add_text`` would append ``/text_summary`` to it)."""
+    from torch.utils.tensorboard.summary import text as text_summary
+
     for writer in tensorboard_writers(trainer):
-        writer.add_text(tag, text, global_step=step)
+        try:
+            summary = text_summary(tag, text)
+            summary.value[0].tag = tag
+            writer._get_file_writer().add_summary(summary, step)
+        except (AttributeError, IndexError):  # a writer without the private file-writer API
+            writer.add_text(tag, text, global_step=step)
 
 
 def write_layout(trainer: pl.Trainer, charts: Mapping[str, Sequence[str]]) -> None:

@@ -112,16 +112,25 @@ def make_loader(cfg: ModelConfig, batches: int) -> DataLoader[Any]:
 
 
 # ---------------------------------------------------------------------------------------------- callbacks
-class StepTimer(Callback):
-    """Wall-clock timestamps of every ``on_train_batch_start``; step ``i`` lasts ``t[i + 1] - t[i]``."""
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
-    def __init__(self) -> None:
+
+class StepTimer(Callback):
+    """Timestamps of every ``on_train_batch_start``; step ``i`` lasts ``t[i + 1] - t[i]``.
+
+    ``clock="wall"`` (default) is elapsed time. ``clock="cpu"`` is the CPU time of this process (all its
+    threads): the work a step costs, nearly unaffected by other processes competing for the cores, for
+    measuring on a busy machine.
+    """
+
+    def __init__(self, clock: str = "wall") -> None:
         self.starts: list[float] = []
+        self.clock = CLOCKS[clock]
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.starts.append(time.perf_counter())
+        self.starts.append(self.clock())
 
     def step_times(self, skip: int) -> list[float]:
         """Durations in seconds of the steps after the first ``skip`` (the last step has no end mark)."""
@@ -225,11 +234,17 @@ class RunResult:
 
 
 def run_once(
-    name: str, cfg: ModelConfig, warmup: int, steps: int, round_idx: int, position: int
+    name: str,
+    cfg: ModelConfig,
+    warmup: int,
+    steps: int,
+    round_idx: int,
+    position: int,
+    clock: str = "wall",
 ) -> RunResult:
     """One ``Trainer.fit`` of ``warmup + steps + 1`` optimizer steps; times the ``steps`` after warm-up."""
     setup = VARIANTS[name].factory()
-    timer = StepTimer()
+    timer = StepTimer(clock)
     total = warmup + steps + 1  # +1: the last measured step ends where the next one starts
     torch.manual_seed(SEED)
     model = TinyEncoder(cfg, **setup.module_kwargs)
@@ -407,6 +422,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2 = cores)")
     p.add_argument("--quick", action="store_true", help="smoke mode, about a minute")
     p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall: elapsed time (default; needs an otherwise idle machine); cpu: this process's CPU "
+        "time, robust when other processes share the cores",
+    )
+    p.add_argument(
         "--variants",
         default=None,
         help=f"comma-separated subset (the '{BASELINE}' reference is always run); see --list",
@@ -448,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"model: transformer encoder, {n_params / 1e6:.2f} M parameters, "
         f"batch {cfg.batch_size}x{cfg.seq_len} tokens; torch {torch.__version__}, "
-        f"lightning {lightning.__version__}, {args.threads} threads"
+        f"lightning {lightning.__version__}, {args.threads} threads, {args.clock} clock"
     )
     print(
         f"{args.rounds} rounds x {len(names)} variants, "
@@ -457,11 +479,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     start = time.perf_counter()
     for i, name in enumerate(names):  # untimed: first-use costs (imports, allocator, thread pools)
-        run_once(name, cfg, warmup=args.warmup, steps=1, round_idx=-1, position=i)
+        run_once(name, cfg, warmup=args.warmup, steps=1, round_idx=-1, position=i, clock=args.clock)
     results: list[RunResult] = []
     for r in range(args.rounds):
         for pos, name in enumerate(rotated(names, r)):
-            res = run_once(name, cfg, args.warmup, args.steps, r, pos)
+            res = run_once(name, cfg, args.warmup, args.steps, r, pos, clock=args.clock)
             results.append(res)
         bare_ms = next(x.mean_ms for x in results if x.round == r and x.variant == BASELINE)
         row = ", ".join(f"{x.variant} {x.mean_ms / bare_ms:.3f}" for x in results if x.round == r)
@@ -483,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "threads": args.threads,
+                "clock": args.clock,
                 "trainer_log_every_n_steps": TRAINER_LOG_EVERY_N_STEPS,
                 "model": asdict(cfg),
                 "parameters": n_params,

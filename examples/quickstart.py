@@ -28,7 +28,7 @@ from sklearn.preprocessing import StandardScaler
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradguard import GradGuardCallback, GradientNormLogger
+from lightning_gradguard import GradGuardCallback, GradientNormLogger, NaNSentinel
 
 SEED = 0
 MAX_EPOCHS = 15
@@ -43,6 +43,7 @@ def gradguard_callbacks() -> list[GradGuardCallback]:
     """Every gradguard callback this example runs with. A new callback is one more line here."""
     return [
         GradientNormLogger(histogram_every_n_steps=50),  # scalars every 5 steps, histograms every 50
+        NaNSentinel(),  # fails the run at the first NaN/inf loss or gradient, with a report
     ]
 
 
@@ -149,6 +150,12 @@ def health_summary(trainer: pl.Trainer, callbacks: list[GradGuardCallback], seco
                 f"{window} steps clipped; pre-clip norm p50/p90/p99 = {clip['pre_clip_norm_p50']:.3g} / "
                 f"{clip['pre_clip_norm_p90']:.3g} / {clip['pre_clip_norm_p99']:.3g}; "
                 f"suggested gradient_clip_val = {clip.get('suggested_clip_val', float('nan')):g}"
+            )
+    for cb in callbacks:
+        if isinstance(cb, NaNSentinel):
+            print(
+                f"\nNaN/inf checks          loss and gradients of all {trainer.global_step} steps finite "
+                f"(GradScaler skips: {cb.skipped_steps})"
             )
     kinds = Counter(alert.kind for cb in callbacks for alert in cb.alerts)
     listed = ", ".join(f"{kind}: {n}" for kind, n in sorted(kinds.items())) or "none"

@@ -2,11 +2,11 @@
 
 Example::
 
-    from lightning_gradguard.functional import grouped_norms, layer_names
+    from lightning_gradguard.functional import group_index, grouped_norms, layer_names
 
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    grads = [p.grad for n, p in model.named_parameters() if p.requires_grad]
-    per_param, per_layer, total = grouped_norms(grads, group_index(layer_names(names)))
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    layers, index = group_index(layer_names([n for n, _ in named]))
+    per_param, per_layer, total = grouped_norms([g for _, g in named], index)
 """
 
 from lightning_gradguard.functional.stats import (

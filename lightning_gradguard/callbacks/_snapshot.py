@@ -1,0 +1,195 @@
+"""An exact snapshot of everything a few trial training steps can change, and its restore.
+
+Pre-flight checks (overfit one batch, an LR range test) train the real model for a few steps before the
+real run starts. Afterwards the run must be the one it would have been without them, bit for bit. A
+:class:`TrainingSnapshot` records, and :meth:`TrainingSnapshot.restore` writes back:
+
+* every parameter's value, ``.grad`` and ``requires_grad``, every buffer's value (BatchNorm running
+  statistics, ``num_batches_tracked``), every module's ``training`` flag;
+* the state of every optimizer (moments, step counts, param groups and their learning rates) and LR
+  scheduler;
+* the RNG states: torch CPU, every initialised CUDA device, NumPy's global generator, Python's
+  ``random``, and the ``generator`` of a dataloader's sampler when given;
+* the trainer's progress counters (global step, batches that stepped, epoch and batch progress);
+* torchmetrics states (duck-typed: modules with ``_defaults``, ``_update_count``, ``_computed``).
+
+Values are copied into the *same* tensor objects (``copy_``), so optimizers, DDP hooks and anything else
+that holds a reference to a parameter keep pointing at the live tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["RNGState", "TrainingSnapshot"]
+
+
+class RNGState:
+    """The global random states: torch CPU and CUDA, NumPy, Python ``random`` (and extra generators)."""
+
+    def __init__(self, generators: Iterable[torch.Generator] = ()) -> None:
+        self.torch = torch.get_rng_state()
+        self.cuda = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
+        self.python = random.getstate()
+        try:
+            import numpy as np
+
+            self.numpy: Any = np.random.get_state()
+        except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+            self.numpy = None
+        self.generators = [(g, g.get_state()) for g in generators]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+        if self.numpy is not None:
+            import numpy as np
+
+            np.random.set_state(self.numpy)
+        for g, state in self.generators:
+            g.set_state(state)
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a DataLoader's sampler and batch sampler draw from, if any."""
+    found: list[torch.Generator] = []
+    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        for holder in (obj, getattr(obj, "sampler", None)):
+            g = getattr(holder, "generator", None)
+            if isinstance(g, torch.Generator) and all(g is not f for f in found):
+                found.append(g)
+    return found
+
+
+_PROGRESS_PATHS = (
+    "fit_loop.epoch_progress",
+    "fit_loop.epoch_loop.batch_progress",
+    "fit_loop.epoch_loop.scheduler_progress",
+    "fit_loop.epoch_loop.automatic_optimization.optim_progress",
+    "fit_loop.epoch_loop.manual_optimization.optim_step_progress",
+)
+
+
+def _resolve(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+class TrainingSnapshot:
+    """Record a model's (and optionally a trainer's) trainable state now; put it back with :meth:`restore`.
+
+    Args:
+        module: the model; its parameters, buffers, ``training`` flags and torchmetrics states are kept.
+        optimizers: optimizers whose ``state_dict`` is kept (default: the trainer's, when given).
+        schedulers: LR schedulers whose ``state_dict`` is kept (default: the trainer's, when given).
+        trainer: a Lightning ``Trainer``: its optimizers, schedulers and progress counters are kept.
+        generators: extra ``torch.Generator`` objects whose state is kept (e.g. from
+            :func:`loader_generators`).
+
+    Example::
+
+        snap = TrainingSnapshot(pl_module, trainer=trainer)
+        try:
+            ...  # a few trial steps on the real model and optimizer
+        finally:
+            snap.restore()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] | None = None,
+        schedulers: Sequence[Any] | None = None,
+        trainer: Any = None,
+        generators: Iterable[torch.Generator] = (),
+    ) -> None:
+        self.module = module
+        self.rng = RNGState(generators)
+        self.params: list[tuple[nn.Parameter, Tensor, Tensor | None, bool]] = [
+            (p, p.detach().clone(), None if p.grad is None else p.grad.detach().clone(), p.requires_grad)
+            for p in module.parameters()
+        ]
+        self.buffers: list[tuple[nn.Module, str, Tensor | None]] = []
+        for mod in module.modules():
+            for name, buf in mod._buffers.items():
+                self.buffers.append((mod, name, None if buf is None else buf.detach().clone()))
+        self.modes = [(m, m.training) for m in module.modules()]
+        self.metrics = [(m, _metric_state(m)) for m in module.modules() if _is_metric(m)]
+        if trainer is not None:
+            optimizers = list(trainer.optimizers) if optimizers is None else optimizers
+            if schedulers is None:
+                schedulers = [cfg.scheduler for cfg in getattr(trainer, "lr_scheduler_configs", [])]
+        self.optimizers = [(o, copy.deepcopy(o.state_dict())) for o in (optimizers or [])]
+        self.schedulers = [(s, copy.deepcopy(s.state_dict())) for s in (schedulers or [])]
+        self.progress: list[tuple[Any, dict[str, Any]]] = []
+        self.batches_that_stepped: int | None = None
+        if trainer is not None:
+            for path in _PROGRESS_PATHS:
+                obj = _resolve(trainer, path)
+                if obj is not None and hasattr(obj, "state_dict"):
+                    self.progress.append((obj, copy.deepcopy(obj.state_dict())))
+            self.batches_that_stepped = _resolve(trainer, "fit_loop.epoch_loop._batches_that_stepped")
+        self.trainer = trainer
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Write every recorded value back (idempotent: can be called more than once)."""
+        for p, value, grad, requires_grad in self.params:
+            p.copy_(value)
+            p.grad = None if grad is None else grad.clone()
+            p.requires_grad_(requires_grad)
+        for mod, name, buf in self.buffers:
+            current: Tensor | None = mod._buffers.get(name)
+            if buf is None or current is None or current.shape != buf.shape:
+                mod._buffers[name] = None if buf is None else buf.clone()
+            else:
+                current.copy_(buf)
+        for m, training in self.modes:
+            m.training = training
+        for m, state in self.metrics:
+            _set_metric_state(m, state)
+        for opt, state in self.optimizers:
+            opt.load_state_dict(copy.deepcopy(state))
+        for sched, state in self.schedulers:
+            sched.load_state_dict(copy.deepcopy(state))
+        for obj, state in self.progress:
+            obj.load_state_dict(copy.deepcopy(state))
+        if self.batches_that_stepped is not None and self.trainer is not None:
+            self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.batches_that_stepped
+        self.rng.restore()
+
+
+def _is_metric(m: nn.Module) -> bool:
+    return hasattr(m, "_defaults") and hasattr(m, "_update_count") and isinstance(m._defaults, dict)
+
+
+def _metric_state(m: Any) -> dict[str, Any]:
+    state = {name: copy.deepcopy(getattr(m, name)) for name in m._defaults}
+    state["__update_count"] = m._update_count
+    state["__computed"] = copy.deepcopy(getattr(m, "_computed", None))
+    return state
+
+
+def _set_metric_state(m: Any, state: dict[str, Any]) -> None:
+    for name, value in state.items():
+        if name == "__update_count":
+            m._update_count = value
+        elif name == "__computed":
+            m._computed = copy.deepcopy(value)
+        else:
+            setattr(m, name, copy.deepcopy(value))

@@ -1,0 +1,644 @@
+r"""
+GradientCheck
+=============
+
+Pre-flight check of the backward pass: compares autograd's gradients with finite differences, in
+float64 on a tiny slice of a batch, for the modules most likely to be wrong (those with a custom
+``torch.autograd.Function`` or a backward hook). Usable as a callback (at the start of ``fit``) or as a
+plain function on any module and batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_gradguard._shared import reduce_any, warn_once
+from lightning_gradguard._validate import check_float, check_int
+from lightning_gradguard.alerts import Alert
+from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard.callbacks._snapshot import RNGState, loader_generators
+from lightning_gradguard.callbacks.overfit_batch import (
+    SanityCheckError,
+    first_train_batch,
+    loss_of,
+    quiet_logging,
+    slice_batch,
+    tensors_free_iterables,
+    tensors_in,
+)
+from lightning_gradguard.functional.gradcheck import (
+    finite_difference_check,
+    sample_coordinates,
+    taylor_test,
+)
+
+__all__ = [
+    "GradientCheck",
+    "GradientCheckResult",
+    "ParameterCheck",
+    "find_custom_functions",
+    "gradient_check",
+]
+
+LossFn = Callable[[nn.Module, Any], Tensor]
+
+_TAYLOR_STEPS = 6
+
+_HINT = (
+    "The backward pass of this parameter disagrees with the loss it differentiates. In a custom "
+    "autograd.Function check: a missing factor (chain rule, a constant, the 1/N of a mean), a missing "
+    "transpose (grad_input = grad_output @ W, grad_W = grad_output.T @ x), the wrong saved tensor, a "
+    "missing sum over a broadcast dimension, or a sign. A backward hook must return a gradient of the "
+    "same meaning, not a rescaled one."
+)
+
+
+# --------------------------------------------------------------------------------------------- detection
+
+
+def _is_custom_node(node: Any) -> bool:
+    from torch.autograd.function import BackwardCFunction
+
+    return isinstance(node, BackwardCFunction) and type(node).__name__ != "BackwardHookFunctionBackward"
+
+
+class _GraphOwners:
+    """Forward hooks that attribute every autograd node to the innermost module whose forward created it.
+
+    When a module's forward starts, every node reachable from its inputs that nobody owns yet belongs to
+    the module that is running (its parent, or "" outside any module); when it ends, every new node
+    reachable from its outputs belongs to it. Children end before their parent, so a node goes to the
+    innermost module. Nodes made outside any module (e.g. the loss in ``training_step``) belong to ``""``.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.owner: dict[Any, str] = {}
+        self.stack: list[str] = []
+        self.handles: list[Any] = []
+        for name, m in root.named_modules():
+            self.handles.append(m.register_forward_pre_hook(self._pre(name)))
+            self.handles.append(m.register_forward_hook(self._post(name)))
+
+    def claim(self, obj: Any, owner: str) -> None:
+        todo = [t.grad_fn for t in tensors_in(obj) if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or node in self.owner:
+                continue
+            self.owner[node] = owner
+            todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+
+    def _pre(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.claim(args, self.stack[-1] if self.stack else "")
+            self.stack.append(name)
+
+        return hook
+
+    def _post(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.claim(output, name)
+            if self.stack:
+                self.stack.pop()
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def upstream_parameters(self, targets: list[str]) -> set[int]:
+        """``id`` of every leaf tensor whose gradient passes through a node owned by one of ``targets``."""
+
+        def inside(owner: str) -> bool:
+            return any(t == "" or owner == t or owner.startswith(t + ".") for t in targets)
+
+        todo = [node for node, owner in self.owner.items() if inside(owner)]
+        seen: set[int] = set()
+        found: set[int] = set()
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)
+            if isinstance(variable, Tensor):
+                found.add(id(variable))
+            todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+        return found
+
+    def custom_functions(self) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        for node, owner in self.owner.items():
+            if _is_custom_node(node):
+                name = type(node).__name__.removesuffix("Backward")
+                if name not in found.setdefault(owner, []):
+                    found[owner].append(name)
+        return found
+
+
+def find_custom_functions(module: nn.Module, closure: Callable[[], Any]) -> dict[str, list[str]]:
+    """Which module's forward applies which custom ``torch.autograd.Function``.
+
+    Runs ``closure()`` (which must call ``module`` and return its output or loss) with forward hooks on
+    every sub-module, walks the autograd graph of what it returns, and maps every node of a custom
+    ``Function`` (a ``BackwardCFunction``) to the innermost module whose forward created it (``""``:
+    the root module or code outside any module).
+
+    Returns:
+        ``{module name: [Function class names]}``.
+    """
+    owners = _GraphOwners(module)
+    try:
+        out = closure()
+        owners.claim(out, "")
+    finally:
+        owners.remove()
+    return owners.custom_functions()
+
+
+# --------------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class ParameterCheck:
+    """The gradient check of one parameter tensor.
+
+    Attributes:
+        name: the parameter's qualified name.
+        numel: its number of elements.
+        checked: flat indices compared with finite differences.
+        max_rel_error: the largest relative error ``|a - n| / max(|a|, |n|, tiny)`` over ``checked``.
+        worst_index: the (multi-dimensional) index of that error, or ``None``.
+        analytic: autograd's gradient at ``worst_index``.
+        numeric: the finite-difference gradient at ``worst_index``.
+        taylor_order: observed order of the Taylor remainder along a random direction in this tensor
+            (about 2 when right, about 1 when wrong, NaN when the remainder is at rounding level).
+        taylor_remainders: the remainders, for ``h = 1e-2 * 0.5**k``.
+        passed: ``max_rel_error <= tolerance`` and the Taylor test passed.
+    """
+
+    name: str
+    numel: int
+    checked: list[int]
+    max_rel_error: float
+    worst_index: tuple[int, ...] | None
+    analytic: float
+    numeric: float
+    taylor_order: float
+    taylor_remainders: list[float]
+    passed: bool
+
+
+@dataclass
+class GradientCheckResult:
+    """What :func:`gradient_check` found.
+
+    Attributes:
+        passed: every checked parameter passed.
+        parameters: one :class:`ParameterCheck` per checked tensor.
+        targets: the modules whose parameters were checked (``""`` = the whole model).
+        custom_functions: ``{module: [custom Function names]}`` found in the forward pass.
+        hooked_modules: modules with backward hooks.
+        evaluations: loss evaluations spent.
+        skipped: parameters left out because the evaluation budget ran out.
+        loss: the float64 loss at the checked point.
+        seconds: wall time.
+    """
+
+    passed: bool
+    parameters: list[ParameterCheck] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)
+    custom_functions: dict[str, list[str]] = field(default_factory=dict)
+    hooked_modules: list[str] = field(default_factory=list)
+    evaluations: int = 0
+    skipped: list[str] = field(default_factory=list)
+    loss: float = math.nan
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> list[ParameterCheck]:
+        """The parameters whose gradient did not pass."""
+        return [p for p in self.parameters if not p.passed]
+
+
+# --------------------------------------------------------------------------------------------- function
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _validate(
+    max_samples: int | None,
+    samples_per_tensor: int,
+    max_evaluations: int,
+    tolerance: float,
+    min_order: float,
+    eps: float,
+    seed: int,
+) -> None:
+    check_int("max_samples", max_samples, 1, allow_none=True)
+    check_int("samples_per_tensor", samples_per_tensor, 1)
+    check_int("max_evaluations", max_evaluations, 1)
+    check_float("tolerance", tolerance, 0.0, low_open=True)
+    check_float("min_order", min_order, 0.0)
+    check_float("eps", eps, 0.0, 1.0, low_open=True)
+    check_int("seed", seed, 0)
+
+
+def _has_backward_hooks(m: nn.Module) -> bool:
+    return bool(m._backward_hooks) or bool(getattr(m, "_backward_pre_hooks", None))
+
+
+def gradient_check(
+    module: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    modules: list[str] | None = None,
+    max_samples: int | None = 4,
+    samples_per_tensor: int = 6,
+    max_evaluations: int = 2000,
+    tolerance: float = 1e-3,
+    min_order: float = 1.5,
+    eps: float = 1e-6,
+    seed: int = 0,
+) -> GradientCheckResult:
+    """Check autograd's gradients of ``module`` against finite differences, in float64.
+
+    The module is deep-copied and the copy converted to float64; the original, its gradients and the
+    caller's RNG states are untouched. The copy stays in train mode, so BatchNorm normalises with the
+    statistics of the (fixed) batch slice, a deterministic function of the parameters; its running
+    statistics change on the copy only. ``nn.Dropout`` modules are switched to eval, and before every
+    loss evaluation torch, NumPy and ``random`` are re-seeded with ``seed``, so any randomness left
+    (functional dropout, noise) is the same in every evaluation and the finite differences see one
+    deterministic function.
+
+    For each checked parameter tensor: (a) a Taylor test along a random unit direction in that tensor
+    (``h = 1e-2 * 0.5**k``, k = 0..5; the remainder must shrink with an observed order of at least
+    ``min_order``); (b) symmetric finite differences (step ``eps * max(1, |θ_i|)``) on up to
+    ``samples_per_tensor`` coordinates (half the largest ``|grad|``, half random), with relative error
+    ``|a - n| / max(|a|, |n|, tiny)`` that must stay at or below ``tolerance``.
+
+    Which parameters: the target modules are ``modules`` when given (qualified names, ``""`` = the whole
+    model); otherwise the modules whose forward applies a custom ``autograd.Function`` (see
+    :func:`find_custom_functions`) or that carry a backward hook; if there are none, the whole model.
+    Checked are the target modules' own parameters *and* every parameter whose gradient flows through
+    a node their forward created (found by walking the autograd graph): a wrong input gradient of a
+    custom Function (or of a parameter-free one, e.g. a custom activation) shows up only upstream.
+
+    Args:
+        module: the model (a ``LightningModule`` or any ``nn.Module``).
+        batch: one batch, as ``training_step`` / ``loss_fn`` takes it.
+        loss_fn: ``loss_fn(module, batch) -> scalar loss``; default for a ``LightningModule``: its
+            ``training_step(batch, 0)`` (``self.log`` calls are swallowed).
+        modules: qualified names of the modules to check (default: detected, see above).
+        max_samples: cut the batch to this many samples (``None``: keep it whole).
+        samples_per_tensor: coordinates compared with finite differences per parameter tensor.
+        max_evaluations: bound on loss evaluations; when the budget is short, fewer coordinates per
+            tensor are checked, then tensors are left out (listed in ``skipped``).
+        tolerance: the largest relative error accepted (seed texts: < 1e-5 correct, > 1e-3 a bug).
+        min_order: the smallest observed Taylor order accepted.
+        eps: the relative finite-difference step.
+        seed: the seed for the batch-independent randomness (directions, coordinates, the model's RNG).
+
+    Returns:
+        A :class:`GradientCheckResult`.
+
+    Example::
+
+        from lightning_gradguard.callbacks.gradient_check import gradient_check
+
+        result = gradient_check(model, (x, y), lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+        for p in result.failures:
+            print(p.name, p.max_rel_error, p.taylor_order)
+    """
+    _validate(max_samples, samples_per_tensor, max_evaluations, tolerance, min_order, eps, seed)
+    if modules is not None and not (
+        isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules)
+    ):
+        raise ValueError(f"`modules` must be a list of module names or None; got {modules!r}")
+    if loss_fn is None and not isinstance(module, pl.LightningModule):
+        raise ValueError(
+            "`loss_fn` is required unless `module` is a LightningModule (then training_step is used)"
+        )
+    started = time.perf_counter()
+    rng = RNGState()
+    try:
+        result = _check(
+            module,
+            batch,
+            loss_fn,
+            modules,
+            max_samples,
+            samples_per_tensor,
+            max_evaluations,
+            tolerance,
+            min_order,
+            eps,
+            seed,
+        )
+    finally:
+        rng.restore()
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _copy64(module: nn.Module) -> nn.Module:
+    trainer = module.__dict__.get("_trainer")
+    clone = copy.deepcopy(module)
+    if isinstance(module, pl.LightningModule):
+        clone.__dict__["_trainer"] = trainer
+    clone.to(torch.float64)
+    clone.train()
+    for m in clone.modules():
+        if isinstance(m, (nn.modules.dropout._DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)):
+            m.eval()
+    return clone
+
+
+def _check(
+    module: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None,
+    modules: list[str] | None,
+    max_samples: int | None,
+    samples_per_tensor: int,
+    max_evaluations: int,
+    tolerance: float,
+    min_order: float,
+    eps: float,
+    seed: int,
+) -> GradientCheckResult:
+    model = _copy64(module)
+    names = dict(model.named_modules())
+    if modules is not None:
+        unknown = [m for m in modules if m not in names]
+        if unknown:
+            raise ValueError(f"`modules` names unknown modules {unknown}; known: {sorted(names)[:20]}")
+    batch = slice_batch(batch, max_samples)
+    batch = apply_to_collection(batch, Tensor, lambda t: t.detach().double() if t.is_floating_point() else t)
+
+    def raw_loss() -> Tensor:
+        _seed_all(seed)
+        if loss_fn is not None:
+            out = loss_fn(model, batch)
+        else:
+            with quiet_logging(model):
+                out = model.training_step(batch, 0)  # type: ignore[operator]
+        loss = loss_of(out)
+        if loss is None or loss.numel() != 1:
+            raise ValueError("the loss must be a scalar tensor (training_step returned none)")
+        return loss.reshape(())
+
+    owners = _GraphOwners(model)
+    try:
+        with torch.enable_grad():
+            loss = raw_loss()
+            owners.claim(loss, "")
+    finally:
+        owners.remove()
+    custom = owners.custom_functions()
+    hooked = [n for n, m in model.named_modules() if _has_backward_hooks(m)]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    result = GradientCheckResult(passed=True, custom_functions=custom, hooked_modules=hooked, evaluations=1)
+    result.loss = float(loss.detach())
+    if not params:
+        return result
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    del loss
+    grad_of = {id(p): g for p, g in zip(params, grads, strict=True)}
+
+    targets = list(modules) if modules is not None else sorted(set(custom) | set(hooked))
+    if not targets:
+        targets = [""]
+    chosen = owners.upstream_parameters(targets)
+    del owners
+    for t in targets:
+        chosen.update(id(p) for p in names[t].parameters())
+    check_list = [(n, p) for n, p in named if id(p) in chosen]
+    result.targets = targets
+
+    # Evaluation budget: (num_steps + 1) for the Taylor test, 2k + 1 for k finite-difference coordinates.
+    taylor_cost = _TAYLOR_STEPS + 1
+    budget = max_evaluations - 1
+    per_tensor = budget // max(len(check_list), 1)
+    k = max(1, min(samples_per_tensor, (per_tensor - taylor_cost - 1) // 2))
+
+    def closure() -> Tensor:
+        with torch.no_grad():
+            return raw_loss()
+
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in check_list:
+        g = grad_of[id(p)]
+        kk = min(k, p.numel())
+        cost = taylor_cost + 2 * kk + 1
+        if budget < cost:
+            result.skipped.append(name)
+            continue
+        budget -= cost
+        taylor = taylor_test(closure, [p], [g], num_steps=_TAYLOR_STEPS, min_order=min_order, generator=gen)
+        idx = sample_coordinates(g, p.numel(), kk, gen)
+        fd = finite_difference_check(closure, p, g, idx, eps=eps)
+        result.evaluations += taylor.evaluations + fd.evaluations
+        worst = fd.indices[fd.worst] if fd.worst >= 0 else None
+        check = ParameterCheck(
+            name=name,
+            numel=p.numel(),
+            checked=fd.indices,
+            max_rel_error=fd.max_error,
+            worst_index=None if worst is None else _unravel(worst, tuple(p.shape)),
+            analytic=fd.analytic[fd.worst] if fd.worst >= 0 else math.nan,
+            numeric=fd.numeric[fd.worst] if fd.worst >= 0 else math.nan,
+            taylor_order=taylor.order,
+            taylor_remainders=taylor.remainders,
+            passed=fd.max_error <= tolerance and taylor.passed,
+        )
+        result.parameters.append(check)
+    result.passed = all(c.passed for c in result.parameters)
+    return result
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out: list[int] = []
+    for dim in reversed(shape):
+        out.append(flat % dim)
+        flat //= dim
+    return tuple(reversed(out))
+
+
+def describe(check: ParameterCheck) -> str:
+    """One line: the parameter, its largest relative error with the two values, the Taylor order."""
+    at = f"[{', '.join(map(str, check.worst_index))}]" if check.worst_index else ""
+    order = "n/a" if math.isnan(check.taylor_order) else f"{check.taylor_order:.2f}"
+    return (
+        f"`{check.name}`{at}: relative error {check.max_rel_error:.2e} (autograd {check.analytic:.6g}, "
+        f"finite differences {check.numeric:.6g}; {len(check.checked)} coordinates checked), Taylor order "
+        f"{order} (2 expected)"
+    )
+
+
+# --------------------------------------------------------------------------------------------- callback
+
+
+class GradientCheck(GradGuardCallback):
+    r"""Pre-flight gradient check at the start of ``fit``: autograd against finite differences in float64.
+
+    Runs :func:`gradient_check` once per ``fit`` in ``on_train_start`` (after Lightning set up the model
+    and the dataloaders, before the first real batch) on the first batch of a fresh pass over the train
+    dataloader, cut to ``max_samples`` samples, through ``training_step``. The real model is never
+    touched (the check works on a float64 deep copy) and the RNG states, including the dataloader
+    sampler's, are restored, so the real run is the one it would have been without the check.
+
+    Each failing parameter gives an alert ``gradient_mismatch`` (severity error) naming the parameter,
+    the relative error, the two gradient values and the observed Taylor order. With ``action="raise"``
+    (default) every rank raises :class:`~lightning_gradguard.callbacks.overfit_batch.SanityCheckError`
+    after the verdict was reduced across ranks; ``"warn"`` reports and trains on.
+
+    Args:
+        modules: qualified names of the modules to check (default: the modules with a custom
+            ``autograd.Function`` or a backward hook, else all).
+        max_samples: samples of the first batch used.
+        samples_per_tensor: coordinates checked with finite differences per parameter tensor.
+        max_evaluations: bound on the number of loss evaluations.
+        tolerance: largest relative error accepted.
+        min_order: smallest observed Taylor order accepted.
+        eps: relative finite-difference step.
+        seed: seed of the check's own randomness.
+        action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard.callbacks.gradient_check import GradientCheck
+
+        check = GradientCheck()           # checks the layers with custom autograd Functions
+        Trainer(callbacks=[check]).fit(model, datamodule=dm)
+        print(check.result.targets, [(p.name, p.max_rel_error) for p in check.result.parameters])
+    """
+
+    error_type = SanityCheckError
+
+    def __init__(
+        self,
+        modules: list[str] | None = None,
+        max_samples: int | None = 4,
+        samples_per_tensor: int = 6,
+        max_evaluations: int = 2000,
+        tolerance: float = 1e-3,
+        min_order: float = 1.5,
+        eps: float = 1e-6,
+        seed: int = 0,
+        action: str = "raise",
+    ) -> None:
+        super().__init__(action=action, cooldown_steps=0)
+        _validate(max_samples, samples_per_tensor, max_evaluations, tolerance, min_order, eps, seed)
+        if modules is not None and not (
+            isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules)
+        ):
+            raise ValueError(f"`modules` must be a list of module names or None; got {modules!r}")
+        self.modules = None if modules is None else list(modules)
+        self.max_samples = max_samples
+        self.samples_per_tensor = samples_per_tensor
+        self.max_evaluations = max_evaluations
+        self.tolerance = float(tolerance)
+        self.min_order = float(min_order)
+        self.eps = float(eps)
+        self.seed = seed
+        self.result: GradientCheckResult | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            warn_once(
+                trainer,
+                "gradient_check_manual",
+                "GradientCheck needs training_step to return the loss (automatic optimization); skipped. "
+                "Call lightning_gradguard.callbacks.gradient_check.gradient_check(model, batch, loss_fn).",
+            )
+            return
+        combined = trainer.fit_loop._combined_loader
+        gens: list[torch.Generator] = []
+        if combined is not None:
+            for loader in tensors_free_iterables(combined.iterables):
+                gens.extend(loader_generators(loader))
+        rng = RNGState(gens)
+        try:
+            batch, _ = first_train_batch(trainer)
+        finally:
+            rng.restore()
+        self.result = gradient_check(
+            pl_module,
+            batch,
+            modules=self.modules,
+            max_samples=self.max_samples,
+            samples_per_tensor=self.samples_per_tensor,
+            max_evaluations=self.max_evaluations,
+            tolerance=self.tolerance,
+            min_order=self.min_order,
+            eps=self.eps,
+            seed=self.seed,
+        )
+        self._conclude(trainer, self.result)
+
+    def _conclude(self, trainer: pl.Trainer, result: GradientCheckResult) -> None:
+        alerts: list[Alert] = []
+        if result.skipped:
+            warn_once(
+                trainer,
+                "gradient_check_budget",
+                f"GradientCheck: max_evaluations={self.max_evaluations} left {len(result.skipped)} parameter "
+                f"tensor(s) unchecked: {result.skipped[:8]}",
+            )
+        for check in result.failures:
+            alert = self.report(
+                trainer,
+                "gradient_mismatch",
+                "error",
+                check.name,
+                "Autograd and finite differences disagree: " + describe(check) + ".",
+                _HINT,
+                {
+                    "relative_error": check.max_rel_error,
+                    "analytic": check.analytic,
+                    "numeric": check.numeric,
+                    "taylor_order": check.taylor_order,
+                },
+            )
+            if alert is not None:
+                alerts.append(alert)
+        if reduce_any(trainer, not result.passed) and result.passed:
+            alert = self.report(
+                trainer,
+                "gradient_mismatch",
+                "error",
+                None,
+                "This rank's gradients passed, but the gradient check failed on another rank.",
+                "See the alerts of the other ranks.",
+            )
+            if alert is not None:
+                alerts.append(alert)
+        self.act(trainer, alerts)

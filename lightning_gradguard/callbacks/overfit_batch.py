@@ -1,0 +1,823 @@
+r"""
+OverfitBatchSanity
+==================
+
+Before the real run spends hours, prove in seconds that the model can learn: train on the first batch
+until its loss collapses, check on the way that every parameter gets a gradient and moves, that the
+initial loss is the one a fresh classifier should have, and put everything back exactly as it was.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_gradguard import _emit
+from lightning_gradguard._shared import reduce_any, warn_once
+from lightning_gradguard._validate import check_choice, check_float, check_int
+from lightning_gradguard.alerts import Alert, GradGuardError, Severity
+from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard.callbacks._snapshot import TrainingSnapshot, loader_generators
+
+__all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
+
+_MAX_LISTED = 8
+
+
+class SanityCheckError(GradGuardError):
+    """A pre-flight check (``OverfitBatchSanity``, ``GradientCheck``) failed; ``alerts`` has the findings."""
+
+
+# --------------------------------------------------------------------------------------------- helpers
+# Shared with callbacks/gradient_check.py.
+
+
+@contextmanager
+def quiet_logging(pl_module: nn.Module) -> Iterator[None]:
+    """Run ``training_step`` without its ``self.log`` / ``self.log_dict`` calls reaching the loggers."""
+    had = {k: k in pl_module.__dict__ for k in ("log", "log_dict")}
+    saved = {k: pl_module.__dict__.get(k) for k in had}
+    pl_module.__dict__["log"] = lambda *a, **k: None
+    pl_module.__dict__["log_dict"] = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        for k, present in had.items():
+            if present:
+                pl_module.__dict__[k] = saved[k]
+            else:
+                del pl_module.__dict__[k]
+
+
+def loss_of(output: Any) -> Tensor | None:
+    """The loss in what ``training_step`` returned: the tensor itself or ``output["loss"]``."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+def tensors_in(obj: Any) -> Iterator[Tensor]:
+    """Every tensor inside nested lists, tuples and dicts, in order."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x)
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The leading dimension of the first tensor in ``batch`` with at least one dimension."""
+    for t in tensors_in(batch):
+        if t.dim() >= 1:
+            return int(t.shape[0])
+    return None
+
+
+def slice_batch(batch: Any, max_samples: int | None) -> Any:
+    """Keep the first ``max_samples`` samples of every tensor whose leading dimension is the batch size."""
+    n = batch_size_of(batch)
+    if max_samples is None or n is None or n <= max_samples:
+        return batch
+
+    def cut(t: Tensor) -> Tensor:
+        return t[:max_samples] if t.dim() >= 1 and t.shape[0] == n else t
+
+    return apply_to_collection(batch, Tensor, cut)
+
+
+def first_train_batch(trainer: pl.Trainer) -> tuple[Any, list[torch.Generator]]:
+    """The first batch of a fresh pass over the train dataloader(s), moved to the model's device.
+
+    Also returns the ``torch.Generator`` objects of the samplers, whose state the caller must restore
+    (drawing a batch advances them, and the global RNG of a shuffling sampler).
+    """
+    combined = trainer.fit_loop._combined_loader
+    if combined is None:
+        raise RuntimeError("the train dataloader is not set up yet")
+    gens: list[torch.Generator] = []
+    for loader in tensors_free_iterables(combined.iterables):
+        gens.extend(loader_generators(loader))
+    fresh = CombinedLoader(combined.iterables, combined._mode)
+    iterator = iter(fresh)
+    try:
+        batch, _, dataloader_idx = next(iterator)
+    finally:
+        del iterator
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx or 0), gens
+
+
+def tensors_free_iterables(iterables: Any) -> list[Any]:
+    """The individual dataloaders inside what ``CombinedLoader.iterables`` holds."""
+    if isinstance(iterables, dict):
+        return list(iterables.values())
+    if isinstance(iterables, (list, tuple)):
+        return list(iterables)
+    return [iterables]
+
+
+class LeafOutputs:
+    """Forward hooks on every leaf module that keep the last output with a given leading dimension."""
+
+    def __init__(self, module: nn.Module, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.last: Tensor | None = None
+        self.name: str | None = None
+        self.handles = [
+            m.register_forward_hook(self._hook(name))
+            for name, m in module.named_modules()
+            if not any(True for _ in m.children())
+        ]
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, Tensor) and output.dim() >= 1 and output.shape[0] == self.batch_size:
+                self.last, self.name = output, name
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+# --------------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class Finding:
+    """One specific problem the check found.
+
+    Attributes:
+        kind: alert kind (``unused_parameter``, ``parameter_not_updated``, ``initial_loss_mismatch``,
+            ``batch_mixing``, ``gradient_not_shrinking``, ``overfit_failed``).
+        severity: ``"error"`` fails the check; ``"warning"`` is reported only.
+        names: the parameters (or samples) concerned.
+        message: what was seen, with the numbers.
+        hint: what to do about it.
+        data: the numbers behind the message.
+    """
+
+    kind: str
+    severity: Severity
+    names: list[str]
+    message: str
+    hint: str
+    data: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class OverfitResult:
+    """What :class:`OverfitBatchSanity` saw.
+
+    Attributes:
+        passed: the loss reached the target and no error finding was made.
+        reached_target: the loss reached the target.
+        steps: optimizer steps taken (the check stops at the first loss at or below the target).
+        initial_loss: loss before the first step.
+        final_loss: the last loss measured.
+        target_loss: the loss the check had to reach.
+        losses: the loss curve, one value per evaluation (``steps + 1`` values).
+        grad_norms: the total gradient 2-norm at each step.
+        seconds: wall time of the whole check, restore included.
+        num_samples: samples in the batch trained on.
+        optimizer: the optimizer class used (the user's, or the fallback ``Adam``).
+        findings: every specific problem found.
+    """
+
+    passed: bool
+    reached_target: bool
+    steps: int
+    initial_loss: float
+    final_loss: float
+    target_loss: float
+    losses: list[float]
+    grad_norms: list[float]
+    seconds: float
+    num_samples: int
+    optimizer: str
+    findings: list[Finding] = field(default_factory=list)
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(f"`{n}`" for n in names[:_MAX_LISTED])
+    more = len(names) - _MAX_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+_HINTS = {
+    "unused_parameter": (
+        "These parameters are not in the graph that produced the loss: look for a `.detach()`, "
+        "`torch.no_grad()`, `.item()`/`.numpy()` or `.data` on the way from them to the loss, a layer that "
+        "forward() never calls, or a branch that is never taken. If they are unused on purpose, freeze "
+        "them (requires_grad=False) or list them in `ignore_parameters`."
+    ),
+    "parameter_not_updated": (
+        "The optimizer never changes these parameters: add them to configure_optimizers() (e.g. "
+        "`self.parameters()` instead of one sub-module's), and check each param group's learning rate."
+    ),
+    "batch_mixing": (
+        "A reshape/view/permute mixes the batch dimension (e.g. `x.view(features, batch)` where "
+        "`x.view(batch, features)` was meant, or a transpose before a flatten), or an op reduces over "
+        "dim 0. Every sample's output must depend only on that sample's input."
+    ),
+    "gradient_not_shrinking": (
+        "While the batch was learned, the gradient norm did not shrink: the loss may have a floor the "
+        "model cannot reach (label noise within the batch, a regularisation term), or the LR is so high "
+        "that the optimizer bounces around the minimum."
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------- callback
+
+
+class OverfitBatchSanity(GradGuardCallback):
+    r"""Pre-flight check: the model must be able to memorise one batch, and every parameter must learn.
+
+    Runs once per ``fit`` in ``on_train_start``: after Lightning has set up the model, the optimizer and
+    the dataloaders, before the first real training batch. It draws the first batch of a fresh pass over
+    the train dataloader (cut to ``max_samples`` samples), then trains on it with the user's
+    ``training_step`` and the user's optimizer (``trainer.optimizers[0]``; when
+    ``configure_optimizers`` returned none, ``torch.optim.Adam(lr=fallback_lr)`` over the trainable
+    parameters) for up to ``max_steps`` steps. The learning-rate scheduler is not stepped, gradient
+    clipping and loss scaling are not applied, and ``self.log`` calls are swallowed. It passes as soon as
+    the loss is at or below the target: ``target * initial_loss`` (``target_mode="relative"``) or
+    ``target`` (``"absolute"``).
+
+    In the same pass it checks (findings, each an alert of its own kind):
+
+    * ``unused_parameter`` (error): a trainable parameter never received a gradient;
+    * ``parameter_not_updated`` (error): a parameter had a gradient but the optimizer never changed it
+      (not in any param group, or its group's ``lr`` is 0);
+    * ``initial_loss_mismatch`` (error): for a classifier, the initial loss is far from ``ln C`` (what a
+      fresh model predicting the uniform distribution scores). ``C`` is ``num_classes``, or inferred
+      when the batch holds integer labels of shape ``[N]`` and the last leaf module outputs ``[N, C]``
+      with every label below ``C``. A ratio close to the batch size says the loss is summed, not
+      averaged;
+    * ``gradient_not_shrinking`` (warning): the gradient norm did not shrink while the batch was
+      learned;
+    * ``batch_mixing`` (error, with ``check_batch_mixing=True``): the output of one sample depends on
+      the input of another. Measured with the model in eval mode (BatchNorm then uses its running
+      statistics; in train mode it legitimately mixes samples through the batch statistics), as the
+      gradient of a random projection of sample ``i``'s output (the last leaf module output with the
+      batch's leading dimension) with respect to the whole input batch: rows ``j != i`` must be exactly
+      zero.
+
+    If the loss does not reach the target, alert ``overfit_failed`` lists the curve, the findings and the
+    likely causes (from the curve's shape: stuck at ``ln C``, flat, slow, diverging). With
+    ``action="raise"`` (default) every rank raises :class:`SanityCheckError` (the verdict is reduced
+    across ranks first, so no rank is left waiting); ``"warn"`` reports and trains on; ``"stop"`` asks
+    the trainer to stop.
+
+    Afterwards everything is put back exactly: parameters, gradients, buffers, train/eval flags,
+    optimizer and scheduler state, the RNG states (torch, CUDA, NumPy, ``random``, sampler generators),
+    the trainer's progress counters and torchmetrics states. The real run is bit for bit the one it
+    would have been without the check.
+
+    Limits: automatic optimization only (manual optimization: a one-time warning, nothing checked);
+    under DDP each rank trains its own first batch locally (``training_step`` is called directly, so
+    DDP's gradient all-reduce is not involved); sharded strategies (FSDP, DeepSpeed) are not supported.
+    A label mix-up that is the same every time the batch is drawn cannot be told apart from real labels
+    on one batch (a model memorises random labels too); labels that change from draw to draw can.
+
+    Args:
+        max_steps: the most optimizer steps the check may take.
+        target: the loss to reach, relative to the initial loss or absolute (see ``target_mode``).
+        target_mode: ``"relative"`` (pass at ``loss <= target * initial_loss``) or ``"absolute"``.
+        max_samples: cut the batch to this many samples (``None``: the whole first batch).
+        num_classes: number of classes for the initial-loss check (``None``: inferred when possible).
+        check_initial_loss: compare the initial loss of a classifier with ``ln C``.
+        initial_loss_tolerance: the initial loss may differ from ``ln C`` by this fraction of ``ln C``.
+        check_batch_mixing: also run the batch-mixing check (one extra forward and two backward passes).
+        ignore_parameters: ``fnmatch`` patterns of parameter names left out of the unused / not-updated
+            findings (e.g. ``["head_aux.*"]``).
+        fallback_lr: learning rate of the fallback Adam optimizer.
+        action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, SanityCheckError
+
+        check = OverfitBatchSanity(max_steps=200, max_samples=16)
+        trainer = Trainer(callbacks=[check])
+        try:
+            trainer.fit(model, datamodule=dm)
+        except SanityCheckError as err:
+            print(err)            # the findings and the likely causes
+        print(check.result)       # passed, steps, initial/final loss, curve, seconds
+    """
+
+    error_type = SanityCheckError
+
+    def __init__(
+        self,
+        max_steps: int = 200,
+        target: float = 0.1,
+        target_mode: str = "relative",
+        max_samples: int | None = 16,
+        num_classes: int | None = None,
+        check_initial_loss: bool = True,
+        initial_loss_tolerance: float = 0.5,
+        check_batch_mixing: bool = False,
+        ignore_parameters: list[str] | None = None,
+        fallback_lr: float = 1e-3,
+        action: str = "raise",
+    ) -> None:
+        super().__init__(action=action, cooldown_steps=0)
+        check_int("max_steps", max_steps, 1)
+        check_choice("target_mode", target_mode, ("relative", "absolute"))
+        if target_mode == "relative":
+            check_float("target", target, 0.0, 1.0, low_open=True)
+        else:
+            check_float("target", target, -math.inf)
+        check_int("max_samples", max_samples, 1, allow_none=True)
+        check_int("num_classes", num_classes, 2, allow_none=True)
+        check_float("initial_loss_tolerance", initial_loss_tolerance, 0.0, low_open=True)
+        check_float("fallback_lr", fallback_lr, 0.0, low_open=True)
+        if ignore_parameters is not None and not (
+            isinstance(ignore_parameters, (list, tuple))
+            and all(isinstance(p, str) for p in ignore_parameters)
+        ):
+            raise ValueError(f"`ignore_parameters` must be a list of str or None; got {ignore_parameters!r}")
+        for name, flag in (
+            ("check_initial_loss", check_initial_loss),
+            ("check_batch_mixing", check_batch_mixing),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"`{name}` must be True or False; got {flag!r}")
+        self.max_steps = max_steps
+        self.target = float(target)
+        self.target_mode = target_mode
+        self.max_samples = max_samples
+        self.num_classes = num_classes
+        self.check_initial_loss = check_initial_loss
+        self.initial_loss_tolerance = float(initial_loss_tolerance)
+        self.check_batch_mixing = check_batch_mixing
+        self.ignore_parameters = list(ignore_parameters or [])
+        self.fallback_lr = float(fallback_lr)
+        self.result: OverfitResult | None = None
+
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        return {"Pre-flight: overfit one batch (x = check step)": ["preflight/overfit_.*"]}
+
+    # ------------------------------------------------------------------ hook
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not pl_module.automatic_optimization:
+            warn_once(
+                trainer,
+                "overfit_batch_manual",
+                "OverfitBatchSanity supports automatic optimization only; the check was skipped.",
+            )
+            return
+        started = time.perf_counter()
+        combined = trainer.fit_loop._combined_loader
+        gens: list[torch.Generator] = []
+        if combined is not None:
+            for loader in tensors_free_iterables(combined.iterables):
+                gens.extend(loader_generators(loader))
+        snapshot = TrainingSnapshot(pl_module, trainer=trainer, generators=gens)
+        try:
+            batch, _ = first_train_batch(trainer)
+            batch = slice_batch(batch, self.max_samples)
+            result = self._run(trainer, pl_module, batch)
+        finally:
+            snapshot.restore()
+        result.seconds = time.perf_counter() - started
+        self.result = result
+        self._conclude(trainer, result)
+
+    # ------------------------------------------------------------------ the check
+    def _optimizer(self, trainer: pl.Trainer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if trainer.optimizers:
+            if len(trainer.optimizers) > 1:
+                warn_once(
+                    trainer,
+                    "overfit_batch_many_optimizers",
+                    "OverfitBatchSanity trains with the first optimizer only.",
+                )
+            return trainer.optimizers[0]
+        return torch.optim.Adam(params, lr=self.fallback_lr)
+
+    def _ignored(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pat) for pat in self.ignore_parameters)
+
+    def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> OverfitResult:
+        named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        names = [n for n, _ in named]
+        params = [p for _, p in named]
+        optimizer = self._optimizer(trainer, params)
+        start = [p.detach().clone() for p in params]
+        n = batch_size_of(batch) or 0
+        got_grad = torch.zeros(len(params), dtype=torch.bool)
+        nonzero_grad = torch.zeros(len(params), dtype=torch.bool)
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        leaf = LeafOutputs(pl_module, n) if n else None
+        logits: Tensor | None = None
+        reached = False
+        pl_module.train()
+        for step in range(self.max_steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            for p in params:
+                p.grad = None
+            with torch.enable_grad(), trainer.precision_plugin.train_step_context(), quiet_logging(pl_module):
+                loss = loss_of(pl_module.training_step(batch, 0))
+            if leaf is not None:
+                logits = None if leaf.last is None else leaf.last.detach()
+                leaf.remove()
+                leaf = None
+            if loss is None:
+                warn_once(
+                    trainer,
+                    "overfit_batch_no_loss",
+                    "OverfitBatchSanity: training_step returned no loss; the check was skipped.",
+                )
+                break
+            value = float(loss.detach().float())
+            losses.append(value)
+            target_loss = self._target_loss(losses[0])
+            if not math.isfinite(value):
+                break
+            if step > 0 and value <= target_loss:
+                reached = True
+                break
+            if step == self.max_steps:
+                break
+            loss.backward()
+            grads = [p.grad for p in params]
+            present = [g for g in grads if g is not None]
+            grad_norms.append(float(torch.nn.utils.get_total_norm(present)) if present else 0.0)
+            with torch.no_grad():
+                got_grad |= torch.tensor([g is not None for g in grads])
+                nonzero_grad |= torch.stack(
+                    [g.ne(0).any().cpu() if g is not None else torch.tensor(False) for g in grads]
+                )
+            if isinstance(optimizer, torch.optim.LBFGS):
+
+                def closure() -> Tensor:
+                    optimizer.zero_grad()
+                    with quiet_logging(pl_module):
+                        out = loss_of(pl_module.training_step(batch, 0))
+                    assert out is not None
+                    out.backward()
+                    return out
+
+                optimizer.step(closure)
+            else:
+                optimizer.step()
+        if leaf is not None:
+            leaf.remove()
+        steps = max(len(losses) - 1, 0)
+        initial = losses[0] if losses else math.nan
+        final = losses[-1] if losses else math.nan
+        result = OverfitResult(
+            passed=False,
+            reached_target=reached,
+            steps=steps,
+            initial_loss=initial,
+            final_loss=final,
+            target_loss=self._target_loss(initial),
+            losses=losses,
+            grad_norms=grad_norms,
+            seconds=0.0,
+            num_samples=n,
+            optimizer=type(optimizer).__name__,
+        )
+        if not losses:
+            result.passed = True  # nothing could be checked (warned above)
+            return result
+        findings = result.findings
+        if steps > 0:
+            findings.extend(self._parameter_findings(optimizer, names, params, start, got_grad, nonzero_grad))
+        if self.check_initial_loss:
+            findings.extend(self._initial_loss_finding(batch, logits, initial, n))
+        if reached and len(grad_norms) >= 5 and grad_norms[-1] >= grad_norms[0]:
+            findings.append(
+                Finding(
+                    "gradient_not_shrinking",
+                    "warning",
+                    [],
+                    f"The gradient norm went from {grad_norms[0]:.3g} to {grad_norms[-1]:.3g} while the "
+                    f"loss fell from {initial:.4g} to {final:.4g}.",
+                    _HINTS["gradient_not_shrinking"],
+                    {"initial_grad_norm": grad_norms[0], "final_grad_norm": grad_norms[-1]},
+                )
+            )
+        if self.check_batch_mixing:
+            findings.extend(self._batch_mixing(trainer, pl_module, batch))
+        if not reached:
+            findings.append(self._failed_finding(result))
+        result.passed = reached and not any(f.severity == "error" for f in findings)
+        return result
+
+    def _target_loss(self, initial: float) -> float:
+        return self.target * initial if self.target_mode == "relative" else self.target
+
+    def _parameter_findings(
+        self,
+        optimizer: torch.optim.Optimizer,
+        names: list[str],
+        params: list[nn.Parameter],
+        start: list[Tensor],
+        got_grad: Tensor,
+        nonzero_grad: Tensor,
+    ) -> list[Finding]:
+        findings: list[Finding] = []
+        no_grad = [n for n, g in zip(names, got_grad.tolist(), strict=True) if not g and not self._ignored(n)]
+        zero_grad = [
+            n
+            for n, g, nz in zip(names, got_grad.tolist(), nonzero_grad.tolist(), strict=True)
+            if g and not nz and not self._ignored(n)
+        ]
+        if no_grad:
+            findings.append(
+                Finding(
+                    "unused_parameter",
+                    "error",
+                    no_grad,
+                    f"{len(no_grad)} trainable parameter(s) never received a gradient: {_listed(no_grad)}.",
+                    _HINTS["unused_parameter"],
+                    {"count": float(len(no_grad))},
+                )
+            )
+        if zero_grad:
+            findings.append(
+                Finding(
+                    "unused_parameter",
+                    "warning",
+                    zero_grad,
+                    f"{len(zero_grad)} parameter(s) got a gradient that was exactly zero at every step: "
+                    f"{_listed(zero_grad)} (dead units, a multiplication by zero, or a constant branch).",
+                    _HINTS["unused_parameter"],
+                    {"count": float(len(zero_grad))},
+                )
+            )
+        lr_of: dict[int, float] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                lr = group.get("lr", math.nan)
+                lr_of[id(p)] = float(lr.item() if isinstance(lr, Tensor) else lr)
+        missing, zero_lr, other = [], [], []
+        for name, p, s, nz in zip(names, params, start, nonzero_grad.tolist(), strict=True):
+            if not nz or self._ignored(name) or not torch.equal(p.detach(), s):
+                continue
+            if id(p) not in lr_of:
+                missing.append(name)
+            elif lr_of[id(p)] == 0:
+                zero_lr.append(name)
+            else:
+                other.append(name)
+        parts = []
+        if missing:
+            parts.append(f"not in any param group of {type(optimizer).__name__}: {_listed(missing)}")
+        if zero_lr:
+            parts.append(f"in a param group with lr=0: {_listed(zero_lr)}")
+        if other:
+            parts.append(
+                f"unchanged by optimizer.step() although their gradient was non-zero: {_listed(other)}"
+            )
+        if parts:
+            stuck = missing + zero_lr + other
+            findings.append(
+                Finding(
+                    "parameter_not_updated",
+                    "error",
+                    stuck,
+                    f"{len(stuck)} parameter(s) with a gradient never changed; " + "; ".join(parts) + ".",
+                    _HINTS["parameter_not_updated"],
+                    {
+                        "count": float(len(stuck)),
+                        "not_in_optimizer": float(len(missing)),
+                        "lr_zero": float(len(zero_lr)),
+                    },
+                )
+            )
+        return findings
+
+    def _classes(self, batch: Any, logits: Tensor | None, n: int) -> int | None:
+        if self.num_classes is not None:
+            return self.num_classes
+        if logits is None or logits.dim() != 2 or logits.shape[1] < 2:
+            return None
+        c = int(logits.shape[1])
+        for t in tensors_in(batch):
+            labels = t.dtype in (torch.int64, torch.int32) and t.dim() == 1 and t.shape[0] == n and n > 0
+            if labels and int(t.min()) >= 0 and int(t.max()) < c:
+                return c
+        return None
+
+    def _initial_loss_finding(
+        self, batch: Any, logits: Tensor | None, initial: float, n: int
+    ) -> list[Finding]:
+        c = self._classes(batch, logits, n)
+        if c is None or not math.isfinite(initial):
+            return []
+        expected = math.log(c)
+        if abs(initial - expected) <= self.initial_loss_tolerance * expected:
+            return []
+        ratio = initial / expected
+        if n > 1 and abs(ratio - n) <= 0.25 * n:
+            why = (
+                f"The ratio is close to the batch size ({n}): the loss is summed over the batch "
+                "(reduction='sum') instead of averaged. Use reduction='mean' (or divide by the batch size), "
+                "otherwise the effective learning rate grows with the batch size."
+            )
+        elif ratio > 1:
+            why = (
+                "The model is confidently wrong at initialisation: the logits are far from zero (scale "
+                "down the last layer's initial weights), softmax is applied twice or before a loss that "
+                "expects logits, or the loss is summed over more than the batch dimension."
+            )
+        else:
+            why = (
+                "The loss starts below chance: the labels leak into the inputs, the loss is averaged over "
+                "more elements than samples, or it is not a per-sample cross-entropy."
+            )
+        return [
+            Finding(
+                "initial_loss_mismatch",
+                "error",
+                [],
+                f"Initial loss {initial:.4g} is {ratio:.3g}x the ln({c}) = {expected:.4g} a fresh {c}-class "
+                "classifier scores by predicting the uniform distribution.",
+                why + " If this is not a classification loss, pass check_initial_loss=False.",
+                {"initial_loss": initial, "expected": expected, "ratio": ratio, "num_classes": float(c)},
+            )
+        ]
+
+    def _batch_mixing(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Finding]:
+        n = batch_size_of(batch)
+        source = next(
+            (t for t in tensors_in(batch) if t.is_floating_point() and t.dim() >= 1 and t.shape[0] == n),
+            None,
+        )
+        if n is None or n < 2 or source is None:
+            warn_once(
+                trainer, "overfit_batch_mixing_input", "batch-mixing check skipped: no float input batch"
+            )
+            return []
+        x = source.detach().clone().requires_grad_(True)
+        probe = apply_to_collection(batch, Tensor, lambda t: x if t is source else t)
+        leaf = LeafOutputs(pl_module, n)
+        pl_module.eval()
+        try:
+            with torch.enable_grad(), quiet_logging(pl_module):
+                pl_module.training_step(probe, 0)
+        finally:
+            leaf.remove()
+            pl_module.train()
+        out = leaf.last
+        if out is None or not out.requires_grad:
+            warn_once(
+                trainer, "overfit_batch_mixing_output", "batch-mixing check skipped: no per-sample output"
+            )
+            return []
+        gen = torch.Generator().manual_seed(0)
+        mixed: dict[int, list[int]] = {}
+        for i in sorted({0, n // 2}):
+            weights = torch.randn(out[i].shape, generator=gen).to(out)
+            (g,) = torch.autograd.grad((out[i] * weights).sum(), x, retain_graph=True, allow_unused=True)
+            if g is None:
+                continue
+            rows = g.detach().reshape(n, -1).abs().amax(dim=1)
+            others = [j for j in range(n) if j != i and float(rows[j]) > 0]
+            if others:
+                mixed[i] = others
+        if not mixed:
+            return []
+        desc = "; ".join(f"sample {i} <- samples {js[:_MAX_LISTED]}" for i, js in mixed.items())
+        return [
+            Finding(
+                "batch_mixing",
+                "error",
+                [leaf.name or ""],
+                f"The output of `{leaf.name}` for one sample depends on the inputs of other samples "
+                f"(eval mode): {desc}.",
+                _HINTS["batch_mixing"],
+                {"samples_mixed": float(sum(len(v) for v in mixed.values()))},
+            )
+        ]
+
+    def _failed_finding(self, result: OverfitResult) -> Finding:
+        losses = result.losses
+        initial, final = result.initial_loss, result.final_loss
+        causes: list[str] = []
+        shape = "slow"
+        if not math.isfinite(final):
+            shape = "diverged"
+            causes = [
+                "learning rate too high (lower it 10x)",
+                "log(0) or a division by zero in the loss (use cross_entropy on logits, add eps)",
+            ]
+        elif math.isfinite(initial) and final >= 0.9 * initial:
+            shape = "flat"
+            causes = [
+                "labels not matching their inputs (misaligned or shuffled labels)",
+                "the loss is not connected to the parameters (a `.detach()`, `torch.no_grad()`, `.item()`)",
+                "the optimizer is not connected to the model's parameters, or its LR is 0 / far too low",
+                "the loss is computed on the wrong tensors or axis",
+                "inputs not normalised (mean 0, std 1)",
+            ]
+        elif len(losses) > 4 and max(losses[len(losses) // 2 :]) > 1.5 * min(losses):
+            shape = "oscillating"
+            causes = [
+                "learning rate too high (lower it 10x)",
+                "loss scaled by the batch size (reduction='sum')",
+            ]
+        else:
+            causes = [
+                "learning rate too low or too few steps (raise max_steps)",
+                "the model is too small or too regularised (dropout, weight decay) to memorise a few samples",
+                "identical inputs with different labels in the batch",
+            ]
+        return Finding(
+            "overfit_failed",
+            "error",
+            [],
+            f"Could not overfit one batch of {result.num_samples} samples with {result.optimizer}: the loss "
+            f"went from {initial:.4g} to {final:.4g} in {result.steps} steps "
+            f"(target {result.target_loss:.4g}; curve {shape}).",
+            "Likely causes: " + "; ".join(causes) + ".",
+            {
+                "initial_loss": initial,
+                "final_loss": final,
+                "target_loss": result.target_loss,
+                "steps": float(result.steps),
+            },
+        )
+
+    # ------------------------------------------------------------------ verdict
+    def _conclude(self, trainer: pl.Trainer, result: OverfitResult) -> None:
+        for i, value in enumerate(result.losses):
+            metrics = {"preflight/overfit_loss": value}
+            if i < len(result.grad_norms):
+                metrics["preflight/overfit_grad_norm"] = result.grad_norms[i]
+            _emit.log_scalars(trainer, metrics, i)
+        alerts: list[Alert] = []
+        for f in result.findings:
+            if f.kind == "overfit_failed":
+                continue
+            alert = self.report(
+                trainer, f.kind, f.severity, ", ".join(f.names) or None, f.message, f.hint, f.data
+            )
+            if alert is not None:
+                alerts.append(alert)
+        failed_here = not result.passed
+        failed_anywhere = reduce_any(trainer, failed_here)
+        if not failed_anywhere:
+            return
+        summary = next((f for f in result.findings if f.kind == "overfit_failed"), None)
+        if summary is not None:
+            kinds = sorted(
+                {f.kind for f in result.findings if f.severity == "error" and f.kind != "overfit_failed"}
+            )
+            extra = f" Findings: {', '.join(kinds)}." if kinds else ""
+            message, hint, data = summary.message + extra, summary.hint, summary.data
+        elif failed_here:
+            kinds = sorted({f.kind for f in result.findings if f.severity == "error"})
+            message = (
+                f"The loss reached the target ({result.initial_loss:.4g} -> {result.final_loss:.4g} in "
+                f"{result.steps} steps) but the check found: {', '.join(kinds)}."
+            )
+            hint, data = "See the findings above.", {"steps": float(result.steps)}
+        else:
+            message = "This rank passed, but the overfit-one-batch check failed on another rank."
+            hint, data = "See the alerts of the other ranks.", {}
+        alert = self.report(trainer, "overfit_failed", "error", None, message, hint, data)
+        if alert is not None:
+            alerts.append(alert)
+        self.act(trainer, alerts)
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.result is not None:
+            state["result"] = {
+                "passed": self.result.passed,
+                "steps": self.result.steps,
+                "initial_loss": self.result.initial_loss,
+                "final_loss": self.result.final_loss,
+            }
+        return state

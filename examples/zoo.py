@@ -1,0 +1,388 @@
+"""A zoo of small, real Lightning training setups: broken networks and healthy controls.
+
+Each :class:`Case` builds a LightningModule and its data (scikit-learn's 8x8 digits, shipped with
+scikit-learn, or small synthetic sequences), says which gradguard alerts it should raise and from which
+step the pathology is present. ``examples/broken_networks.py`` trains the gallery and prints what the
+detectors said; ``tests/test_zoo.py`` asserts it (it puts this folder on ``sys.path``), so the catalogue
+lives here, beside the example, and not inside the package.
+
+The broken ones follow the classic deliberately-broken gallery: a learning rate of 10 with SGD, every
+ReLU killed by its initialization (weights -1, biases -5), a deep sigmoid stack, a deep ReLU stack with
+a far too large initialization, a vanilla RNN whose recurrent matrix has spectral radius 3, and tanh
+units driven deep into saturation. The healthy controls are what people actually train: a ReLU MLP, a
+CNN with BatchNorm, a small GELU transformer with AdamW, an LSTM with gradient clipping, a deep pre-
+LayerNorm residual network, a fine-tuned head on a frozen backbone and a bf16-mixed run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["CASES", "Case", "ZooModule", "digits", "run_case"]
+
+
+# ---------------------------------------------------------------------------------------------- data
+@lru_cache(maxsize=1)
+def _digits_arrays() -> tuple[Tensor, Tensor]:
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0  # pixel intensities in [0, 1]
+    return x, torch.tensor(data.target, dtype=torch.long)
+
+
+def digits(standardize: bool = True, shape: tuple[int, ...] = (64,), batch_size: int = 32) -> DataLoader[Any]:
+    """The 1797 scikit-learn digits, shuffled with a fixed seed, as ``(x, label)`` batches.
+
+    ``standardize`` gives every pixel zero mean and unit variance (healthy practice); without it the
+    inputs are raw intensities in [0, 1]. ``shape`` reshapes each sample (``(1, 8, 8)`` for a CNN,
+    ``(8, 8)`` for a sequence of 8 rows).
+    """
+    x, y = _digits_arrays()
+    if standardize:
+        x = (x - x.mean(0)) / (x.std(0) + 1e-3)
+    x = x.reshape(-1, *shape)
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=g, drop_last=True)
+
+
+def sequences(length: int = 40, features: int = 4, n: int = 512, batch_size: int = 32) -> DataLoader[Any]:
+    """Synthetic sequences; the label is the sign of the very first input (a long-range dependency)."""
+    g = torch.Generator().manual_seed(0)
+    x = 0.5 * torch.randn(n, length, features, generator=g)
+    y = (x[:, 0, 0] > 0).long()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=g, drop_last=True)
+
+
+# ---------------------------------------------------------------------------------------------- module
+class ZooModule(pl.LightningModule):
+    """A classifier around any ``net``: cross-entropy, the optimizer from ``make_optimizer``."""
+
+    def __init__(self, net: nn.Module, make_optimizer: Callable[[Any], torch.optim.Optimizer]) -> None:
+        super().__init__()
+        self.net = net
+        self.make_optimizer = make_optimizer
+        self.losses: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.net(x)
+        return out
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).float(), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.make_optimizer([p for p in self.parameters() if p.requires_grad])
+
+
+def _mlp(sizes: list[int], act: Callable[[], nn.Module]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
+def _adam(lr: float = 1e-3) -> Callable[[Any], torch.optim.Optimizer]:
+    return lambda params: torch.optim.Adam(params, lr=lr)
+
+
+# ---------------------------------------------------------------------------------------------- broken
+def sgd_lr10() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """A fine ReLU MLP trained with SGD at lr=10: every update overshoots and the norms run away."""
+    net = _mlp([64, 64, 10], nn.ReLU)
+    return ZooModule(net, lambda p: torch.optim.SGD(p, lr=10.0)), digits()
+
+
+def dead_relu_init() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """Weights -1 and biases -5 on non-negative inputs: every pre-activation is negative, every ReLU dead."""
+    net = _mlp([64, 32, 32, 10], nn.ReLU)
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.fill_(-1.0)
+                m.bias.fill_(-5.0)
+    return ZooModule(net, _adam()), digits(standardize=False)
+
+
+class _FunctionalDead(nn.Module):
+    """ReLUs called as ``F.relu`` / ``torch.relu`` inside ``forward``, with a dying bias on the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 32)
+        self.fc2 = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 10)
+        with torch.no_grad():
+            self.fc1.weight.abs_().neg_()
+            self.fc1.bias.fill_(-5.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = nn.functional.relu(self.fc1(x))
+        return self.out(torch.relu(self.fc2(h)))
+
+
+def dead_functional_relu() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """The same death, but through functional ReLU calls: named by the module whose forward called them."""
+    return ZooModule(_FunctionalDead(), _adam()), digits(standardize=False)
+
+
+def deep_sigmoid() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """Twelve sigmoid layers: each multiplies the backward signal by at most 0.25, so early layers starve."""
+    net = _mlp([64] * 12 + [10], nn.Sigmoid)
+    return ZooModule(net, lambda p: torch.optim.SGD(p, lr=0.1)), digits()
+
+
+def too_large_init() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """Eight ReLU layers initialised with std 1, not sqrt(2 / fan_in): activations and gradients blow up."""
+    net = _mlp([64] * 8 + [10], nn.ReLU)
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=1.0)
+                nn.init.zeros_(m.bias)
+    return ZooModule(net, _adam()), digits()
+
+
+class _VanillaRNN(nn.Module):
+    def __init__(self, features: int = 4, hidden: int = 64, radius: float = 3.0) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(features, hidden, nonlinearity="tanh", batch_first=True)
+        self.head = nn.Linear(hidden, 2)
+        with torch.no_grad():  # an orthogonal matrix times `radius`: every eigenvalue has modulus `radius`
+            q, _ = torch.linalg.qr(torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(0)))
+            self.rnn.weight_hh_l0.copy_(radius * q)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+def rnn_spectral_radius() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """A vanilla tanh RNN over 40 steps, recurrent spectral radius 3: backprop through time explodes."""
+    return ZooModule(_VanillaRNN(), _adam()), sequences()
+
+
+def saturated_tanh() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """Tanh units fed pre-activations in the hundreds: their outputs are stuck at +-1, their derivatives 0."""
+    net = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+    with torch.no_grad():
+        net[0].weight.mul_(400.0)
+    return ZooModule(net, _adam()), digits()
+
+
+# ---------------------------------------------------------------------------------------------- healthy
+def relu_mlp() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return ZooModule(_mlp([64, 128, 64, 10], nn.ReLU), _adam()), digits()
+
+
+def cnn_batchnorm() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    net = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+    return ZooModule(net, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)), digits(shape=(1, 8, 8))
+
+
+class _TinyTransformer(nn.Module):
+    """Each digit as 8 tokens (its rows); pre-LN GELU encoder, mean pool, linear head."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, d)
+        self.pos = nn.Parameter(0.02 * torch.randn(1, 8, d))
+        layer = nn.TransformerEncoderLayer(
+            d, 4, 64, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.encoder(self.embed(x) + self.pos).mean(dim=1))
+
+
+def gelu_transformer() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return ZooModule(_TinyTransformer(), lambda p: torch.optim.AdamW(p, lr=1e-3)), digits(shape=(8, 8))
+
+
+class _LSTMClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(8, 32, batch_first=True)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+def lstm_clipped() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return ZooModule(_LSTMClassifier(), _adam(3e-3)), digits(shape=(8, 8))
+
+
+class _PreLNBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+def deep_preln_residual() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """Twenty pre-LayerNorm residual ReLU blocks: deep, yet the gradient reaches the first layer intact."""
+    d = 64
+    net = nn.Sequential(
+        nn.Linear(64, d), *[_PreLNBlock(d) for _ in range(20)], nn.LayerNorm(d), nn.Linear(d, 10)
+    )
+    return ZooModule(net, lambda p: torch.optim.AdamW(p, lr=1e-3)), digits()
+
+
+def frozen_backbone() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """Fine-tuning: a frozen backbone (no gradients at all) and a trainable head."""
+    backbone = _mlp([64, 128, 64], nn.ReLU)
+    backbone.append(nn.ReLU())
+    backbone.requires_grad_(False)
+    net = nn.Sequential(backbone, nn.Linear(64, 10))
+    return ZooModule(net, _adam()), digits()
+
+
+def bf16_mlp() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return ZooModule(_mlp([64, 128, 64, 10], nn.ReLU), _adam()), digits()
+
+
+# ---------------------------------------------------------------------------------------------- the catalogue
+@dataclass(frozen=True)
+class Case:
+    """One setup of the zoo.
+
+    Attributes:
+        name: short identifier.
+        build: returns ``(module, train loader)``, freshly seeded.
+        expected: the alert kinds it must raise (empty for a healthy control).
+        onset: the first step at which the pathology is present.
+        steps: how many optimizer steps to train.
+        trainer_kwargs: extra ``Trainer`` arguments (precision, clipping).
+        description: one line for tables.
+    """
+
+    name: str
+    build: Callable[[], tuple[pl.LightningModule, DataLoader[Any]]]
+    expected: tuple[str, ...]
+    description: str
+    onset: int = 0
+    steps: int = 60
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.expected
+
+
+CASES: list[Case] = [
+    Case("sgd_lr10", sgd_lr10, ("exploding_gradient",), "ReLU MLP, SGD lr=10", steps=12),
+    Case(
+        "dead_relu_init", dead_relu_init, ("dead_relu",), "weights -1, biases -5: every ReLU dead", steps=12
+    ),
+    Case(
+        "dead_functional_relu", dead_functional_relu, ("dead_relu",), "dying F.relu inside forward", steps=12
+    ),
+    Case("deep_sigmoid", deep_sigmoid, ("vanishing_gradient",), "12 sigmoid layers", steps=12),
+    Case("too_large_init", too_large_init, ("exploding_gradient",), "8 ReLU layers, init std 1", steps=12),
+    Case(
+        "rnn_spectral_radius",
+        rnn_spectral_radius,
+        ("exploding_gradient",),
+        "vanilla tanh RNN, recurrent spectral radius 3, 40 steps",
+        steps=12,
+    ),
+    Case(
+        "saturated_tanh",
+        saturated_tanh,
+        ("saturated_activation",),
+        "tanh fed pre-activations ~100s",
+        steps=12,
+    ),
+    Case("relu_mlp", relu_mlp, (), "ReLU MLP, Adam", steps=120),
+    Case("cnn_batchnorm", cnn_batchnorm, (), "CNN + BatchNorm + (in-place) ReLU, SGD momentum", steps=120),
+    Case("gelu_transformer", gelu_transformer, (), "2-layer pre-LN GELU transformer, AdamW", steps=120),
+    Case(
+        "lstm_clipped",
+        lstm_clipped,
+        (),
+        "LSTM, Adam, gradient_clip_val=1",
+        steps=120,
+        trainer_kwargs={"gradient_clip_val": 1.0},
+    ),
+    Case(
+        "deep_preln_residual",
+        deep_preln_residual,
+        (),
+        "20 pre-LayerNorm residual ReLU blocks, AdamW",
+        steps=120,
+    ),
+    Case("frozen_backbone", frozen_backbone, (), "frozen backbone, trainable head", steps=120),
+    Case(
+        "bf16_mixed",
+        bf16_mlp,
+        (),
+        "ReLU MLP in bf16-mixed",
+        steps=120,
+        trainer_kwargs={"precision": "bf16-mixed"},
+    ),
+]
+
+
+def run_case(
+    case: Case, callbacks: list[Any], root_dir: str | None = None, logger: Any = False
+) -> pl.Trainer:
+    """Train ``case`` for ``case.steps`` optimizer steps on CPU with ``callbacks``; returns the trainer."""
+    pl.seed_everything(0, verbose=False)
+    module, loader = case.build()
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=case.steps,
+        max_epochs=-1,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        log_every_n_steps=10,
+        default_root_dir=root_dir,
+    )
+    kwargs.update(case.trainer_kwargs)
+    trainer = pl.Trainer(callbacks=callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+        trainer.fit(module, loader)
+    return trainer

@@ -1,0 +1,444 @@
+r"""
+VanishingExplodingDetector
+==========================
+
+Watches the per-layer gradient norms every gradguard callback shares (no second pass over the
+gradients) and says when they explode or vanish, where, and what to do about it. It also logs a
+gradient-flow view, ``grad_flow/<layer>`` = ``log10(layer norm / largest layer norm)``, so a chart shows
+where along the network the gradient dies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_gradguard import _emit
+from lightning_gradguard._shared import log_step, step_stats
+from lightning_gradguard._validate import check_float, check_int
+from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
+from lightning_gradguard.functional.stats import suggest_clip_value
+
+__all__ = ["VanishingExplodingDetector"]
+
+_MAX_NAMED = 5
+
+_EXPLODING_HINT = (
+    "Clip gradients: Trainer(gradient_clip_val={clip:g}) ({clip_why}). Lower the learning rate (try 10x "
+    "lower). Check the initialization (He/Kaiming for ReLU, Xavier for tanh/sigmoid). In deep or recurrent "
+    "nets add normalization (BatchNorm/LayerNorm) and residual connections."
+)
+_VANISHING_HINT = (
+    "Use non-saturating activations (ReLU/GELU instead of sigmoid/tanh), He/Xavier initialization, "
+    "BatchNorm/LayerNorm between layers and residual connections in deep nets; raise the learning rate "
+    "only after those fixes."
+)
+
+
+def _check_optional_positive(name: str, value: Any) -> None:
+    if value is not None:
+        check_float(name, value, 0.0, low_open=True)
+
+
+def _named(labels: list[str], values: list[float], fmt: str = "{:.3g}") -> str:
+    shown = [f"{n} ({fmt.format(v)})" for n, v in zip(labels[:_MAX_NAMED], values[:_MAX_NAMED], strict=False)]
+    more = f" and {len(labels) - _MAX_NAMED} more" if len(labels) > _MAX_NAMED else ""
+    return ", ".join(shown) + more
+
+
+def _where(labels: list[str]) -> str | None:
+    if not labels:
+        return None
+    more = f",+{len(labels) - 3}" if len(labels) > 3 else ""
+    return ",".join(labels[:3]) + more
+
+
+class VanishingExplodingDetector(GradGuardCallback):
+    r"""Alert on exploding and vanishing gradients, measured where the numbers are true.
+
+    It reads the per-layer gradient norms of ``on_before_optimizer_step`` (accumulated, unscaled,
+    all-reduced, not yet clipped) from the statistics every gradguard callback shares, and brings them
+    to the host in one small transfer on the steps it checks: every step for the first ``dense_steps``
+    steps (pathologies of the initialization show at once), then every ``check_every_n_steps``.
+
+    **Exploding** (alert ``exploding_gradient``, severity error) when, on ``patience`` consecutive
+    checks, at least one of:
+
+    * the total norm exceeds ``max_norm`` (the usual red line is 100);
+    * after ``warmup_checks`` checks, the total norm is more than ``spike_factor`` times the median of
+      this run's own recent norms (a robust baseline of the log-norm);
+    * over the last ``growth_window`` checks the norm rose steadily by more than ``growth_factor``.
+
+    **Vanishing** (alert ``vanishing_gradient``, severity error) when, on ``patience`` consecutive checks,
+    at least one of:
+
+    * the first layer (in forward order, found once by watching the first training forward pass) has
+      less than ``depth_ratio_floor`` of the last layer's norm *and* an absolute norm below
+      ``first_layer_floor`` (AutoTrainer's rule: 1e-3 and 1e-4);
+    * a layer's root-mean-square gradient is below ``min_rms`` (SageMaker's mean\|g\| < 1e-7; RMS is an
+      upper bound of mean\|g\|, so this fires only when mean\|g\| is even smaller);
+    * a layer's norm is below ``relative_floor`` times the largest layer norm of the same step.
+
+    Layers without a gradient this step (frozen, unused, or exactly zero behind a dead path) are never
+    called vanishing. ``where`` names the layers, the hint says what to try (and a clip value, from the
+    90th percentile of this run's healthy norms).
+
+    Every check also records ``grad_flow/<layer>`` (log10 of the layer norm over the largest one), logged
+    at most once per ``log_every_n_steps``.
+
+    Args:
+        check_every_n_steps: check every this many optimizer steps after the dense start.
+        dense_steps: check every step while ``global_step`` is below this.
+        max_norm: ceiling on the total gradient norm (``None``: off).
+        spike_factor: a total norm this many times the run's median is a spike (``None``: off).
+        growth_factor: a steady rise by more than this factor over ``growth_window`` checks (``None``: off).
+        growth_window: checks the growth test looks at.
+        warmup_checks: checks before the spike test has a baseline.
+        history_size: how many recent checked norms the baseline uses.
+        depth_ratio_floor: first/last layer norm ratio below which gradients vanish (``None``: off).
+        first_layer_floor: ... provided the first layer's norm is also below this.
+        min_rms: RMS gradient floor per layer (``None``: off).
+        relative_floor: per-layer floor relative to the largest layer norm (``None``: off).
+        patience: consecutive checks a condition must hold before it is reported.
+        log_every_n_steps: minimum steps between two ``grad_flow/*`` points (default: the Trainer's).
+        log_gradient_flow: log the ``grad_flow/*`` scalars.
+        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; decided together on every rank.
+        cooldown_steps: minimum steps between two alerts of the same kind.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import VanishingExplodingDetector
+
+        trainer = Trainer(callbacks=[VanishingExplodingDetector()])
+        trainer.fit(model)
+        # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
+    """
+
+    def __init__(
+        self,
+        check_every_n_steps: int = 5,
+        dense_steps: int = 20,
+        max_norm: float | None = 100.0,
+        spike_factor: float | None = 10.0,
+        growth_factor: float | None = 100.0,
+        growth_window: int = 10,
+        warmup_checks: int = 5,
+        history_size: int = 50,
+        depth_ratio_floor: float | None = 1e-3,
+        first_layer_floor: float = 1e-4,
+        min_rms: float | None = 1e-7,
+        relative_floor: float | None = 1e-5,
+        patience: int = 2,
+        log_every_n_steps: int | None = None,
+        log_gradient_flow: bool = True,
+        action: str = "warn",
+        cooldown_steps: int = 100,
+    ) -> None:
+        super().__init__(action=action, cooldown_steps=cooldown_steps)
+        check_int("check_every_n_steps", check_every_n_steps, 1)
+        check_int("dense_steps", dense_steps, 0)
+        for name, value in (
+            ("max_norm", max_norm),
+            ("depth_ratio_floor", depth_ratio_floor),
+            ("min_rms", min_rms),
+            ("relative_floor", relative_floor),
+        ):
+            _check_optional_positive(name, value)
+        for name, value in (("spike_factor", spike_factor), ("growth_factor", growth_factor)):
+            if value is not None:
+                check_float(name, value, 1.0, low_open=True)
+        check_int("growth_window", growth_window, 3)
+        check_int("warmup_checks", warmup_checks, 1)
+        check_int("history_size", history_size, 2)
+        check_float("first_layer_floor", first_layer_floor, 0.0, low_open=True)
+        check_int("patience", patience, 1)
+        check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
+        if not isinstance(log_gradient_flow, bool):
+            raise ValueError(f"`log_gradient_flow` must be True or False; got {log_gradient_flow!r}")
+        self.check_every_n_steps = check_every_n_steps
+        self.dense_steps = dense_steps
+        self.max_norm = max_norm
+        self.spike_factor = spike_factor
+        self.growth_factor = growth_factor
+        self.growth_window = growth_window
+        self.warmup_checks = warmup_checks
+        self.history_size = history_size
+        self.depth_ratio_floor = depth_ratio_floor
+        self.first_layer_floor = first_layer_floor
+        self.min_rms = min_rms
+        self.relative_floor = relative_floor
+        self.patience = patience
+        self.log_every_n_steps = log_every_n_steps
+        self.log_gradient_flow = log_gradient_flow
+        #: per optimizer index: recent finite total norms of checked steps
+        self.history: dict[int, list[float]] = {}
+        #: per optimizer index and kind: consecutive checks with the condition
+        self.strikes: dict[str, int] = {}
+        #: forward order of the modules that own parameters (filled on the first training batch)
+        self.forward_order: dict[str, int] = {}
+        #: the last verdict, for inspection: step, flags, gradient flow
+        self.last_check: dict[str, Any] = {}
+        self._order_hooks: list[RemovableHandle] = []
+        self._last_flow_at: int | None = None
+        self._last_alert: dict[str, int] = {}
+        self._numel_cache: dict[tuple[int, int], list[int]] = {}
+
+    # ------------------------------------------------------------------ layout
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        return {"Gradient flow: log10(layer norm / largest layer norm)": ["grad_flow/.*"]}
+
+    # ------------------------------------------------------------------ forward order (once)
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.forward_order or self._order_hooks:
+            return
+        order = self.forward_order
+        for name, module in pl_module.named_modules():
+            if not any(True for _ in module.parameters(recurse=False)):
+                continue
+
+            def hook(mod: nn.Module, args: Any, _name: str = name) -> None:
+                order.setdefault(_name, len(order))
+
+            self._order_hooks.append(module.register_forward_pre_hook(hook))
+
+    def _remove_order_hooks(self) -> None:
+        for handle in self._order_hooks:
+            handle.remove()
+        self._order_hooks = []
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._order_hooks:
+            self._remove_order_hooks()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._order_hooks:
+            self._remove_order_hooks()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._remove_order_hooks()
+
+    # ------------------------------------------------------------------ the check
+    def due(self, step: int) -> bool:
+        """Whether ``global_step`` ``step`` is checked."""
+        return step < self.dense_steps or step % self.check_every_n_steps == 0
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        step = int(trainer.global_step)
+        if not self.due(step):
+            return
+        stats = step_stats(trainer, pl_module, optimizer)
+        labels, norms = stats.grad_groups(2.0)
+        if not labels:
+            return
+        opt = getattr(optimizer, "optimizer", optimizer)
+        ids = [id(o) for o in trainer.optimizers]
+        opt_idx = ids.index(id(opt)) if id(opt) in ids else 0
+        packed = torch.cat([norms.float().reshape(-1), stats.grad_total(2.0).float().reshape(1)])
+        host = packed.cpu().double()  # the one device -> host transfer of this check
+        numels = self._numels(stats, labels)
+        verdict = self._evaluate(labels, host[:-1], float(host[-1]), numels, opt_idx)
+        flags = [bool(verdict["exploding"]), bool(verdict["vanishing"])]
+        if trainer.world_size > 1:  # decide together: the same flags on every rank, one collective
+            t = torch.tensor([float(f) for f in flags], device=packed.device)
+            t = trainer.strategy.reduce(t, reduce_op="sum")
+            flags = [bool(x > 0) for x in t.cpu().tolist()]
+        self.last_check = {"step": step, "exploding": flags[0], "vanishing": flags[1], **verdict}
+        self._log_flow(trainer, labels, verdict["flow"])
+        alerts = []
+        for kind, flag in zip(("exploding_gradient", "vanishing_gradient"), flags, strict=True):
+            key = f"{opt_idx}:{kind}"
+            self.strikes[key] = self.strikes.get(key, 0) + 1 if flag else 0
+            if self.strikes[key] < self.patience:
+                continue
+            last = self._last_alert.get(key)
+            if last is not None and step - last < self.cooldown_steps:
+                continue
+            alert = self._report(trainer, kind, verdict, step, opt_idx)
+            if alert is not None:
+                self._last_alert[key] = step
+                alerts.append(alert)
+        if math.isfinite(verdict["total"]) and verdict["total"] > 0:
+            hist = self.history.setdefault(opt_idx, [])
+            hist.append(verdict["total"])
+            del hist[: -self.history_size]
+        self.act(trainer, alerts)
+
+    def _numels(self, stats: Any, labels: list[str]) -> list[int]:
+        key = (id(stats.grads[0]) if stats.grads else 0, len(stats.grads))
+        cached = self._numel_cache.get(key)
+        if cached is not None and len(cached) == len(labels):
+            return cached
+        _, index = stats.groups(stats.grad_names, None, False)
+        numels = [0] * len(labels)
+        for i, g in zip(index, stats.grads, strict=True):
+            numels[i] += g.numel()
+        self._numel_cache = {key: numels}
+        return numels
+
+    def _evaluate(
+        self, labels: list[str], norms: Tensor, total: float, numels: list[int], opt_idx: int
+    ) -> dict[str, Any]:
+        """The host-side verdict of one check (pure Python on a handful of numbers)."""
+        values = norms.tolist()
+        hist = self.history.get(opt_idx, [])
+        exploding: list[str] = []
+        data: dict[str, float] = {"total_norm": total}
+        if not math.isfinite(total):  # NaN/inf gradients are NaNSentinel's business
+            return {
+                "exploding": [],
+                "vanishing": [],
+                "vanishing_layers": [],
+                "total": total,
+                "data": data,
+                "flow": [math.nan] * len(labels),
+                "top": [],
+                "labels": labels,
+                "values": values,
+            }
+        if self.max_norm is not None and total > self.max_norm:
+            exploding.append(f"the total norm exceeds max_norm={self.max_norm:g}")
+        if self.spike_factor is not None and len(hist) >= self.warmup_checks:
+            ratio = spike_ratio(total, hist)
+            data["spike_ratio"] = ratio
+            if ratio > self.spike_factor:
+                exploding.append(
+                    f"it is {ratio:.3g}x the median of the last {len(hist)} checked steps "
+                    f"(spike_factor={self.spike_factor:g})"
+                )
+        if self.growth_factor is not None and len(hist) + 1 >= self.growth_window:
+            g = growth_factor([*hist[-(self.growth_window - 1) :], total])
+            data["growth_factor"] = g
+            if g > self.growth_factor:
+                exploding.append(
+                    f"it grew steadily {g:.3g}x over the last {self.growth_window} checks "
+                    f"(growth_factor={self.growth_factor:g})"
+                )
+        order = sorted(range(len(labels)), key=lambda i: -values[i] if math.isfinite(values[i]) else 0.0)
+        top = [i for i in order if values[i] > 0][:_MAX_NAMED]
+
+        vanishing: list[str] = []
+        low: dict[int, str] = {}
+        flow = gradient_flow(norms).tolist()
+        live = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
+        if self.min_rms is not None:
+            for i in live:
+                rms = values[i] / math.sqrt(max(numels[i], 1))
+                if rms < self.min_rms:
+                    low.setdefault(i, f"RMS gradient {rms:.2e} < min_rms={self.min_rms:g}")
+        if self.relative_floor is not None:
+            floor = math.log10(self.relative_floor)
+            for i in live:
+                if flow[i] < floor:
+                    low.setdefault(i, f"{10 ** flow[i]:.2e} of the largest layer norm")
+        if self.depth_ratio_floor is not None:
+            in_order = sorted(
+                (self.forward_order[n], i) for i, n in enumerate(labels) if n in self.forward_order
+            )
+            idx = [i for _, i in in_order]
+            ratio, a, b = depth_ratio([values[i] for i in idx]) if len(idx) >= 2 else (math.nan, -1, -1)
+            if math.isfinite(ratio):
+                first, last = idx[a], idx[b]
+                data["first_last_ratio"] = ratio
+                data["first_layer_norm"] = values[first]
+                if ratio < self.depth_ratio_floor and values[first] < self.first_layer_floor:
+                    vanishing.append(
+                        f"the first layer {labels[first]} has {ratio:.2e} of the last layer "
+                        f"{labels[last]}'s norm ({values[first]:.2e} vs {values[last]:.2e})"
+                    )
+                    low.setdefault(first, "first layer")
+        if low:
+            names = [labels[i] for i in sorted(low)]
+            vanishing.append(
+                "layers far below the run's scale: "
+                + _named(names, [values[i] for i in sorted(low)], "{:.2e}")
+            )
+        return {
+            "exploding": exploding,
+            "vanishing": vanishing,
+            "vanishing_layers": [labels[i] for i in sorted(low)],
+            "total": total,
+            "data": data,
+            "flow": flow,
+            "top": [labels[i] for i in top],
+            "top_values": [values[i] for i in top],
+            "labels": labels,
+            "values": values,
+        }
+
+    def _report(
+        self, trainer: pl.Trainer, kind: str, verdict: dict[str, Any], step: int, opt_idx: int
+    ) -> Any:
+        data = dict(verdict["data"])
+        if kind == "exploding_gradient":
+            hist = [h for h in self.history.get(opt_idx, []) if self.max_norm is None or h <= self.max_norm]
+            clip = suggest_clip_value(hist) if len(hist) >= self.warmup_checks else None
+            clip_why = "about the 90th percentile of this run's earlier norms"
+            if clip is None:
+                clip, clip_why = 1.0, "the usual starting point; tune it from grad_norm/total"
+            data["suggested_clip_val"] = clip
+            reasons = "; ".join(verdict["exploding"]) or "the condition held on another rank"
+            message = (
+                f"Gradient norm {verdict['total']:.3g} for {self.patience} consecutive checks: {reasons}. "
+                f"Largest layers: {_named(verdict['top'], verdict.get('top_values', []))}."
+            )
+            hint = _EXPLODING_HINT.format(clip=clip, clip_why=clip_why)
+            where = _where(verdict["top"][:1])
+        else:
+            reasons = "; ".join(verdict["vanishing"]) or "the condition held on another rank"
+            message = f"Gradients vanish ({self.patience} consecutive checks): {reasons}."
+            hint = _VANISHING_HINT
+            where = _where(verdict["vanishing_layers"])
+        return self.report(trainer, kind, "error", where, message, hint, data, step=step)
+
+    def _log_flow(self, trainer: pl.Trainer, labels: list[str], flow: list[float]) -> None:
+        if not self.log_gradient_flow:
+            return
+        at = log_step(trainer)
+        every = self.log_every_n_steps or max(int(getattr(trainer, "log_every_n_steps", 50)), 1)
+        if self._last_flow_at is not None and at - self._last_flow_at < every:
+            return
+        self._last_flow_at = at
+        metrics = {f"grad_flow/{n}": v for n, v in zip(labels, flow, strict=True) if math.isfinite(v)}
+        _emit.log_scalars(trainer, metrics, at)
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(
+            history={k: list(v) for k, v in self.history.items()},
+            strikes=dict(self.strikes),
+            forward_order=dict(self.forward_order),
+            last_alert=dict(self._last_alert),
+        )
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.history = {int(k): list(v) for k, v in state_dict.get("history", {}).items()}
+        self.strikes = dict(state_dict.get("strikes", {}))
+        self.forward_order = dict(state_dict.get("forward_order", {}))
+        self._last_alert = dict(state_dict.get("last_alert", {}))

@@ -1,0 +1,212 @@
+"""The math behind the health detectors: norm baselines, spikes, growth, gradient flow, unit activity.
+
+Pure functions on tensors (or plain float sequences), no Trainer. The gradient helpers work on a
+handful of per-layer norms already brought to the host; the activity helpers reduce a (possibly huge)
+activation to one small vector per layer on its own device, so a caller can gather every layer's
+vector and read them all in one transfer.
+
+Conventions:
+
+* norms are non-negative; a norm of exactly 0 means "no gradient signal" (the layer was not used or is
+  frozen behind a dead path) and is never treated as "vanishing" by the helpers here;
+* a *unit* of an activation is a feature of a ``Linear`` output (the last dimension) or a channel of a
+  ``ConvNd`` output (dimension 1); every other dimension (batch, time, space) counts as a sample.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SATURATION_BOUNDS",
+    "activity_counts",
+    "dead_units",
+    "depth_ratio",
+    "ema",
+    "gradient_flow",
+    "growth_factor",
+    "log10_norms",
+    "robust_baseline",
+    "saturation_counts",
+    "spike_ratio",
+    "unit_dim",
+]
+
+#: Pre-activation values beyond which the activation's float32 derivative is numerically gone:
+#: ``tanh`` for ``|x| > 9.5``, ``sigmoid`` below ``-23`` or above ``17``.
+SATURATION_BOUNDS: dict[str, tuple[float, float]] = {"tanh": (-9.5, 9.5), "sigmoid": (-23.0, 17.0)}
+
+
+def _as_float_tensor(values: Sequence[float] | Tensor) -> Tensor:
+    return torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+
+
+def log10_norms(norms: Sequence[float] | Tensor) -> Tensor:
+    """``log10`` of the norms; zeros become ``-inf`` and non-finite norms stay non-finite."""
+    return _as_float_tensor(norms).log10()
+
+
+def robust_baseline(values: Sequence[float] | Tensor, method: str = "median", beta: float = 0.9) -> float:
+    """A typical value of a series that one outlier cannot drag: its median or its bias-corrected EMA.
+
+    Non-finite entries are ignored. Meant for log-norms: the median of ``log10`` norms is the log of
+    the median norm, and a geometric EMA is far less sensitive to a single spike than an arithmetic one.
+
+    Returns:
+        The baseline, or NaN when no finite value was given.
+    """
+    if method not in ("median", "ema"):
+        raise ValueError(f"`method` must be 'median' or 'ema'; got {method!r}")
+    x = _as_float_tensor(values)
+    x = x[torch.isfinite(x)]
+    if x.numel() == 0:
+        return math.nan
+    if method == "median":
+        return float(x.median())  # the lower median for an even count: a conservative baseline
+    return ema(x, beta)
+
+
+def ema(values: Sequence[float] | Tensor, beta: float = 0.9) -> float:
+    """Exponential moving average with bias correction (``beta`` close to 1 = long memory)."""
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"`beta` must be in [0, 1); got {beta!r}")
+    x = _as_float_tensor(values)
+    if x.numel() == 0:
+        return math.nan
+    n = x.numel()
+    weights = (1.0 - beta) * beta ** torch.arange(n - 1, -1, -1, dtype=torch.float64)
+    return float((weights * x).sum() / (1.0 - beta**n))
+
+
+def spike_ratio(value: float, history: Sequence[float] | Tensor) -> float:
+    """How many times larger ``value`` is than the median of ``history`` (NaN without a usable history).
+
+    A ratio of 10 means "ten times the run's typical norm". The history should not include ``value``.
+    """
+    base = robust_baseline(log10_norms(history))
+    if not math.isfinite(base) or not value > 0:
+        return math.nan
+    return 10.0 ** (math.log10(value) - base)
+
+
+def growth_factor(history: Sequence[float] | Tensor, min_rising: float = 0.7) -> float:
+    """The multiplicative change across a series of norms, if it is a sustained rise; else 1.0.
+
+    The change is read off a least-squares line through ``log10(norm)`` (so one outlier moves it
+    little), ``10 ** (slope * (n - 1))``. A series counts as a sustained rise when at least
+    ``min_rising`` of its consecutive steps go up. Non-finite or zero entries make it 1.0 (no verdict).
+    """
+    y = log10_norms(history)
+    n = y.numel()
+    if n < 3 or not bool(torch.isfinite(y).all()):
+        return 1.0
+    rising = float((y[1:] > y[:-1]).double().mean())
+    if rising < min_rising:
+        return 1.0
+    t = torch.arange(n, dtype=torch.float64)
+    t = t - t.mean()
+    slope = float((t * (y - y.mean())).sum() / (t * t).sum())
+    return 10.0 ** (slope * (n - 1))
+
+
+def depth_ratio(norms_in_depth_order: Sequence[float] | Tensor) -> tuple[float, int, int]:
+    """First-layer over last-layer gradient norm, skipping layers without a gradient (norm 0).
+
+    Args:
+        norms_in_depth_order: per-layer norms, the input side first (forward order).
+
+    Returns:
+        ``(ratio, first, last)``: the ratio and the positions used; ``(nan, -1, -1)`` when fewer than
+        two layers carry a gradient.
+    """
+    x = _as_float_tensor(norms_in_depth_order)
+    live = torch.nonzero(torch.isfinite(x) & (x > 0)).reshape(-1).tolist()
+    if len(live) < 2:
+        return math.nan, -1, -1
+    first, last = live[0], live[-1]
+    return float(x[first] / x[last]), first, last
+
+
+def gradient_flow(norms: Sequence[float] | Tensor) -> Tensor:
+    """``log10(norm / largest norm)`` per layer: 0 for the strongest layer, -3 for one 1000x weaker.
+
+    Layers with a zero norm get ``-inf``; if no layer has a finite positive norm, every entry is NaN.
+    """
+    x = _as_float_tensor(norms)
+    live = x[torch.isfinite(x) & (x > 0)]
+    if live.numel() == 0:
+        return torch.full_like(x, math.nan)
+    return (x / live.max()).log10()
+
+
+def unit_dim(ndim: int, channel_first: bool) -> int:
+    """The dimension that indexes units of an activation with ``ndim`` dimensions.
+
+    ``Linear``-style outputs ``(..., features)`` use the last dimension; ``ConvNd``-style outputs
+    ``(batch, channels, *spatial)`` use dimension 1 (``channel_first``). A 1-D tensor is one sample.
+    """
+    if ndim <= 1:
+        return 0
+    return 1 if channel_first else ndim - 1
+
+
+def _other_dims(x: Tensor, dim: int) -> tuple[int, ...]:
+    return tuple(d for d in range(x.dim()) if d != dim)
+
+
+def activity_counts(activation: Tensor, dim: int) -> tuple[Tensor, int]:
+    """Per unit, how many of its values are non-zero (active), and how many values each unit has.
+
+    For a ReLU output "non-zero" is "positive". One reduction kernel; the counts stay on the device.
+
+    Returns:
+        ``(counts[units] int64, samples_per_unit)``.
+    """
+    x = activation.detach()
+    if x.dim() == 0:
+        x = x.reshape(1)
+    if x.dim() == 1:
+        return (x != 0).long(), 1
+    dims = _other_dims(x, dim)
+    n = x.numel() // max(x.shape[dim], 1)
+    return torch.count_nonzero(x, dim=dims), n
+
+
+def saturation_counts(pre_activation: Tensor, kind: str, dim: int) -> tuple[Tensor, int]:
+    """Per unit, how many inputs of a ``sigmoid``/``tanh`` lie in its saturated zone.
+
+    The zones are :data:`SATURATION_BOUNDS`. Returns ``(counts[units] int64, samples_per_unit)``.
+    """
+    if kind not in SATURATION_BOUNDS:
+        raise ValueError(f"`kind` must be one of {tuple(SATURATION_BOUNDS)}; got {kind!r}")
+    lo, hi = SATURATION_BOUNDS[kind]
+    x = pre_activation.detach()
+    if x.dim() == 0:
+        x = x.reshape(1)
+    outside = (x < lo) | (x > hi)
+    if x.dim() == 1:
+        return outside.long(), 1
+    dims = _other_dims(x, dim)
+    n = x.numel() // max(x.shape[dim], 1)
+    return outside.sum(dim=dims), n
+
+
+def dead_units(active_counts: Sequence[Tensor] | Tensor) -> Tensor:
+    """Units that were never active in any of the given batches (bool per unit).
+
+    Args:
+        active_counts: one per-unit count vector per batch (as from :func:`activity_counts`), or a
+            stacked ``[batches, units]`` tensor. A unit is dead in the window when its count is zero in
+            every batch: it output 0 for every sample the window saw.
+    """
+    if isinstance(active_counts, Tensor):
+        stacked = active_counts.reshape(-1, active_counts.shape[-1]) if active_counts.dim() else active_counts
+    else:
+        if len(active_counts) == 0:
+            raise ValueError("`active_counts` must hold at least one batch")
+        stacked = torch.stack([torch.as_tensor(c) for c in active_counts])
+    return ~(stacked != 0).any(dim=0)

@@ -409,14 +409,17 @@ class OverfitBatchSanity(GradGuardCallback):
 
     # ------------------------------------------------------------------ the check
     def _optimizer(self, trainer: pl.Trainer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        if trainer.optimizers:
-            if len(trainer.optimizers) > 1:
+        from lightning.pytorch.core.optimizer import _MockOptimizer
+
+        real = [o for o in trainer.optimizers if not isinstance(o, _MockOptimizer)]
+        if real:
+            if len(real) > 1:
                 warn_once(
                     trainer,
                     "overfit_batch_many_optimizers",
                     "OverfitBatchSanity trains with the first optimizer only.",
                 )
-            return trainer.optimizers[0]
+            return real[0]
         return torch.optim.Adam(params, lr=self.fallback_lr)
 
     def _ignored(self, name: str) -> bool:

@@ -1,0 +1,305 @@
+"""OverfitBatchSanity: healthy models pass, each broken pipeline fails with its own finding, and the real
+run after the check is bit for bit the run without it."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_gradguard.alerts import GradGuardError
+from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, SanityCheckError
+from tests.conftest import MemoryLogger, make_trainer
+
+
+def loader(
+    n: int = 64, features: int = 8, classes: int = 4, batch_size: int = 16, shuffle: bool = False
+) -> Any:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, features, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle
+    )
+
+
+class Classifier(pl.LightningModule):
+    """A small MLP classifier with one switchable bug."""
+
+    def __init__(self, bug: str | None = None, lr: float = 1e-2, classes: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, classes))
+        self.bug = bug
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[1](self.net[0](x))
+        if self.bug == "detach":
+            h = h.detach()
+        if self.bug == "mix":  # a transpose before a reshape: samples leak into each other
+            h = h.t().reshape(x.shape[0], -1)
+        return self.net[2](h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.bug == "shuffled_labels":  # labels drawn out of step with their inputs on every pass
+            y = y[torch.randperm(y.shape[0])]
+        reduction = "sum" if self.bug == "sum_reduction" else "mean"
+        loss = nn.functional.cross_entropy(self(x), y, reduction=reduction)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        if self.bug == "optimizer_missing_layer":
+            return torch.optim.Adam(self.net[2].parameters(), lr=self.lr)
+        if self.bug == "lr_zero":
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+        if self.bug == "no_optimizer":
+            return None
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def fit(model: pl.LightningModule, check: OverfitBatchSanity, **kw: Any) -> pl.Trainer:
+    trainer = make_trainer([check], **kw)
+    trainer.fit(model, loader())
+    return trainer
+
+
+def kinds(check: OverfitBatchSanity) -> set[str]:
+    assert check.result is not None
+    return {f.kind for f in check.result.findings if f.severity == "error"}
+
+
+def test_healthy_classifier_passes_and_stops_as_soon_as_it_reaches_the_target() -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity(max_steps=300)
+    fit(Classifier(), check)
+    r = check.result
+    assert r is not None and r.passed and r.reached_target and not check.alerts
+    assert r.num_samples == 16 and r.optimizer == "Adam"
+    assert len(r.losses) == r.steps + 1 and len(r.grad_norms) == r.steps
+    assert r.initial_loss == r.losses[0] and r.final_loss == r.losses[-1]
+    assert r.target_loss == pytest.approx(0.1 * r.initial_loss)
+    assert r.final_loss <= r.target_loss and all(v > r.target_loss for v in r.losses[1:-1])
+    assert abs(r.initial_loss - math.log(4)) < 0.5 * math.log(4)
+    assert r.grad_norms[-1] < r.grad_norms[0]
+    assert 0 < r.seconds < 30
+
+
+def test_curve_and_grad_norm_go_to_the_loggers(memory_logger: MemoryLogger) -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity()
+    fit(Classifier(), check, logger=memory_logger, max_steps=1)
+    assert check.result is not None
+    curve = memory_logger.series("preflight/overfit_loss")
+    assert [curve[i] for i in range(len(check.result.losses))] == pytest.approx(check.result.losses)
+    norms = memory_logger.series("preflight/overfit_grad_norm")
+    assert norms[0] == pytest.approx(check.result.grad_norms[0])
+    assert "train_loss" not in {k for _, m in memory_logger.calls[: len(curve)] for k in m}
+
+
+def test_absolute_target() -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity(target=0.5, target_mode="absolute")
+    fit(Classifier(), check, max_steps=1)
+    r = check.result
+    assert r is not None and r.passed and r.target_loss == 0.5
+    assert r.final_loss <= 0.5 < r.losses[-2]
+
+
+@pytest.mark.parametrize(
+    ("bug", "kind", "names", "words"),
+    [
+        ("detach", "unused_parameter", ["net.0.weight", "net.0.bias"], ".detach()"),
+        (
+            "optimizer_missing_layer",
+            "parameter_not_updated",
+            ["net.0.weight", "net.0.bias"],
+            "not in any param group",
+        ),
+        (
+            "lr_zero",
+            "parameter_not_updated",
+            ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"],
+            "lr=0",
+        ),
+        ("sum_reduction", "initial_loss_mismatch", [], "reduction='sum'"),
+        ("shuffled_labels", "overfit_failed", [], "labels not matching their inputs"),
+    ],
+)
+def test_broken_pipeline_fails_with_its_finding(bug: str, kind: str, names: list[str], words: str) -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity(max_steps=150)
+    with pytest.raises(SanityCheckError) as err:
+        fit(Classifier(bug), check)
+    assert isinstance(err.value, GradGuardError)
+    assert check.result is not None and not check.result.passed
+    assert kind in kinds(check)
+    finding = next(f for f in check.result.findings if f.kind == kind)
+    assert sorted(finding.names) == sorted(names)
+    assert words in finding.message + finding.hint
+    assert kind in str(err.value) and "overfit_failed" in {a.kind for a in err.value.alerts}
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_sum_reduction_ratio_is_the_batch_size_and_other_findings_are_silent() -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity(action="warn")
+    fit(Classifier("sum_reduction"), check, max_steps=1)
+    r = check.result
+    assert r is not None
+    (finding,) = [f for f in r.findings if f.kind == "initial_loss_mismatch"]
+    assert finding.data["num_classes"] == 4 and finding.data["ratio"] == pytest.approx(16, rel=0.25)
+    assert finding.data["initial_loss"] == pytest.approx(r.initial_loss)
+    assert kinds(check) == {"initial_loss_mismatch"}  # it still memorises the batch
+
+
+def test_shuffled_labels_stay_at_chance_level() -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity(max_steps=150, action="warn")
+    fit(Classifier("shuffled_labels"), check, max_steps=1)
+    r = check.result
+    assert r is not None and not r.reached_target and r.steps == 150
+    assert abs(r.final_loss - math.log(4)) < 0.35  # the best a model can do: predict the label frequencies
+    assert "curve flat" in next(f.message for f in r.findings if f.kind == "overfit_failed")
+
+
+def test_batch_mixing_is_found_in_eval_mode_and_healthy_model_is_clean() -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity(check_batch_mixing=True, action="warn")
+    fit(Classifier("mix"), check, max_steps=1)
+    assert "batch_mixing" in kinds(check)
+    finding = next(f for f in check.result.findings if f.kind == "batch_mixing")  # type: ignore[union-attr]
+    assert finding.names == ["net.2"] and finding.data["samples_mixed"] > 0
+
+    class WithBatchNorm(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
+
+    torch.manual_seed(0)
+    clean = OverfitBatchSanity(check_batch_mixing=True)
+    fit(WithBatchNorm(), clean, max_steps=1)  # BatchNorm mixes only through batch statistics (train mode)
+    assert clean.result is not None and clean.result.passed
+
+
+def test_warn_action_reports_and_trains_on() -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity(action="warn", max_steps=20)
+    trainer = fit(Classifier("detach"), check, max_steps=3)
+    assert trainer.global_step == 3
+    assert {"unused_parameter", "overfit_failed"} <= {a.kind for a in check.alerts}
+    assert all(a.severity == "error" for a in check.alerts if a.kind == "overfit_failed")
+
+
+def test_fallback_optimizer_when_configure_optimizers_returns_none() -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity(max_steps=300, fallback_lr=1e-2)
+    with pytest.warns(UserWarning, match="optimizer"):
+        fit(Classifier("no_optimizer"), check, max_steps=1)
+    assert check.result is not None and check.result.optimizer == "Adam" and check.result.passed
+
+
+def test_ignore_parameters_silences_a_deliberately_unused_head() -> None:
+    class Unused(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.aux = nn.Linear(8, 2)
+
+    torch.manual_seed(0)
+    check = OverfitBatchSanity(ignore_parameters=["aux.*"])
+    fit(Unused(), check, max_steps=1)
+    assert check.result is not None and check.result.passed
+    torch.manual_seed(0)
+    strict = OverfitBatchSanity(action="warn")
+    fit(Unused(), strict, max_steps=1)
+    assert next(f.names for f in strict.result.findings if f.kind == "unused_parameter") == [  # type: ignore[union-attr]
+        "aux.weight",
+        "aux.bias",
+    ]
+
+
+class Stochastic(pl.LightningModule):
+    """Everything a few trial steps could disturb: dropout (RNG), BatchNorm (buffers), Adam moments, a
+    scheduler, a shuffling loader (RNG at every epoch), NumPy and Python randomness in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 4)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = x + float(np.random.rand()) * 1e-3 + random.random() * 1e-3
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+
+
+def _final_state(callbacks: list[Any]) -> tuple[dict[str, torch.Tensor], int, float]:
+    pl.seed_everything(123, verbose=False)
+    model = Stochastic()
+    trainer = make_trainer(callbacks, max_epochs=2)
+    trainer.fit(model, loader(shuffle=True))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def test_exact_restore_the_real_run_is_bit_identical_to_one_without_the_check() -> None:
+    base, base_steps, base_lr = _final_state([])
+    check = OverfitBatchSanity(max_steps=50, action="warn")
+    after, steps, lr = _final_state([check])
+    assert check.result is not None and check.result.steps > 0  # the check really trained
+    assert steps == base_steps == 8 and lr == base_lr
+    assert base.keys() == after.keys()
+    for k in base:  # atol=0: bit for bit
+        assert torch.equal(base[k], after[k]), k
+
+
+def test_manual_optimization_is_skipped_with_a_warning() -> None:
+    class Manual(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            opt.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(nn.functional.cross_entropy(self(batch[0]), batch[1]))
+            opt.step()  # type: ignore[union-attr]
+
+    check = OverfitBatchSanity()
+    with pytest.warns(UserWarning, match="automatic optimization"):
+        fit(Manual(), check, max_steps=1)
+    assert check.result is None and not check.alerts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"max_steps": 0}, "max_steps"),
+        ({"target": 1.5}, "target"),
+        ({"target": 0.0}, "target"),
+        ({"target_mode": "percent"}, "target_mode"),
+        ({"max_samples": 0}, "max_samples"),
+        ({"num_classes": 1}, "num_classes"),
+        ({"initial_loss_tolerance": 0}, "initial_loss_tolerance"),
+        ({"fallback_lr": -1.0}, "fallback_lr"),
+        ({"ignore_parameters": "aux.*"}, "ignore_parameters"),
+        ({"check_batch_mixing": "yes"}, "check_batch_mixing"),
+        ({"action": "explode"}, "action"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        OverfitBatchSanity(**kwargs)

@@ -120,13 +120,21 @@ class _GraphOwners:
             h.remove()
         self.handles = []
 
-    def upstream_parameters(self, targets: list[str]) -> set[int]:
-        """``id`` of every leaf tensor whose gradient passes through a node owned by one of ``targets``."""
+    def upstream_parameters(self, targets: list[str], names: dict[str, nn.Module]) -> set[int]:
+        """``id`` of every leaf tensor whose gradient passes through a hand-written backward in ``targets``.
 
-        def inside(owner: str) -> bool:
-            return any(t == "" or owner == t or owner.startswith(t + ".") for t in targets)
+        The walk starts at the custom-Function and backward-hook nodes created inside each target (a
+        target with neither and no parameters of its own: at every node it created) and follows the
+        graph to the leaves.
+        """
+        from torch.autograd.function import BackwardCFunction
 
-        todo = [node for node, owner in self.owner.items() if inside(owner)]
+        todo: list[Any] = []
+        for t in targets:
+            own = [n for n, o in self.owner.items() if t == "" or o == t or o.startswith(t + ".")]
+            custom = [n for n in own if isinstance(n, BackwardCFunction)]
+            has_params = any(True for _ in names[t].parameters())
+            todo.extend(custom if custom or has_params else own)
         seen: set[int] = set()
         found: set[int] = set()
         while todo:
@@ -305,8 +313,10 @@ def gradient_check(
     model); otherwise the modules whose forward applies a custom ``autograd.Function`` (see
     :func:`find_custom_functions`) or that carry a backward hook; if there are none, the whole model.
     Checked are the target modules' own parameters *and* every parameter whose gradient flows through
-    a node their forward created (found by walking the autograd graph): a wrong input gradient of a
-    custom Function (or of a parameter-free one, e.g. a custom activation) shows up only upstream.
+    a custom Function or backward hook their forward created (found by walking the autograd graph): a
+    wrong *input* gradient of a custom Function (e.g. a parameter-free custom activation) shows up only
+    upstream. A target with neither and no parameters of its own is checked through every parameter
+    upstream of it.
 
     Args:
         module: the model (a ``LightningModule`` or any ``nn.Module``).
@@ -434,7 +444,7 @@ def _check(
     targets = list(modules) if modules is not None else sorted(set(custom) | set(hooked))
     if not targets:
         targets = [""]
-    chosen = owners.upstream_parameters(targets)
+    chosen = owners.upstream_parameters(targets, names)
     del owners
     for t in targets:
         chosen.update(id(p) for p in names[t].parameters())

@@ -1,0 +1,353 @@
+"""GradientCheck and the gradcheck math: deliberately wrong custom autograd Functions are found and named,
+correct ones pass, and neither the model nor the RNG is disturbed."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_gradguard.callbacks.gradient_check import (
+    GradientCheck,
+    find_custom_functions,
+    gradient_check,
+)
+from lightning_gradguard.callbacks.overfit_batch import SanityCheckError
+from lightning_gradguard.functional.gradcheck import (
+    finite_difference_check,
+    observed_order,
+    relative_error,
+    sample_coordinates,
+    taylor_test,
+)
+from tests.conftest import make_trainer
+
+# ------------------------------------------------------------------------- custom Functions under test
+
+
+class LinearFn(torch.autograd.Function):
+    """y = x W^T + b with a hand-written backward; ``bug`` selects a deliberate mistake."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, bug: str | None) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.bug = bug
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        x, w = ctx.saved_tensors
+        grad_x = grad_out @ w
+        grad_w = grad_out.t() @ x
+        if ctx.bug == "missing_factor":
+            grad_w = 0.5 * grad_w
+        if ctx.bug == "wrong_transpose":  # (x^T g) instead of (g^T x): same shape for a square W
+            grad_w = x.t() @ grad_out
+        if ctx.bug == "wrong_input_grad":
+            grad_x = grad_out @ w.t()
+        return grad_x, grad_w, grad_out.sum(0), None
+
+
+class CustomLinear(nn.Module):
+    def __init__(self, size: int, bug: str | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(size, size) / size**0.5)
+        self.bias = nn.Parameter(torch.randn(size) * 0.1)
+        self.bug = bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return LinearFn.apply(x, self.weight, self.bias, self.bug)
+
+
+class SoftplusFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bug: bool) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.bug = bug
+        return nn.functional.softplus(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
+        (x,) = ctx.saved_tensors
+        slope = torch.sigmoid(x)
+        return grad_out * (slope * 2 if ctx.bug else slope), None
+
+
+class CustomSoftplus(nn.Module):
+    def __init__(self, bug: bool = False) -> None:
+        super().__init__()
+        self.bug = bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return SoftplusFn.apply(x, self.bug)
+
+
+def net(bug: str | None = None, act_bug: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 8), CustomSoftplus(act_bug), CustomLinear(8, bug), nn.Tanh(), nn.Linear(8, 3)
+    )
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def ce(model: nn.Module, b: Any) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(b[0]), b[1])
+
+
+# ------------------------------------------------------------------------- pure math
+
+
+def test_relative_error_formula() -> None:
+    assert relative_error(1.0, 1.0) == 0.0
+    assert relative_error(2.0, 1.0) == pytest.approx(0.5)
+    assert relative_error(-1.0, 1.0) == pytest.approx(2.0)
+    assert relative_error(1e-12, 0.0) == pytest.approx(1e-4)  # |a-n| / tiny
+    assert relative_error(math.nan, 1.0) == math.inf
+    with pytest.raises(ValueError, match="`tiny`"):
+        relative_error(1.0, 1.0, tiny=0.0)
+
+
+def test_taylor_order_is_two_for_the_true_gradient_and_one_for_a_wrong_one() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 4, dtype=torch.float64, generator=g)
+    x = torch.randn(7, 4, dtype=torch.float64, generator=g)
+
+    def loss() -> torch.Tensor:
+        return torch.tanh(x @ w.t()).pow(2).mean()
+
+    true_grad = (2 * torch.tanh(x @ w.t()) * (1 - torch.tanh(x @ w.t()) ** 2)).t() @ x / x.shape[0] / 5
+    w_before = w.clone()
+    good = taylor_test(loss, [w], [true_grad], generator=torch.Generator().manual_seed(1))
+    bad = taylor_test(loss, [w], [true_grad * 0.9], generator=torch.Generator().manual_seed(1))
+    assert torch.equal(w, w_before)  # restored bit for bit
+    assert good.passed and good.order == pytest.approx(2.0, abs=0.05)
+    assert not bad.passed and bad.order == pytest.approx(1.0, abs=0.1)
+    assert len(good.remainders) == len(good.hs) == 6 and good.evaluations == 7
+    # the remainder of the true gradient is h^2 * v^T H v / 2: ratio 4 between successive halvings
+    ratios = [a / b for a, b in zip(good.remainders, good.remainders[1:], strict=False)]
+    assert ratios[-1] == pytest.approx(4.0, rel=0.05)
+
+
+def test_taylor_remainder_at_rounding_level_passes_without_an_order() -> None:
+    w = torch.randn(3, dtype=torch.float64)
+    c = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    result = taylor_test(lambda: (c * w).sum(), [w], [c])  # linear: the Taylor remainder is exactly 0
+    assert result.passed and math.isnan(result.order)
+    assert observed_order([1.0, 0.5], [1.0, 0.25]) == pytest.approx(2.0)
+    assert math.isnan(observed_order([1.0, 0.5], [1e-20, 1e-20], floor=1e-15))
+
+
+def test_finite_differences_match_a_closed_form_gradient() -> None:
+    a = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=torch.float64)
+    w = torch.tensor([[0.5, -1.0, 2.0], [0.1, 0.0, -0.3]], dtype=torch.float64)
+
+    def loss() -> torch.Tensor:
+        return (a * w**3).sum()
+
+    exact = 3 * a * w**2  # independent of autograd
+    idx = list(range(6))
+    ok = finite_difference_check(loss, w, exact, idx)
+    assert ok.max_error < 1e-8 and ok.evaluations == 13
+    assert ok.numeric == pytest.approx(exact.reshape(-1).tolist(), rel=1e-8, abs=1e-9)
+    wrong = exact.clone()
+    wrong[1, 2] *= 3
+    bad = finite_difference_check(loss, w, wrong, idx)
+    assert bad.indices[bad.worst] == 5 and bad.max_error == pytest.approx(2 / 3, rel=1e-6)
+
+
+def test_sample_coordinates_takes_the_largest_then_random_distinct_ones() -> None:
+    grad = torch.zeros(100)
+    grad[[7, 42, 99]] = torch.tensor([5.0, -9.0, 1.0])
+    idx = sample_coordinates(grad, 100, 6, torch.Generator().manual_seed(0))
+    assert idx[:3] == [42, 7, 99] and len(set(idx)) == 6
+    assert sorted(sample_coordinates(grad[:3], 3, 10)) == [0, 1, 2]
+    assert sorted(sample_coordinates(None, 3, 10)) == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------- detection
+
+
+def test_custom_functions_are_attributed_to_the_module_that_applies_them() -> None:
+    model = net()
+    x, _ = batch()
+    found = find_custom_functions(model, lambda: model(x))
+    assert found == {"1": ["SoftplusFn"], "2": ["LinearFn"]}
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = net()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return SoftplusFn.apply(self.inner(x), False)  # applied by Outer itself
+
+    outer = Outer()
+    assert find_custom_functions(outer, lambda: outer(x)) == {
+        "": ["SoftplusFn"],
+        "inner.1": ["SoftplusFn"],
+        "inner.2": ["LinearFn"],
+    }
+    plain = nn.Sequential(nn.Linear(6, 3), nn.ReLU())
+    assert find_custom_functions(plain, lambda: plain(x)) == {}
+
+
+# ------------------------------------------------------------------------- gradient_check
+
+
+def test_correct_custom_functions_pass() -> None:
+    model = net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    result = gradient_check(model, batch(), ce)
+    assert result.passed and not result.failures
+    assert result.targets == ["1", "2"]
+    # the custom layer's own parameters and everything upstream of the custom Functions
+    assert [p.name for p in result.parameters] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert all(p.max_rel_error < 1e-5 for p in result.parameters)
+    assert all(p.taylor_order == pytest.approx(2.0, abs=0.2) for p in result.parameters)
+    assert all(p.checked for p in result.parameters)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():  # the model itself is untouched (float32, same values)
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k])
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("bug", ["missing_factor", "wrong_transpose"])
+def test_wrong_weight_gradient_is_found_and_named(bug: str) -> None:
+    result = gradient_check(net(bug), batch(), ce)
+    assert not result.passed
+    assert [p.name for p in result.failures] == ["2.weight"]
+    (bad,) = result.failures
+    assert bad.max_rel_error > 1e-2 and bad.taylor_order < 1.5
+    if bug == "missing_factor":
+        assert bad.max_rel_error == pytest.approx(0.5, rel=1e-4)
+        assert bad.analytic == pytest.approx(0.5 * bad.numeric, rel=1e-4)
+    assert bad.worst_index is not None and len(bad.worst_index) == 2
+
+
+def test_wrong_input_gradients_show_upstream() -> None:
+    result = gradient_check(net("wrong_input_grad"), batch(), ce)
+    assert {p.name for p in result.failures} == {"0.weight", "0.bias"}
+    result = gradient_check(net(act_bug=True), batch(), ce)  # a parameter-free custom activation
+    assert {p.name for p in result.failures} == {"0.weight", "0.bias"}
+
+
+def test_without_custom_functions_everything_is_checked() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3))
+    result = gradient_check(model, batch(), ce, max_samples=8)
+    assert result.passed and result.targets == [""]
+    assert [p.name for p in result.parameters] == [n for n, _ in model.named_parameters()]
+
+
+def test_backward_hook_that_rescales_is_a_target_and_is_caught() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[2].register_full_backward_hook(lambda m, gin, gout: (gin[0] * 3,))
+    result = gradient_check(model, batch(), ce)
+    assert result.hooked_modules == ["2"] and result.targets == ["2"]
+    assert {p.name for p in result.failures} == {"0.weight", "0.bias"}
+
+
+def test_user_chosen_modules_and_the_evaluation_budget() -> None:
+    result = gradient_check(net(), batch(), ce, modules=["4"])
+    assert [p.name for p in result.parameters] == ["4.weight", "4.bias"]  # a standard layer: its own
+    tanh = gradient_check(net(), batch(), ce, modules=["3"])  # parameter-free: everything upstream of it
+    assert [p.name for p in tanh.parameters] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    small = gradient_check(net(), batch(), ce, modules=[""], max_evaluations=40, samples_per_tensor=6)
+    assert small.evaluations <= 40 and small.skipped
+    assert all(len(p.checked) == 1 for p in small.parameters)
+    assert len(small.parameters) + len(small.skipped) == 6
+    with pytest.raises(ValueError, match="`modules`"):
+        gradient_check(net(), batch(), ce, modules=["nope"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"max_samples": 0}, "max_samples"),
+        ({"samples_per_tensor": 0}, "samples_per_tensor"),
+        ({"max_evaluations": 0}, "max_evaluations"),
+        ({"tolerance": 0.0}, "tolerance"),
+        ({"min_order": -1.0}, "min_order"),
+        ({"eps": 0.0}, "eps"),
+        ({"seed": -1}, "seed"),
+        ({"modules": "2"}, "modules"),
+        ({"action": "explode"}, "action"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_them(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        GradientCheck(**kwargs)
+    if name != "action":
+        with pytest.raises(ValueError, match=f"`{name}`"):
+            gradient_check(net(), batch(), ce, **kwargs)
+
+
+def test_plain_module_needs_a_loss_fn() -> None:
+    with pytest.raises(ValueError, match="`loss_fn`"):
+        gradient_check(net(), batch())
+
+
+# ------------------------------------------------------------------------- callback
+
+
+class Lit(pl.LightningModule):
+    def __init__(self, bug: str | None = None) -> None:
+        super().__init__()
+        self.net = net(bug)
+
+    def training_step(self, b: Any, batch_idx: int) -> torch.Tensor:
+        loss = ce(self.net, b)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader() -> Any:
+    x, y = batch()
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, shuffle=True)
+
+
+def test_callback_raises_naming_the_parameter() -> None:
+    check = GradientCheck()
+    with pytest.raises(SanityCheckError) as err:
+        make_trainer([check]).fit(Lit("missing_factor"), loader())
+    assert [a.kind for a in err.value.alerts] == ["gradient_mismatch"]
+    alert = err.value.alerts[0]
+    assert alert.where == "net.2.weight" and alert.data["relative_error"] == pytest.approx(0.5, rel=1e-3)
+    assert "net.2.weight" in str(err.value) and "Taylor order" in str(err.value)
+    assert check.result is not None and check.result.targets == ["net.1", "net.2"]
+
+
+def test_callback_passes_and_leaves_the_run_bit_identical() -> None:
+    def run(callbacks: list[Any]) -> dict[str, torch.Tensor]:
+        pl.seed_everything(7, verbose=False)
+        model = Lit()
+        make_trainer(callbacks, max_epochs=2).fit(model, loader())
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    check = GradientCheck()
+    with_check, without = run([check]), run([])
+    assert check.result is not None and check.result.passed and not check.alerts
+    assert check.result.evaluations > 20
+    for k in without:
+        assert torch.equal(with_check[k], without[k]), k
+
+
+def test_callback_warn_action_trains_on() -> None:
+    check = GradientCheck(action="warn")
+    trainer = make_trainer([check], max_steps=2)
+    trainer.fit(Lit("wrong_transpose"), loader())
+    assert trainer.global_step == 2
+    assert [a.where for a in check.alerts] == ["net.2.weight"]

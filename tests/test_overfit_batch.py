@@ -3,8 +3,10 @@ run after the check is bit for bit the run without it."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +18,7 @@ from torch import nn
 from lightning_gradguard.alerts import GradGuardError
 from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, SanityCheckError
 from tests.conftest import MemoryLogger, make_trainer
+from tests.test_ddp import run_ddp_script
 
 
 def loader(
@@ -303,3 +306,15 @@ def test_manual_optimization_is_skipped_with_a_warning() -> None:
 def test_bad_arguments_raise_value_error_naming_them(kwargs: dict[str, Any], name: str) -> None:
     with pytest.raises(ValueError, match=f"`{name}`"):
         OverfitBatchSanity(**kwargs)
+
+
+def test_ddp_two_processes_reach_the_same_verdict_without_hanging(tmp_path: Path) -> None:
+    proc = run_ddp_script("ddp_preflight.py", tmp_path, timeout=120)  # a hang would time out here
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["error"] for r in results] == ["SanityCheckError", "SanityCheckError"], proc.stderr[-4000:]
+    assert [r["gradient_check_passed"] for r in results] == [True, True]
+    assert [r["overfit_passed"] for r in results] == [True, False]  # only rank 1's labels are broken
+    assert [r["global_step"] for r in results] == [0, 0]
+    assert "another rank" in results[0]["message"] and "overfit_failed" in results[0]["kinds"]
+    assert "curve flat" in results[1]["message"]
+    assert abs(results[0]["time"] - results[1]["time"]) < 10

@@ -29,6 +29,8 @@ from lightning_gradguard.functional.stats import suggest_clip_value
 __all__ = ["VanishingExplodingDetector"]
 
 _MAX_NAMED = 5
+#: a spike must also beat the largest recent norm by this factor (heavy-tailed healthy runs stay below)
+_SPIKE_OVER_MAX = 2.0
 
 _EXPLODING_HINT = (
     "Clip gradients: Trainer(gradient_clip_val={clip:g}) ({clip_why}). Lower the learning rate (try 10x "
@@ -73,7 +75,9 @@ class VanishingExplodingDetector(GradGuardCallback):
 
     * the total norm exceeds ``max_norm`` (the usual red line is 100);
     * after ``warmup_checks`` checks, the total norm is more than ``spike_factor`` times the median of
-      this run's own recent norms (a robust baseline of the log-norm);
+      this run's own recent norms (a robust baseline of the log-norm) and more than twice the largest of
+      them (healthy runs late in training are heavy-tailed: norms spread over two decades are normal). A
+      spike is kept out of the baseline until it has been reported;
     * over the last ``growth_window`` checks the norm rose steadily by more than ``growth_factor``.
 
     **Vanishing** (alert ``vanishing_gradient``, severity error) when, on ``patience`` consecutive checks,
@@ -279,7 +283,11 @@ class VanishingExplodingDetector(GradGuardCallback):
             if alert is not None:
                 self._last_alert[key] = step
                 alerts.append(alert)
-        if math.isfinite(verdict["total"]) and verdict["total"] > 0:
+        # a spike does not move the baseline it is measured against, until it has been reported
+        adopt = (
+            not verdict.get("spike") or self.strikes.get(f"{opt_idx}:exploding_gradient", 0) >= self.patience
+        )
+        if adopt and math.isfinite(verdict["total"]) and verdict["total"] > 0:
             hist = self.history.setdefault(opt_idx, [])
             hist.append(verdict["total"])
             del hist[: -self.history_size]
@@ -319,13 +327,16 @@ class VanishingExplodingDetector(GradGuardCallback):
             }
         if self.max_norm is not None and total > self.max_norm:
             exploding.append(f"the total norm exceeds max_norm={self.max_norm:g}")
+        spike = False
         if self.spike_factor is not None and len(hist) >= self.warmup_checks:
             ratio = spike_ratio(total, hist)
+            record = total / max(hist)
             data["spike_ratio"] = ratio
-            if ratio > self.spike_factor:
+            if ratio > self.spike_factor and record > _SPIKE_OVER_MAX:
+                spike = True
                 exploding.append(
-                    f"it is {ratio:.3g}x the median of the last {len(hist)} checked steps "
-                    f"(spike_factor={self.spike_factor:g})"
+                    f"it is {ratio:.3g}x the median and {record:.3g}x the largest of the last {len(hist)} "
+                    f"checked norms (spike_factor={self.spike_factor:g})"
                 )
         if self.growth_factor is not None and len(hist) + 1 >= self.growth_window:
             g = growth_factor([*hist[-(self.growth_window - 1) :], total])
@@ -339,19 +350,27 @@ class VanishingExplodingDetector(GradGuardCallback):
         top = [i for i in order if values[i] > 0][:_MAX_NAMED]
 
         vanishing: list[str] = []
-        low: dict[int, str] = {}
+        low: set[int] = set()
         flow = gradient_flow(norms).tolist()
         live = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
         if self.min_rms is not None:
-            for i in live:
-                rms = values[i] / math.sqrt(max(numels[i], 1))
-                if rms < self.min_rms:
-                    low.setdefault(i, f"RMS gradient {rms:.2e} < min_rms={self.min_rms:g}")
+            rms = {i: values[i] / math.sqrt(max(numels[i], 1)) for i in live}
+            under = [i for i in live if rms[i] < self.min_rms]
+            if under:
+                low.update(under)
+                vanishing.append(
+                    f"RMS gradient below min_rms={self.min_rms:g} in "
+                    + _named([labels[i] for i in under], [rms[i] for i in under], "RMS {:.2e}")
+                )
         if self.relative_floor is not None:
             floor = math.log10(self.relative_floor)
-            for i in live:
-                if flow[i] < floor:
-                    low.setdefault(i, f"{10 ** flow[i]:.2e} of the largest layer norm")
+            under = [i for i in live if flow[i] < floor]
+            if under:
+                low.update(under)
+                vanishing.append(
+                    f"norm below relative_floor={self.relative_floor:g} of the largest layer's in "
+                    + _named([labels[i] for i in under], [10 ** flow[i] for i in under], "{:.2e} of it")
+                )
         if self.depth_ratio_floor is not None:
             in_order = sorted(
                 (self.forward_order[n], i) for i, n in enumerate(labels) if n in self.forward_order
@@ -363,18 +382,14 @@ class VanishingExplodingDetector(GradGuardCallback):
                 data["first_last_ratio"] = ratio
                 data["first_layer_norm"] = values[first]
                 if ratio < self.depth_ratio_floor and values[first] < self.first_layer_floor:
+                    low.add(first)
                     vanishing.append(
                         f"the first layer {labels[first]} has {ratio:.2e} of the last layer "
-                        f"{labels[last]}'s norm ({values[first]:.2e} vs {values[last]:.2e})"
+                        f"{labels[last]}'s norm ({values[first]:.2e} vs {values[last]:.2e}; floors "
+                        f"{self.depth_ratio_floor:g} and {self.first_layer_floor:g})"
                     )
-                    low.setdefault(first, "first layer")
-        if low:
-            names = [labels[i] for i in sorted(low)]
-            vanishing.append(
-                "layers far below the run's scale: "
-                + _named(names, [values[i] for i in sorted(low)], "{:.2e}")
-            )
         return {
+            "spike": spike,
             "exploding": exploding,
             "vanishing": vanishing,
             "vanishing_layers": [labels[i] for i in sorted(low)],

@@ -1,0 +1,302 @@
+"""VanishingExplodingDetector in real Trainer runs, against norms the modules compute themselves."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import MemoryLogger, RecordingMLP, make_trainer, random_loader
+from torch import nn
+
+from lightning_gradguard import GradientNormLogger
+from lightning_gradguard.alerts import GradGuardError
+from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+from lightning_gradguard.functional.health import (
+    depth_ratio,
+    ema,
+    gradient_flow,
+    growth_factor,
+    robust_baseline,
+    spike_ratio,
+)
+
+
+# ---------------------------------------------------------------------------------------------- pure math
+def test_robust_baseline_ignores_one_outlier_and_nonfinite() -> None:
+    values = [1.0, 2.0, 3.0, 1000.0, float("nan")]
+    assert robust_baseline(values) == 2.0  # the lower median of the four finite values
+    assert math.isnan(robust_baseline([float("inf")]))
+    beta = 0.5  # bias-corrected EMA of [1, 3]: (0.5*0.5*1 + 0.5*3) / (1 - 0.25)
+    assert ema([1.0, 3.0], beta) == pytest.approx((0.25 * 1 + 0.5 * 3) / 0.75)
+    assert robust_baseline([1.0, 3.0], "ema", beta) == pytest.approx(ema([1.0, 3.0], beta))
+    with pytest.raises(ValueError, match="`method`"):
+        robust_baseline(values, "mean")
+
+
+def test_spike_ratio_is_against_the_median() -> None:
+    hist = [0.1, 0.2, 0.4, 0.8, 1.6]
+    assert spike_ratio(4.0, hist) == pytest.approx(4.0 / 0.4)
+    assert math.isnan(spike_ratio(1.0, []))
+
+
+def test_growth_factor_of_a_geometric_series_and_of_noise() -> None:
+    assert growth_factor([2.0**i for i in range(10)]) == pytest.approx(2.0**9)
+    assert growth_factor([1.0, 5.0, 1.0, 5.0, 1.0, 5.0]) == 1.0  # half the steps fall: not sustained
+    assert growth_factor([1.0, 0.0, 2.0]) == 1.0  # a zero norm gives no verdict
+
+
+def test_depth_ratio_skips_layers_without_gradient() -> None:
+    ratio, first, last = depth_ratio([0.0, 1e-6, 0.5, 2.0, 0.0])
+    assert (first, last) == (1, 3) and ratio == pytest.approx(5e-7)
+    assert math.isnan(depth_ratio([0.0, 3.0])[0])
+
+
+def test_gradient_flow_is_log10_relative_to_the_largest() -> None:
+    flow = gradient_flow([1.0, 1e-3, 10.0, 0.0])
+    assert flow[:3].tolist() == pytest.approx([-1.0, -4.0, 0.0])
+    assert flow[3] == float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------- modules
+class Scheduled(RecordingMLP):
+    """RecordingMLP whose loss is multiplied by ``scale(step)``: the gradients scale exactly with it."""
+
+    def __init__(self, scale: Callable[[int], float], lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        self.scale = scale
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        return loss * self.scale(self.trainer.global_step)
+
+
+def one_batch_loader(steps: int) -> Any:
+    """The same batch ``steps`` times: with lr=0 every step sees the same base gradient."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+    ds = torch.utils.data.TensorDataset(x.repeat(steps, 1), y.repeat(steps))
+    return torch.utils.data.DataLoader(ds, batch_size=8)
+
+
+def fit(model: Any, det: VanishingExplodingDetector, loader: Any, logger: Any = None, **kw: Any) -> Any:
+    trainer = make_trainer([det], logger, **kw)
+    trainer.fit(model, loader)
+    return trainer
+
+
+def every_step(**kwargs: Any) -> VanishingExplodingDetector:
+    return VanishingExplodingDetector(check_every_n_steps=1, dense_steps=0, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- exploding
+def test_healthy_run_raises_nothing(memory_logger: MemoryLogger) -> None:
+    det = VanishingExplodingDetector()
+    fit(RecordingMLP(), det, random_loader(n=800), memory_logger)
+    assert det.alerts == []
+    assert len(det.history[0]) > 20
+
+
+def test_sustained_spike_is_reported_one_check_after_onset_with_the_true_numbers() -> None:
+    model = Scheduled(lambda s: 1.0 if s < 30 else 1e3)
+    det = every_step(max_norm=None, growth_factor=None)
+    fit(model, det, random_loader(n=320))
+    assert [(a.kind, a.step) for a in det.alerts] == [("exploding_gradient", 31)]
+    alert = det.alerts[0]
+    before = sorted(model.true_total[s] for s in range(30))
+    assert alert.data["spike_ratio"] == pytest.approx(model.true_total[31] / before[14], rel=1e-4)
+    layers = model.true_layers[31]
+    assert alert.where == max(layers, key=layers.__getitem__)
+    assert alert.severity == "error" and "gradient_clip_val=" in alert.hint
+    # the suggested clip comes from the healthy norms before the spike, far below the spike
+    assert alert.data["suggested_clip_val"] < 2 * max(before)
+
+
+def test_a_single_spike_needs_patience_one() -> None:
+    def scale(s: int) -> float:
+        return 1e3 if s == 30 else 1.0
+
+    # lr=0: the spike does not damage the weights (with a real lr the next steps explode for real)
+    quiet = every_step(max_norm=None, growth_factor=None)
+    fit(Scheduled(scale, lr=0.0), quiet, random_loader(n=320))
+    assert quiet.alerts == []
+    eager = every_step(max_norm=None, growth_factor=None, patience=1)
+    fit(Scheduled(scale, lr=0.0), eager, random_loader(n=320))
+    assert [(a.kind, a.step) for a in eager.alerts] == [("exploding_gradient", 30)]
+
+
+def test_ceiling_fires_from_the_first_steps_and_suggests_a_default_clip() -> None:
+    model = Scheduled(lambda s: 500.0)
+    det = VanishingExplodingDetector(max_norm=20.0)
+    fit(model, det, random_loader(n=80))
+    assert model.true_total[0] > 20 and model.true_total[1] > 20
+    assert [(a.kind, a.step) for a in det.alerts] == [("exploding_gradient", 1)]
+    assert det.alerts[0].data["suggested_clip_val"] == 1.0
+    assert det.alerts[0].data["total_norm"] == pytest.approx(model.true_total[1], rel=1e-5)
+
+
+def test_sustained_growth_without_ceiling_or_spike() -> None:
+    model = Scheduled(lambda s: 2.0**s, lr=0.0)
+    det = every_step(max_norm=None, spike_factor=None, growth_factor=100.0, growth_window=10)
+    fit(model, det, one_batch_loader(14))
+    assert [(a.kind, a.step) for a in det.alerts] == [("exploding_gradient", 10)]
+    assert det.alerts[0].data["growth_factor"] == pytest.approx(2.0**9, rel=1e-4)
+    assert model.true_total[10] / model.true_total[1] == pytest.approx(2.0**9, rel=1e-4)
+
+
+def test_action_raise_and_stop() -> None:
+    with pytest.raises(GradGuardError, match="exploding_gradient"):
+        fit(
+            Scheduled(lambda s: 500.0),
+            VanishingExplodingDetector(max_norm=20.0, action="raise"),
+            random_loader(),
+        )
+    trainer = fit(
+        Scheduled(lambda s: 500.0), VanishingExplodingDetector(max_norm=20.0, action="stop"), random_loader()
+    )
+    assert trainer.global_step == 2  # stopped after the step that raised the alert
+
+
+# ---------------------------------------------------------------------------------------------- vanishing
+def test_tiny_gradients_are_vanishing_by_the_absolute_floor() -> None:
+    model = Scheduled(lambda s: 1e-12)
+    det = VanishingExplodingDetector()
+    fit(model, det, random_loader(n=80))
+    assert [(a.kind, a.step) for a in det.alerts] == [("vanishing_gradient", 1)]
+    assert det.alerts[0].where == "net.0,net.2"
+    assert "RMS" in det.alerts[0].message
+
+
+class ReversedNames(RecordingMLP):
+    """Registered (and named) output-first; the forward order is the reverse. The input is tiny, so the
+    first layer (``z_in``, no bias) gets a gradient a million times smaller than the last (``a_out``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.net
+        self.a_out = nn.Linear(16, 4)
+        self.m_mid = nn.Linear(16, 16)
+        self.z_in = nn.Linear(8, 16, bias=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = torch.tanh(self.z_in(x * 1e-6) + 1.0)  # dL/dW = delta x^T: a millionth of the usual
+        return nn.functional.cross_entropy(self.a_out(torch.tanh(self.m_mid(h))), y)
+
+
+def test_depth_ratio_follows_forward_order_not_names() -> None:
+    model = ReversedNames()
+    det = VanishingExplodingDetector(min_rms=None, relative_floor=None)
+    fit(model, det, random_loader(n=80))
+    assert det.forward_order == {"a_out": 2, "m_mid": 1, "z_in": 0}
+    assert [(a.kind, a.step, a.where) for a in det.alerts] == [("vanishing_gradient", 1, "z_in")]
+    truth = model.true_layers[1]
+    assert det.alerts[0].data["first_last_ratio"] == pytest.approx(truth["z_in"] / truth["a_out"], rel=1e-4)
+    assert truth["z_in"] < 1e-4
+
+
+class WithDeadWeight(RecordingMLP):
+    """A frozen layer, an unused layer and a layer whose gradient is exactly zero: none is 'vanishing'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(8, 8)
+        self.zeroed = nn.Linear(8, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(self.frozen(x)) + 0.0 * self.zeroed(x)
+        return nn.functional.cross_entropy(logits, y)
+
+
+def test_layers_without_gradient_are_never_vanishing(memory_logger: MemoryLogger) -> None:
+    det = VanishingExplodingDetector()
+    fit(WithDeadWeight(), det, random_loader(n=160), memory_logger)
+    assert det.alerts == []
+    tags = {t for _, m in memory_logger.calls for t in m if t.startswith("grad_flow/")}
+    assert tags == {"grad_flow/net.0", "grad_flow/net.2"}  # zero norm: no finite point; frozen/unused: none
+
+
+def test_gradient_flow_scalars_equal_independent_computation(memory_logger: MemoryLogger) -> None:
+    model = RecordingMLP()
+    det = VanishingExplodingDetector(log_every_n_steps=3)
+    fit(model, det, random_loader(n=160), memory_logger)
+    series = {layer: memory_logger.series(f"grad_flow/{layer}") for layer in ("net.0", "net.2")}
+    assert sorted(series["net.0"]) == [0, 3, 6, 9, 12, 15, 18]
+    for step in series["net.0"]:
+        truth = model.true_layers[step]
+        top = max(truth.values())
+        for layer, values in series.items():
+            assert values[step] == pytest.approx(math.log10(truth[layer] / top), abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- plumbing
+def test_cadence_dense_then_every_n() -> None:
+    det = VanishingExplodingDetector(check_every_n_steps=5, dense_steps=3)
+    assert [s for s in range(16) if det.due(s)] == [0, 1, 2, 5, 10, 15]
+
+
+def test_shares_the_gradient_pass_with_the_logger(tmp_path: Path) -> None:
+    import lightning_gradguard._shared as shared
+
+    calls: list[int] = []
+    original = shared.foreach_norms
+
+    def counting(tensors: Any, norm_type: float = 2.0) -> torch.Tensor:
+        calls.append(len(tensors))
+        return original(tensors, norm_type)
+
+    shared.foreach_norms = counting  # type: ignore[assignment]
+    try:
+        callbacks = [
+            VanishingExplodingDetector(),
+            GradientNormLogger(log_every_n_steps=1, log_weight_norms=False, log_update_ratio=False),
+        ]
+        make_trainer(callbacks, MemoryLogger(str(tmp_path)), max_steps=4).fit(RecordingMLP(), random_loader())
+    finally:
+        shared.foreach_norms = original  # type: ignore[assignment]
+    assert len(calls) == 4
+
+
+def test_state_dict_round_trip() -> None:
+    det = VanishingExplodingDetector()
+    fit(Scheduled(lambda s: 500.0), det, random_loader(n=80))
+    state = det.state_dict()
+    other = VanishingExplodingDetector()
+    other.load_state_dict(state)
+    assert other.history == det.history and other.strikes == det.strikes
+    assert other.forward_order == det.forward_order == {"net.0": 0, "net.2": 1}
+    assert other.state_dict() == state
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"action": "explode"}, "action"),
+        ({"check_every_n_steps": 0}, "check_every_n_steps"),
+        ({"dense_steps": -1}, "dense_steps"),
+        ({"max_norm": 0.0}, "max_norm"),
+        ({"spike_factor": 1.0}, "spike_factor"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+        ({"growth_window": 2}, "growth_window"),
+        ({"warmup_checks": 0}, "warmup_checks"),
+        ({"history_size": 1}, "history_size"),
+        ({"depth_ratio_floor": -1.0}, "depth_ratio_floor"),
+        ({"first_layer_floor": 0.0}, "first_layer_floor"),
+        ({"min_rms": "small"}, "min_rms"),
+        ({"relative_floor": 0}, "relative_floor"),
+        ({"patience": 0}, "patience"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"log_gradient_flow": "yes"}, "log_gradient_flow"),
+        ({"cooldown_steps": -1}, "cooldown_steps"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        VanishingExplodingDetector(**kwargs)

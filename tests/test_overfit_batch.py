@@ -19,6 +19,7 @@ from lightning_gradguard.alerts import GradGuardError
 from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, SanityCheckError
 from tests.conftest import MemoryLogger, make_trainer
 from tests.test_ddp import run_ddp_script
+from tests.test_examples import run_example
 
 
 def loader(
@@ -171,7 +172,8 @@ def test_shuffled_labels_stay_at_chance_level() -> None:
     r = check.result
     assert r is not None and not r.reached_target and r.steps == 150
     assert abs(r.final_loss - math.log(4)) < 0.35  # the best a model can do: predict the label frequencies
-    assert "curve flat" in next(f.message for f in r.findings if f.kind == "overfit_failed")
+    assert r.chance_loss is not None and abs(r.final_loss - r.chance_loss) < 0.1
+    assert "stuck at chance level" in next(f.message for f in r.findings if f.kind == "overfit_failed")
 
 
 def test_batch_mixing_is_found_in_eval_mode_and_healthy_model_is_clean() -> None:
@@ -316,5 +318,24 @@ def test_ddp_two_processes_reach_the_same_verdict_without_hanging(tmp_path: Path
     assert [r["overfit_passed"] for r in results] == [True, False]  # only rank 1's labels are broken
     assert [r["global_step"] for r in results] == [0, 0]
     assert "another rank" in results[0]["message"] and "overfit_failed" in results[0]["kinds"]
-    assert "curve flat" in results[1]["message"]
+    assert "stuck at chance level" in results[1]["message"]
     assert abs(results[0]["time"] - results[1]["time"]) < 10
+
+
+def test_preflight_example_runs_and_keeps_its_promises(tmp_path: Path) -> None:
+    out = run_example("preflight.py", tmp_path).stdout
+    healthy = out.split("=== 2.")[0]
+    assert "-> passed=True" in healthy and healthy.count("Taylor order 2.0") == 4
+    assert float(healthy.split("val accuracy")[1].split()[0]) > 0.9
+    assert "SanityCheckError: gradient_mismatch at hand.weight" in out
+    table = out.split("=== 3.")[1]
+    for bug, kind in [
+        ("detach", "unused_parameter"),
+        ("optimizer_missing_layer", "parameter_not_updated"),
+        ("lr_zero", "parameter_not_updated"),
+        ("sum_loss", "initial_loss_mismatch"),
+        ("shuffled_labels", "overfit_failed"),
+    ]:
+        row = next(line for line in table.splitlines() if line.startswith(bug))
+        assert kind in row, row
+    assert "stuck at chance level" in table

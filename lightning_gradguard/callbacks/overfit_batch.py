@@ -200,6 +200,9 @@ class OverfitResult:
         num_samples: samples in the batch trained on.
         optimizer: the optimizer class used (the user's, or the fallback ``Adam``).
         findings: every specific problem found.
+        num_classes: for a classifier, the number of classes (given or inferred), else ``None``.
+        chance_loss: for a classifier, the entropy of the batch's label frequencies: the loss of a model
+            that ignores its inputs and predicts how often each label occurs.
     """
 
     passed: bool
@@ -214,6 +217,8 @@ class OverfitResult:
     num_samples: int
     optimizer: str
     findings: list[Finding] = field(default_factory=list)
+    num_classes: int | None = None
+    chance_loss: float | None = None
 
 
 def _listed(names: list[str]) -> str:
@@ -515,6 +520,12 @@ class OverfitBatchSanity(GradGuardCallback):
             findings.extend(self._parameter_findings(optimizer, names, params, start, got_grad, nonzero_grad))
         if self.check_initial_loss:
             findings.extend(self._initial_loss_finding(batch, logits, initial, n))
+        c, labels = self._labels(batch, logits, n)
+        if c is not None and labels is not None:
+            freq = torch.bincount(labels.detach().long().cpu(), minlength=c).double() / n
+            freq = freq[freq > 0]
+            result.num_classes = c
+            result.chance_loss = float(-(freq * freq.log()).sum())
         if reached and len(grad_norms) >= 5 and grad_norms[-1] >= grad_norms[0]:
             findings.append(
                 Finding(
@@ -618,17 +629,21 @@ class OverfitBatchSanity(GradGuardCallback):
             )
         return findings
 
-    def _classes(self, batch: Any, logits: Tensor | None, n: int) -> int | None:
-        if self.num_classes is not None:
-            return self.num_classes
-        if logits is None or logits.dim() != 2 or logits.shape[1] < 2:
-            return None
-        c = int(logits.shape[1])
+    def _labels(self, batch: Any, logits: Tensor | None, n: int) -> tuple[int | None, Tensor | None]:
+        """(number of classes, the label tensor): ``num_classes`` or inferred from logits and labels."""
+        c = self.num_classes
+        if c is None and logits is not None and logits.dim() == 2 and logits.shape[1] >= 2:
+            c = int(logits.shape[1])
+        if c is None:
+            return None, None
         for t in tensors_in(batch):
             labels = t.dtype in (torch.int64, torch.int32) and t.dim() == 1 and t.shape[0] == n and n > 0
             if labels and int(t.min()) >= 0 and int(t.max()) < c:
-                return c
-        return None
+                return c, t
+        return (c, None) if self.num_classes is not None else (None, None)
+
+    def _classes(self, batch: Any, logits: Tensor | None, n: int) -> int | None:
+        return self._labels(batch, logits, n)[0]
 
     def _initial_loss_finding(
         self, batch: Any, logits: Tensor | None, initial: float, n: int
@@ -732,6 +747,19 @@ class OverfitBatchSanity(GradGuardCallback):
             causes = [
                 "learning rate too high (lower it 10x)",
                 "log(0) or a division by zero in the loss (use cross_entropy on logits, add eps)",
+            ]
+        elif (
+            result.chance_loss is not None
+            and result.num_classes is not None
+            and abs(final - result.chance_loss) <= 0.15 * math.log(result.num_classes)
+        ):
+            shape = f"stuck at chance level: the label-frequency entropy {result.chance_loss:.4g}"
+            causes = [
+                "labels not matching their inputs (misaligned, or shuffled separately from the inputs): the "
+                "model learned only how often each label occurs, nothing from the inputs",
+                "the inputs do not reach the output (a `.detach()`, a constant input, inputs zeroed by a "
+                "transform)",
+                "the optimizer is not connected to the model's parameters, or its LR is 0 / far too low",
             ]
         elif math.isfinite(initial) and final >= 0.9 * initial:
             shape = "flat"

@@ -1,0 +1,297 @@
+"""DeadReLUMonitor in real Trainer runs on networks with a known number of dead units."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import MemoryLogger, make_trainer, random_loader
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+from lightning_gradguard.alerts import GradGuardError
+from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
+from lightning_gradguard.functional.health import activity_counts, dead_units, saturation_counts, unit_dim
+
+F = nn.functional
+DEAD, UNITS = 12, 16
+pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
+
+
+# ---------------------------------------------------------------------------------------------- pure math
+def test_activity_counts_linear_sequence_and_conv_against_loops() -> None:
+    g = torch.Generator().manual_seed(0)
+    for shape, channel_first in (
+        ((5, 7), False),
+        ((4, 3, 7), False),
+        ((2, 6, 5, 5), True),
+        ((2, 6, 9), True),
+    ):
+        x = F.relu(torch.randn(*shape, generator=g))
+        dim = unit_dim(x.dim(), channel_first)
+        counts, n = activity_counts(x, dim)
+        moved = x.movedim(dim, 0).reshape(x.shape[dim], -1)
+        assert counts.tolist() == [int((row > 0).sum()) for row in moved]
+        assert n == moved.shape[1]
+    assert unit_dim(2, True) == 1 and unit_dim(3, False) == 2 and unit_dim(4, True) == 1
+
+
+def test_saturation_counts_use_the_literature_bounds() -> None:
+    x = torch.tensor([[-30.0, -10.0, 0.0, 18.0], [-24.0, 9.6, 1.0, 16.0]])
+    assert saturation_counts(x, "sigmoid", 1)[0].tolist() == [2, 0, 0, 1]  # x < -23 or x > 17
+    assert saturation_counts(x, "tanh", 1)[0].tolist() == [2, 2, 0, 2]  # |x| > 9.5
+    with pytest.raises(ValueError, match="`kind`"):
+        saturation_counts(x, "relu", 1)
+
+
+def test_dead_means_never_active_in_the_window() -> None:
+    window = [torch.tensor([0, 3, 0, 0]), torch.tensor([0, 0, 1, 0])]
+    assert dead_units(window).tolist() == [True, False, False, True]
+    assert dead_units(torch.stack(window)).tolist() == [True, False, False, True]
+
+
+# ---------------------------------------------------------------------------------------------- modules
+class Net(nn.Module):
+    """16 hidden units; units 0..11 have bias -100 (dead for any input), units 12..15 bias +100."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = nn.Linear(8, UNITS)
+        self.out = nn.Linear(UNITS, 4)
+        acts = {
+            "nn.ReLU": nn.ReLU,
+            "nn.ReLU6": nn.ReLU6,
+            "nn.ReLU(inplace)": lambda: nn.ReLU(inplace=True),
+            "nn.GELU": nn.GELU,
+            "nn.SiLU": nn.SiLU,
+            "nn.LeakyReLU": nn.LeakyReLU,
+        }
+        self.act = acts[kind]() if kind in acts else nn.Identity()
+        with torch.no_grad():
+            self.fc.bias[:DEAD] = -100.0
+            self.fc.bias[DEAD:] = 100.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.kind == "F.relu":
+            h = F.relu(h)
+        elif self.kind == "torch.relu":
+            h = torch.relu(h)
+        elif self.kind == "Tensor.relu_":
+            h = h.relu_()
+        elif self.kind == "F.relu6":
+            h = F.relu6(h)
+        else:
+            h = self.act(h)
+        return self.out(h)
+
+
+class Module(pl.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.val_act = nn.ReLU()
+        self.seen: list[tuple[str, int, int, int]] = []
+
+    def _probe(self, where: str) -> None:
+        modes = torch._C._len_torch_function_stack()
+        hooks = len(module_globals._global_forward_pre_hooks) + len(module_globals._global_forward_hooks)
+        self.seen.append((where, int(self.trainer.global_step), modes, hooks))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self._probe("train")
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._probe("val")
+        x, _ = batch
+        self.val_act(x - 1000.0)  # dead on purpose: must never be watched
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def run(kind: str, monitor: DeadReLUMonitor, logger: Any = None, steps: int = 8, **kw: Any) -> Module:
+    model = Module(Net(kind))
+    val = random_loader(n=16, seed=1) if "val_check_interval" in kw else None
+    make_trainer([monitor], logger, max_steps=steps, **kw).fit(model, random_loader(n=8 * steps), val)
+    return model
+
+
+RELU_KINDS = {
+    "nn.ReLU": "net.act",
+    "nn.ReLU6": "net.act",
+    "nn.ReLU(inplace)": "net.act",
+    "F.relu": "net:relu",
+    "torch.relu": "net:relu",
+    "Tensor.relu_": "net:relu",
+    "F.relu6": "net:relu6",
+}
+
+
+@pytest.mark.parametrize("kind", list(RELU_KINDS))
+def test_every_relu_flavour_is_watched_and_named(kind: str, memory_logger: MemoryLogger) -> None:
+    monitor = DeadReLUMonitor()
+    run(kind, monitor, memory_logger)
+    layer = RELU_KINDS[kind]
+    assert monitor.dead_fractions == {layer: DEAD / UNITS}
+    assert memory_logger.series(f"dead_relu/{layer}") == dict.fromkeys(range(5), DEAD / UNITS)
+    assert [(a.kind, a.where, a.step, a.severity) for a in monitor.alerts] == [
+        ("dead_relu", layer, 4, "error")
+    ]
+    assert a_hint_mentions(monitor, "LeakyReLU")
+
+
+def a_hint_mentions(monitor: DeadReLUMonitor, word: str) -> bool:
+    return all(word in a.hint for a in monitor.alerts)
+
+
+@pytest.mark.parametrize("kind", ["nn.GELU", "nn.SiLU", "nn.LeakyReLU"])
+def test_units_that_cannot_die_are_never_reported(kind: str) -> None:
+    monitor = DeadReLUMonitor(threshold=0.0, patience=1)
+    run(kind, monitor)
+    assert monitor.dead_fractions == {} and monitor.alerts == []
+
+
+def test_below_threshold_is_quiet() -> None:
+    monitor = DeadReLUMonitor(threshold=0.8)
+    run("nn.ReLU", monitor)
+    assert monitor.dead_fractions == {"net.act": 0.75} and monitor.alerts == []
+
+
+def test_hooks_and_mode_exist_only_during_sampled_training_forward() -> None:
+    monitor = DeadReLUMonitor(every_n_steps=4, window=1, patience=1)
+    model = run("nn.ReLU", monitor, steps=12, val_check_interval=3, num_sanity_val_steps=1)
+    train = {step: (modes, hooks) for where, step, modes, hooks in model.seen if where == "train"}
+    assert train == {s: ((1, 2) if s in (0, 4, 8) else (0, 0)) for s in range(12)}
+    assert {(m, h) for where, _, m, h in model.seen if where == "val"} == {(0, 0)}
+    assert sum(where == "val" for where, *_ in model.seen) > 1
+    assert "val_act" not in str(monitor.dead_fractions) and monitor.sampled_batches == 3
+    assert torch._C._len_torch_function_stack() == 0
+    assert not module_globals._global_forward_pre_hooks and not module_globals._global_forward_hooks
+
+
+class ConvNet(nn.Module):
+    """6 channels on 8x8 images: channels 0..3 dead, 4..5 always active (the width is 8, not 6)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 6, 3, padding=1)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(6, 4)
+        with torch.no_grad():
+            self.conv.bias[:4] = -100.0
+            self.conv.bias[4:] = 100.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.conv(x.reshape(-1, 1, 8, 8))).mean(dim=(2, 3)))
+
+
+def test_conv_units_are_channels() -> None:
+    monitor = DeadReLUMonitor()
+    model = Module(ConvNet())
+    make_trainer([monitor], max_steps=6).fit(model, random_loader(n=48, features=64))
+    assert monitor.dead_fractions == {"net.act": pytest.approx(4 / 6)}
+
+
+class Reused(nn.Module):
+    """One ReLU module used at two places, plus a functional ReLU in the same forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.b.bias.fill_(-100.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.act(self.b(self.act(self.a(x))))))
+
+
+def test_a_module_used_twice_gets_two_layers() -> None:
+    monitor = DeadReLUMonitor()
+    make_trainer([monitor], max_steps=6).fit(Module(Reused()), random_loader(n=48))
+    assert set(monitor.dead_fractions) == {"net.act", "net.act#2", "net:relu"}
+    assert monitor.dead_fractions["net.act#2"] == 1.0 and monitor.dead_fractions["net:relu"] == 1.0
+    assert {a.where for a in monitor.alerts} == {"net.act#2", "net:relu"}
+
+
+def test_histogram_of_activation_rates_in_tensorboard(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    run("nn.ReLU", DeadReLUMonitor(), logger)
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"histograms": 0})
+    acc.Reload()
+    assert "activation_rate/net.act" in acc.Tags()["histograms"]
+    last = acc.Histograms("activation_rate/net.act")[-1].histogram_value
+    assert last.num == UNITS and last.min == 0.0 and last.max == 1.0
+    assert last.bucket[0] == DEAD and sum(last.bucket) == UNITS
+
+
+def test_saturated_tanh_is_a_warning_and_optional() -> None:
+    class Saturated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.act, self.out = nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)
+            with torch.no_grad():
+                self.fc.weight.mul_(1000.0)
+                self.fc.bias.zero_()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.act(self.fc(x)) + torch.sigmoid(self.fc(x) * 1e-3))
+
+    monitor = DeadReLUMonitor()
+    make_trainer([monitor], max_steps=6).fit(Module(Saturated()), random_loader(n=48))
+    assert monitor.saturated_fractions["net.act"] > 0.5
+    assert monitor.saturated_fractions["net:sigmoid"] == 0.0
+    assert [(a.kind, a.where, a.severity) for a in monitor.alerts] == [
+        ("saturated_activation", "net.act", "warning")
+    ]
+    off = DeadReLUMonitor(check_saturation=False)
+    make_trainer([off], max_steps=6).fit(Module(Saturated()), random_loader(n=48))
+    assert off.saturated_fractions == {} and off.alerts == []
+
+
+def test_action_raise() -> None:
+    with pytest.raises(GradGuardError, match="dead_relu"):
+        run("nn.ReLU", DeadReLUMonitor(action="raise"))
+
+
+def test_cadence_and_state_dict() -> None:
+    monitor = DeadReLUMonitor(every_n_steps=10, window=3, patience=2)
+    assert [s for s in range(31) if monitor.due(s)] == [0, 1, 2, 3, 10, 20, 30]
+    run("nn.ReLU", monitor)
+    other = DeadReLUMonitor(every_n_steps=10, window=3, patience=2)
+    other.load_state_dict(monitor.state_dict())
+    assert other.sampled_batches == monitor.sampled_batches == 4  # steps 0..3 of 8
+    assert other._strikes == monitor._strikes
+    assert [c.tolist() for c, _ in other._windows["net.act"]] == [
+        c.tolist() for c, _ in monitor._windows["net.act"]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"window": 0}, "window"),
+        ({"threshold": 1.5}, "threshold"),
+        ({"patience": 0}, "patience"),
+        ({"check_saturation": 1}, "check_saturation"),
+        ({"saturation_threshold": -0.1}, "saturation_threshold"),
+        ({"log_histograms": "no"}, "log_histograms"),
+        ({"histogram_bins": 1}, "histogram_bins"),
+        ({"action": "panic"}, "action"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        DeadReLUMonitor(**kwargs)

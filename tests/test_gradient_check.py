@@ -351,3 +351,18 @@ def test_callback_warn_action_trains_on() -> None:
     trainer.fit(Lit("wrong_transpose"), loader())
     assert trainer.global_step == 2
     assert [a.where for a in check.alerts] == ["net.2.weight"]
+
+
+def test_a_model_the_check_cannot_copy_gives_a_warning_not_a_crash() -> None:
+    class Uncopyable(Lit):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stream = (i for i in range(3))  # generators cannot be deep-copied
+
+    check = GradientCheck()
+    trainer = make_trainer([check], max_steps=2)
+    with pytest.warns(UserWarning, match="GradientCheck could not run the check"):
+        trainer.fit(Uncopyable(), loader())
+    assert trainer.global_step == 2 and check.result is None and not check.alerts
+    with pytest.raises(ValueError, match="`modules`"):
+        make_trainer([GradientCheck(modules=["nope"])], max_steps=1).fit(Lit(), loader())

@@ -339,3 +339,16 @@ def test_preflight_example_runs_and_keeps_its_promises(tmp_path: Path) -> None:
         row = next(line for line in table.splitlines() if line.startswith(bug))
         assert kind in row, row
     assert "stuck at chance level" in table
+
+
+def test_a_batch_the_model_cannot_train_on_gives_a_warning_not_a_crash() -> None:
+    class WithBatchNorm(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Linear(32, 4))
+
+    check = OverfitBatchSanity(max_samples=1)  # BatchNorm cannot train on a single sample
+    trainer = make_trainer([check], max_steps=2)
+    with pytest.warns(UserWarning, match="OverfitBatchSanity could not run the check"):
+        trainer.fit(WithBatchNorm(), loader())
+    assert trainer.global_step == 2 and check.result is None and not check.alerts

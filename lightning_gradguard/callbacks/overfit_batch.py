@@ -402,15 +402,23 @@ class OverfitBatchSanity(GradGuardCallback):
             for loader in tensors_free_iterables(combined.iterables):
                 gens.extend(loader_generators(loader))
         snapshot = TrainingSnapshot(pl_module, trainer=trainer, generators=gens)
+        result: OverfitResult | None = None
         try:
             batch, _ = first_train_batch(trainer)
             batch = slice_batch(batch, self.max_samples)
             result = self._run(trainer, pl_module, batch)
+        except Exception as err:  # a model or loader shape we cannot drive: warn, never crash
+            warn_once(
+                trainer,
+                "overfit_batch_error",
+                f"OverfitBatchSanity could not run the check ({type(err).__name__}: {err}); skipped.",
+            )
         finally:
             snapshot.restore()
-        result.seconds = time.perf_counter() - started
+        if result is not None:
+            result.seconds = time.perf_counter() - started
         self.result = result
-        self._conclude(trainer, result)
+        self._conclude(trainer, result)  # on every rank, even a skipped one: the verdict is collective
 
     # ------------------------------------------------------------------ the check
     def _optimizer(self, trainer: pl.Trainer, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -799,7 +807,19 @@ class OverfitBatchSanity(GradGuardCallback):
         )
 
     # ------------------------------------------------------------------ verdict
-    def _conclude(self, trainer: pl.Trainer, result: OverfitResult) -> None:
+    def _conclude(self, trainer: pl.Trainer, result: OverfitResult | None) -> None:
+        if result is None:
+            if reduce_any(trainer, False):
+                alert = self.report(
+                    trainer,
+                    "overfit_failed",
+                    "error",
+                    None,
+                    "This rank could not run the check; the overfit-one-batch check failed on another rank.",
+                    "See the alerts of the other ranks.",
+                )
+                self.act(trainer, [alert] if alert is not None else [])
+            return
         for i, value in enumerate(result.losses):
             metrics = {"preflight/overfit_loss": value}
             if i < len(result.grad_norms):

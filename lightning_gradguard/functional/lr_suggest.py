@@ -1,0 +1,302 @@
+r"""
+Learning-rate range test: the math
+==================================
+
+Pure functions (plain Python floats and NumPy, no Trainer) behind :class:`~lightning_gradguard.LRFinderPlus`,
+usable from a hand-written PyTorch loop:
+
+* :func:`sweep_lrs`: the learning rates of an exponential or linear sweep.
+* :func:`ema_smooth`: exponential moving average with bias correction, counted from the first point.
+* :func:`centered_smooth`: a zero-lag Gaussian smoother used for the suggestions: a one-sided EMA lags
+  behind the curve and shifts every feature to larger LRs.
+* :class:`DivergenceMonitor`: online stop rule that only looks at differences of losses, so it works for
+  negative, near-zero and shifted losses alike.
+* :func:`suggest_steep`, :func:`suggest_valley`, :func:`suggest_minimum`, :func:`suggest_slide` and
+  :func:`suggest_all`.
+
+All suggestion functions take the learning rates and an (already smoothed) loss curve of the same
+length and return a learning rate, or ``None`` when the curve does not support one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "SUGGESTION_METHODS",
+    "DivergenceMonitor",
+    "centered_smooth",
+    "ema_smooth",
+    "suggest_all",
+    "suggest_minimum",
+    "suggest_slide",
+    "suggest_steep",
+    "suggest_valley",
+    "sweep_lrs",
+]
+
+SUGGESTION_METHODS: tuple[str, ...] = ("valley", "steep", "minimum", "slide")
+
+
+def sweep_lrs(min_lr: float, max_lr: float, num: int, mode: str = "exponential") -> list[float]:
+    """``num`` learning rates from ``min_lr`` to ``max_lr`` (both included), geometric or arithmetic."""
+    if num < 1:
+        return []
+    if num == 1:
+        return [float(min_lr)]
+    if mode == "exponential":
+        ratio = math.log(max_lr / min_lr)
+        return [float(min_lr * math.exp(ratio * i / (num - 1))) for i in range(num)]
+    if mode == "linear":
+        return [float(min_lr + (max_lr - min_lr) * i / (num - 1)) for i in range(num)]
+    raise ValueError(f"`mode` must be one of 'exponential', 'linear'; got {mode!r}")
+
+
+def ema_smooth(values: Sequence[float], beta: float) -> list[float]:
+    """Bias-corrected exponential moving average: ``avg_t / (1 - beta**t)`` with ``t`` counted from 1.
+
+    The first output equals the first input, whatever ``beta``; ``beta = 0`` returns the input.
+    """
+    out: list[float] = []
+    avg = 0.0
+    for t, v in enumerate(values, start=1):
+        avg = beta * avg + (1.0 - beta) * float(v)
+        out.append(avg / (1.0 - beta**t) if beta > 0 else avg)
+    return out
+
+
+def centered_smooth(values: Sequence[float], sigma: float | None = None) -> list[float]:
+    """Zero-lag smoothing: a Gaussian-weighted mean over neighbouring points (``sigma`` in points).
+
+    The kernel is symmetric, so a feature of the curve stays at the learning rate where it happened
+    instead of being dragged to larger LRs as by a causal EMA; it is local (cut at 4 sigma) and
+    renormalised at the ends, so the exploding tail of a diverging sweep does not leak far back into the
+    descent. ``sigma`` defaults to 5 % of the number of points (at least 1).
+    """
+    y = np.asarray(values, dtype=np.float64)
+    n = y.size
+    if n == 0:
+        return []
+    sig = max(1.0, 0.05 * n) if sigma is None else float(sigma)
+    if sig <= 0:
+        return [float(v) for v in y]
+    half = math.ceil(4 * sig)
+    offsets = np.arange(-half, half + 1)
+    kernel = np.exp(-0.5 * (offsets / sig) ** 2)
+    num = np.convolve(y, kernel, mode="same") if n >= kernel.size else _direct(y, kernel, half)
+    den = (
+        np.convolve(np.ones(n), kernel, mode="same")
+        if n >= kernel.size
+        else _direct(np.ones(n), kernel, half)
+    )
+    return [float(v) for v in num / den]
+
+
+def _direct(y: np.ndarray, kernel: np.ndarray, half: int) -> np.ndarray:
+    """``np.convolve(..., mode="same")`` for a kernel longer than the signal (centred on the signal)."""
+    n = y.size
+    out = np.zeros(n)
+    for i in range(n):
+        for j in range(n):
+            k = j - i + half
+            if 0 <= k < kernel.size:
+                out[i] += kernel[k] * y[j]
+    return out
+
+
+class DivergenceMonitor:
+    """Online smoothing and stop rule of a range test.
+
+    Every :meth:`update` takes one raw loss and returns ``True`` once the sweep should stop. The rule
+    looks at differences only, so a loss that is negative, near zero or shifted by a constant behaves
+    exactly like any other:
+
+    * a reference level and a noise level are taken from the first ``warmup`` raw losses (at the tiny
+      starting LR the loss barely moves, so their spread is the batch-to-batch noise);
+    * afterwards the sweep has diverged when ``smoothed - best > threshold * max(reference - best,
+      noise_factor * noise, floor)``: with ``threshold = 1`` the smoothed loss has climbed back as far
+      above its best as the best ever got below the start; the noise term keeps an early flat curve from
+      stopping on one unlucky batch.
+
+    A non-finite loss stops the sweep at once (and is not recorded by the callers).
+
+    Args:
+        beta: EMA factor of the smoothing (bias corrected, counted by this monitor's own updates).
+        threshold: how far, in units of the descent achieved so far, the smoothed loss may rise above its
+            best before the sweep stops. ``None`` never stops on divergence.
+        warmup: raw losses used for the reference and noise levels; no stop before that.
+        noise_factor: the smallest rise that counts, in standard deviations of the warm-up losses.
+    """
+
+    def __init__(
+        self, beta: float = 0.98, threshold: float | None = 1.0, warmup: int = 10, noise_factor: float = 3.0
+    ) -> None:
+        self.beta = beta
+        self.noise_factor = noise_factor
+        self.threshold = threshold
+        self.warmup = max(1, int(warmup))
+        self.count = 0
+        self._avg = 0.0
+        self.smoothed: list[float] = []
+        self.best = math.inf
+        self._first: list[float] = []
+        self.reference: float | None = None
+        self.noise = 0.0
+        self.reason = ""
+
+    def update(self, loss: float) -> bool:
+        loss = float(loss)
+        if not math.isfinite(loss):
+            self.reason = "non-finite loss"
+            return True
+        self.count += 1
+        self._avg = self.beta * self._avg + (1.0 - self.beta) * loss
+        smooth = self._avg / (1.0 - self.beta**self.count) if self.beta > 0 else self._avg
+        self.smoothed.append(smooth)
+        self.best = min(self.best, smooth)
+        if len(self._first) < self.warmup:
+            self._first.append(loss)
+            if len(self._first) == self.warmup:
+                self.reference = float(np.mean(self._first))
+                self.noise = float(np.std(self._first)) if len(self._first) > 1 else 0.0
+            return False
+        if self.threshold is None or self.reference is None:
+            return False
+        floor = 1e-6 * (1.0 + abs(self.reference))
+        scale = max(self.reference - self.best, self.noise_factor * self.noise, floor)
+        if smooth - self.best > self.threshold * scale:
+            self.reason = "diverged"
+            return True
+        return False
+
+
+def _as_arrays(lrs: Sequence[float], losses: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    x = np.log10(np.asarray(lrs, dtype=np.float64))
+    y = np.asarray(losses, dtype=np.float64)
+    if x.shape != y.shape:
+        raise ValueError(f"`lrs` and `losses` must have the same length; got {x.size} and {y.size}")
+    return x, y
+
+
+def _edge(n: int) -> int:
+    """Points ignored at each end of a curve for slope-based rules (smoothing edge effects)."""
+    return min(max(1, n // 20), 5)
+
+
+def suggest_steep(lrs: Sequence[float], losses: Sequence[float]) -> float | None:
+    """The LR where the curve falls fastest per decade (most negative d loss / d log10 lr).
+
+    Only the stretch before the minimum counts, and a few points at the very start are ignored (smoothing
+    edge effects). ``None`` when the curve never falls.
+    """
+    x, y = _as_arrays(lrs, losses)
+    n = y.size
+    if n < 5 or np.ptp(x) == 0:
+        return None
+    stop = int(np.argmin(y)) + 1
+    start = _edge(n)
+    if stop - start < 2:
+        return None
+    slope = np.gradient(y, x)
+    window = slope[start:stop]
+    i = int(np.argmin(window))
+    if window[i] >= 0:
+        return None
+    return float(lrs[start + i])
+
+
+def _longest_decreasing(y: np.ndarray) -> tuple[int, int] | None:
+    """First and last index of the longest run of consecutive decreasing points (the earliest on a tie)."""
+    n = y.size
+    if n < 2:
+        return None
+    best: tuple[int, int] | None = None
+    start = 0
+    for i in range(1, n + 1):
+        if i == n or not y[i] < y[i - 1]:
+            if i - 1 > start and (best is None or i - 1 - start > best[1] - best[0]):
+                best = (start, i - 1)
+            start = i
+    return best
+
+
+def suggest_valley(lrs: Sequence[float], losses: Sequence[float]) -> float | None:
+    """The middle (in log-LR) of the longest decreasing stretch of the curve.
+
+    The stretch is the longest run of consecutive decreasing points of the (smoothed) curve: on a
+    zero-lag smoothed curve the noisy flat start breaks into short runs, the real descent is one long
+    run. ``None`` when no run spans at least three points.
+    """
+    x, y = _as_arrays(lrs, losses)
+    found = _longest_decreasing(y)
+    if found is None:
+        return None
+    start, end = found
+    if end - start < 2:
+        return None
+    mid = 0.5 * (start + end)
+    lo = math.floor(mid)
+    frac = mid - lo
+    hi = min(lo + 1, y.size - 1)
+    return float(10.0 ** (x[lo] + frac * (x[hi] - x[lo])))
+
+
+def suggest_minimum(lrs: Sequence[float], losses: Sequence[float], divisor: float = 10.0) -> float | None:
+    """The LR of the lowest loss divided by ``divisor`` (the classic "one order of magnitude before")."""
+    x, y = _as_arrays(lrs, losses)
+    if y.size < 2:
+        return None
+    i = int(np.argmin(y))
+    if i == 0:
+        return None
+    return float(10.0 ** x[i] / divisor)
+
+
+def suggest_slide(
+    lrs: Sequence[float], losses: Sequence[float], window: int | None = None, tolerance: float = 0.5
+) -> float | None:
+    """Slide a window leftwards from the end of the curve until its two ends descend alike.
+
+    The slope (per decade, in units of the curve's range) is compared at the two ends of a window of
+    ``window`` points (default: a seventh of the curve). Near the end of a diverging sweep the ends
+    differ a lot; the window slides left, one point at a time, until the difference falls below
+    ``tolerance`` (of the curve's steepest slope), i.e. into the smooth descending stretch; the LR at
+    its left end is the suggestion. ``None`` when the curve never falls or is too short.
+    """
+    x, y = _as_arrays(lrs, losses)
+    n = y.size
+    w = max(2, n // 7) if window is None else int(window)
+    if n < w + 3 or np.ptp(x) == 0:
+        return None
+    span = float(np.ptp(y))
+    if span == 0:
+        return None
+    slope = np.gradient(y, x) / span
+    steepest = float(-slope.min())
+    if steepest <= 0:
+        return None
+    right = n - 1
+    left = right - w
+    while left > 0 and abs(slope[right] - slope[left]) > tolerance * steepest:
+        right -= 1
+        left -= 1
+    if slope[left] >= 0 and slope[min(left + 1, n - 1)] >= 0:
+        # the flat start of the curve: move right to where it begins to fall
+        falling = np.nonzero(slope[left:] < 0)[0]
+        if falling.size == 0:
+            return None
+        left += int(falling[0])
+    return float(10.0 ** x[left])
+
+
+def suggest_all(lrs: Sequence[float], losses: Sequence[float]) -> dict[str, float | None]:
+    """Every suggestion method on one (already smoothed) curve, keyed by method name."""
+    return {
+        "valley": suggest_valley(lrs, losses),
+        "steep": suggest_steep(lrs, losses),
+        "minimum": suggest_minimum(lrs, losses),
+        "slide": suggest_slide(lrs, losses),
+    }

@@ -1,0 +1,76 @@
+"""2-process CPU DDP run (gloo) for tests/test_lr_finder.py: ``python ddp_lr_finder.py OUTDIR``.
+
+Both ranks run LRFinderPlus at fit start; each writes what it saw (the curve, the suggestions, the LR its
+optimizer got, its own first sweep loss) to ``rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_gradguard.callbacks.lr_finder import LRFinderPlus
+
+
+class Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.first_loss: float | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.first_loss is None:
+            self.first_loss = float(loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def main(out: Path) -> None:
+    pl.seed_everything(0)
+    x = torch.randn(256, 8)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True)
+    model = Model()
+    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=3,
+        logger=CSVLogger(out, name="csv", version=0),
+        callbacks=[finder],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, loader)
+    result = finder.result
+    assert result is not None
+    (out / f"rank{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "lrs": result.lrs,
+                "losses": result.losses,
+                "suggestions": result.suggestions,
+                "stop_reason": result.stop_reason,
+                "applied_lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "global_step": trainer.global_step,
+                "first_loss": model.first_loss,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,532 @@
+"""LRFinderPlus: the suggestion math on curves with known answers, and the callback on real Lightning runs.
+
+The callback tests compare against independent computations: a hand-written PyTorch sweep, a run
+without the finder, and a run started at the suggested learning rate.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+from lightning_gradguard.callbacks.lr_finder import LRFinderPlus, lr_find
+from lightning_gradguard.functional.lr_suggest import (
+    DivergenceMonitor,
+    centered_smooth,
+    ema_smooth,
+    suggest_all,
+    suggest_minimum,
+    suggest_slide,
+    suggest_steep,
+    suggest_valley,
+    sweep_lrs,
+)
+from tests.conftest import MemoryLogger, make_trainer
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+# ---------------------------------------------------------------------------------------------- pure math
+def test_sweep_lrs_exponential_and_linear() -> None:
+    exp = sweep_lrs(1e-4, 1.0, 5, "exponential")
+    assert exp == pytest.approx([1e-4, 1e-3, 1e-2, 1e-1, 1.0])
+    lin = sweep_lrs(0.1, 0.5, 5, "linear")
+    assert lin == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    with pytest.raises(ValueError, match="mode"):
+        sweep_lrs(0.1, 1.0, 5, "cosine")
+
+
+def test_ema_smooth_is_bias_corrected() -> None:
+    values = [3.0, 1.0, 4.0, 1.0, 5.0]
+    beta = 0.8
+    expected, num, den = [], 0.0, 0.0  # weighted mean with weights beta**(t - i): an independent form
+    for v in values:
+        num = beta * num + v
+        den = beta * den + 1.0
+        expected.append(num / den)
+    assert ema_smooth(values, beta) == pytest.approx(expected)
+    assert ema_smooth([-7.0] * 4, 0.98) == pytest.approx([-7.0] * 4)  # no pull towards zero at the start
+
+
+def test_centered_smooth_keeps_a_bump_where_it_is() -> None:
+    x = np.arange(60)
+    bump = list(np.exp(-0.5 * ((x - 30) / 4.0) ** 2))
+    assert int(np.argmax(centered_smooth(bump, 3.0))) == 30
+    assert int(np.argmax(ema_smooth(bump, 0.8))) > 31  # the causal EMA drags it to the right
+
+
+def _curve(n: int = 100, x0: float = -3.0, x1: float = 0.0) -> tuple[list[float], list[float]]:
+    """A loss that falls like -tanh around log10(lr) = x0 and blows up beyond x1."""
+    lrs = sweep_lrs(1e-7, 10.0, n)
+    xs = np.log10(lrs)
+    y = 2.0 - np.tanh(xs - x0) + np.exp(3.0 * (xs - x1))
+    return lrs, list(y)
+
+
+def test_steep_finds_the_steepest_descent() -> None:
+    lrs, losses = _curve(x0=-3.0)
+    step = math.log10(lrs[1] / lrs[0])
+    assert abs(math.log10(suggest_steep(lrs, losses)) + 3.0) <= step + 1e-9  # type: ignore[arg-type]
+
+
+def test_minimum_is_argmin_over_ten() -> None:
+    lrs, losses = _curve()
+    i = int(np.argmin(losses))
+    assert suggest_minimum(lrs, losses) == pytest.approx(lrs[i] / 10)
+
+
+def test_valley_is_the_middle_of_the_longest_decreasing_run() -> None:
+    rng = np.random.default_rng(0)
+    n = 100
+    lrs = sweep_lrs(1e-6, 1.0, n)
+    y = np.empty(n)
+    y[:30] = 2.0 + 0.01 * rng.standard_normal(30)  # noisy flat start: only short decreasing runs
+    y[29] = 1.8  # the flat part ends below the descent's start, so the run begins exactly at 30
+    y[30:71] = np.linspace(1.9, 0.5, 41)  # one long descent, indices 30..70
+    y[71:] = np.linspace(0.6, 3.0, 29)
+    assert suggest_valley(lrs, list(y)) == pytest.approx(lrs[50], rel=1e-9)
+
+
+def test_slide_lands_in_the_descent() -> None:
+    lrs, losses = _curve(x0=-3.0, x1=0.0)
+    s = suggest_slide(lrs, losses)
+    assert s is not None
+    assert -5.0 < math.log10(s) < math.log10(lrs[int(np.argmin(losses))])
+
+
+def test_no_suggestion_when_the_loss_only_rises() -> None:
+    lrs = sweep_lrs(1e-5, 1.0, 50)
+    rising = [0.1 * i for i in range(50)]
+    assert suggest_all(lrs, rising) == {"valley": None, "steep": None, "minimum": None, "slide": None}
+
+
+def _monitor_stop(losses: list[float], **kw: Any) -> int:
+    m = DivergenceMonitor(**kw)
+    for i, v in enumerate(losses):
+        if m.update(v):
+            return i
+    return -1
+
+
+def test_divergence_rule_is_shift_and_scale_invariant_and_works_for_negative_losses() -> None:
+    rng = np.random.default_rng(1)
+    _, base = _curve(x0=-3.0, x1=-0.5)
+    noisy = [v + 0.02 * rng.standard_normal() for v in base]
+    stop = _monitor_stop(noisy, beta=0.9)
+    assert 0 < stop < len(noisy) - 1  # it does stop, before the end
+    assert _monitor_stop([v - 100.0 for v in noisy], beta=0.9) == stop  # all negative
+    assert _monitor_stop([(v - 2.5) * 1e-4 for v in noisy], beta=0.9) == stop  # near zero, both signs
+    # the stop comes after the minimum of the curve, on the rising side
+    assert stop > int(np.argmin(base))
+
+
+def test_divergence_rule_ignores_one_bad_batch_on_a_flat_start_and_stops_on_nan() -> None:
+    rng = np.random.default_rng(2)
+    flat = list(2.3 + 0.02 * rng.standard_normal(60))
+    flat[25] = 2.6  # one unlucky batch (15 sigma)
+    assert _monitor_stop(flat, beta=0.9) == -1
+    m = DivergenceMonitor(beta=0.9)
+    assert not m.update(1.0)
+    assert m.update(float("nan")) and m.reason == "non-finite loss"
+
+
+# ---------------------------------------------------------------------------------------------- modules
+def _data(n: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).long() + (x[:, 2] > 0.5).long()
+    return x, y
+
+
+def _loader(batch_size: int = 8, shuffle: bool = False) -> Any:
+    x, y = _data()
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle
+    )
+
+
+class Net(pl.LightningModule):
+    """Dropout (RNG), BatchNorm (buffers), SGD with momentum (optimizer state), a StepLR schedule."""
+
+    def __init__(self, lr: float = 0.05, shift: float = 0.0, nan_above: float | None = None) -> None:
+        super().__init__()
+        self.lr = lr
+        self.shift = shift
+        self.nan_above = nan_above
+        self.net = nn.Sequential(
+            nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 3)
+        )
+        self.calls = 0
+        self.step_losses: list[float] = []
+        self.step_lrs: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y) + self.shift
+        self.log("train_loss", loss)
+        if self.nan_above is not None and self.trainer.optimizers[0].param_groups[0]["lr"] > self.nan_above:
+            loss = loss * float("nan")
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.step_losses.append(float(outputs["loss"]))
+        self.step_lrs.append(float(self.trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return {
+            "optimizer": opt,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5),
+        }
+
+
+def _finder(**kw: Any) -> LRFinderPlus:
+    kw.setdefault("min_lr", 1e-4)
+    kw.setdefault("max_lr", 10.0)
+    kw.setdefault("num_training", 40)
+    kw.setdefault("progress", False)
+    kw.setdefault("plot", False)
+    return LRFinderPlus(**kw)
+
+
+def _fit(model: pl.LightningModule, callbacks: list[Any], loader: Any = None, **kw: Any) -> pl.Trainer:
+    trainer = make_trainer(callbacks, **kw)
+    trainer.fit(model, loader if loader is not None else _loader(shuffle=True))
+    return trainer
+
+
+def _same_state(a: pl.LightningModule, b: pl.LightningModule) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def _equal_nested(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _equal_nested(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _equal_nested(x, y)
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b)
+    else:
+        assert a == b
+
+
+class Probe(Callback):
+    """Copies every piece of state at on_train_epoch_start (placed before and after the finder)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, dict[str, Any]] = {}
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.fabric.utilities.seed import _collect_rng_states
+
+        self.seen[trainer.current_epoch] = copy.deepcopy(
+            {
+                "model": pl_module.state_dict(),
+                "grads": [p.grad for p in pl_module.parameters()],
+                "optimizer": trainer.optimizers[0].state_dict(),
+                "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+                "rng": _collect_rng_states(include_cuda=False),
+                "global_step": trainer.global_step,
+                "loop": trainer.fit_loop.state_dict(),
+                "training": [m.training for m in pl_module.modules()],
+            }
+        )
+
+
+# ---------------------------------------------------------------------------------------------- restore
+def test_exact_restore_and_the_run_after_equals_a_run_started_at_the_suggestion() -> None:
+    pl.seed_everything(0)
+    before, after = Probe(), Probe()
+    finder = _finder(milestones=[0, 1])
+    model_a = Net(lr=0.05)
+    trainer_a = _fit(model_a, [before, finder, after], max_epochs=2)
+    # the sweep really moved things, and everything came back bit for bit
+    assert len(finder.results) == 2 and all(len(r.lrs) >= 10 for r in finder.results)
+    for epoch in (0, 1):
+        _equal_nested(before.seen[epoch]["rng"], after.seen[epoch]["rng"])
+        for key in ("model", "grads", "global_step", "loop", "training"):
+            _equal_nested(before.seen[epoch][key], after.seen[epoch][key])
+    suggestion0 = finder.results[0].suggestion
+    assert suggestion0 is not None and finder.results[0].applied
+    # the optimizer and scheduler differ only by the applied learning rate
+    opt_b, opt_a = before.seen[1]["optimizer"], after.seen[1]["optimizer"]
+    _equal_nested(opt_b["state"], opt_a["state"])
+    assert opt_a["param_groups"][0]["lr"] == finder.results[1].suggestion
+    assert after.seen[0]["scheduler"]["base_lrs"] == [suggestion0]
+
+    # a run started with the first suggestion (and the second one applied at epoch 1 by hand)
+    class SetLR(Callback):
+        def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if trainer.current_epoch == 1:
+                s = finder.results[1].suggestion
+                sched = trainer.lr_scheduler_configs[0].scheduler
+                assert sched.base_lrs == [
+                    trainer.optimizers[0].param_groups[0]["lr"]
+                ]  # StepLR not decayed yet
+                trainer.optimizers[0].param_groups[0]["lr"] = s
+                trainer.optimizers[0].param_groups[0]["initial_lr"] = s
+                sched.base_lrs = [s]
+                sched._last_lr = [s]
+
+    pl.seed_everything(0)
+    model_b = Net(lr=suggestion0)
+    trainer_b = _fit(model_b, [SetLR()], max_epochs=2)
+    assert model_a.step_losses == model_b.step_losses  # bit-identical, both epochs
+    assert model_a.step_lrs == model_b.step_lrs
+    assert trainer_a.global_step == trainer_b.global_step == 24
+    _same_state(model_a, model_b)
+    _equal_nested(trainer_a.optimizers[0].state_dict(), trainer_b.optimizers[0].state_dict())
+
+
+def test_apply_false_leaves_the_run_identical_to_one_without_the_finder() -> None:
+    pl.seed_everything(1)
+    model_a = Net()
+    finder = _finder(apply=False, milestones=[0, 1], max_lr=1.0, divergence_threshold=None)
+    _fit(model_a, [finder], max_epochs=2)
+    assert finder.results[0].suggestion is not None and not finder.results[0].applied
+    rng_a = torch.get_rng_state()
+    pl.seed_everything(1)
+    model_b = Net()
+    _fit(model_b, [], max_epochs=2)
+    _same_state(model_a, model_b)
+    assert model_a.step_losses == model_b.step_losses
+    assert torch.equal(rng_a, torch.get_rng_state())
+    assert model_a.calls == model_b.calls + 2 * 40  # the sweep ran 40 training steps per milestone
+
+
+# ---------------------------------------------------------------------------------------------- sweep
+class Plain(pl.LightningModule):
+    """No dropout, no BatchNorm: a sweep that a hand-written loop can reproduce exactly."""
+
+    def __init__(self, groups: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 3)
+        self.groups = groups
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        if self.groups:
+            return torch.optim.SGD(
+                [{"params": self.a.parameters(), "lr": 0.1}, {"params": self.b.parameters(), "lr": 0.01}]
+            )
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _reference_sweep(lrs: list[float], ratios: list[float], accumulate: int) -> list[float]:
+    """The same sweep in plain PyTorch: one point per optimizer step, the mean micro-batch loss."""
+    model = Plain()
+    opt = torch.optim.SGD(
+        [{"params": model.a.parameters(), "lr": 1.0}, {"params": model.b.parameters(), "lr": 1.0}]
+    )
+    batches = [b for _ in range(10) for b in _loader()]
+    it = iter(batches)
+    out = []
+    for lr in lrs:
+        for g, r in zip(opt.param_groups, ratios, strict=True):
+            g["lr"] = lr * r
+        opt.zero_grad()
+        total = 0.0
+        for _ in range(accumulate):
+            x, y = next(it)
+            loss = nn.functional.cross_entropy(model(x), y)
+            (loss / accumulate).backward()
+            total += float(loss.detach())
+        opt.step()
+        out.append(total / accumulate)
+    return out
+
+
+@pytest.mark.parametrize("accumulate,groups", [(1, False), (3, True)])
+def test_sweep_matches_a_hand_written_loop(accumulate: int, groups: bool) -> None:
+    model = Plain(groups=groups)
+    finder = _finder(min_lr=1e-3, max_lr=1.0, num_training=20, divergence_threshold=None)
+    _fit(model, [finder], loader=_loader(), accumulate_grad_batches=accumulate, max_steps=1)
+    result = finder.result
+    assert result is not None and len(result.lrs) == 20
+    assert result.lrs == pytest.approx(sweep_lrs(1e-3, 1.0, 20))
+    ratios = [1.0, 0.1] if groups else [1.0, 1.0]
+    assert result.losses == pytest.approx(_reference_sweep(result.lrs, ratios, accumulate), rel=1e-5)
+    assert model.calls == 20 * accumulate + accumulate  # the sweep, then one real optimizer step
+    lrs = [g["lr"] for g in model.trainer.optimizers[0].param_groups]
+    assert lrs[0] == result.suggestion
+    if groups:
+        assert lrs[1] == pytest.approx(0.1 * result.suggestion)  # ratio kept
+
+
+def test_gradscaler_skipped_steps_are_dropped() -> None:
+    model = Plain()
+    finder = _finder(min_lr=1e-3, max_lr=1.0, num_training=20, divergence_threshold=None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1000)
+    plugin = MixedPrecision("16-mixed", device="cpu", scaler=scaler)
+    _fit(model, [finder], loader=_loader(), plugins=[plugin], max_steps=1)
+    result = finder.result
+    assert result is not None and result.skipped_steps >= 1
+    assert len(result.lrs) + result.skipped_steps == 20
+    assert result.lrs == pytest.approx(sweep_lrs(1e-3, 1.0, 20)[result.skipped_steps :])
+    assert scaler.get_scale() < 2.0**127  # the real step after the sweep starts from the restored scale
+
+
+def test_bf16_mixed_sweep_suggests_and_restores() -> None:
+    pl.seed_everything(0)
+    probe_before, probe_after = Probe(), Probe()
+    finder = _finder()
+    _fit(Net(), [probe_before, finder, probe_after], precision="bf16-mixed", max_steps=2)
+    assert finder.result is not None and finder.result.suggestion is not None
+    _equal_nested(probe_before.seen[0]["model"], probe_after.seen[0]["model"])
+
+
+def test_negative_loss_gives_the_same_sweep_as_the_shifted_positive_one() -> None:
+    results = []
+    for shift in (0.0, -50.0):
+        pl.seed_everything(0)
+        finder = _finder()
+        _fit(Net(shift=shift), [finder], max_steps=1)
+        results.append(finder.result)
+    pos, neg = results
+    assert pos is not None and neg is not None and max(neg.losses) < 0
+    assert neg.stop_reason == pos.stop_reason == "diverged"
+    assert neg.lrs == pos.lrs
+    for k, v in pos.suggestions.items():
+        assert neg.suggestions[k] == pytest.approx(v, rel=1e-6)
+
+
+def test_nan_mid_sweep_is_trimmed_and_still_suggests() -> None:
+    pl.seed_everything(0)
+    finder = _finder(divergence_threshold=None)
+    model = Net(nan_above=0.5)
+    _fit(model, [finder], max_steps=1)
+    result = finder.result
+    assert result is not None and result.stop_reason == "non-finite loss"
+    below = [lr for lr in sweep_lrs(1e-4, 10.0, 40) if lr <= 0.5]
+    assert result.lrs == below and all(math.isfinite(v) for v in result.losses)
+    assert result.suggestion is not None and result.suggestion <= 0.5
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_no_suggestion_gives_none_and_an_alert() -> None:
+    class Flat(Plain):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return 0.0 * self(batch[0]).sum() + 1.0  # does not depend on the learning rate
+
+    model = Flat()
+    finder = _finder(num_training=20)
+    _fit(model, [finder], loader=_loader(), max_steps=1)
+    assert finder.result is not None and finder.result.suggestion is None
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == 0.1  # unchanged
+    kinds = [a.kind for a in finder.alerts]
+    assert kinds == ["lr_finder_failed"] and "no 'steep' suggestion" in finder.alerts[0].message
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def test_curve_goes_to_the_loggers_csv_and_figure(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    logger = MemoryLogger(str(tmp_path))
+    finder = _finder(plot=True, progress=True)
+    _fit(Net(), [finder], logger=logger, max_steps=1)
+    result = finder.result
+    assert result is not None
+    n = len(result.lrs)
+    assert logger.series("lr_finder/loss") == {i: pytest.approx(v) for i, v in enumerate(result.losses)}
+    assert logger.series("lr_finder/lr") == {i: pytest.approx(v) for i, v in enumerate(result.lrs)}
+    assert len(logger.series("lr_finder/smoothed_loss")) == n
+    assert logger.series("lr_finder/suggested_lr") == {0: pytest.approx(result.suggestion)}
+    with open(tmp_path / "lr_finder.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == n and float(rows[3]["loss"]) == pytest.approx(result.losses[3])
+    assert (tmp_path / "lr_finder.png").stat().st_size > 1000
+
+
+def test_lr_find_function_writes_the_attribute_and_leaves_the_model_unchanged() -> None:
+    pl.seed_everything(0)
+    model = Net(lr=0.05)
+    before = copy.deepcopy(model.state_dict())
+    result = lr_find(model, _loader(shuffle=True), min_lr=1e-4, max_lr=10.0, num_training=40, progress=False)
+    assert result is not None and result.suggestion is not None
+    assert model.lr == result.suggestion
+    for k, v in before.items():
+        assert torch.equal(model.state_dict()[k], v), k
+
+
+# ---------------------------------------------------------------------------------------------- arguments
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"min_lr": 0.0}, "min_lr"),
+        ({"min_lr": 1.0, "max_lr": 0.5}, "max_lr"),
+        ({"num_training": 2}, "num_training"),
+        ({"mode": "log"}, "mode"),
+        ({"method": "best"}, "method"),
+        ({"beta": 1.0}, "beta"),
+        ({"divergence_threshold": 0.0}, "divergence_threshold"),
+        ({"milestones": [-1]}, "milestones"),
+        ({"apply": "yes"}, "apply"),
+        ({"min_points": 1}, "min_points"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        LRFinderPlus(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- DDP
+def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent.parent), OMP_NUM_THREADS="1")
+    env.pop("PL_DISABLE_FORK", None)
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / name), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
+    proc = run_ddp_script("ddp_lr_finder.py", tmp_path, timeout=180)  # a hang would time out here
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for key in ("lrs", "losses", "suggestions", "stop_reason", "applied_lr", "global_step"):
+        assert ranks[0][key] == ranks[1][key], key
+    assert ranks[0]["suggestions"]["steep"] == ranks[0]["applied_lr"]
+    assert len(ranks[0]["lrs"]) >= 10
+    # the curve is the mean over the ranks of their own shard's loss
+    assert ranks[0]["losses"][0] == pytest.approx(
+        0.5 * (ranks[0]["first_loss"] + ranks[1]["first_loss"]), rel=1e-6
+    )
+    assert ranks[0]["first_loss"] != ranks[1]["first_loss"]
+    assert (tmp_path / "csv" / "version_0" / "lr_finder.csv").exists()

@@ -270,7 +270,7 @@ def frozen_backbone() -> tuple[pl.LightningModule, DataLoader[Any]]:
     backbone.append(nn.ReLU())
     backbone.requires_grad_(False)
     net = nn.Sequential(backbone, nn.Linear(64, 10))
-    return ZooModule(net, _adam()), digits()
+    return ZooModule(net, _adam(1e-2)), digits()
 
 
 def bf16_mlp() -> tuple[pl.LightningModule, DataLoader[Any]]:
@@ -386,3 +386,49 @@ def run_case(
         warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
         trainer.fit(module, loader)
     return trainer
+
+
+# ---------------------------------------------------------------------------------------------- detection
+@dataclass
+class Result:
+    """What the two detectors said about one case, at their default arguments."""
+
+    case: Case
+    alerts: list[Any]
+    seconds: float
+    losses: list[float]
+
+    @property
+    def serious(self) -> list[Any]:
+        """Alerts of severity warning or above."""
+        return [a for a in self.alerts if a.severity != "info"]
+
+    def first_step(self, kind: str) -> int | None:
+        steps = [a.step for a in self.serious if a.kind == kind]
+        return min(steps) if steps else None
+
+    @property
+    def detected(self) -> dict[str, int]:
+        """Expected kind -> first step it was raised (missing kinds are absent)."""
+        return {k: s for k in self.case.expected if (s := self.first_step(k)) is not None}
+
+    @property
+    def false_alerts(self) -> list[Any]:
+        """Alerts of a kind the case does not expect (for a healthy case: every alert)."""
+        return [a for a in self.serious if a.kind not in self.case.expected]
+
+
+def detect(case: Case, root_dir: str | None = None) -> Result:
+    """Train ``case`` with ``VanishingExplodingDetector()`` and ``DeadReLUMonitor()`` at defaults."""
+    import time
+
+    from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
+    from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+
+    detectors = [VanishingExplodingDetector(), DeadReLUMonitor()]
+    start = time.perf_counter()
+    trainer = run_case(case, list(detectors), root_dir=root_dir)
+    seconds = time.perf_counter() - start
+    alerts = sorted((a for d in detectors for a in d.alerts), key=lambda a: a.step)
+    module = trainer.lightning_module
+    return Result(case, alerts, seconds, list(getattr(module, "losses", [])))

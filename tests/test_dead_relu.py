@@ -295,3 +295,21 @@ def test_cadence_and_state_dict() -> None:
 def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
     with pytest.raises(ValueError, match=f"`{name}`"):
         DeadReLUMonitor(**kwargs)
+
+
+def test_ddp_both_detectors_reach_the_same_verdict_on_every_rank(tmp_path: Path) -> None:
+    import json
+
+    from test_ddp import run_ddp_script
+
+    proc = run_ddp_script("ddp_detectors.py", tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    seen = ranks[0]
+    assert seen["steps"] == 12 and seen["sampled_batches"] == 5
+    # act1 fires only on rank 0's data: alive once the counts are all-reduced (rank 1 alone: 75 % dead)
+    assert seen["dead_fractions"] == {"net.act1": 0.0, "net.act2": 1.0}
+    assert ["dead_relu", "net.act2", 4] in seen["alerts"]
+    assert next(a for a in seen["alerts"] if a[0] == "exploding_gradient")[2] == 7
+    assert {a[0] for a in seen["alerts"]} == {"dead_relu", "exploding_gradient"}

@@ -1,0 +1,89 @@
+"""2-process CPU DDP run (gloo) for tests/test_dead_relu.py: ``python ddp_detectors.py OUTDIR``.
+
+The data differ by rank on purpose: DistributedSampler gives rank 0 the even samples (feature 0 = +1)
+and rank 1 the odd ones (feature 0 = -1). Twelve of the sixteen units of ``act1`` fire only on +1, so
+rank 1 alone would call 75 % of them dead; after the all-reduce of the activity counts both ranks see
+them alive. ``act2`` is dead everywhere. From step 6 the loss is multiplied by 1e4 (lr=0 keeps the
+weights fixed), which the VanishingExplodingDetector must report on both ranks at the same step.
+Every rank writes what its detectors said to OUTDIR/rank<r>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
+from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act1 = nn.ReLU()
+        self.fc2 = nn.Linear(16, 8)
+        self.act2 = nn.ReLU()
+        self.out = nn.Linear(8, 3)
+        with torch.no_grad():
+            self.fc1.weight.zero_()
+            self.fc1.weight[:12, 0] = 10.0
+            self.fc1.bias[:12] = -5.0  # active only when feature 0 is +1 (rank 0's samples)
+            self.fc1.bias[12:] = 100.0
+            self.fc2.bias.fill_(-1000.0)  # dead everywhere
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act2(self.fc2(self.act1(self.fc1(x)))) + 0.1 * x[:, :8].sum(1, keepdim=True))
+
+
+class Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        return loss * (1e4 if self.trainer.global_step >= 6 else 1.0)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def main(out: Path) -> None:
+    pl.seed_everything(0)
+    x = torch.randn(96, 8)
+    x[:, 0] = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(96)])
+    y = torch.randint(0, 3, (96,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    ve, dr = VanishingExplodingDetector(), DeadReLUMonitor()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=2,
+        logger=False,
+        default_root_dir=str(out),
+        callbacks=[ve, dr],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Model(), loader)
+    result = {
+        "alerts": [[a.kind, a.where, a.step] for a in ve.alerts + dr.alerts],
+        "dead_fractions": dr.dead_fractions,
+        "sampled_batches": dr.sampled_batches,
+        "steps": trainer.global_step,
+    }
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

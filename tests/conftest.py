@@ -114,3 +114,9 @@ def make_trainer(callbacks: list[Any], logger: Any = None, **kwargs: Any) -> pl.
 @pytest.fixture
 def memory_logger(tmp_path: Any) -> MemoryLogger:
     return MemoryLogger(str(tmp_path))
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_path(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in its own folder: a Trainer without a logger writes to the working directory."""
+    monkeypatch.chdir(tmp_path)

@@ -352,3 +352,15 @@ def test_a_batch_the_model_cannot_train_on_gives_a_warning_not_a_crash() -> None
     with pytest.warns(UserWarning, match="OverfitBatchSanity could not run the check"):
         trainer.fit(WithBatchNorm(), loader())
     assert trainer.global_step == 2 and check.result is None and not check.alerts
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "64-true"])
+def test_both_checks_run_under_other_precisions(precision: str) -> None:
+    from lightning_gradguard.callbacks.gradient_check import GradientCheck
+
+    torch.manual_seed(0)
+    overfit, grads = OverfitBatchSanity(), GradientCheck()
+    trainer = make_trainer([grads, overfit], precision=precision, max_steps=1)
+    trainer.fit(Classifier(), loader())  # 64-true: the batch is converted to float64 as in training
+    assert overfit.result is not None and overfit.result.passed
+    assert grads.result is not None and grads.result.passed

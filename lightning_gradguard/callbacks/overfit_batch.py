@@ -103,7 +103,7 @@ def slice_batch(batch: Any, max_samples: int | None) -> Any:
 
 
 def first_train_batch(trainer: pl.Trainer) -> tuple[Any, list[torch.Generator]]:
-    """The first batch of a fresh pass over the train dataloader(s), moved to the model's device.
+    """The first batch of a fresh pass over the train dataloader(s), prepared as the training loop does.
 
     Also returns the ``torch.Generator`` objects of the samplers, whose state the caller must restore
     (drawing a batch advances them, and the global RNG of a shuffling sampler).
@@ -120,7 +120,11 @@ def first_train_batch(trainer: pl.Trainer) -> tuple[Any, list[torch.Generator]]:
         batch, _, dataloader_idx = next(iterator)
     finally:
         del iterator
-    return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx or 0), gens
+    # what the training loop does to every batch before training_step sees it
+    idx = dataloader_idx or 0
+    batch = trainer.precision_plugin.convert_input(batch)
+    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=idx)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=idx), gens
 
 
 def tensors_free_iterables(iterables: Any) -> list[Any]:
@@ -829,9 +833,8 @@ class OverfitBatchSanity(GradGuardCallback):
         for f in result.findings:
             if f.kind == "overfit_failed":
                 continue
-            alert = self.report(
-                trainer, f.kind, f.severity, ", ".join(f.names) or None, f.message, f.hint, f.data
-            )
+            where = ", ".join(f.names[:_MAX_LISTED]) + (", ..." if len(f.names) > _MAX_LISTED else "")
+            alert = self.report(trainer, f.kind, f.severity, where or None, f.message, f.hint, f.data)
             if alert is not None:
                 alerts.append(alert)
         failed_here = not result.passed

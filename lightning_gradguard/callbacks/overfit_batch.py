@@ -450,7 +450,7 @@ class OverfitBatchSanity(GradGuardCallback):
         start = [p.detach().clone() for p in params]
         n = batch_size_of(batch) or 0
         got_grad = torch.zeros(len(params), dtype=torch.bool)
-        nonzero_grad = torch.zeros(len(params), dtype=torch.bool)
+        nonzero_flags: Tensor | None = None
         losses: list[float] = []
         grad_norms: list[float] = []
         leaf = LeafOutputs(pl_module, n) if n else None
@@ -488,11 +488,14 @@ class OverfitBatchSanity(GradGuardCallback):
             grads = [p.grad for p in params]
             present = [g for g in grads if g is not None]
             grad_norms.append(float(torch.nn.utils.get_total_norm(present)) if present else 0.0)
-            with torch.no_grad():
+            with torch.no_grad():  # flags stay on the device: one host read at the end, not one per tensor
                 got_grad |= torch.tensor([g is not None for g in grads])
-                nonzero_grad |= torch.stack(
-                    [g.ne(0).any().cpu() if g is not None else torch.tensor(False) for g in grads]
-                )
+                if present:
+                    flags = torch.zeros(len(params), dtype=torch.bool, device=present[0].device)
+                    for i, g in enumerate(grads):
+                        if g is not None:
+                            flags[i] = g.ne(0).any().to(flags.device)
+                    nonzero_flags = flags if nonzero_flags is None else nonzero_flags | flags
             if isinstance(optimizer, torch.optim.LBFGS):
 
                 def closure() -> Tensor:
@@ -529,6 +532,11 @@ class OverfitBatchSanity(GradGuardCallback):
             return result
         findings = result.findings
         if steps > 0:
+            nonzero_grad = (
+                nonzero_flags.cpu()
+                if nonzero_flags is not None
+                else torch.zeros(len(params), dtype=torch.bool)
+            )
             findings.extend(self._parameter_findings(optimizer, names, params, start, got_grad, nonzero_grad))
         if self.check_initial_loss:
             findings.extend(self._initial_loss_finding(batch, logits, initial, n))

@@ -364,3 +364,21 @@ def test_both_checks_run_under_other_precisions(precision: str) -> None:
     trainer.fit(Classifier(), loader())  # 64-true: the batch is converted to float64 as in training
     assert overfit.result is not None and overfit.result.passed
     assert grads.result is not None and grads.result.passed
+
+
+def test_an_identically_zero_gradient_is_a_warning_that_does_not_fail_the_check() -> None:
+    class Gated(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Parameter(torch.ones(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + 0 * self.gate  # in the graph, but its gradient is exactly 0
+
+    torch.manual_seed(0)
+    check = OverfitBatchSanity()
+    fit(Gated(), check, max_steps=1)
+    assert check.result is not None and check.result.passed
+    (finding,) = check.result.findings
+    assert (finding.kind, finding.severity, finding.names) == ("unused_parameter", "warning", ["gate"])
+    assert [(a.kind, a.severity, a.where) for a in check.alerts] == [("unused_parameter", "warning", "gate")]

@@ -382,3 +382,15 @@ def test_an_identically_zero_gradient_is_a_warning_that_does_not_fail_the_check(
     (finding,) = check.result.findings
     assert (finding.kind, finding.severity, finding.names) == ("unused_parameter", "warning", ["gate"])
     assert [(a.kind, a.severity, a.where) for a in check.alerts] == [("unused_parameter", "warning", "gate")]
+
+
+def test_gradient_not_shrinking_warns_when_a_huge_lr_bounces_into_the_target() -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity()
+    fit(Classifier(lr=1.0), check, max_steps=1)  # Adam at lr=1: lands below the target by luck
+    r = check.result
+    assert r is not None and r.passed and r.steps >= 5
+    (finding,) = r.findings
+    assert (finding.kind, finding.severity) == ("gradient_not_shrinking", "warning")
+    assert r.grad_norms[-1] >= r.grad_norms[0]
+    assert finding.data == {"initial_grad_norm": r.grad_norms[0], "final_grad_norm": r.grad_norms[-1]}

@@ -199,7 +199,8 @@ class OverfitResult:
         final_loss: the last loss measured.
         target_loss: the loss the check had to reach.
         losses: the loss curve, one value per evaluation (``steps + 1`` values).
-        grad_norms: the total gradient 2-norm at each step.
+        grad_norms: the total gradient 2-norm at each step (``grad_norms[k]`` is the gradient at
+            ``losses[k]``).
         seconds: wall time of the whole check, restore included.
         num_samples: samples in the batch trained on.
         optimizer: the optimizer class used (the user's, or the fallback ``Adam``).

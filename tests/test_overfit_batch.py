@@ -394,3 +394,18 @@ def test_gradient_not_shrinking_warns_when_a_huge_lr_bounces_into_the_target() -
     assert (finding.kind, finding.severity) == ("gradient_not_shrinking", "warning")
     assert r.grad_norms[-1] >= r.grad_norms[0]
     assert finding.data == {"initial_grad_norm": r.grad_norms[0], "final_grad_norm": r.grad_norms[-1]}
+
+
+def test_initial_loss_is_not_judged_when_resuming_a_trained_model(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Classifier(lr=0.05)
+    trainer = make_trainer([], max_epochs=30, enable_checkpointing=True, default_root_dir=str(tmp_path))
+    trainer.fit(model, loader())
+    ckpt = str(tmp_path / "trained.ckpt")
+    trainer.save_checkpoint(ckpt)
+    check = OverfitBatchSanity()
+    trainer = make_trainer([check], max_epochs=31)
+    trainer.fit(Classifier(), loader(), ckpt_path=ckpt)
+    r = check.result
+    assert r is not None and r.initial_loss < 0.5 * math.log(4)  # far below ln C: it has learned
+    assert r.passed and not r.findings

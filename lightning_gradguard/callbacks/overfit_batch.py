@@ -281,7 +281,7 @@ class OverfitBatchSanity(GradGuardCallback):
       fresh model predicting the uniform distribution scores). ``C`` is ``num_classes``, or inferred
       when the batch holds integer labels of shape ``[N]`` and the last leaf module outputs ``[N, C]``
       with every label below ``C``. A ratio close to the batch size says the loss is summed, not
-      averaged;
+      averaged. Skipped when the run resumes from a checkpoint (``global_step > 0``);
     * ``gradient_not_shrinking`` (warning): the gradient norm did not shrink while the batch was
       learned;
     * ``batch_mixing`` (error, with ``check_batch_mixing=True``): the output of one sample depends on
@@ -539,7 +539,7 @@ class OverfitBatchSanity(GradGuardCallback):
                 else torch.zeros(len(params), dtype=torch.bool)
             )
             findings.extend(self._parameter_findings(optimizer, names, params, start, got_grad, nonzero_grad))
-        if self.check_initial_loss:
+        if self.check_initial_loss and trainer.global_step == 0:  # a resumed model is not a fresh one
             findings.extend(self._initial_loss_finding(batch, logits, initial, n))
         c, labels = self._labels(batch, logits, n)
         if c is not None and labels is not None:

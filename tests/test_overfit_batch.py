@@ -399,7 +399,7 @@ def test_gradient_not_shrinking_warns_when_a_huge_lr_bounces_into_the_target() -
 def test_initial_loss_is_not_judged_when_resuming_a_trained_model(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Classifier(lr=0.05)
-    trainer = make_trainer([], max_epochs=30, enable_checkpointing=True, default_root_dir=str(tmp_path))
+    trainer = make_trainer([], max_epochs=30, default_root_dir=str(tmp_path))
     trainer.fit(model, loader())
     ckpt = str(tmp_path / "trained.ckpt")
     trainer.save_checkpoint(ckpt)

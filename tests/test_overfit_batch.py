@@ -409,3 +409,53 @@ def test_initial_loss_is_not_judged_when_resuming_a_trained_model(tmp_path: Path
     r = check.result
     assert r is not None and r.initial_loss < 0.5 * math.log(4)  # far below ln C: it has learned
     assert r.passed and not r.findings
+
+
+def test_training_snapshot_restores_model_optimizer_scheduler_rng_and_progress() -> None:
+    from lightning_gradguard.callbacks._snapshot import TrainingSnapshot
+
+    torch.manual_seed(0)
+    model = Stochastic()
+    trainer = make_trainer([], max_steps=3)
+    trainer.fit(model, loader(shuffle=True))  # Adam and StepLR have state, progress counters moved
+    opt = trainer.optimizers[0]
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    before_opt = {k: {n: t.clone() for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}
+    before = (trainer.global_step, trainer.fit_loop.epoch_loop._batches_that_stepped, sched.last_epoch)
+    before_grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.eval()
+    snap = TrainingSnapshot(model, trainer=trainer)
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    _ = (torch.rand(5), np.random.rand(5), random.random())  # move every RNG
+    model.train()
+    x, y = next(iter(loader()))
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model.net(x), y).backward()
+        opt.step()
+        sched.step()
+    trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.increment_completed()
+    trainer.fit_loop.epoch_loop._batches_that_stepped += 5
+    assert trainer.global_step != before[0]
+    snap.restore()
+    assert [m.training for m in model.modules()] == [False] * len(list(model.modules()))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before_state[k]), k
+    for k, s in opt.state_dict()["state"].items():
+        for n, t in s.items():
+            assert torch.equal(t, before_opt[k][n]), (k, n)
+    assert (
+        trainer.global_step,
+        trainer.fit_loop.epoch_loop._batches_that_stepped,
+        sched.last_epoch,
+    ) == before
+    assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0]
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert (
+        torch.equal(again[0], expected[0])
+        and np.array_equal(again[1], expected[1])
+        and again[2] == expected[2]
+    )
+    for p, g in zip(model.parameters(), before_grads, strict=True):  # the last real step's gradients
+        assert g is not None and p.grad is not None and torch.equal(p.grad, g)

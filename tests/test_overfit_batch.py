@@ -459,3 +459,18 @@ def test_training_snapshot_restores_model_optimizer_scheduler_rng_and_progress()
     )
     for p, g in zip(model.parameters(), before_grads, strict=True):  # the last real step's gradients
         assert g is not None and p.grad is not None and torch.equal(p.grad, g)
+
+
+def test_training_snapshot_restores_torchmetrics_states() -> None:
+    import torchmetrics
+
+    from lightning_gradguard.callbacks._snapshot import TrainingSnapshot
+
+    holder = nn.Module()
+    holder.metric = torchmetrics.MeanMetric()
+    holder.metric.update(torch.tensor([1.0, 2.0]))
+    snap = TrainingSnapshot(holder)
+    holder.metric.update(torch.tensor([100.0]))
+    assert float(holder.metric.compute()) == pytest.approx(103 / 3)
+    snap.restore()
+    assert float(holder.metric.compute()) == pytest.approx(1.5) and holder.metric._update_count == 1

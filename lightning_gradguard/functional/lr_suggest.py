@@ -263,8 +263,9 @@ def suggest_slide(
     The slope (per decade, in units of the curve's range) is compared at the two ends of a window of
     ``window`` points (default: a seventh of the curve). Near the end of a diverging sweep the ends
     differ a lot; the window slides left, one point at a time, until the difference falls below
-    ``tolerance`` (of the curve's steepest slope), i.e. into the smooth descending stretch; the LR at
-    its left end is the suggestion. ``None`` when the curve never falls or is too short.
+    ``tolerance`` (of the curve's steepest slope) with the left end on the descent, i.e. into the smooth
+    descending stretch; the LR at its left end is the suggestion. ``None`` when the curve never falls
+    or is too short.
     """
     x, y = _as_arrays(lrs, losses)
     n = y.size
@@ -280,8 +281,8 @@ def suggest_slide(
         return None
     right = n - 1
     left = right - w
-    while left > 0 and abs(slope[right] - slope[left]) > tolerance * steepest:
-        right -= 1
+    while left > 0 and (abs(slope[right] - slope[left]) > tolerance * steepest or slope[left] >= 0):
+        right -= 1  # the ends still differ, or the window still sits in the rising tail
         left -= 1
     if slope[left] >= 0 and slope[min(left + 1, n - 1)] >= 0:
         # the flat start of the curve: move right to where it begins to fall

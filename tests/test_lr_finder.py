@@ -41,6 +41,12 @@ from tests.conftest import MemoryLogger, make_trainer
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainers without a logger use the working directory: keep it out of the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 # ---------------------------------------------------------------------------------------------- pure math
 def test_sweep_lrs_exponential_and_linear() -> None:
     exp = sweep_lrs(1e-4, 1.0, 5, "exponential")
@@ -371,14 +377,14 @@ def _reference_sweep(lrs: list[float], ratios: list[float], accumulate: int) -> 
     return out
 
 
-@pytest.mark.parametrize("accumulate,groups", [(1, False), (3, True)])
-def test_sweep_matches_a_hand_written_loop(accumulate: int, groups: bool) -> None:
+@pytest.mark.parametrize("accumulate,groups,mode", [(1, False, "exponential"), (3, True, "linear")])
+def test_sweep_matches_a_hand_written_loop(accumulate: int, groups: bool, mode: str) -> None:
     model = Plain(groups=groups)
-    finder = _finder(min_lr=1e-3, max_lr=1.0, num_training=20, divergence_threshold=None)
+    finder = _finder(min_lr=1e-3, max_lr=1.0, num_training=20, divergence_threshold=None, mode=mode)
     _fit(model, [finder], loader=_loader(), accumulate_grad_batches=accumulate, max_steps=1)
     result = finder.result
     assert result is not None and len(result.lrs) == 20
-    assert result.lrs == pytest.approx(sweep_lrs(1e-3, 1.0, 20))
+    assert result.lrs == pytest.approx(sweep_lrs(1e-3, 1.0, 20, mode))
     ratios = [1.0, 0.1] if groups else [1.0, 1.0]
     assert result.losses == pytest.approx(_reference_sweep(result.lrs, ratios, accumulate), rel=1e-5)
     assert model.calls == 20 * accumulate + accumulate  # the sweep, then one real optimizer step
@@ -452,12 +458,41 @@ def test_no_suggestion_gives_none_and_an_alert() -> None:
     assert kinds == ["lr_finder_failed"] and "no 'steep' suggestion" in finder.alerts[0].message
 
 
+def test_too_few_points_gives_none_and_an_alert_with_the_reason() -> None:
+    pl.seed_everything(0)
+    finder = _finder()
+    model = Net(nan_above=2e-4)  # NaN from the fourth sweep step on
+    _fit(model, [finder], max_steps=1)
+    result = finder.result
+    assert result is not None and result.suggestion is None and len(result.lrs) == 3
+    assert result.stop_reason == "non-finite loss"
+    assert model.trainer.optimizers[0].param_groups[0]["lr"] == 0.05
+    assert [a.kind for a in finder.alerts] == ["lr_finder_failed"]
+    assert "only 3 of 40 sweep steps" in finder.alerts[0].message
+
+
+def test_state_dict_remembers_which_milestones_ran() -> None:
+    pl.seed_everything(0)
+    finder = _finder(milestones=[0, 5])
+    _fit(Net(), [finder], max_steps=1)
+    state = finder.state_dict()
+    assert state["done_epochs"] == [0]
+    resumed = _finder(milestones=[0, 5])
+    resumed.load_state_dict(state)
+    _fit(Net(), [resumed], max_steps=1)
+    assert resumed.results == []  # epoch 0 already had its test: not run again after a resume
+
+
 # ---------------------------------------------------------------------------------------------- outputs
 def test_curve_goes_to_the_loggers_csv_and_figure(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     pl.seed_everything(0)
     logger = MemoryLogger(str(tmp_path))
+    tb = TensorBoardLogger(str(tmp_path), name="tb", version=0)
     finder = _finder(plot=True, progress=True)
-    _fit(Net(), [finder], logger=logger, max_steps=1)
+    _fit(Net(), [finder], logger=[logger, tb], max_steps=1)
     result = finder.result
     assert result is not None
     n = len(result.lrs)
@@ -469,6 +504,19 @@ def test_curve_goes_to_the_loggers_csv_and_figure(tmp_path: Path) -> None:
         rows = list(csv.DictReader(fh))
     assert len(rows) == n and float(rows[3]["loss"]) == pytest.approx(result.losses[3])
     assert (tmp_path / "lr_finder.png").stat().st_size > 1000
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    tb_loss = [e.value for e in events.Scalars("lr_finder/loss")]
+    assert tb_loss == pytest.approx(result.losses, rel=1e-6)
+    assert "lr_finder/curve" in events.Tags()["images"]
+
+
+def test_without_a_logger_no_files_are_written(tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    finder = _finder(plot=True)
+    _fit(Net(), [finder], max_steps=1, default_root_dir=str(tmp_path))
+    assert finder.result is not None and finder.result.suggestion is not None
+    assert not list(tmp_path.rglob("lr_finder*"))
 
 
 def test_lr_find_function_writes_the_attribute_and_leaves_the_model_unchanged() -> None:

@@ -252,8 +252,9 @@ class LRFinderPlus(GradGuardCallback):
 
     Output (rank 0): scalars ``lr_finder/loss``, ``lr_finder/smoothed_loss`` and ``lr_finder/lr``
     against the sweep step, ``lr_finder/suggested_lr`` at the trainer's step; a CSV
-    ``lr_finder.csv`` and (with matplotlib) a figure ``lr_finder.png`` in the log directory, also sent to
-    TensorBoard. Later milestones get an ``_epoch<N>`` suffix. Progress lines go to stderr.
+    ``lr_finder.csv`` and (with matplotlib) a figure ``lr_finder.png`` in the log directory (when the
+    trainer has a logger), the figure also sent to TensorBoard. Later milestones get an ``_epoch<N>``
+    suffix. Progress lines go to stderr.
 
     Args:
         min_lr: first learning rate of the sweep.
@@ -590,6 +591,18 @@ class LRFinderPlus(GradGuardCallback):
             )
         if result.suggestion is not None:
             _emit.log_scalars(trainer, {"lr_finder/suggested_lr": result.suggestion}, log_step(trainer))
+        chosen = f"{result.suggestion:.3e}" if result.suggestion is not None else "none"
+        others = ", ".join(f"{k} {v:.2e}" for k, v in result.suggestions.items() if v is not None)
+        summary = (
+            f"LRFinderPlus [epoch {result.epoch}]: suggestion ({result.method}) {chosen}"
+            f"{' applied' if result.applied else ''}; all: {others or 'none'}; {result.seconds:.1f}s"
+        )
+        if self.progress:
+            print(summary, file=sys.stderr, flush=True)
+        else:
+            log.info(summary)
+        if not trainer.loggers:  # no log directory: the curve stays in ``self.results``
+            return
         folder = _emit.log_dir(trainer)
         try:
             os.makedirs(folder, exist_ok=True)
@@ -602,14 +615,6 @@ class LRFinderPlus(GradGuardCallback):
                     writer.writerow([i, *row])
         except OSError as err:  # pragma: no cover - read-only log dirs
             log.warning("LRFinderPlus: could not write the CSV to %s: %s", folder, err)
-        chosen = f"{result.suggestion:.3e}" if result.suggestion is not None else "none"
-        others = ", ".join(f"{k} {v:.2e}" for k, v in result.suggestions.items() if v is not None)
-        print(
-            f"LRFinderPlus [epoch {result.epoch}]: suggestion ({result.method}) {chosen}"
-            f"{' applied' if result.applied else ''}; all: {others or 'none'}; {result.seconds:.1f}s",
-            file=sys.stderr,
-            flush=True,
-        )
         if not self.plot or not result.lrs:
             return
         try:

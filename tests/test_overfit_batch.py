@@ -474,3 +474,36 @@ def test_training_snapshot_restores_torchmetrics_states() -> None:
     assert float(holder.metric.compute()) == pytest.approx(103 / 3)
     snap.restore()
     assert float(holder.metric.compute()) == pytest.approx(1.5) and holder.metric._update_count == 1
+
+
+class RandomLabelDataset(torch.utils.data.Dataset):
+    """A pipeline bug: the label of sample i is looked up with a fresh random index on every access."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(64, 8, generator=g)
+        self.y = torch.randint(0, 4, (64,), generator=g)
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[int(torch.randint(0, 64, ()))]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_labels_drawn_independently_of_inputs_are_caught_by_a_second_draw(shuffle: bool) -> None:
+    torch.manual_seed(0)
+    check = OverfitBatchSanity()
+    trainer = make_trainer([check], max_steps=1)
+    data = torch.utils.data.DataLoader(RandomLabelDataset(), batch_size=16, shuffle=shuffle)
+    with pytest.raises(SanityCheckError, match="labels_unstable"):  # shuffle: the same indices are redrawn
+        trainer.fit(Classifier(), data)
+    assert check.result is not None and check.result.reached_target  # one fixed draw is memorisable
+    (finding,) = [f for f in check.result.findings if f.kind == "labels_unstable"]
+    assert finding.data["samples"] == 16 and finding.data["samples_changed"] >= 8
+    # shuffling loader, same labels for the same inputs: no finding; augmented inputs: not judged
+    torch.manual_seed(0)
+    fine = OverfitBatchSanity()
+    make_trainer([fine], max_steps=1).fit(Classifier(), loader(shuffle=True))
+    assert fine.result is not None and fine.result.passed and not fine.result.findings

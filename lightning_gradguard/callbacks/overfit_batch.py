@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
@@ -136,6 +138,37 @@ def tensors_free_iterables(iterables: Any) -> list[Any]:
     return [iterables]
 
 
+def redraw_first_samples(trainer: pl.Trainer) -> Any:
+    """The samples of the first batch fetched once more, with the dataset's own randomness re-seeded.
+
+    Call it with the RNG state :func:`first_train_batch` started from: the sampler then yields the same
+    indices (a ``DataLoader`` iterator draws its base seed first, then the sampler draws its order). The
+    items are fetched with ``dataset[i]`` after every global RNG is re-seeded to other values, so a
+    dataset that draws labels at random on every access returns different ones. ``None`` for anything
+    but a single map-style ``DataLoader``.
+    """
+    from torch.utils.data import DataLoader, IterableDataset
+
+    combined = trainer.fit_loop._combined_loader
+    loaders = tensors_free_iterables(combined.iterables) if combined is not None else []
+    if len(loaders) != 1:
+        return None
+    dl = loaders[0]
+    if not isinstance(dl, DataLoader) or dl.batch_sampler is None or isinstance(dl.dataset, IterableDataset):
+        return None
+    order = iter(dl.batch_sampler)
+    torch.empty((), dtype=torch.int64).random_(generator=dl.generator)  # the iterator's base seed
+    indices = next(order)
+    seed = 0x5EED
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    batch = dl.collate_fn([dl.dataset[i] for i in indices])
+    batch = trainer.precision_plugin.convert_input(batch)
+    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
 class LeafOutputs:
     """Forward hooks on every leaf module that keep the last output with a given leading dimension."""
 
@@ -171,7 +204,7 @@ class Finding:
 
     Attributes:
         kind: alert kind (``unused_parameter``, ``parameter_not_updated``, ``initial_loss_mismatch``,
-            ``batch_mixing``, ``gradient_not_shrinking``, ``overfit_failed``).
+            ``batch_mixing``, ``labels_unstable``, ``gradient_not_shrinking``, ``overfit_failed``).
         severity: ``"error"`` fails the check; ``"warning"`` is reported only.
         names: the parameters (or samples) concerned.
         message: what was seen, with the numbers.
@@ -248,12 +281,49 @@ _HINTS = {
         "`x.view(batch, features)` was meant, or a transpose before a flatten), or an op reduces over "
         "dim 0. Every sample's output must depend only on that sample's input."
     ),
+    "labels_unstable": (
+        "Labels must be tied to their inputs: look for a dataset that draws or shuffles labels separately "
+        "from the inputs (an index into the label array that is not the sample's index, a shuffle applied "
+        "to one array only, a random label transform). A model cannot learn labels that change under it."
+    ),
     "gradient_not_shrinking": (
         "While the batch was learned, the gradient norm did not shrink: the loss may have a floor the "
         "model cannot reach (label noise within the batch, a regularisation term), or the LR is so high "
         "that the optimizer bounces around the minimum."
     ),
 }
+
+
+def _label_stability(first: Any, second: Any) -> list[Finding]:
+    """Compare two draws of the same samples: identical inputs with different labels is a pipeline bug.
+
+    Only judged when every floating tensor came back identical (no random augmentation): then any
+    per-sample difference in an integer tensor means the labels are not tied to their inputs.
+    """
+    a, b = list(tensors_in(first)), list(tensors_in(second))
+    if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a, b, strict=True)):
+        return []
+    floats = [(x, y) for x, y in zip(a, b, strict=True) if x.is_floating_point()]
+    ints = [(x, y) for x, y in zip(a, b, strict=True) if not x.is_floating_point() and x.dim() >= 1]
+    if not floats or not ints or not all(torch.equal(x, y) for x, y in floats):
+        return []
+    for x, y in ints:
+        differ = (x != y).reshape(x.shape[0], -1).any(dim=1)
+        count = int(differ.sum())
+        if count:
+            n = int(x.shape[0])
+            return [
+                Finding(
+                    "labels_unstable",
+                    "error",
+                    [],
+                    f"Drawing the first batch twice gave identical inputs but different labels for {count} "
+                    f"of {n} samples.",
+                    _HINTS["labels_unstable"],
+                    {"samples_changed": float(count), "samples": float(n)},
+                )
+            ]
+    return []
 
 
 # --------------------------------------------------------------------------------------------- callback
@@ -284,6 +354,11 @@ class OverfitBatchSanity(GradGuardCallback):
       averaged. Skipped when the run resumes from a checkpoint (``global_step > 0``);
     * ``gradient_not_shrinking`` (warning): the gradient norm did not shrink while the batch was
       learned;
+    * ``labels_unstable`` (error, with ``check_label_stability=True``, default): the samples of the
+      first batch are fetched a second time (same indices from the sampler, ``dataset[i]``) with every
+      global RNG re-seeded; identical inputs that come back with different integer labels mean the
+      labels are not tied to their inputs (e.g. a dataset that looks labels up with a random index).
+      Not judged when the inputs differ too (random augmentation), nor for iterable datasets;
     * ``batch_mixing`` (error, with ``check_batch_mixing=True``): the output of one sample depends on
       the input of another. Measured with the model in eval mode (BatchNorm then uses its running
       statistics; in train mode it legitimately mixes samples through the batch statistics), as the
@@ -317,6 +392,7 @@ class OverfitBatchSanity(GradGuardCallback):
         check_initial_loss: compare the initial loss of a classifier with ``ln C``.
         initial_loss_tolerance: the initial loss may differ from ``ln C`` by this fraction of ``ln C``.
         check_batch_mixing: also run the batch-mixing check (one extra forward and two backward passes).
+        check_label_stability: fetch the first batch's samples a second time and compare.
         ignore_parameters: ``fnmatch`` patterns of parameter names left out of the unused / not-updated
             findings (e.g. ``["head_aux.*"]``).
         fallback_lr: learning rate of the fallback Adam optimizer.
@@ -348,6 +424,7 @@ class OverfitBatchSanity(GradGuardCallback):
         check_initial_loss: bool = True,
         initial_loss_tolerance: float = 0.5,
         check_batch_mixing: bool = False,
+        check_label_stability: bool = True,
         ignore_parameters: list[str] | None = None,
         fallback_lr: float = 1e-3,
         action: str = "raise",
@@ -371,6 +448,7 @@ class OverfitBatchSanity(GradGuardCallback):
         for name, flag in (
             ("check_initial_loss", check_initial_loss),
             ("check_batch_mixing", check_batch_mixing),
+            ("check_label_stability", check_label_stability),
         ):
             if not isinstance(flag, bool):
                 raise ValueError(f"`{name}` must be True or False; got {flag!r}")
@@ -382,6 +460,7 @@ class OverfitBatchSanity(GradGuardCallback):
         self.check_initial_loss = check_initial_loss
         self.initial_loss_tolerance = float(initial_loss_tolerance)
         self.check_batch_mixing = check_batch_mixing
+        self.check_label_stability = check_label_stability
         self.ignore_parameters = list(ignore_parameters or [])
         self.fallback_lr = float(fallback_lr)
         self.result: OverfitResult | None = None
@@ -410,8 +489,15 @@ class OverfitBatchSanity(GradGuardCallback):
         result: OverfitResult | None = None
         try:
             batch, _ = first_train_batch(trainer)
+            again = None
+            if self.check_label_stability:  # the same samples once more, under other random draws
+                snapshot.rng.restore()
+                again = redraw_first_samples(trainer)
             batch = slice_batch(batch, self.max_samples)
             result = self._run(trainer, pl_module, batch)
+            if again is not None:
+                result.findings[:0] = _label_stability(batch, slice_batch(again, self.max_samples))
+                result.passed = result.passed and not any(f.severity == "error" for f in result.findings)
         except Exception as err:  # a model or loader shape we cannot drive: warn, never crash
             warn_once(
                 trainer,

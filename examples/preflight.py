@@ -9,9 +9,10 @@ What it does:
    memorises the first batch; then the real training runs, unaffected, to a good validation accuracy;
 2. the same layer with a wrong transpose in its backward: ``GradientCheck`` stops the run and names the
    parameter;
-3. five broken pipelines (a ``.detach()`` in forward, an optimizer missing a layer, ``lr=0``, a loss
-   summed instead of averaged, labels reshuffled against their inputs): ``OverfitBatchSanity`` stops
-   each one with its own finding, in a fraction of a second.
+3. six broken pipelines (a ``.detach()`` in forward, an optimizer missing a layer, ``lr=0``, a loss
+   summed instead of averaged, labels reshuffled against their inputs in ``training_step``, a dataset
+   that looks labels up with a random index): ``OverfitBatchSanity`` stops each one with its own
+   finding, in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -98,6 +99,19 @@ class DigitsMLP(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=0.0 if self.bug == "lr_zero" else 1e-3)
 
 
+class RandomLabelLookup(torch.utils.data.Dataset):
+    """A data bug: each item's label is looked up with a fresh random index instead of the item's own."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i][0], self.data[int(torch.randint(len(self.data), ()))][1]
+
+
 def digits_loaders() -> tuple[DataLoader, DataLoader]:
     x, y = load_digits(return_X_y=True)
     x_tr, x_va, y_tr, y_va = train_test_split(x, y, test_size=0.2, random_state=SEED, stratify=y)
@@ -167,12 +181,24 @@ def main() -> None:
 
     print("\n=== 3. broken pipelines, caught before the first real step ===")
     print(f"{'bug':<26}{'findings':<50}{'seconds':>8}")
-    for bug in ("detach", "optimizer_missing_layer", "lr_zero", "sum_loss", "shuffled_labels"):
+    bugs = (
+        "detach",
+        "optimizer_missing_layer",
+        "lr_zero",
+        "sum_loss",
+        "shuffled_labels",
+        "dataset_random_labels",
+    )
+    for bug in bugs:
         pl.seed_everything(SEED, verbose=False)
         check = OverfitBatchSanity(max_steps=300)
         started = time.perf_counter()
         try:
-            trainer([check]).fit(DigitsMLP(bug), train)
+            if bug == "dataset_random_labels":  # the bug is in the data, not in the model
+                data = DataLoader(RandomLabelLookup(train.dataset), batch_size=BATCH_SIZE, shuffle=True)
+                trainer([check]).fit(DigitsMLP(), data)
+            else:
+                trainer([check]).fit(DigitsMLP(bug), train)
             found = "none (passed)"
         except SanityCheckError as err:
             found = ", ".join(sorted({a.kind for a in err.alerts}))

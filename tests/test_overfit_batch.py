@@ -335,6 +335,7 @@ def test_preflight_example_runs_and_keeps_its_promises(tmp_path: Path) -> None:
         ("lr_zero", "parameter_not_updated"),
         ("sum_loss", "initial_loss_mismatch"),
         ("shuffled_labels", "overfit_failed"),
+        ("dataset_random_labels", "labels_unstable"),
     ]:
         row = next(line for line in table.splitlines() if line.startswith(bug))
         assert kind in row, row

@@ -317,7 +317,7 @@ def _label_stability(first: Any, second: Any) -> list[Finding]:
                     "labels_unstable",
                     "error",
                     [],
-                    f"Drawing the first batch twice gave identical inputs but different labels for {count} "
+                    f"Fetching the first batch's samples twice gave identical inputs but different labels for {count} "
                     f"of {n} samples.",
                     _HINTS["labels_unstable"],
                     {"samples_changed": float(count), "samples": float(n)},

@@ -317,8 +317,8 @@ def _label_stability(first: Any, second: Any) -> list[Finding]:
                     "labels_unstable",
                     "error",
                     [],
-                    f"Fetching the first batch's samples twice gave identical inputs but different labels for {count} "
-                    f"of {n} samples.",
+                    f"Fetching the first batch's samples twice gave identical inputs but different labels "
+                    f"for {count} of {n} samples.",
                     _HINTS["labels_unstable"],
                     {"samples_changed": float(count), "samples": float(n)},
                 )

@@ -471,6 +471,29 @@ def test_too_few_points_gives_none_and_an_alert_with_the_reason() -> None:
     assert "only 3 of 40 sweep steps" in finder.alerts[0].message
 
 
+def test_manual_optimization_warns_once_and_training_goes_on() -> None:
+    class Manual(Plain):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            opt = self.optimizers()
+            loss = nn.functional.cross_entropy(self(batch[0]), batch[1])
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return loss
+
+    finder = _finder()
+    model = Manual()
+    with pytest.warns(UserWarning, match="manual optimization is not supported"):
+        trainer = _fit(model, [finder], loader=_loader(), max_steps=2)
+    assert trainer.global_step == 2 and model.calls == 0  # Plain.training_step was replaced; no sweep ran
+    assert finder.result is not None and finder.result.suggestion is None
+    assert [a.kind for a in finder.alerts] == ["lr_finder_failed"]
+
+
 def test_state_dict_remembers_which_milestones_ran() -> None:
     pl.seed_everything(0)
     finder = _finder(milestones=[0, 5])
@@ -568,10 +591,13 @@ def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     proc = run_ddp_script("ddp_lr_finder.py", tmp_path, timeout=180)  # a hang would time out here
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for key in ("lrs", "losses", "suggestions", "stop_reason", "applied_lr", "global_step"):
+    keys = ("lrs", "losses", "suggestions", "stop_reason", "applied_lr", "global_step", "epochs", "later")
+    for key in keys:
         assert ranks[0][key] == ranks[1][key], key
-    assert ranks[0]["suggestions"]["steep"] == ranks[0]["applied_lr"]
-    assert len(ranks[0]["lrs"]) >= 10
+    assert ranks[0]["epochs"] == [0, 1] and ranks[0]["global_step"] == 8  # the sweeps did not count
+    assert ranks[0]["suggestions"]["steep"] == ranks[0]["first_applied"]
+    assert ranks[0]["later"][0][2] == ranks[0]["applied_lr"]  # the mid-training test's LR is in use
+    assert len(ranks[0]["lrs"]) >= 10 and len(ranks[0]["later"][0][0]) >= 10
     # the curve is the mean over the ranks of their own shard's loss
     assert ranks[0]["losses"][0] == pytest.approx(
         0.5 * (ranks[0]["first_loss"] + ranks[1]["first_loss"]), rel=1e-6

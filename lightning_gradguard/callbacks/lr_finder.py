@@ -398,6 +398,13 @@ class LRFinderPlus(GradGuardCallback):
             return "manual optimization is not supported"
         if len(trainer.optimizers) != 1:
             return f"exactly one optimizer is needed, found {len(trainer.optimizers)}"
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+
+        strategy = trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or isinstance(
+            strategy, DeepSpeedStrategy
+        ):
+            return f"the {type(strategy).__name__} strategy is not supported (single device or DDP only)"
         if trainer.train_dataloader is None:
             return "the trainer has no training dataloader"
         loaders = trainer.train_dataloader

@@ -1,7 +1,7 @@
 """2-process CPU DDP run (gloo) for tests/test_lr_finder.py: ``python ddp_lr_finder.py OUTDIR``.
 
-Both ranks run LRFinderPlus at fit start; each writes what it saw (the curve, the suggestions, the LR its
-optimizer got, its own first sweep loss) to ``rank<r>.json``.
+Both ranks run LRFinderPlus at fit start and again at the start of epoch 1; each writes what it saw (the
+curves, the suggestions, the LR its optimizer got, its own first sweep loss) to ``rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ def main(out: Path) -> None:
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True)
     model = Model()
-    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False)
+    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False, milestones=[0, 1])
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
-        max_steps=3,
+        max_epochs=2,
+        limit_train_batches=4,
         logger=CSVLogger(out, name="csv", version=0),
         callbacks=[finder],
         enable_progress_bar=False,
@@ -55,16 +56,18 @@ def main(out: Path) -> None:
         enable_checkpointing=False,
     )
     trainer.fit(model, loader)
-    result = finder.result
-    assert result is not None
+    result = finder.results[0]
     (out / f"rank{trainer.global_rank}.json").write_text(
         json.dumps(
             {
+                "epochs": [r.epoch for r in finder.results],
+                "later": [[r.lrs, r.losses, r.suggestion] for r in finder.results[1:]],
                 "lrs": result.lrs,
                 "losses": result.losses,
                 "suggestions": result.suggestions,
                 "stop_reason": result.stop_reason,
                 "applied_lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "first_applied": result.suggestion if result.applied else None,
                 "global_step": trainer.global_step,
                 "first_loss": model.first_loss,
             }

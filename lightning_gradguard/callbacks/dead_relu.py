@@ -324,11 +324,9 @@ class DeadReLUMonitor(GradGuardCallback):
         packed = torch.cat(parts)
         if trainer.world_size > 1:
             sig = zlib.crc32("|".join(f"{k}:{s}:{c.numel()}" for k, s, c, _ in records).encode())
-            check = torch.tensor(
-                [sig, -sig], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device
-            )
+            check = torch.tensor([sig, -sig], dtype=torch.int64, device=device)
             check = trainer.strategy.reduce(check, reduce_op="max")
-            if float(check[0]) != -float(check[1]):
+            if int(check[0]) != -int(check[1]):
                 warn_once(
                     trainer,
                     "dead_relu_ranks_differ",

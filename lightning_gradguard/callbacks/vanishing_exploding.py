@@ -191,9 +191,10 @@ class VanishingExplodingDetector(GradGuardCallback):
         #: the last verdict, for inspection: step, flags, gradient flow
         self.last_check: dict[str, Any] = {}
         self._order_hooks: list[RemovableHandle] = []
+        self._order_seen = False
         self._last_flow_at: int | None = None
         self._last_alert: dict[str, int] = {}
-        self._numel_cache: dict[tuple[int, int], list[int]] = {}
+        self._numel_cache: dict[tuple[str, ...], list[int]] = {}
 
     # ------------------------------------------------------------------ layout
     @override
@@ -205,8 +206,9 @@ class VanishingExplodingDetector(GradGuardCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.forward_order or self._order_hooks:
+        if self._order_seen or self._order_hooks:
             return
+        self._order_seen = True  # one training forward pass is watched, once per detector
         order = self.forward_order
         for name, module in pl_module.named_modules():
             if not any(True for _ in module.parameters(recurse=False)):
@@ -294,7 +296,8 @@ class VanishingExplodingDetector(GradGuardCallback):
         self.act(trainer, alerts)
 
     def _numels(self, stats: Any, labels: list[str]) -> list[int]:
-        key = (id(stats.grads[0]) if stats.grads else 0, len(stats.grads))
+        """Elements per layer (host ints, cached while the set of parameters with a gradient is the same)."""
+        key = tuple(stats.grad_names)
         cached = self._numel_cache.get(key)
         if cached is not None and len(cached) == len(labels):
             return cached
@@ -456,4 +459,5 @@ class VanishingExplodingDetector(GradGuardCallback):
         self.history = {int(k): list(v) for k, v in state_dict.get("history", {}).items()}
         self.strikes = dict(state_dict.get("strikes", {}))
         self.forward_order = dict(state_dict.get("forward_order", {}))
+        self._order_seen = bool(self.forward_order)
         self._last_alert = dict(state_dict.get("last_alert", {}))

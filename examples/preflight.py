@@ -35,6 +35,7 @@ from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, Sani
 
 SEED = 0
 BATCH_SIZE = 32
+RUNS_DIR = "runs/preflight"
 HIDDEN = 64  # square hidden layer: a transposed weight gradient has the right shape and goes unnoticed
 
 
@@ -136,6 +137,7 @@ def trainer(callbacks: list[Any], max_epochs: int = 1, max_steps: int = -1) -> p
         enable_model_summary=False,
         enable_checkpointing=False,
         num_sanity_val_steps=0,
+        default_root_dir=RUNS_DIR,  # the alerts' JSON-lines file goes there
     )
 
 
@@ -157,7 +159,10 @@ def main() -> None:
     assert g is not None and o is not None
     print(f"gradient check: targets {g.targets} (custom Functions {g.custom_functions})")
     for p in g.parameters:
-        print(f"  {p.name:<12} max relative error {p.max_rel_error:.1e}  Taylor order {p.taylor_order:.2f}")
+        print(
+            f"  {p.name:<12} max relative error {p.max_rel_error:.1e}  Taylor order {p.taylor_order:.2f}  "
+            f"linear Taylor remainder {p.taylor_linear_error:.1e}"
+        )
     print(f"  {g.evaluations} loss evaluations in {g.seconds:.2f} s -> passed={g.passed}")
     print(
         f"overfit one batch ({o.num_samples} samples, {o.optimizer}): loss {o.initial_loss:.3f} -> "

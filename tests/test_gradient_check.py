@@ -26,6 +26,13 @@ from lightning_gradguard.functional.gradcheck import (
 )
 from tests.conftest import make_trainer
 
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp_path(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trainers without a logger write their alert file to the working directory: keep it in tmp_path."""
+    monkeypatch.chdir(tmp_path)
+
+
 # ------------------------------------------------------------------------- custom Functions under test
 
 

@@ -391,3 +391,51 @@ def test_relu_kinks_lower_the_taylor_order_without_a_false_alarm() -> None:
     kinked = [p for p in result.parameters if p.taylor_order < 1.5]
     assert kinked, "the seed no longer produces a kink: pick another"
     assert all(p.taylor_linear_error < 1e-2 and p.max_rel_error < 1e-5 for p in kinked)
+
+
+def test_lightning_cli_builds_both_preflight_callbacks_from_yaml(tmp_path: Any) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity
+    from tests.conftest import RecordingMLP
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        """
+trainer:
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  callbacks:
+    - class_path: lightning_gradguard.callbacks.gradient_check.GradientCheck
+      init_args:
+        modules: [net.0, net.2]
+        max_samples: 2
+        tolerance: 1.0e-4
+        action: warn
+    - class_path: lightning_gradguard.callbacks.overfit_batch.OverfitBatchSanity
+      init_args:
+        max_steps: 50
+        target: 0.3
+        target_mode: absolute
+        max_samples: null
+        ignore_parameters: ["aux.*"]
+        check_batch_mixing: true
+"""
+    )
+    cli = LightningCLI(RecordingMLP, run=False, args=["--config", str(config)], save_config_callback=None)
+    (grads,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, GradientCheck)]
+    (overfit,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, OverfitBatchSanity)]
+    assert (grads.modules, grads.max_samples, grads.tolerance, grads.action) == (
+        ["net.0", "net.2"],
+        2,
+        1e-4,
+        "warn",
+    )
+    assert (overfit.max_steps, overfit.target, overfit.target_mode, overfit.max_samples) == (
+        50,
+        0.3,
+        "absolute",
+        None,
+    )
+    assert overfit.ignore_parameters == ["aux.*"] and overfit.check_batch_mixing is True

@@ -320,7 +320,10 @@ def test_ddp_two_processes_reach_the_same_verdict_without_hanging(tmp_path: Path
     proc = run_ddp_script("ddp_preflight.py", tmp_path, timeout=120)  # a hang would time out here
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["error"] for r in results] == ["SanityCheckError", "SanityCheckError"], proc.stderr[-4000:]
-    assert [r["gradient_check_passed"] for r in results] == [True, True]
+    assert [r["gradient_check_passed"] for r in results] == [True, False]  # rank 1's backward is wrong
+    (on_rank0,), (on_rank1,) = (r["gradient_alerts"] for r in results)  # action="warn": both went on
+    assert on_rank0[0] == on_rank1[0] == "gradient_mismatch"
+    assert on_rank1[1] == "net.2.s" and "another rank" in on_rank0[2]
     assert [r["overfit_passed"] for r in results] == [True, False]  # only rank 1's labels are broken
     assert [r["global_step"] for r in results] == [0, 0]
     assert "another rank" in results[0]["message"] and "overfit_failed" in results[0]["kinds"]

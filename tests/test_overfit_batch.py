@@ -365,9 +365,11 @@ def test_a_batch_the_model_cannot_train_on_gives_a_warning_not_a_crash() -> None
 
     check = OverfitBatchSanity(max_samples=1)  # BatchNorm cannot train on a single sample
     trainer = make_trainer([check], max_steps=2)
+    model = WithBatchNorm()
     with pytest.warns(UserWarning, match="OverfitBatchSanity could not run the check"):
-        trainer.fit(WithBatchNorm(), loader())
+        trainer.fit(model, loader())
     assert trainer.global_step == 2 and check.result is None and not check.alerts
+    assert all(not m._forward_hooks for m in model.modules())  # no hook left behind
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "64-true"])

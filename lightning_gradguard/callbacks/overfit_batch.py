@@ -544,60 +544,68 @@ class OverfitBatchSanity(GradGuardCallback):
         logits: Tensor | None = None
         reached = False
         pl_module.train()
-        for step in range(self.max_steps + 1):
-            optimizer.zero_grad(set_to_none=True)
-            for p in params:
-                p.grad = None
-            with torch.enable_grad(), trainer.precision_plugin.train_step_context(), quiet_logging(pl_module):
-                loss = loss_of(pl_module.training_step(batch, 0))
+        try:
+            for step in range(self.max_steps + 1):
+                optimizer.zero_grad(set_to_none=True)
+                for p in params:
+                    p.grad = None
+                with (
+                    torch.enable_grad(),
+                    trainer.precision_plugin.train_step_context(),
+                    quiet_logging(pl_module),
+                ):
+                    loss = loss_of(pl_module.training_step(batch, 0))
+                if leaf is not None:
+                    logits = None if leaf.last is None else leaf.last.detach()
+                    leaf.remove()
+                    leaf = None
+                if loss is None:
+                    warn_once(
+                        trainer,
+                        "overfit_batch_no_loss",
+                        "OverfitBatchSanity: training_step returned no loss; the check was skipped.",
+                    )
+                    break
+                value = float(loss.detach().float())
+                losses.append(value)
+                target_loss = self._target_loss(losses[0])
+                if not math.isfinite(value):
+                    break
+                if step > 0 and value <= target_loss:
+                    reached = True
+                    break
+                if step == self.max_steps:
+                    break
+                loss.backward()
+                grads = [p.grad for p in params]
+                present = [g for g in grads if g is not None]
+                grad_norms.append(float(torch.nn.utils.get_total_norm(present)) if present else 0.0)
+                with (
+                    torch.no_grad()
+                ):  # flags stay on the device: one host read at the end, not one per tensor
+                    got_grad |= torch.tensor([g is not None for g in grads])
+                    if present:
+                        flags = torch.zeros(len(params), dtype=torch.bool, device=present[0].device)
+                        for i, g in enumerate(grads):
+                            if g is not None:
+                                flags[i] = g.ne(0).any().to(flags.device)
+                        nonzero_flags = flags if nonzero_flags is None else nonzero_flags | flags
+                if isinstance(optimizer, torch.optim.LBFGS):
+
+                    def closure() -> Tensor:
+                        optimizer.zero_grad()
+                        with quiet_logging(pl_module):
+                            out = loss_of(pl_module.training_step(batch, 0))
+                        assert out is not None
+                        out.backward()
+                        return out
+
+                    optimizer.step(closure)
+                else:
+                    optimizer.step()
+        finally:  # never leave a hook on the user's model, even when training_step fails
             if leaf is not None:
-                logits = None if leaf.last is None else leaf.last.detach()
                 leaf.remove()
-                leaf = None
-            if loss is None:
-                warn_once(
-                    trainer,
-                    "overfit_batch_no_loss",
-                    "OverfitBatchSanity: training_step returned no loss; the check was skipped.",
-                )
-                break
-            value = float(loss.detach().float())
-            losses.append(value)
-            target_loss = self._target_loss(losses[0])
-            if not math.isfinite(value):
-                break
-            if step > 0 and value <= target_loss:
-                reached = True
-                break
-            if step == self.max_steps:
-                break
-            loss.backward()
-            grads = [p.grad for p in params]
-            present = [g for g in grads if g is not None]
-            grad_norms.append(float(torch.nn.utils.get_total_norm(present)) if present else 0.0)
-            with torch.no_grad():  # flags stay on the device: one host read at the end, not one per tensor
-                got_grad |= torch.tensor([g is not None for g in grads])
-                if present:
-                    flags = torch.zeros(len(params), dtype=torch.bool, device=present[0].device)
-                    for i, g in enumerate(grads):
-                        if g is not None:
-                            flags[i] = g.ne(0).any().to(flags.device)
-                    nonzero_flags = flags if nonzero_flags is None else nonzero_flags | flags
-            if isinstance(optimizer, torch.optim.LBFGS):
-
-                def closure() -> Tensor:
-                    optimizer.zero_grad()
-                    with quiet_logging(pl_module):
-                        out = loss_of(pl_module.training_step(batch, 0))
-                    assert out is not None
-                    out.backward()
-                    return out
-
-                optimizer.step(closure)
-            else:
-                optimizer.step()
-        if leaf is not None:
-            leaf.remove()
         steps = max(len(losses) - 1, 0)
         initial = losses[0] if losses else math.nan
         final = losses[-1] if losses else math.nan

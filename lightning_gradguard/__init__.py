@@ -1,7 +1,19 @@
 """lightning_gradguard: PyTorch Lightning callbacks that watch the health of a training run."""
 
-from lightning_gradguard.alerts import ALERT_KINDS, Alert, GradGuardError, NonFiniteError
-from lightning_gradguard.callbacks import GradGuardCallback, GradientNormLogger, NaNSentinel
+from lightning_gradguard.alerts import ALERT_KINDS, Alert, GradGuardError, NonFiniteError, SanityCheckError
+from lightning_gradguard.callbacks import (
+    GradGuardCallback,
+    GradientCheck,
+    GradientCheckResult,
+    GradientNormLogger,
+    LRFinderPlus,
+    LRFinderResult,
+    NaNSentinel,
+    OverfitBatchSanity,
+    OverfitResult,
+    gradient_check,
+    lr_find,
+)
 
 __version__ = "0.1.0"
 
@@ -10,8 +22,17 @@ __all__ = [
     "Alert",
     "GradGuardCallback",
     "GradGuardError",
+    "GradientCheck",
+    "GradientCheckResult",
     "GradientNormLogger",
+    "LRFinderPlus",
+    "LRFinderResult",
     "NaNSentinel",
     "NonFiniteError",
+    "OverfitBatchSanity",
+    "OverfitResult",
+    "SanityCheckError",
     "__version__",
+    "gradient_check",
+    "lr_find",
 ]

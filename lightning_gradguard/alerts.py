@@ -27,6 +27,7 @@ __all__ = [
     "JsonlSink",
     "LoggingSink",
     "NonFiniteError",
+    "SanityCheckError",
     "Severity",
 ]
 
@@ -45,6 +46,15 @@ ALERT_KINDS: dict[str, str] = {
     "loss_scale_collapse": "the 16-mixed GradScaler scale fell below its floor or kept skipping",
     "clipping_always_active": "gradient clipping fired on nearly every step: the threshold is too low",
     "clipping_never_active": "gradient clipping never fired: the threshold is far above every norm seen",
+    "overfit_failed": "OverfitBatchSanity: the model could not overfit one batch; findings and likely causes",
+    "unused_parameter": "a trainable parameter never received a gradient (or only exact zeros)",
+    "parameter_not_updated": "a parameter with a gradient did not change (missing from the optimizer, lr 0)",
+    "initial_loss_mismatch": "a classifier's initial loss is far from ln(C) (wrong loss, reduction or init)",
+    "batch_mixing": "the output of one sample depends on the input of another sample",
+    "labels_unstable": "the same samples fetched again came back with other labels",
+    "gradient_not_shrinking": "the batch was learned but the gradient norm did not shrink",
+    "gradient_mismatch": "GradientCheck: autograd and finite differences disagree for a parameter",
+    "lr_finder_failed": "the LR range test gave no suggestion; the learning rate was left unchanged",
     "nonfinite_gradient_stats": "gradient statistics contained NaN/inf (counted in grad_nonfinite/*)",
     "unsupported_model": "a parameter layout the callback cannot measure; that part is skipped",
 }
@@ -136,6 +146,13 @@ class NonFiniteError(GradGuardError):
         super().__init__(message, alerts)
         self.report: dict[str, Any] = dict(report or {})
         self.report_dir = report_dir
+
+
+class SanityCheckError(GradGuardError):
+    """A pre-flight check (``OverfitBatchSanity``, ``GradientCheck``) failed; ``alerts`` has the findings.
+
+    Raised on every rank (the verdict is reduced across ranks first), before the first real step.
+    """
 
 
 class LoggingSink:

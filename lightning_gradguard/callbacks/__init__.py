@@ -1,7 +1,22 @@
 """The callbacks: one module each, thin policy on top of ``functional`` and the shared statistics."""
 
 from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard.callbacks.gradient_check import GradientCheck, GradientCheckResult, gradient_check
 from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
+from lightning_gradguard.callbacks.lr_finder import LRFinderPlus, LRFinderResult, lr_find
 from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
+from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, OverfitResult
 
-__all__ = ["GradGuardCallback", "GradientNormLogger", "NaNSentinel"]
+__all__ = [
+    "GradGuardCallback",
+    "GradientCheck",
+    "GradientCheckResult",
+    "GradientNormLogger",
+    "LRFinderPlus",
+    "LRFinderResult",
+    "NaNSentinel",
+    "OverfitBatchSanity",
+    "OverfitResult",
+    "gradient_check",
+    "lr_find",
+]

@@ -26,11 +26,10 @@ from typing_extensions import override
 
 from lightning_gradguard._shared import reduce_any, warn_once
 from lightning_gradguard._validate import check_float, check_int
-from lightning_gradguard.alerts import Alert
+from lightning_gradguard.alerts import Alert, SanityCheckError
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks._snapshot import RNGState, loader_generators
 from lightning_gradguard.callbacks.overfit_batch import (
-    SanityCheckError,
     first_train_batch,
     loss_of,
     quiet_logging,
@@ -551,7 +550,7 @@ class GradientCheck(GradGuardCallback):
 
     Each failing parameter gives an alert ``gradient_mismatch`` (severity error) naming the parameter,
     the relative error, the two gradient values and the observed Taylor order. With ``action="raise"``
-    (default) every rank raises :class:`~lightning_gradguard.callbacks.overfit_batch.SanityCheckError`
+    (default) every rank raises :class:`~lightning_gradguard.SanityCheckError`
     after the verdict was reduced across ranks; ``"warn"`` reports and trains on.
 
     Args:

@@ -29,17 +29,13 @@ from typing_extensions import override
 from lightning_gradguard import _emit
 from lightning_gradguard._shared import reduce_any, warn_once
 from lightning_gradguard._validate import check_choice, check_float, check_int
-from lightning_gradguard.alerts import Alert, GradGuardError, Severity
+from lightning_gradguard.alerts import Alert, SanityCheckError, Severity
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks._snapshot import TrainingSnapshot, loader_generators
 
 __all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
 
 _MAX_LISTED = 8
-
-
-class SanityCheckError(GradGuardError):
-    """A pre-flight check (``OverfitBatchSanity``, ``GradientCheck``) failed; ``alerts`` has the findings."""
 
 
 # --------------------------------------------------------------------------------------------- helpers

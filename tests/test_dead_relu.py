@@ -313,3 +313,24 @@ def test_ddp_both_detectors_reach_the_same_verdict_on_every_rank(tmp_path: Path)
     assert ["dead_relu", "net.act2", 4] in seen["alerts"]
     assert next(a for a in seen["alerts"] if a[0] == "exploding_gradient")[2] == 7
     assert {a[0] for a in seen["alerts"]} == {"dead_relu", "exploding_gradient"}
+
+
+class Exploding(Module):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.net(batch[0])  # inside the sampled forward: the capture mode is on the stack
+        raise RuntimeError("boom")
+
+
+def test_an_exception_in_the_sampled_forward_leaves_nothing_behind() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        make_trainer([DeadReLUMonitor()], max_steps=4).fit(Exploding(Net("nn.ReLU")), random_loader())
+    assert torch._C._len_torch_function_stack() == 0
+    assert not module_globals._global_forward_pre_hooks and not module_globals._global_forward_hooks
+
+
+def test_gradient_accumulation_samples_every_micro_batch_of_a_sampled_step() -> None:
+    monitor = DeadReLUMonitor(every_n_steps=100)
+    model = Module(Net("F.relu"))
+    make_trainer([monitor], max_steps=6, accumulate_grad_batches=2).fit(model, random_loader(n=96))
+    assert monitor.sampled_batches == 10  # optimizer steps 0..4, two micro-batches each
+    assert monitor.dead_fractions == {"net:relu": DEAD / UNITS}

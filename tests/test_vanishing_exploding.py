@@ -300,3 +300,36 @@ def test_state_dict_round_trip() -> None:
 def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
     with pytest.raises(ValueError, match=f"`{name}`"):
         VanishingExplodingDetector(**kwargs)
+
+
+class TwoOptimizers(RecordingMLP):
+    """Manual optimization with two optimizers; only the second one's gradients explode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other = nn.Linear(8, 4)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt_a, opt_b = self.optimizers()  # type: ignore[misc]
+        for opt, loss in (
+            (opt_a, nn.functional.cross_entropy(self.net(x), y)),
+            (opt_b, 1e4 * nn.functional.cross_entropy(self.other(x), y)),
+        ):
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.net.parameters(), lr=0.0), torch.optim.SGD(
+            self.other.parameters(), lr=0.0
+        )
+
+
+def test_manual_optimization_keeps_one_history_per_optimizer() -> None:
+    det = VanishingExplodingDetector()
+    fit(TwoOptimizers(), det, random_loader(n=80))
+    assert set(det.history) == {0, 1}
+    assert [(a.kind, a.where) for a in det.alerts] == [("exploding_gradient", "other")]
+    assert max(det.history[0]) < 100 < min(det.history[1])

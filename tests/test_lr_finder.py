@@ -96,16 +96,49 @@ def test_minimum_is_argmin_over_ten() -> None:
     assert suggest_minimum(lrs, losses) == pytest.approx(lrs[i] / 10)
 
 
-def test_valley_is_the_middle_of_the_longest_decreasing_run() -> None:
-    rng = np.random.default_rng(0)
-    n = 100
-    lrs = sweep_lrs(1e-6, 1.0, n)
-    y = np.empty(n)
-    y[:30] = 2.0 + 0.01 * rng.standard_normal(30)  # noisy flat start: only short decreasing runs
-    y[29] = 1.8  # the flat part ends below the descent's start, so the run begins exactly at 30
-    y[30:71] = np.linspace(1.9, 0.5, 41)  # one long descent, indices 30..70
-    y[71:] = np.linspace(0.6, 3.0, 29)
-    assert suggest_valley(lrs, list(y)) == pytest.approx(lrs[50], rel=1e-9)
+def _valley_curve(
+    n: int = 121, sag: float = 0.0, noise: float = 0.0
+) -> tuple[list[float], list[float], float]:
+    """Flat (or gently sagging) start, a straight descent in log-LR from 1e-4 to 1e-2, flat to 1e-1, a rise.
+
+    Returns the LRs, the losses and the width of one LR step in decades.
+    """
+    lrs = sweep_lrs(1e-7, 1.0, n)
+    xs = np.log10(lrs)
+    y = 2.0 - sag * (xs + 7.0)  # the plateau (sag = 0: flat), continuous at the descent's start
+    top = 2.0 - sag * 3.0
+    y = np.where(xs > -4.0, top - 0.75 * (xs + 4.0), y)  # the descent: 1.5 over two decades
+    y = np.where(xs > -2.0, top - 1.5, y)  # the bottom: the smoothed descent stays symmetric
+    y = np.where(xs > -1.0, top - 1.5 + 2.0 * (xs + 1.0), y)  # the rise
+    y = y + noise * np.random.default_rng(0).standard_normal(n)
+    return lrs, list(y), float(xs[1] - xs[0])
+
+
+@pytest.mark.parametrize(("sag", "noise"), [(0.0, 0.0), (0.0, 0.01), (0.01, 0.0), (0.01, 0.003)])
+def test_valley_is_the_middle_of_the_descent_not_of_a_sagging_or_noisy_plateau(
+    sag: float, noise: float
+) -> None:
+    lrs, losses, step = _valley_curve(sag=sag, noise=noise)
+    s = suggest_valley(lrs, centered_smooth(losses))  # smoothed first, as LRFinderPlus does
+    assert s is not None
+    assert abs(math.log10(s) + 3.0) <= step + 1e-9  # the middle of the descent, 1e-4..1e-2
+    if noise == 0.0:  # the exact curve: exact to a step
+        exact = suggest_valley(lrs, losses)
+        assert exact is not None and abs(math.log10(exact) + 3.0) <= step + 1e-9
+
+
+def test_valley_tolerance_sets_how_steep_counts_as_descent() -> None:
+    # the descent falls steeply from 1e-4 to 1e-3 and half as fast on to 1e-2
+    lrs = sweep_lrs(1e-6, 1.0, 121)
+    xs = np.log10(lrs)
+    y = np.where(xs < -4.0, 3.0, 3.0 - 1.0 * (xs + 4.0))
+    y = np.where(xs > -3.0, 2.0 - 0.5 * (xs + 3.0), y)
+    y = np.where(xs > -2.0, 1.5 + 2.0 * (xs + 2.0), y)
+    step = float(xs[1] - xs[0])
+    strict = suggest_valley(lrs, list(y), tolerance=0.9)  # only the steep decade counts
+    loose = suggest_valley(lrs, list(y), tolerance=0.4)  # both decades count
+    assert abs(math.log10(strict) + 3.5) <= step + 1e-9  # type: ignore[arg-type]
+    assert abs(math.log10(loose) + 3.0) <= step + 1e-9  # type: ignore[arg-type]
 
 
 def test_slide_lands_in_the_descent() -> None:

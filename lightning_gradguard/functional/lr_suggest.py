@@ -208,40 +208,47 @@ def suggest_steep(lrs: Sequence[float], losses: Sequence[float]) -> float | None
     return float(lrs[start + i])
 
 
-def _longest_decreasing(y: np.ndarray) -> tuple[int, int] | None:
-    """First and last index of the longest run of consecutive decreasing points (the earliest on a tie)."""
-    n = y.size
-    if n < 2:
-        return None
+def _longest_run(mask: np.ndarray) -> tuple[int, int] | None:
+    """First and last index of the longest run of ``True`` in ``mask`` (the earliest on a tie)."""
     best: tuple[int, int] | None = None
-    start = 0
-    for i in range(1, n + 1):
-        if i == n or not y[i] < y[i - 1]:
-            if i - 1 > start and (best is None or i - 1 - start > best[1] - best[0]):
-                best = (start, i - 1)
+    start: int | None = None
+    for i, flag in enumerate([*mask.tolist(), False]):
+        if flag and start is None:
             start = i
+        elif not flag and start is not None:
+            if best is None or i - 1 - start > best[1] - best[0]:
+                best = (start, i - 1)
+            start = None
     return best
 
 
-def suggest_valley(lrs: Sequence[float], losses: Sequence[float]) -> float | None:
-    """The middle (in log-LR) of the longest decreasing stretch of the curve.
+def suggest_valley(lrs: Sequence[float], losses: Sequence[float], tolerance: float = 0.5) -> float | None:
+    """The middle (in log-LR) of the longest stretch of significant descent before the curve's minimum.
 
-    The stretch is the longest run of consecutive decreasing points of the (smoothed) curve: on a
-    zero-lag smoothed curve the noisy flat start breaks into short runs, the real descent is one long
-    run. ``None`` when no run spans at least three points.
+    A point belongs to the descent when the curve falls there at least ``tolerance`` times as fast (per
+    decade of LR) as at its steepest point. Counting every decreasing point instead would let a noisy
+    flat start, or a plateau that sags gently for decades, pass for the descent and pull the suggestion
+    far to the left; with the tolerance relative to the steepest fall, the stretch is the width of the
+    descent itself (``tolerance = 0.5``: where it falls at least half as fast as at its fastest), whatever
+    the scale or offset of the loss. ``None`` when the curve never falls.
     """
     x, y = _as_arrays(lrs, losses)
-    found = _longest_decreasing(y)
-    if found is None:
+    n = y.size
+    if n < 5 or np.ptp(x) == 0:
         return None
-    start, end = found
-    if end - start < 2:
+    stop = int(np.argmin(y)) + 1
+    start = _edge(n)
+    if stop - start < 2:
         return None
-    mid = 0.5 * (start + end)
-    lo = math.floor(mid)
-    frac = mid - lo
-    hi = min(lo + 1, y.size - 1)
-    return float(10.0 ** (x[lo] + frac * (x[hi] - x[lo])))
+    slope = np.gradient(y, x)[start:stop]
+    steepest = float(-slope.min())
+    if steepest <= 0:
+        return None
+    found = _longest_run(slope <= -tolerance * steepest)
+    if found is None:  # pragma: no cover - the steepest point itself always qualifies
+        return None
+    a, b = found
+    return float(10.0 ** (0.5 * (x[start + a] + x[start + b])))
 
 
 def suggest_minimum(lrs: Sequence[float], losses: Sequence[float], divisor: float = 10.0) -> float | None:

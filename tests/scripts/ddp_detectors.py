@@ -1,7 +1,7 @@
 """2-process CPU DDP run (gloo) for tests/test_dead_relu.py: ``python ddp_detectors.py OUTDIR``.
 
-The data differ by rank on purpose: DistributedSampler gives rank 0 the even samples (feature 0 = +1)
-and rank 1 the odd ones (feature 0 = -1). Twelve of the sixteen units of ``act1`` fire only on +1, so
+The data differ by rank on purpose: feature 0 is +1 in every sample rank 0 sees and -1 in every sample
+rank 1 sees. Twelve of the sixteen units of ``act1`` fire only on +1, so
 rank 1 alone would call 75 % of them dead; after the all-reduce of the activity counts both ranks see
 them alive. ``act2`` is dead everywhere. From step 6 the loss is multiplied by 1e4 (lr=0 keeps the
 weights fixed), which the VanishingExplodingDetector must report on both ranks at the same step.
@@ -49,6 +49,8 @@ class Model(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        x = x.clone()
+        x[:, 0] = 1.0 if self.global_rank == 0 else -1.0  # what each rank's data says about feature 0
         loss = nn.functional.cross_entropy(self.net(x), y)
         return loss * (1e4 if self.trainer.global_step >= 6 else 1.0)
 
@@ -59,7 +61,6 @@ class Model(pl.LightningModule):
 def main(out: Path) -> None:
     pl.seed_everything(0)
     x = torch.randn(96, 8)
-    x[:, 0] = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(96)])
     y = torch.randint(0, 3, (96,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     ve, dr = VanishingExplodingDetector(), DeadReLUMonitor()

@@ -337,9 +337,10 @@ class TwoOptimizers(RecordingMLP):
         )
 
 
-def test_manual_optimization_keeps_one_history_per_optimizer() -> None:
+def test_manual_optimization_keeps_one_history_per_optimizer(memory_logger: MemoryLogger) -> None:
     det = VanishingExplodingDetector()
-    fit(TwoOptimizers(), det, random_loader(n=80))
+    fit(TwoOptimizers(), det, random_loader(n=80), memory_logger)
+    assert memory_logger.series("grad_flow/other") and memory_logger.series("grad_flow/net.0")
     assert set(det.history) == {0, 1}
     assert [(a.kind, a.where) for a in det.alerts] == [("exploding_gradient", "other")]
     assert max(det.history[0]) < 100 < min(det.history[1])

@@ -192,7 +192,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         self.last_check: dict[str, Any] = {}
         self._order_hooks: list[RemovableHandle] = []
         self._order_seen = False
-        self._last_flow_at: int | None = None
+        self._last_flow_at: dict[int, int] = {}
         self._last_alert: dict[str, int] = {}
         self._numel_cache: dict[tuple[str, ...], list[int]] = {}
 
@@ -271,7 +271,7 @@ class VanishingExplodingDetector(GradGuardCallback):
             t = trainer.strategy.reduce(t, reduce_op="sum")
             flags = [bool(x > 0) for x in t.cpu().tolist()]
         self.last_check = {"step": step, "exploding": flags[0], "vanishing": flags[1], **verdict}
-        self._log_flow(trainer, labels, verdict["flow"])
+        self._log_flow(trainer, labels, verdict["flow"], opt_idx)
         alerts = []
         for kind, flag in zip(("exploding_gradient", "vanishing_gradient"), flags, strict=True):
             key = f"{opt_idx}:{kind}"
@@ -430,14 +430,15 @@ class VanishingExplodingDetector(GradGuardCallback):
             where = _where(verdict["vanishing_layers"])
         return self.report(trainer, kind, "error", where, message, hint, data, step=step)
 
-    def _log_flow(self, trainer: pl.Trainer, labels: list[str], flow: list[float]) -> None:
+    def _log_flow(self, trainer: pl.Trainer, labels: list[str], flow: list[float], opt_idx: int) -> None:
         if not self.log_gradient_flow:
             return
         at = log_step(trainer)
         every = self.log_every_n_steps or max(int(getattr(trainer, "log_every_n_steps", 50)), 1)
-        if self._last_flow_at is not None and at - self._last_flow_at < every:
+        last = self._last_flow_at.get(opt_idx)
+        if last is not None and at - last < every:
             return
-        self._last_flow_at = at
+        self._last_flow_at[opt_idx] = at
         metrics = {f"grad_flow/{n}": v for n, v in zip(labels, flow, strict=True) if math.isfinite(v)}
         _emit.log_scalars(trainer, metrics, at)
 

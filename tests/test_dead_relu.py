@@ -313,6 +313,7 @@ def test_ddp_both_detectors_reach_the_same_verdict_on_every_rank(tmp_path: Path)
     assert ["dead_relu", "net.act2", 4] in seen["alerts"]
     assert next(a for a in seen["alerts"] if a[0] == "exploding_gradient")[2] == 7
     assert {a[0] for a in seen["alerts"]} == {"dead_relu", "exploding_gradient"}
+    assert seen["raised"] == ["GradGuardError", [7]]  # action="raise": every rank, the same step
 
 
 class Exploding(Module):

@@ -113,7 +113,8 @@ class VanishingExplodingDetector(GradGuardCallback):
         patience: consecutive checks a condition must hold before it is reported.
         log_every_n_steps: minimum steps between two ``grad_flow/*`` points (default: the Trainer's).
         log_gradient_flow: log the ``grad_flow/*`` scalars.
-        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; decided together on every rank.
+        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; with ``"stop"``/``"raise"`` under DDP the
+            flags are all-reduced before acting, so every rank acts at the same step.
         cooldown_steps: minimum steps between two alerts of the same kind.
 
     Example::
@@ -266,7 +267,9 @@ class VanishingExplodingDetector(GradGuardCallback):
         numels = self._numels(stats, labels)
         verdict = self._evaluate(labels, host[:-1], float(host[-1]), numels, opt_idx)
         flags = [bool(verdict["exploding"]), bool(verdict["vanishing"])]
-        if trainer.world_size > 1:  # decide together: the same flags on every rank, one collective
+        # The gradients are all-reduced, so every rank computes the same verdict from the same numbers.
+        # When the verdict can stop the run, make sure of it: one collective on the packed flags.
+        if trainer.world_size > 1 and self.action != "warn":
             t = torch.tensor([float(f) for f in flags], device=packed.device)
             t = trainer.strategy.reduce(t, reduce_op="sum")
             flags = [bool(x > 0) for x in t.cpu().tolist()]

@@ -4,8 +4,9 @@ The data differ by rank on purpose: feature 0 is +1 in every sample rank 0 sees 
 rank 1 sees. Twelve of the sixteen units of ``act1`` fire only on +1, so
 rank 1 alone would call 75 % of them dead; after the all-reduce of the activity counts both ranks see
 them alive. ``act2`` is dead everywhere. From step 6 the loss is multiplied by 1e4 (lr=0 keeps the
-weights fixed), which the VanishingExplodingDetector must report on both ranks at the same step.
-Every rank writes what its detectors said to OUTDIR/rank<r>.json.
+weights fixed), which the VanishingExplodingDetector must report on both ranks at the same step; a
+second fit with ``action="raise"`` must raise on both ranks at that step. Every rank writes what its
+detectors said to OUTDIR/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from lightning_gradguard.alerts import GradGuardError
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
 from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
 
@@ -64,25 +66,33 @@ def main(out: Path) -> None:
     y = torch.randint(0, 3, (96,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     ve, dr = VanishingExplodingDetector(), DeadReLUMonitor()
-    trainer = pl.Trainer(
+    common: dict[str, Any] = dict(
         accelerator="cpu",
         devices=2,
         strategy="ddp",
         max_epochs=2,
         logger=False,
         default_root_dir=str(out),
-        callbacks=[ve, dr],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
     )
+    trainer = pl.Trainer(**common, callbacks=[ve, dr])
     trainer.fit(Model(), loader)
-    result = {
+    result: dict[str, Any] = {
         "alerts": [[a.kind, a.where, a.step] for a in ve.alerts + dr.alerts],
         "dead_fractions": dr.dead_fractions,
         "sampled_batches": dr.sampled_batches,
         "steps": trainer.global_step,
     }
+    # the same run with action="raise": both ranks must raise at the same step
+    raising = VanishingExplodingDetector(action="raise")
+    trainer = pl.Trainer(**{**common, "callbacks": [raising]})
+    try:
+        trainer.fit(Model(), loader)
+        result["raised"] = None
+    except GradGuardError as err:
+        result["raised"] = [type(err).__name__, [a.step for a in err.alerts]]
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -344,3 +344,37 @@ def test_manual_optimization_keeps_one_history_per_optimizer(memory_logger: Memo
     assert set(det.history) == {0, 1}
     assert [(a.kind, a.where) for a in det.alerts] == [("exploding_gradient", "other")]
     assert max(det.history[0]) < 100 < min(det.history[1])
+
+
+CLI_CONFIG = """
+trainer:
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  callbacks:
+    - class_path: lightning_gradguard.callbacks.vanishing_exploding.VanishingExplodingDetector
+      init_args:
+        max_norm: null
+        spike_factor: 20
+        check_every_n_steps: 3
+        action: stop
+    - class_path: lightning_gradguard.callbacks.dead_relu.DeadReLUMonitor
+      init_args:
+        every_n_steps: 25
+        threshold: 0.7
+        check_saturation: false
+"""
+
+
+def test_lightning_cli_builds_both_detectors_from_yaml(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
+
+    config = tmp_path / "config.yaml"
+    config.write_text(CLI_CONFIG)
+    cli = LightningCLI(RecordingMLP, run=False, args=["--config", str(config)], save_config_callback=None)
+    (det,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, VanishingExplodingDetector)]
+    (mon,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, DeadReLUMonitor)]
+    assert (det.max_norm, det.spike_factor, det.check_every_n_steps, det.action) == (None, 20.0, 3, "stop")
+    assert (mon.every_n_steps, mon.threshold, mon.check_saturation) == (25, 0.7, False)

@@ -44,8 +44,8 @@ def show(result: Result) -> None:
 
 def table(results: list[Result]) -> str:
     rows = [
-        "| case | what | expected | detected (first step) | onset | false alerts |",
-        "|---|---|---|---|---:|---|",
+        "| case | what | expected | detected (first step) | onset | allowed delay | false alerts |",
+        "|---|---|---|---|---:|---:|---|",
     ]
     for r in results:
         expected = ", ".join(f"`{k}`" for k in r.case.expected) or "nothing (healthy)"
@@ -53,9 +53,9 @@ def table(results: list[Result]) -> str:
         if r.case.healthy:
             detected = "nothing" if not r.serious else detected
         false = ", ".join(f"`{a.kind}`@{a.where} ({a.step})" for a in r.false_alerts) or "none"
-        rows.append(
-            f"| `{r.case.name}` | {r.case.description} | {expected} | {detected} | {r.case.onset} | {false} |"
-        )
+        delay = "-" if r.case.healthy else str(r.case.max_delay)
+        cells = [f"`{r.case.name}`", r.case.description, expected, detected, str(r.case.onset), delay, false]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

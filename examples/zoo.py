@@ -119,6 +119,20 @@ def dead_relu_init() -> tuple[pl.LightningModule, DataLoader[Any]]:
     return ZooModule(net, _adam()), digits(standardize=False)
 
 
+class _LRJump(ZooModule):
+    """SGD at a sane 0.05 until step 40, then a scheduler bug multiplies the learning rate by 200."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 40 else 200.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def lr_jump() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """A healthy start, then lr=10 from step 40: the pathology begins mid-run, after the dense checks."""
+    return _LRJump(_mlp([64, 64, 10], nn.ReLU), lambda p: torch.optim.SGD(p, lr=0.05)), digits()
+
+
 class _FunctionalDead(nn.Module):
     """ReLUs called as ``F.relu`` / ``torch.relu`` inside ``forward``, with a dying bias on the first."""
 
@@ -290,6 +304,9 @@ class Case:
         steps: how many optimizer steps to train.
         trainer_kwargs: extra ``Trainer`` arguments (precision, clipping).
         description: one line for tables.
+        max_delay: steps after ``onset`` by which the alert must come. After the dense start the
+            gradient detector checks every 5th step and wants 2 checks in a row, hence 10 for a
+            pathology that begins mid-run.
     """
 
     name: str
@@ -299,6 +316,7 @@ class Case:
     onset: int = 0
     steps: int = 60
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_delay: int = 5
 
     @property
     def healthy(self) -> bool:
@@ -307,6 +325,15 @@ class Case:
 
 CASES: list[Case] = [
     Case("sgd_lr10", sgd_lr10, ("exploding_gradient",), "ReLU MLP, SGD lr=10", steps=12),
+    Case(
+        "lr_jump",
+        lr_jump,
+        ("exploding_gradient",),
+        "ReLU MLP, SGD lr 0.05 then x200 at step 40",
+        onset=40,
+        steps=60,
+        max_delay=10,
+    ),
     Case(
         "dead_relu_init", dead_relu_init, ("dead_relu",), "weights -1, biases -5: every ReLU dead", steps=12
     ),

@@ -15,6 +15,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_gradguard._shared import reduce_any, warn_once
@@ -177,6 +179,34 @@ def find_custom_functions(module: nn.Module, closure: Callable[[], Any]) -> dict
     return owners.custom_functions()
 
 
+class _Float64Mode(TorchFunctionMode):
+    """Every floating-point tensor an op returns comes back in float64; ``promoted`` says if one was not.
+
+    The model is copied to float64, but code in ``training_step`` often makes float32 tensors of its own
+    (``y.float()``, ``torch.zeros(n)``, ``.to(torch.float32)``): a loss that passes through one is rounded
+    to float32, and finite differences at ``eps = 1e-6`` then measure rounding noise, not the gradient.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.promoted = False
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        return self._to64(func(*args, **(kwargs or {})))
+
+    def _to64(self, out: Any) -> Any:
+        if isinstance(out, Tensor):
+            if out.is_floating_point() and out.dtype != torch.float64:
+                self.promoted = True
+                return out.double()
+            return out
+        if type(out) in (tuple, list):
+            return type(out)(self._to64(o) for o in out)
+        return out
+
+
 # --------------------------------------------------------------------------------------------- results
 
 
@@ -225,6 +255,8 @@ class GradientCheckResult:
         hooked_modules: modules with backward hooks.
         evaluations: loss evaluations spent.
         skipped: parameters left out because the evaluation budget ran out.
+        promoted: the loss computation made tensors of a lower floating precision (``y.float()``,
+            ``torch.zeros(n)``); every evaluation then ran with those promoted to float64.
         loss: the float64 loss at the checked point.
         seconds: wall time.
     """
@@ -236,6 +268,7 @@ class GradientCheckResult:
     hooked_modules: list[str] = field(default_factory=list)
     evaluations: int = 0
     skipped: list[str] = field(default_factory=list)
+    promoted: bool = False
     loss: float = math.nan
     seconds: float = 0.0
 
@@ -425,13 +458,20 @@ def _check(
     batch = slice_batch(batch, max_samples)
     batch = apply_to_collection(batch, Tensor, lambda t: t.detach().double() if t.is_floating_point() else t)
 
+    promote = [True]  # the first evaluation finds out whether float64 must be enforced
+
     def raw_loss() -> Tensor:
         _seed_all(seed)
-        if loss_fn is not None:
-            out = loss_fn(model, batch)
-        else:
-            with quiet_logging(model):
-                out = model.training_step(batch, 0)  # type: ignore[operator]
+        mode = _Float64Mode() if promote[0] else None
+        with mode if mode is not None else nullcontext():
+            if loss_fn is not None:
+                out = loss_fn(model, batch)
+            else:
+                with quiet_logging(model):
+                    out = model.training_step(batch, 0)  # type: ignore[operator]
+        if mode is not None and len(promote) == 1:
+            promote.append(mode.promoted)
+            promote[0] = mode.promoted  # nothing was promoted: the mode changes nothing, drop its cost
         loss = loss_of(out)
         if loss is None or loss.numel() != 1:
             raise ValueError("the loss must be a scalar tensor (training_step returned none)")
@@ -449,6 +489,7 @@ def _check(
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     result = GradientCheckResult(passed=True, custom_functions=custom, hooked_modules=hooked, evaluations=1)
+    result.promoted = promote[0]
     result.loss = float(loss.detach())
     if not params:
         return result

@@ -191,6 +191,40 @@ class LeafOutputs:
         self.handles = []
 
 
+def configured_lr(optimizer: torch.optim.Optimizer) -> None:
+    """Set every param group's ``lr`` to the one it was configured with, before a scheduler scaled it.
+
+    A PyTorch LR scheduler records each group's configured LR as ``initial_lr`` when it is built and then
+    multiplies it by its factor: a warm-up starts at ``0`` or ``1e-3 x`` the configured LR. A few trial
+    steps at that LR learn nothing (and ``lr=0`` would read as a parameter the optimizer ignores), so the
+    trial steps use ``initial_lr`` (for ``OneCycleLR``: ``max_lr / div_factor``, its own starting LR).
+    The caller restores the optimizer's state afterwards.
+    """
+    for group in optimizer.param_groups:
+        base = group.get("initial_lr")
+        if isinstance(base, (int, float)) and not isinstance(group.get("lr"), Tensor) and base > 0:
+            group["lr"] = float(base)
+
+
+class CalledModules:
+    """Forward pre-hooks on every sub-module that note which ones ran (``called``: their names)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.called: set[str] = set()
+        self.handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in module.named_modules()]
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.called.add(name)
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 # --------------------------------------------------------------------------------------------- results
 
 
@@ -221,8 +255,12 @@ class OverfitResult:
     """What :class:`OverfitBatchSanity` saw.
 
     Attributes:
-        passed: the loss reached the target and no error finding was made.
+        passed: the loss reached the target (or the batch was memorised) and no error finding was made.
         reached_target: the loss reached the target.
+        memorised: the target was not reached in ``max_steps``, but at the last step a classifier
+            classified every sample of the batch correctly (argmax of the logits equals the label) with
+            a loss below the initial one: the check passes then too, since a loss with a floor (label
+            smoothing) may never reach a relative target.
         steps: optimizer steps taken (the check stops at the first loss at or below the target).
         initial_loss: loss before the first step.
         final_loss: the last loss measured.
@@ -234,6 +272,9 @@ class OverfitResult:
         num_samples: samples in the batch trained on.
         optimizer: the optimizer class used (the user's, or the fallback ``Adam``).
         findings: every specific problem found.
+        fallback_reached: when the user's optimizer missed the target, whether ``Adam(fallback_lr)``,
+            started again from the same weights, reached it or memorised the batch (then the check passes
+            with a warning: the pipeline learns, the LR is slow); ``None`` when not tried.
         num_classes: for a classifier, the number of classes (given or inferred), else ``None``.
         chance_loss: for a classifier, the entropy of the batch's label frequencies: the loss of a model
             that ignores its inputs and predicts how often each label occurs.
@@ -241,6 +282,7 @@ class OverfitResult:
 
     passed: bool
     reached_target: bool
+    memorised: bool
     steps: int
     initial_loss: float
     final_loss: float
@@ -251,6 +293,7 @@ class OverfitResult:
     num_samples: int
     optimizer: str
     findings: list[Finding] = field(default_factory=list)
+    fallback_reached: bool | None = None
     num_classes: int | None = None
     chance_loss: float | None = None
 
@@ -530,6 +573,7 @@ class OverfitBatchSanity(GradGuardCallback):
         names = [n for n, _ in named]
         params = [p for _, p in named]
         optimizer = self._optimizer(trainer, params)
+        configured_lr(optimizer)
         start = [p.detach().clone() for p in params]
         n = batch_size_of(batch) or 0
         got_grad = torch.zeros(len(params), dtype=torch.bool)
@@ -537,8 +581,10 @@ class OverfitBatchSanity(GradGuardCallback):
         losses: list[float] = []
         grad_norms: list[float] = []
         leaf = LeafOutputs(pl_module, n) if n else None
+        calls: CalledModules | None = CalledModules(pl_module)
         logits: Tensor | None = None
-        reached = False
+        labels: Tensor | None = None
+        reached = memorised = False
         pl_module.train()
         try:
             for step in range(self.max_steps + 1):
@@ -551,10 +597,24 @@ class OverfitBatchSanity(GradGuardCallback):
                     quiet_logging(pl_module),
                 ):
                     loss = loss_of(pl_module.training_step(batch, 0))
+                if calls is not None:
+                    calls.remove()
                 if leaf is not None:
-                    logits = None if leaf.last is None else leaf.last.detach()
-                    leaf.remove()
-                    leaf = None
+                    out = None if leaf.last is None else leaf.last.detach()
+                    leaf.last = None
+                    if step == 0:
+                        logits = out
+                        labels = self._labels(batch, logits, n)[1]
+                        if labels is None or logits is None or logits.dim() != 2:
+                            leaf.remove()  # not a classifier we understand: no accuracy to follow
+                            leaf = None
+                    elif (
+                        labels is not None
+                        and out is not None
+                        and logits is not None
+                        and out.shape == logits.shape
+                    ):
+                        memorised = bool((out.argmax(dim=1) == labels).all())
                 if loss is None:
                     warn_once(
                         trainer,
@@ -602,12 +662,18 @@ class OverfitBatchSanity(GradGuardCallback):
         finally:  # never leave a hook on the user's model, even when training_step fails
             if leaf is not None:
                 leaf.remove()
+            if calls is not None:
+                calls.remove()
         steps = max(len(losses) - 1, 0)
         initial = losses[0] if losses else math.nan
         final = losses[-1] if losses else math.nan
+        # the target was missed, but at the last step every sample is classified correctly with a loss
+        # below the initial one: memorised, above a loss floor (label smoothing)
+        memorised = memorised and not reached and final < initial
         result = OverfitResult(
             passed=False,
             reached_target=reached,
+            memorised=memorised,
             steps=steps,
             initial_loss=initial,
             final_loss=final,
@@ -628,7 +694,10 @@ class OverfitBatchSanity(GradGuardCallback):
                 if nonzero_flags is not None
                 else torch.zeros(len(params), dtype=torch.bool)
             )
-            findings.extend(self._parameter_findings(optimizer, names, params, start, got_grad, nonzero_grad))
+            called = calls.called if calls is not None else set()
+            findings.extend(
+                self._parameter_findings(optimizer, names, params, start, got_grad, nonzero_grad, called)
+            )
         if self.check_initial_loss and trainer.global_step == 0:  # a resumed model is not a fresh one
             findings.extend(self._initial_loss_finding(batch, logits, initial, n))
         c, labels = self._labels(batch, logits, n)
@@ -637,7 +706,7 @@ class OverfitBatchSanity(GradGuardCallback):
             freq = freq[freq > 0]
             result.num_classes = c
             result.chance_loss = float(-(freq * freq.log()).sum())
-        if reached and len(grad_norms) >= 5 and grad_norms[-1] >= grad_norms[0]:
+        if (reached or memorised) and len(grad_norms) >= 5 and grad_norms[-1] >= grad_norms[0]:
             findings.append(
                 Finding(
                     "gradient_not_shrinking",
@@ -651,10 +720,80 @@ class OverfitBatchSanity(GradGuardCallback):
             )
         if self.check_batch_mixing:
             findings.extend(self._batch_mixing(trainer, pl_module, batch))
-        if not reached:
-            findings.append(self._failed_finding(result))
-        result.passed = reached and not any(f.severity == "error" for f in findings)
+        learned = reached or memorised
+        if not learned and any(o is optimizer for o in trainer.optimizers):
+            # The user's optimizer missed the target. Is it the pipeline, or only the optimizer's LR (a
+            # fine-tuning LR such as 2e-5, a warm-up the check does not run)? Try again from the same
+            # weights with Adam(fallback_lr): if that memorises the batch, the model, the loss and the data
+            # are fine, and the finding is a warning.
+            learned = self._fallback_trial(trainer, pl_module, batch, params, start, labels, n)
+            result.fallback_reached = learned
+        if not (reached or memorised):
+            failed = self._failed_finding(result)
+            if result.fallback_reached:
+                failed.severity = "warning"
+                failed.message += (
+                    f" Adam(lr={self.fallback_lr:g}) from the same weights did memorise it: the model, loss "
+                    "and data can learn; your optimizer's LR is slow for memorising one batch."
+                )
+                failed.hint = (
+                    "Fine for a small fine-tuning LR or a run that relies on warm-up; otherwise raise the LR "
+                    "(an LR range test tells how far) or max_steps."
+                )
+            findings.append(failed)
+        result.passed = learned and not any(f.severity == "error" for f in findings)
         return result
+
+    def _fallback_trial(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        params: list[nn.Parameter],
+        start: list[Tensor],
+        labels: Tensor | None,
+        n: int,
+    ) -> bool:
+        """Train from ``start`` with ``Adam(fallback_lr)``: does it reach the target or memorise the batch?"""
+        with torch.no_grad():
+            for p, s in zip(params, start, strict=True):
+                p.copy_(s)
+        optimizer = torch.optim.Adam(params, lr=self.fallback_lr)
+        leaf = LeafOutputs(pl_module, n) if labels is not None and n else None
+        initial = math.nan
+        try:
+            for step in range(self.max_steps + 1):
+                optimizer.zero_grad(set_to_none=True)
+                with (
+                    torch.enable_grad(),
+                    trainer.precision_plugin.train_step_context(),
+                    quiet_logging(pl_module),
+                ):
+                    loss = loss_of(pl_module.training_step(batch, 0))
+                if loss is None:
+                    return False
+                value = float(loss.detach().float())
+                initial = value if step == 0 else initial
+                if not math.isfinite(value):
+                    return False
+                if step > 0 and value <= self._target_loss(initial):
+                    return True
+                if step == self.max_steps:
+                    out = None if leaf is None else leaf.last
+                    return (
+                        labels is not None
+                        and out is not None
+                        and out.dim() == 2
+                        and out.shape[0] == labels.shape[0]
+                        and bool((out.argmax(dim=1) == labels).all())
+                        and value < initial
+                    )
+                loss.backward()
+                optimizer.step()
+        finally:
+            if leaf is not None:
+                leaf.remove()
+        return False
 
     def _target_loss(self, initial: float) -> float:
         return self.target * initial if self.target_mode == "relative" else self.target
@@ -667,9 +806,40 @@ class OverfitBatchSanity(GradGuardCallback):
         start: list[Tensor],
         got_grad: Tensor,
         nonzero_grad: Tensor,
+        called: set[str],
     ) -> list[Finding]:
         findings: list[Finding] = []
-        no_grad = [n for n, g in zip(names, got_grad.tolist(), strict=True) if not g and not self._ignored(n)]
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        no_grad, not_trained, outside = [], [], []
+        for name, p, g in zip(names, params, got_grad.tolist(), strict=True):
+            if g or self._ignored(name):
+                continue
+            owner = name.rsplit(".", 1)[0] if "." in name else ""
+            if id(p) not in in_optimizer:
+                not_trained.append(name)  # no gradient and no optimizer: consistently left untrained
+            elif owner and owner not in called:
+                outside.append(name)  # its module never ran in training_step (e.g. a validation head)
+            else:
+                no_grad.append(name)
+        if not_trained or outside:
+            parts = []
+            if not_trained:
+                parts.append(f"in no param group of the optimizer either: {_listed(not_trained)}")
+            if outside:
+                parts.append(f"their module never runs in training_step: {_listed(outside)}")
+            findings.append(
+                Finding(
+                    "unused_parameter",
+                    "warning",
+                    not_trained + outside,
+                    f"{len(not_trained) + len(outside)} trainable parameter(s) get no gradient in "
+                    "training_step; " + "; ".join(parts) + ". Fine if they are meant for another step "
+                    "(validation, a teacher updated by hand); under DDP they need "
+                    "find_unused_parameters=True.",
+                    _HINTS["unused_parameter"],
+                    {"count": float(len(not_trained) + len(outside))},
+                )
+            )
         zero_grad = [
             n
             for n, g, nz in zip(names, got_grad.tolist(), nonzero_grad.tolist(), strict=True)
@@ -759,34 +929,52 @@ class OverfitBatchSanity(GradGuardCallback):
     def _initial_loss_finding(
         self, batch: Any, logits: Tensor | None, initial: float, n: int
     ) -> list[Finding]:
-        c = self._classes(batch, logits, n)
+        c, labels = self._labels(batch, logits, n)
         if c is None or not math.isfinite(initial):
             return []
         expected = math.log(c)
-        if abs(initial - expected) <= self.initial_loss_tolerance * expected:
-            return []
         ratio = initial / expected
-        if n > 1 and abs(ratio - n) <= 0.25 * n:
+        # Is the loss the mean (or the sum) cross-entropy of the logits the model produced? Computed on the
+        # logits the hook kept: when it is neither (binary / multi-label BCE on integer labels, focal loss,
+        # label smoothing on a pretrained model, ...), ln C says nothing about it.
+        ce: float | None = None
+        if labels is not None and logits is not None and logits.dim() == 2 and logits.shape == (n, c):
+            ce = float(torch.nn.functional.cross_entropy(logits.float(), labels.long()))
+        summed = ce is not None and n >= 2 and abs(initial - n * ce) <= 0.05 * n * ce
+        if ce is None:
+            summed = n >= 4 and abs(ratio - n) <= 0.25 * n
+        elif not summed and abs(initial - ce) > 0.05 * max(ce, 1e-3):
+            return []
+        if not summed and abs(initial - expected) <= self.initial_loss_tolerance * expected:
+            return []
+        severity: Severity
+        if summed:
+            severity = "error"
             why = (
-                f"The ratio is close to the batch size ({n}): the loss is summed over the batch "
-                "(reduction='sum') instead of averaged. Use reduction='mean' (or divide by the batch size), "
-                "otherwise the effective learning rate grows with the batch size."
+                f"The loss is {n}x the mean cross-entropy of the logits, the batch size: it is summed over "
+                "the batch (reduction='sum') instead of averaged. Use reduction='mean' (or divide by the "
+                "batch size), otherwise the effective learning rate grows with the batch size."
             )
         elif ratio > 1:
+            severity = "warning"
             why = (
-                "The model is confidently wrong at initialisation: the logits are far from zero (scale "
-                "down the last layer's initial weights), softmax is applied twice or before a loss that "
-                "expects logits, or the loss is summed over more than the batch dimension."
+                "The model is confidently wrong at the start: the logits are far from zero (scale down the "
+                "last layer's initial weights), softmax is applied twice or before a loss that expects "
+                "logits, or the loss is summed over more than the batch dimension. Expected when fine-tuning "
+                "a model trained on other data or labels."
             )
         else:
+            severity = "info"
             why = (
-                "The loss starts below chance: the labels leak into the inputs, the loss is averaged over "
-                "more elements than samples, or it is not a per-sample cross-entropy."
+                "The loss starts below chance: expected when the model is pretrained (fine-tuning) or the "
+                "loss is not a softmax cross-entropy over the C outputs (binary / multi-label BCE, focal "
+                "loss); otherwise the labels leak into the inputs or the loss is averaged over more "
+                "elements than samples."
             )
         return [
             Finding(
                 "initial_loss_mismatch",
-                "error",
+                severity,
                 [],
                 f"Initial loss {initial:.4g} is {ratio:.3g}x the ln({c}) = {expected:.4g} a fresh {c}-class "
                 "classifier scores by predicting the uniform distribution.",
@@ -930,7 +1118,7 @@ class OverfitBatchSanity(GradGuardCallback):
             _emit.log_scalars(trainer, metrics, i)
         alerts: list[Alert] = []
         for f in result.findings:
-            if f.kind == "overfit_failed":
+            if f.kind == "overfit_failed" and f.severity == "error":
                 continue
             where = ", ".join(f.names[:_MAX_LISTED]) + (", ..." if len(f.names) > _MAX_LISTED else "")
             alert = self.report(trainer, f.kind, f.severity, where or None, f.message, f.hint, f.data)
@@ -940,7 +1128,9 @@ class OverfitBatchSanity(GradGuardCallback):
         failed_anywhere = reduce_any(trainer, failed_here)
         if not failed_anywhere:
             return
-        summary = next((f for f in result.findings if f.kind == "overfit_failed"), None)
+        summary = next(
+            (f for f in result.findings if f.kind == "overfit_failed" and f.severity == "error"), None
+        )
         if summary is not None:
             kinds = sorted(
                 {f.kind for f in result.findings if f.severity == "error" and f.kind != "overfit_failed"}
@@ -949,9 +1139,16 @@ class OverfitBatchSanity(GradGuardCallback):
             message, hint, data = summary.message + extra, summary.hint, summary.data
         elif failed_here:
             kinds = sorted({f.kind for f in result.findings if f.severity == "error"})
+            how = (
+                "The loss reached the target"
+                if result.reached_target
+                else "The batch was memorised"
+                if result.memorised
+                else f"Adam(lr={self.fallback_lr:g}) memorised the batch (your optimizer did not)"
+            )
             message = (
-                f"The loss reached the target ({result.initial_loss:.4g} -> {result.final_loss:.4g} in "
-                f"{result.steps} steps) but the check found: {', '.join(kinds)}."
+                f"{how} ({result.initial_loss:.4g} -> {result.final_loss:.4g} in {result.steps} steps) but "
+                f"the check found: {', '.join(kinds)}."
             )
             hint, data = "See the findings above.", {"steps": float(result.steps)}
         else:

@@ -1,0 +1,492 @@
+"""Audit of the pre-flight checks for false alarms and crashes: healthy Lightning setups of many shapes
+must pass OverfitBatchSanity and GradientCheck with their DEFAULT arguments (action="raise"): no error
+alert, no exception, and the check really ran (no "could not run the check" warning)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torchmetrics
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from lightning_gradguard.callbacks.gradient_check import GradientCheck
+from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity
+from tests.conftest import make_trainer
+
+FEATURES, CLASSES = 8, 5
+
+
+def data(n: int = 64, classes: int = CLASSES, seed: int = 0, imbalance: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Inputs with labels from a fixed random teacher (learnable), optionally mostly class 0."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    y = (x @ torch.randn(FEATURES, classes, generator=g)).argmax(dim=1)
+    if imbalance:
+        y = torch.where(torch.rand(n, generator=g) < imbalance, torch.zeros_like(y), y)
+    return x, y
+
+
+def loader(x: Tensor, *targets: Tensor, batch_size: int = 16, shuffle: bool = False) -> Any:
+    ds = torch.utils.data.TensorDataset(x, *targets)
+    return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=shuffle)
+
+
+class Model(pl.LightningModule):
+    """A small classifier; the setups below change one thing each."""
+
+    def __init__(self, net: nn.Module | None = None, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.net = net if net is not None else mlp()
+        self.lr = lr
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(out, y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = self.loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def mlp(out: int = CLASSES, hidden: int = 32) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, out))
+
+
+def run_checks(
+    model: pl.LightningModule, train: Any = None, datamodule: Any = None, val: Any = None, **trainer_kw: Any
+) -> tuple[OverfitBatchSanity, GradientCheck, pl.Trainer, list[str]]:
+    """Fit with both checks at their defaults; return them, the trainer and the gradguard warnings."""
+    overfit, grads = OverfitBatchSanity(), GradientCheck()
+    kw: dict[str, Any] = {"max_steps": 2, "limit_val_batches": 0, **trainer_kw}
+    trainer = make_trainer([grads, overfit], **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if datamodule is not None:
+            trainer.fit(model, datamodule=datamodule)
+        else:
+            trainer.fit(model, train, val)
+    ours = [
+        str(w.message) for w in caught if "Overfit" in str(w.message) or "GradientCheck" in str(w.message)
+    ]
+    return overfit, grads, trainer, ours
+
+
+def assert_healthy(overfit: OverfitBatchSanity, grads: GradientCheck, ours: list[str]) -> None:
+    """Both checks ran, passed, and reported nothing of severity error."""
+    assert not [m for m in ours if "could not run" in m], ours
+    errors = [a.format() for a in overfit.alerts + grads.alerts if a.severity in ("error", "critical")]
+    assert not errors, errors
+    assert overfit.result is not None and overfit.result.passed, overfit.result
+    assert overfit.result.steps > 0
+    assert grads.result is not None and grads.result.passed and grads.result.parameters
+
+
+def fit_plain(build: Callable[[], tuple[pl.LightningModule, Any]], callbacks: list[Any], **kw: Any) -> Any:
+    pl.seed_everything(7, verbose=False)
+    model, train = build()
+    trainer = make_trainer(callbacks, **{"max_steps": 6, "limit_val_batches": 0, **kw})
+    trainer.fit(model, train)
+    return model, trainer
+
+
+# --------------------------------------------------------------------------------------------- losses
+
+
+class LabelSmoothing(Model):
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(out, y, label_smoothing=0.1)
+
+
+class Binary(Model):
+    def __init__(self) -> None:
+        super().__init__(mlp(out=1))
+
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.binary_cross_entropy_with_logits(out.squeeze(1), (y > 1).float())
+
+
+class MultiLabel(Model):
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.binary_cross_entropy_with_logits(
+            out, F.one_hot(y, CLASSES).float().roll(1, 1) + F.one_hot(y, CLASSES).float()
+        )
+
+
+class Regression(Model):
+    def __init__(self) -> None:
+        super().__init__(mlp(out=1))
+
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.mse_loss(out.squeeze(1), y.float())
+
+
+@pytest.mark.parametrize(
+    ("name", "model", "imbalance"),
+    [
+        ("label_smoothing", LabelSmoothing, 0.0),
+        ("imbalanced", Model, 0.8),
+        ("binary_bce_one_logit", Binary, 0.0),
+        ("multi_label", MultiLabel, 0.0),
+        ("regression_mse", Regression, 0.0),
+    ],
+)
+def test_losses_of_many_shapes_pass(name: str, model: Callable[[], Model], imbalance: float) -> None:
+    torch.manual_seed(0)
+    x, y = data(imbalance=imbalance)
+    overfit, grads, _, ours = run_checks(model(), loader(x, y))
+    assert_healthy(overfit, grads, ours)
+    r = overfit.result
+    assert r is not None
+    if name in ("binary_bce_one_logit", "regression_mse"):
+        assert r.num_classes is None  # no [N, C] logits with integer labels: not judged as a classifier
+    # no ln C judgement of a loss that is not the cross-entropy of the logits (multi-label BCE here)
+    assert not [f for f in r.findings if f.kind == "initial_loss_mismatch"], r.findings
+    if name == "label_smoothing":  # its floor (the smoothed targets' entropy) is above 0.1 x initial
+        assert r.memorised and not r.reached_target and r.final_loss > 0.1 * r.initial_loss
+
+
+def test_fine_tuning_a_pretrained_model_is_not_an_initial_loss_error() -> None:
+    """Weights trained for a few epochs first: the initial loss is far below ln C, as it should be."""
+    torch.manual_seed(0)
+    x, y = data()
+    model = Model(lr=2e-2)
+    make_trainer([], max_epochs=15).fit(model, loader(x, y))  # "pretraining", no checks
+    overfit, grads, _, ours = run_checks(model, loader(x, y))  # a fresh Trainer: global_step 0
+    assert_healthy(overfit, grads, ours)
+    r = overfit.result
+    assert r is not None and r.initial_loss < 0.5 * math.log(CLASSES)  # really pretrained
+    assert not [a for a in overfit.alerts if a.severity != "info"], [a.format() for a in overfit.alerts]
+
+
+# --------------------------------------------------------------------------------------------- layers
+
+
+class BatchNormNet(Model):
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Sequential(nn.Linear(FEATURES, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, CLASSES))
+        )
+
+
+class DropoutNet(Model):
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Sequential(
+                nn.Linear(FEATURES, 64),
+                nn.Dropout(0.5),
+                nn.ReLU(),
+                nn.Linear(64, 64),
+                nn.Dropout(0.5),
+                nn.ReLU(),
+                nn.Linear(64, CLASSES),
+            ),
+            lr=3e-3,
+        )
+
+
+@pytest.mark.parametrize(
+    ("model", "batch_size"),
+    [(BatchNormNet, 2), (BatchNormNet, 64), (DropoutNet, 16)],
+    ids=["batchnorm_bs2", "batchnorm_bs64_sliced", "dropout_heavy"],
+)
+def test_normalisation_and_dropout_pass(model: Callable[[], Model], batch_size: int) -> None:
+    torch.manual_seed(0)
+    x, y = data()
+    overfit, grads, _, ours = run_checks(model(), loader(x, y, batch_size=batch_size))
+    assert_healthy(overfit, grads, ours)
+    assert overfit.result is not None and overfit.result.num_samples == min(batch_size, 16)
+
+
+# --------------------------------------------------------------------------------------------- optimizers
+
+
+class AdamWDecay(Model):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class OneCycle(Model):
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Warmup(Model):
+    """Linear warm-up from exactly 0: the optimizer's LR at the first step is 0."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, step / 100))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class LinearWarmupEpochs(Model):
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1e-3, total_iters=10)
+        return [opt], [sched]
+
+
+@pytest.mark.parametrize("model", [AdamWDecay, OneCycle, Warmup, LinearWarmupEpochs])
+def test_optimizers_and_schedulers_that_start_at_a_tiny_lr_pass(model: Callable[[], Model]) -> None:
+    torch.manual_seed(0)
+    x, y = data()
+    m = model()
+    overfit, grads, _, ours = run_checks(m, loader(x, y))
+    assert_healthy(overfit, grads, ours)
+
+
+# --------------------------------------------------------------------------------------------- parameters
+
+
+class FrozenBackbone(Model):
+    def __init__(self) -> None:
+        super().__init__()
+        for p in self.net[0].parameters():
+            p.requires_grad_(False)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+class AuxHeadInValidation(Model):
+    """A head used only in validation_step: never in the training graph, on purpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(FEATURES, 1)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_aux", self.aux(batch[0]).mean())
+
+
+class TiedLanguageModel(Model):
+    """Next-token prediction; the output layer shares the embedding's weight; integer inputs."""
+
+    def __init__(self, vocab: int = 11, dim: int = 16) -> None:
+        super().__init__(lr=2e-2)
+        self.emb = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+        del self.net
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(F.gelu(self.mix(self.norm(self.emb(x)))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        (tokens,) = batch
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+class Standardise(nn.Module):
+    """A module with buffers only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.full((FEATURES,), 0.1))
+        self.register_buffer("std", torch.full((FEATURES,), 1.1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x - self.mean) / self.std
+
+
+class BufferOnly(Model):
+    def __init__(self) -> None:
+        super().__init__(nn.Sequential(Standardise(), mlp()))
+
+
+class WithMetric(Model):
+    """A torchmetrics metric updated and logged in training_step; a dict is returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=CLASSES)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.acc(logits, y)
+        self.log("train_acc", self.acc, prog_bar=True)
+        self.log_dict({"train_loss": loss})
+        return {"loss": loss, "logits": logits.detach()}
+
+
+def test_frozen_backbone_is_not_unused() -> None:
+    torch.manual_seed(0)
+    overfit, grads, _, ours = run_checks(FrozenBackbone(), loader(*data()))
+    assert_healthy(overfit, grads, ours)
+    assert overfit.result is not None and not overfit.result.findings
+    assert {p.name for p in grads.result.parameters} == {"net.2.weight", "net.2.bias"}  # type: ignore[union-attr]
+
+
+def test_a_head_used_only_in_validation_is_a_warning_not_an_error() -> None:
+    torch.manual_seed(0)
+    x, y = data()
+    overfit, grads, trainer, ours = run_checks(
+        AuxHeadInValidation(), loader(x, y), val=loader(x, y), limit_val_batches=1, val_check_interval=1
+    )
+    assert_healthy(overfit, grads, ours)
+    assert [(a.kind, a.severity, a.where) for a in overfit.alerts] == [
+        ("unused_parameter", "warning", "aux.weight, aux.bias")
+    ]
+    assert "val_aux" in trainer.callback_metrics  # the real run validated with it
+
+
+def test_tied_weights_embeddings_layernorm_gelu_pass() -> None:
+    torch.manual_seed(0)
+    columns = [torch.randint(0, 11, (32,), generator=torch.Generator().manual_seed(1))]
+    for _ in range(6):  # each next token follows from the last one: learnable
+        columns.append((3 * columns[-1] + 1) % 11)
+    tokens = torch.stack(columns, dim=1)
+    model = TiedLanguageModel()
+    assert model.out.weight is model.emb.weight
+    overfit, grads, _, ours = run_checks(model, loader(tokens))
+    assert_healthy(overfit, grads, ours)
+    names = {p.name for p in grads.result.parameters}  # type: ignore[union-attr]
+    assert "emb.weight" in names and "out.weight" not in names  # one tensor, checked once
+    assert model.out.weight is model.emb.weight  # the tie survives the restore
+
+
+@pytest.mark.parametrize("model", [BufferOnly, WithMetric])
+def test_buffers_and_metrics_and_dict_outputs_pass(model: Callable[[], Model]) -> None:
+    torch.manual_seed(0)
+    m = model()
+    overfit, grads, _, ours = run_checks(m, loader(*data()))
+    assert_healthy(overfit, grads, ours)
+    assert overfit.result is not None and not overfit.result.findings
+
+
+# --------------------------------------------------------------------------------------------- trainer setups
+
+
+class DataModule(pl.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.y = data()
+
+    def train_dataloader(self) -> Any:
+        return loader(self.x, self.y, shuffle=True)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """An IterableDataset that yields (x, y) samples generated on the fly from its own seed."""
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        x, y = data(n=48, seed=3)
+        yield from zip(x, y, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("setup", "trainer_kw"),
+    [
+        ("accumulate", {"accumulate_grad_batches": 2}),
+        ("bf16", {"precision": "bf16-mixed"}),
+        ("datamodule", {}),
+        ("iterable", {}),
+        ("clip", {"gradient_clip_val": 0.5}),
+    ],
+)
+def test_trainer_features_and_data_sources_pass(setup: str, trainer_kw: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    x, y = data()
+    kw: dict[str, Any] = {"train": loader(x, y)}
+    if setup == "datamodule":
+        kw = {"datamodule": DataModule()}
+    if setup == "iterable":
+        kw = {"train": torch.utils.data.DataLoader(Stream(), batch_size=16)}
+    overfit, grads, trainer, ours = run_checks(Model(), **kw, **trainer_kw)
+    assert_healthy(overfit, grads, ours)
+    assert trainer.global_step == 2
+
+
+# --------------------------------------------------------------------------------------------- GradientCheck
+
+
+class Cube(torch.autograd.Function):
+    """x ** 3 with a hand-written (correct) backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return grad * 3 * x**2
+
+
+class CubeLayer(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return Cube.apply(x)
+
+
+class ConvPool(Model):
+    """Conv -> ReLU -> MaxPool on images with a zero background (ties inside pooling windows)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Sequential(
+                nn.Conv2d(1, 4, 3, padding=1),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Flatten(),
+                nn.Linear(64, CLASSES),
+            )
+        )
+
+
+class CustomActivation(Model):
+    def __init__(self) -> None:
+        super().__init__(nn.Sequential(nn.Linear(FEATURES, 16), CubeLayer(), nn.Linear(16, CLASSES)), lr=3e-3)
+
+
+def images() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    img = torch.zeros(64, 1, 8, 8)
+    img[:, :, 2:6, 2:6] = torch.randn(64, 1, 4, 4, generator=g)  # zero border: exact ties when pooling
+    return img, torch.randint(0, CLASSES, (64,), generator=g)
+
+
+@pytest.mark.parametrize("model", [ConvPool, CustomActivation])
+def test_gradient_check_on_maxpool_and_a_correct_custom_function(model: Callable[[], Model]) -> None:
+    torch.manual_seed(0)
+    x, y = images() if model is ConvPool else data()
+    overfit, grads, _, ours = run_checks(model(), loader(x, y))
+    assert_healthy(overfit, grads, ours)
+    r = grads.result
+    assert r is not None
+    if model is CustomActivation:  # the custom Function is found and everything upstream of it checked
+        assert r.custom_functions == {"net.1": ["Cube"]} and r.targets == ["net.1"]
+        assert {p.name for p in r.parameters} == {"net.0.weight", "net.0.bias"}
+    assert max(p.max_rel_error for p in r.parameters) < 1e-5
+
+
+def test_float32_tensors_made_in_training_step_are_promoted_not_blamed() -> None:
+    """`y.float()` in training_step used to round the float64 loss to float32: a false mismatch."""
+    torch.manual_seed(0)
+    overfit, grads, _, ours = run_checks(Binary(), loader(*data()))
+    assert_healthy(overfit, grads, ours)
+    assert grads.result is not None and grads.result.promoted
+    assert max(p.max_rel_error for p in grads.result.parameters) < 1e-5
+    overfit, grads, _, ours = run_checks(Model(), loader(*data()))
+    assert grads.result is not None and not grads.result.promoted  # nothing to promote: no mode, no cost

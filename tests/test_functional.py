@@ -82,10 +82,11 @@ def test_nonfinite_values_propagate_and_are_counted() -> None:
     assert nonfinite_counts(ts).tolist() == [0, 1, 2, 0, 0]
 
 
-def test_histograms_match_numpy() -> None:
+@pytest.mark.parametrize("method", ["fused", "per_tensor"])
+def test_histograms_match_numpy(method: str) -> None:
     ts = _tensors()
     ts[0][0, 0] = float("nan")
-    spec = device_histograms(ts, bins=10)
+    spec = device_histograms(ts, bins=10, method=method)
     for i, t in enumerate(ts):
         x = t.reshape(-1).numpy()
         x = x[np.isfinite(x)]
@@ -101,9 +102,10 @@ def test_histograms_match_numpy() -> None:
     assert spec.nonfinite.tolist() == [1, 0, 0, 0, 0]
 
 
-def test_log10_histogram_spans_decades_and_skips_zeros() -> None:
+@pytest.mark.parametrize("method", ["fused", "per_tensor"])
+def test_log10_histogram_spans_decades_and_skips_zeros(method: str) -> None:
     t = torch.tensor([0.0, 1e-8, 1e-6, 1e-4, 1e-2, 1.0, -1.0])
-    spec = device_histograms([t], bins=8, log10=True)
+    spec = device_histograms([t], bins=8, log10=True, method=method)
     lo, hi, num, _, _ = spec.stats[0].tolist()
     assert num == 6  # the zero is not on a log axis
     assert lo == pytest.approx(-8.0) and hi == pytest.approx(0.0)
@@ -130,7 +132,19 @@ def test_bad_norm_type_is_rejected() -> None:
 
 def test_histograms_in_chunks_equal_one_pass() -> None:
     ts = _tensors()
-    whole = device_histograms(ts, bins=7)
-    chunked = device_histograms(ts, bins=7, chunk_elements=20)
+    whole = device_histograms(ts, bins=7, method="fused")
+    chunked = device_histograms(ts, bins=7, chunk_elements=20, method="fused")
     for field in ("stats", "edges", "counts", "nonfinite"):
         torch.testing.assert_close(getattr(chunked, field), getattr(whole, field))
+
+
+@pytest.mark.parametrize("log10", [False, True])
+def test_fused_and_per_tensor_histograms_agree(log10: bool) -> None:
+    ts = _tensors()
+    ts[1][0] = float("inf")
+    fused = device_histograms(ts, bins=9, log10=log10, method="fused")
+    per = device_histograms(ts, bins=9, log10=log10, method="per_tensor")
+    for field in ("stats", "edges", "counts", "nonfinite"):
+        torch.testing.assert_close(getattr(per, field), getattr(fused, field), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="method"):
+        device_histograms(ts, method="gpu")

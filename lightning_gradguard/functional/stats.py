@@ -160,7 +160,11 @@ class HistogramSpec:
 
 
 def device_histograms(
-    tensors: Sequence[Tensor], bins: int = 64, log10: bool = False, chunk_elements: int = 1 << 24
+    tensors: Sequence[Tensor],
+    bins: int = 64,
+    log10: bool = False,
+    chunk_elements: int = 1 << 24,
+    method: str = "auto",
 ) -> HistogramSpec:
     """Histograms of every tensor at once, on the device: one concatenation, one bincount per chunk.
 
@@ -169,12 +173,24 @@ def device_histograms(
     and counted in ``nonfinite``. With ``log10=True`` the values are ``log10(|x|)`` of the non-zero
     finite entries, which spreads gradients that span many decades (vanishing layers) over a
     readable axis.
+
+    ``method``: ``"fused"`` bins every tensor together (a handful of kernels, no host round trip: the
+    right choice on a GPU), ``"per_tensor"`` runs one ``aminmax`` + ``histc`` per tensor (about 10x
+    faster on a CPU, where there is no sync to avoid), ``"auto"`` (default) picks by the device of the
+    first tensor. Both give the same buckets.
     """
     if bins < 1:
         raise ValueError(f"`bins` must be >= 1, got {bins!r}")
     if len(tensors) == 0:
         z = torch.zeros(0)
         return HistogramSpec(z.reshape(0, 5), z.reshape(0, bins + 1), z.reshape(0, bins), z)
+    if method not in ("auto", "fused", "per_tensor"):
+        raise ValueError(f"`method` must be one of 'auto', 'fused', 'per_tensor'; got {method!r}")
+    if method == "per_tensor" or (method == "auto" and tensors[0].device.type == "cpu"):
+        # On a CPU the fused scatter/index_add formulation is ~10x slower than one histc per tensor, and
+        # reading a per-tensor min/max costs no device sync: "auto" uses the per-tensor path there.
+        rows = [_histogram_one(t, bins, log10) for t in tensors]
+        return HistogramSpec(*(torch.stack([r[i] for r in rows]) for i in range(4)))
     chunks: list[list[Tensor]] = [[]]
     size = 0
     for t in tensors:
@@ -189,6 +205,27 @@ def device_histograms(
     return HistogramSpec(
         *(torch.cat([getattr(p, f) for p in parts]) for f in ("stats", "edges", "counts", "nonfinite"))
     )
+
+
+def _histogram_one(t: Tensor, bins: int, log10: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One tensor's ``(stats, edges, counts, nonfinite)`` row with per-tensor kernels (the CPU path)."""
+    flat = t.detach().reshape(-1).float()
+    finite = torch.isfinite(flat)
+    nonfinite = flat.numel() - int(finite.sum())
+    vals = flat if nonfinite == 0 else flat[finite]
+    if log10:
+        vals = vals.abs()
+        vals = vals[vals > 0].log10()
+    if vals.numel() == 0:
+        zero = torch.zeros(())
+        stats = torch.zeros(5)
+        return stats, torch.zeros(bins + 1), torch.zeros(bins), zero + nonfinite
+    lo, hi = torch.aminmax(vals)
+    lo_f, hi_f = float(lo), float(hi)
+    counts = torch.histc(vals, bins=bins, min=lo_f, max=hi_f if hi_f > lo_f else lo_f + 1e-12)
+    stats = torch.stack([lo, hi, torch.tensor(float(vals.numel())), vals.sum(), torch.dot(vals, vals)])
+    edges = lo + (hi - lo) * torch.linspace(0.0, 1.0, bins + 1)
+    return stats.float(), edges.float(), counts.float(), torch.tensor(float(nonfinite))
 
 
 def _histogram_chunk(

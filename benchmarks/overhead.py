@@ -40,7 +40,7 @@ from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradguard import GradientNormLogger, NaNSentinel
+from lightning_gradguard import DeadReLUMonitor, GradientNormLogger, NaNSentinel, VanishingExplodingDetector
 
 SEED = 0
 TRAINER_LOG_EVERY_N_STEPS = 50  # Lightning's default; GradientNormLogger() follows it
@@ -240,6 +240,25 @@ VARIANTS: dict[str, Variant] = {
         "NaNSentinel() + GradientNormLogger(): the gradient statistics are computed once for both",
         lambda: Setup([NaNSentinel(), GradientNormLogger()], {}, {}),
     ),
+    "vanishing_exploding": Variant(
+        "VanishingExplodingDetector() (every step for 20 steps, then every 5th)",
+        lambda: Setup([VanishingExplodingDetector()], {}, {}),
+    ),
+    "vanishing_exploding_every_step": Variant(
+        "VanishingExplodingDetector(check_every_n_steps=1)",
+        lambda: Setup([VanishingExplodingDetector(check_every_n_steps=1)], {}, {}),
+        default=False,
+    ),
+    "dead_relu": Variant(
+        "DeadReLUMonitor() (steps 0-4, then every 50th; hooks only on those steps)",
+        lambda: Setup([DeadReLUMonitor()], {}, {}),
+    ),
+    "all_monitors": Variant(
+        "GradientNormLogger() + NaNSentinel() + VanishingExplodingDetector() + DeadReLUMonitor()",
+        lambda: Setup(
+            [GradientNormLogger(), NaNSentinel(), VanishingExplodingDetector(), DeadReLUMonitor()], {}, {}
+        ),
+    ),
     "detect_anomaly": Variant(
         "Trainer(detect_anomaly=True): torch.autograd anomaly mode on every step",
         lambda: Setup([], {"detect_anomaly": True}, {}),
@@ -404,6 +423,13 @@ def target_lines(summaries: list[Summary]) -> list[str]:
             f"steps) that amortises to {extra_ms / every:.3f} ms/step = {extra_ms / every / bare_ms:.2%} "
             "of a bare step (not inside the timed window of gnl_defaults)"
         )
+    for name, label in (
+        ("vanishing_exploding", "VanishingExplodingDetector()"),
+        ("dead_relu", "DeadReLUMonitor()"),
+    ):
+        if name in by:
+            r = by[name].ratio
+            lines.append(f"{label} <= 1.02x bare: {r:.3f}x -> {'MET' if r <= 1.02 else 'NOT MET'}")
     if "nan_sentinel" in by:
         r = by["nan_sentinel"].ratio
         verdict = "MET" if r <= 1.01 else "NOT MET"

@@ -2,6 +2,7 @@
 
 from lightning_gradguard.alerts import ALERT_KINDS, Alert, GradGuardError, NonFiniteError, SanityCheckError
 from lightning_gradguard.callbacks import (
+    DeadReLUMonitor,
     GradGuardCallback,
     GradientCheck,
     GradientCheckResult,
@@ -11,6 +12,7 @@ from lightning_gradguard.callbacks import (
     NaNSentinel,
     OverfitBatchSanity,
     OverfitResult,
+    VanishingExplodingDetector,
     gradient_check,
     lr_find,
 )
@@ -20,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ALERT_KINDS",
     "Alert",
+    "DeadReLUMonitor",
     "GradGuardCallback",
     "GradGuardError",
     "GradientCheck",
@@ -32,6 +35,7 @@ __all__ = [
     "OverfitBatchSanity",
     "OverfitResult",
     "SanityCheckError",
+    "VanishingExplodingDetector",
     "__version__",
     "gradient_check",
     "lr_find",

@@ -1,13 +1,16 @@
 """The callbacks: one module each, thin policy on top of ``functional`` and the shared statistics."""
 
 from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
 from lightning_gradguard.callbacks.gradient_check import GradientCheck, GradientCheckResult, gradient_check
 from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
 from lightning_gradguard.callbacks.lr_finder import LRFinderPlus, LRFinderResult, lr_find
 from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
 from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, OverfitResult
+from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
 
 __all__ = [
+    "DeadReLUMonitor",
     "GradGuardCallback",
     "GradientCheck",
     "GradientCheckResult",
@@ -17,6 +20,7 @@ __all__ = [
     "NaNSentinel",
     "OverfitBatchSanity",
     "OverfitResult",
+    "VanishingExplodingDetector",
     "gradient_check",
     "lr_find",
 ]

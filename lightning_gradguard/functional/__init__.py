@@ -1,5 +1,10 @@
 """Pure tensor math behind the callbacks: no Trainer, usable from a plain PyTorch loop.
 
+* ``stats``: grouped gradient/weight norms, non-finite counts, on-device histograms, clip suggestions;
+* ``health``: robust baselines, spike and growth tests, gradient flow, dead-unit and saturation counts;
+* ``gradcheck``: the Taylor test and symmetric finite differences (float64);
+* ``lr_suggest``: the LR range test's sweep, smoothing, divergence rule and suggestions.
+
 Example::
 
     from lightning_gradguard.functional import group_index, grouped_norms, layer_names
@@ -9,6 +14,41 @@ Example::
     per_param, per_layer, total = grouped_norms([g for _, g in named], index)
 """
 
+from lightning_gradguard.functional.gradcheck import (
+    FiniteDifferenceResult,
+    TaylorResult,
+    finite_difference_check,
+    observed_order,
+    relative_error,
+    sample_coordinates,
+    taylor_test,
+)
+from lightning_gradguard.functional.health import (
+    SATURATION_BOUNDS,
+    activity_counts,
+    dead_units,
+    depth_ratio,
+    ema,
+    gradient_flow,
+    growth_factor,
+    log10_norms,
+    robust_baseline,
+    saturation_counts,
+    spike_ratio,
+    unit_dim,
+)
+from lightning_gradguard.functional.lr_suggest import (
+    SUGGESTION_METHODS,
+    DivergenceMonitor,
+    centered_smooth,
+    ema_smooth,
+    suggest_all,
+    suggest_minimum,
+    suggest_slide,
+    suggest_steep,
+    suggest_valley,
+    sweep_lrs,
+)
 from lightning_gradguard.functional.stats import (
     HistogramSpec,
     device_histograms,
@@ -25,16 +65,45 @@ from lightning_gradguard.functional.stats import (
 )
 
 __all__ = [
+    "SATURATION_BOUNDS",
+    "SUGGESTION_METHODS",
+    "DivergenceMonitor",
+    "FiniteDifferenceResult",
     "HistogramSpec",
+    "TaylorResult",
+    "activity_counts",
+    "centered_smooth",
+    "dead_units",
+    "depth_ratio",
     "device_histograms",
+    "ema",
+    "ema_smooth",
+    "finite_difference_check",
     "foreach_norms",
+    "gradient_flow",
     "group_index",
     "grouped_norms",
+    "growth_factor",
     "layer_name",
     "layer_names",
+    "log10_norms",
     "nonfinite_counts",
+    "observed_order",
     "percentile",
     "reduce_norms",
+    "relative_error",
+    "robust_baseline",
+    "sample_coordinates",
+    "saturation_counts",
+    "spike_ratio",
+    "suggest_all",
     "suggest_clip_value",
+    "suggest_minimum",
+    "suggest_slide",
+    "suggest_steep",
+    "suggest_valley",
+    "sweep_lrs",
+    "taylor_test",
     "total_norm",
+    "unit_dim",
 ]

@@ -1,8 +1,10 @@
 """Quickstart: train a small MLP on scikit-learn's digits with every gradguard callback attached.
 
 Run it with ``make demo`` (or ``.venv/bin/python examples/quickstart.py`` from the repository root).
-It trains for a few epochs on CPU (well under a minute), logs to TensorBoard under ``runs/quickstart``
-and ends with a short health report read back from the callbacks. Then::
+Before the first step the pre-flight checks prove the model can learn one batch and that its gradients
+are right, and the LR range test picks the learning rate; then it trains for a few epochs on CPU (well
+under a minute) with the monitors on, logs to TensorBoard under ``runs/quickstart`` and ends with a
+short health report read back from the callbacks. Then::
 
     tensorboard --logdir runs
 
@@ -28,7 +30,16 @@ from sklearn.preprocessing import StandardScaler
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradguard import GradGuardCallback, GradientNormLogger, NaNSentinel
+from lightning_gradguard import (
+    DeadReLUMonitor,
+    GradGuardCallback,
+    GradientCheck,
+    GradientNormLogger,
+    LRFinderPlus,
+    NaNSentinel,
+    OverfitBatchSanity,
+    VanishingExplodingDetector,
+)
 
 SEED = 0
 MAX_EPOCHS = 15
@@ -42,7 +53,12 @@ RUN_NAME = "quickstart"
 def gradguard_callbacks() -> list[GradGuardCallback]:
     """Every gradguard callback this example runs with. A new callback is one more line here."""
     return [
+        OverfitBatchSanity(),  # before step 0: can the model learn one batch? (raises if not)
+        GradientCheck(),  # before step 0: autograd vs finite differences, float64
+        LRFinderPlus(progress=False),  # LR range test at fit start; applies the suggestion
         GradientNormLogger(histogram_every_n_steps=50),  # scalars every 5 steps, histograms every 50
+        VanishingExplodingDetector(),  # exploding / vanishing gradients, from the same statistics
+        DeadReLUMonitor(),  # ReLU units that never fire, on sampled steps only
         NaNSentinel(),  # fails the run at the first NaN/inf loss or gradient, with a report
     ]
 
@@ -127,6 +143,27 @@ def health_summary(trainer: pl.Trainer, callbacks: list[GradGuardCallback], seco
     """Print what the callbacks saw, read from their public state (``last_logged`` and ``alerts``)."""
     print(f"\n=== gradguard health summary ({seconds:.1f} s, {trainer.global_step} optimizer steps) ===")
     print(f"final val accuracy      {float(trainer.callback_metrics['val/acc']):.3f}")
+    for cb in callbacks:
+        if isinstance(cb, OverfitBatchSanity) and cb.result is not None:
+            r = cb.result
+            print(
+                f"overfit one batch       {'passed' if r.passed else 'FAILED'}: loss {r.initial_loss:.3f} -> "
+                f"{r.final_loss:.4f} in {r.steps} steps on {r.num_samples} samples ({r.seconds:.2f} s)"
+            )
+        elif isinstance(cb, GradientCheck) and cb.result is not None:
+            g = cb.result
+            worst = max((p.max_rel_error for p in g.parameters), default=float("nan"))
+            print(
+                f"gradient check          {'passed' if g.passed else 'FAILED'}: {len(g.parameters)} tensors, "
+                f"worst relative error {worst:.1e} ({g.evaluations} float64 evaluations, {g.seconds:.2f} s)"
+            )
+        elif isinstance(cb, LRFinderPlus) and cb.result is not None:
+            f = cb.result
+            picked = f"{f.suggestion:.3g}" if f.suggestion is not None else "none"
+            print(f"LR range test           suggested lr {picked} ({f.method}), {len(f.lrs)} points; applied")
+        elif isinstance(cb, DeadReLUMonitor):
+            dead = ", ".join(f"{k} {v:.0%}" for k, v in cb.dead_fractions.items()) or "no ReLU seen"
+            print(f"dead ReLU units         {dead}")
     for cb in callbacks:
         last: dict[str, float] = getattr(cb, "last_logged", {})
         if not last:

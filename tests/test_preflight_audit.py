@@ -98,7 +98,7 @@ def assert_healthy(overfit: OverfitBatchSanity, grads: GradientCheck, ours: list
 def fit_plain(build: Callable[[], tuple[pl.LightningModule, Any]], callbacks: list[Any], **kw: Any) -> Any:
     pl.seed_everything(7, verbose=False)
     model, train = build()
-    trainer = make_trainer(callbacks, **{"max_steps": 6, "limit_val_batches": 0, **kw})
+    trainer = make_trainer(callbacks, **{"max_epochs": 3, "limit_val_batches": 0, **kw})
     trainer.fit(model, train)
     return model, trainer
 
@@ -490,3 +490,197 @@ def test_float32_tensors_made_in_training_step_are_promoted_not_blamed() -> None
     assert max(p.max_rel_error for p in grads.result.parameters) < 1e-5
     overfit, grads, _, ours = run_checks(Model(), loader(*data()))
     assert grads.result is not None and not grads.result.promoted  # nothing to promote: no mode, no cost
+
+
+# --------------------------------------------------------------------------------------------- randomness
+
+
+class Denoiser(Model):
+    """A diffusion-style objective: a random timestep and random noise drawn in every training_step."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Sequential(nn.Linear(FEATURES + 1, 64), nn.SiLU(), nn.Linear(64, FEATURES)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, _ = batch
+        t = torch.rand(x.shape[0], 1)
+        noise = torch.randn_like(x)
+        noisy = (1 - t).sqrt() * x + t.sqrt() * noise
+        return F.mse_loss(self.net(torch.cat([noisy, t], dim=1)), noise)
+
+
+class Mixup(Model):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        lam = float(torch.rand(()))
+        perm = torch.randperm(x.shape[0])
+        out = self(lam * x + (1 - lam) * x[perm])
+        return lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[perm])
+
+
+@pytest.mark.parametrize("model", [Denoiser, Mixup])
+def test_randomness_inside_training_step_is_frozen_during_the_check(model: Callable[[], Model]) -> None:
+    torch.manual_seed(0)
+    overfit, grads, _, ours = run_checks(model(), loader(*data()))
+    assert_healthy(overfit, grads, ours)
+    r = overfit.result
+    assert r is not None and r.randomness == "inputs"
+    if model is Denoiser:
+        assert r.reached_target
+    else:  # mixed inputs with two labels: the loss has a floor; Adam converges to it
+        assert r.converged and r.final_loss > r.target_loss and r.grad_norms[-1] < 0.05 * r.grad_norms[0]
+
+
+# --------------------------------------------------------------------------------------------- verdicts
+
+
+class FineTuneLR(Model):
+    """A fresh head on a model trained at a typical fine-tuning LR: too slow to memorise in 200 steps."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=2e-5)
+
+
+def test_a_slow_fine_tuning_lr_is_a_warning_when_adam_can_memorise_the_batch() -> None:
+    torch.manual_seed(0)
+    overfit, grads, trainer, ours = run_checks(FineTuneLR(), loader(*data()))
+    assert_healthy(overfit, grads, ours)
+    r = overfit.result
+    assert r is not None and not r.reached_target and not r.memorised and r.fallback_reached
+    assert r.steps == 200 and r.optimizer == "AdamW" and r.final_loss > r.target_loss
+    (alert,) = overfit.alerts
+    assert (alert.kind, alert.severity) == ("overfit_failed", "warning") and "Adam(lr=0.001)" in alert.message
+    assert trainer.global_step == 2
+
+
+class MomentumTeacher(Model):
+    """A teacher network run under no_grad and updated by hand (EMA), left out of the optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = mlp()  # requires_grad stays True: the user forgot to freeze it
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        with torch.no_grad():
+            soft = self.teacher(x).softmax(dim=1)
+        out = self(x)
+        return F.cross_entropy(out, y) + 0.1 * F.kl_div(out.log_softmax(dim=1), soft, reduction="batchmean")
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.net.parameters(), strict=True):
+                t.lerp_(s, 0.01)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.net.parameters(), lr=1e-2)
+
+
+def test_a_teacher_outside_the_optimizer_without_gradient_is_a_warning() -> None:
+    torch.manual_seed(0)
+    overfit, grads, _, ours = run_checks(MomentumTeacher(), loader(*data()))
+    assert_healthy(overfit, grads, ours)
+    found = [(a.kind, a.severity, a.where) for a in overfit.alerts]
+    where = "teacher.0.weight, teacher.0.bias, teacher.2.weight, teacher.2.bias"
+    assert found == [("unused_parameter", "warning", where)]
+    assert grads.result is not None and grads.result.not_in_graph == where.split(", ")
+
+
+class GAN(pl.LightningModule):
+    """Manual optimization with two optimizers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Linear(4, FEATURES)
+        self.disc = nn.Linear(FEATURES, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        g_opt, d_opt = self.optimizers()  # type: ignore[misc]
+        x = batch[0]
+        fake = self.gen(torch.randn(x.shape[0], 4))
+        d_loss = F.softplus(-self.disc(x)).mean() + F.softplus(self.disc(fake.detach())).mean()
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        g_loss = F.softplus(-self.disc(fake)).mean()
+        g_opt.zero_grad()
+        self.manual_backward(g_loss)
+        g_opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.Adam(self.gen.parameters()), torch.optim.Adam(self.disc.parameters())]
+
+
+def test_manual_optimization_with_two_optimizers_warns_once_and_skips() -> None:
+    torch.manual_seed(0)
+    overfit, grads, trainer, ours = run_checks(GAN(), loader(*data()))
+    assert overfit.result is None and grads.result is None
+    assert not overfit.alerts and not grads.alerts
+    assert len([m for m in ours if "OverfitBatchSanity supports automatic optimization only" in m]) == 1
+    assert len([m for m in ours if "GradientCheck needs training_step to return the loss" in m]) == 1
+    assert trainer.global_step == 2  # two optimizer steps per batch count twice: the run went on
+
+
+# --------------------------------------------------------------------------------------------- restore
+
+
+class Busy(Model):
+    """BatchNorm + Dropout + a torchmetrics metric, SGD with momentum and a per-step OneCycle schedule."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Sequential(
+                nn.Linear(FEATURES, 32),
+                nn.BatchNorm1d(32),
+                nn.ReLU(),
+                nn.Dropout(0.3),
+                nn.Linear(32, CLASSES),
+            )
+        )
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=CLASSES)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        noisy = x + 0.1 * torch.randn_like(x)  # randomness inside training_step: frozen during the check
+        out = self(noisy)
+        self.acc(out, y)
+        self.log("acc", self.acc)
+        return {"loss": F.cross_entropy(out, y, label_smoothing=0.1)}
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=50)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def busy() -> tuple[pl.LightningModule, Any]:
+    return Busy(), loader(*data(), shuffle=True)
+
+
+def lm() -> tuple[pl.LightningModule, Any]:
+    columns = [torch.randint(0, 11, (32,))]
+    for _ in range(6):
+        columns.append((3 * columns[-1] + 1) % 11)
+    return TiedLanguageModel(), loader(torch.stack(columns, dim=1))
+
+
+@pytest.mark.parametrize("build", [busy, lm], ids=["busy", "tied_lm"])
+def test_the_real_run_after_both_checks_is_bit_identical_to_one_without(
+    build: Callable[[], tuple[pl.LightningModule, Any]],
+) -> None:
+    base, base_trainer = fit_plain(build, [], accumulate_grad_batches=2)
+    overfit, grads = OverfitBatchSanity(), GradientCheck()
+    after, trainer = fit_plain(build, [grads, overfit], accumulate_grad_batches=2)
+    assert overfit.result is not None and overfit.result.passed and overfit.result.steps > 0
+    assert grads.result is not None and grads.result.passed
+    assert trainer.global_step == base_trainer.global_step > 2
+    a, b = base.state_dict(), after.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:  # bit for bit
+        assert torch.equal(a[k], b[k]), k
+    opt_a, opt_b = base_trainer.optimizers[0], trainer.optimizers[0]
+    assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
+    for p, q in zip(base.parameters(), after.parameters(), strict=True):
+        sa, sb = opt_a.state.get(p, {}), opt_b.state.get(q, {})
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -255,6 +255,8 @@ class GradientCheckResult:
         hooked_modules: modules with backward hooks.
         evaluations: loss evaluations spent.
         skipped: parameters left out because the evaluation budget ran out.
+        not_in_graph: parameters left out because autograd gives them no gradient at all (used under
+            ``torch.no_grad()``, behind a ``.detach()``, or not used).
         promoted: the loss computation made tensors of a lower floating precision (``y.float()``,
             ``torch.zeros(n)``); every evaluation then ran with those promoted to float64.
         loss: the float64 loss at the checked point.
@@ -269,6 +271,7 @@ class GradientCheckResult:
     evaluations: int = 0
     skipped: list[str] = field(default_factory=list)
     promoted: bool = False
+    not_in_graph: list[str] = field(default_factory=list)
     loss: float = math.nan
     seconds: float = 0.0
 
@@ -504,7 +507,12 @@ def _check(
     del owners
     for t in targets:
         chosen.update(id(p) for p in names[t].parameters())
-    check_list = [(n, p) for n, p in named if id(p) in chosen]
+    # A parameter the loss's graph does not reach (used under no_grad, behind a .detach(), or not at all)
+    # has no gradient to check: it is held constant on purpose (a teacher, a target network) or it is a
+    # bug OverfitBatchSanity names (unused_parameter). Finite differences would only "discover" that the
+    # loss depends on it.
+    result.not_in_graph = [n for n, p in named if id(p) in chosen and grad_of[id(p)] is None]
+    check_list = [(n, p) for n, p in named if id(p) in chosen and grad_of[id(p)] is not None]
     result.targets = targets
 
     # Evaluation budget: (num_steps + 1) for the Taylor test, 2k + 1 for k finite-difference coordinates.

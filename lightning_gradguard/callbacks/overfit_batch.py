@@ -206,6 +206,36 @@ def configured_lr(optimizer: torch.optim.Optimizer) -> None:
             group["lr"] = float(base)
 
 
+_FROZEN_SEED = 0x5EED
+
+
+def seed_all(seed: int) -> None:
+    """Seed torch (CPU and every CUDA device), NumPy's global generator and Python's ``random``."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def at_floor(
+    losses: list[float], grad_norms: list[float], chance_loss: float | None, num_classes: int | None
+) -> bool:
+    """Did training converge to a loss floor above the target, after learning from the inputs?
+
+    True when the gradient norm fell to 5 % of its first value or less (a minimum of the fixed objective,
+    e.g. mixup's soft targets or label smoothing, whose entropy the loss cannot go below), the loss fell
+    to half its initial value or less, and, for a classifier, clearly below the entropy of the batch's
+    label frequencies (a model that ignores its inputs converges there too).
+    """
+    if len(grad_norms) < 5 or not losses:
+        return False
+    initial, final = losses[0], losses[-1]
+    if not (math.isfinite(final) and initial > 0 and final <= 0.5 * initial):
+        return False
+    if not (grad_norms[0] > 0 and grad_norms[-1] <= 0.05 * grad_norms[0]):
+        return False
+    return chance_loss is None or num_classes is None or final < chance_loss - 0.15 * math.log(num_classes)
+
+
 class CalledModules:
     """Forward pre-hooks on every sub-module that note which ones ran (``called``: their names)."""
 
@@ -271,6 +301,15 @@ class OverfitResult:
         seconds: wall time of the whole check, restore included.
         num_samples: samples in the batch trained on.
         optimizer: the optimizer class used (the user's, or the fallback ``Adam``).
+        converged: the target was missed, but the loss converged to a floor (see :func:`at_floor`): the
+            gradient norm fell to 5 % of its first value, the loss to half its initial value and below
+            chance level. Soft targets (mixup, distillation) and label smoothing have such floors; the
+            check passes.
+        randomness: what random draws inside ``training_step`` change, found by calling it under two
+            seeds: ``"none"``; ``"inputs"`` (the model's output: input noise, a diffusion timestep,
+            mixup, augmentation, dropout), then every step of the check is re-seeded with one fixed seed
+            so the batch and the objective stay the same; ``"targets"`` (the same output, another loss:
+            labels drawn at random), then nothing is frozen (random labels cannot be memorised).
         findings: every specific problem found.
         fallback_reached: when the user's optimizer missed the target, whether ``Adam(fallback_lr)``,
             started again from the same weights, reached it or memorised the batch (then the check passes
@@ -293,6 +332,8 @@ class OverfitResult:
     num_samples: int
     optimizer: str
     findings: list[Finding] = field(default_factory=list)
+    randomness: str = "none"
+    converged: bool = False
     fallback_reached: bool | None = None
     num_classes: int | None = None
     chance_loss: float | None = None
@@ -580,6 +621,9 @@ class OverfitBatchSanity(GradGuardCallback):
         nonzero_flags: Tensor | None = None
         losses: list[float] = []
         grad_norms: list[float] = []
+        pl_module.train()
+        randomness = self._randomness(trainer, pl_module, batch, n)  # before any hook is left on the model
+        frozen = randomness == "inputs"
         leaf = LeafOutputs(pl_module, n) if n else None
         calls: CalledModules | None = CalledModules(pl_module)
         logits: Tensor | None = None
@@ -591,6 +635,8 @@ class OverfitBatchSanity(GradGuardCallback):
                 optimizer.zero_grad(set_to_none=True)
                 for p in params:
                     p.grad = None
+                if frozen:  # the same random draws in every step: one fixed batch, one fixed objective
+                    seed_all(_FROZEN_SEED)
                 with (
                     torch.enable_grad(),
                     trainer.precision_plugin.train_step_context(),
@@ -650,6 +696,8 @@ class OverfitBatchSanity(GradGuardCallback):
 
                     def closure() -> Tensor:
                         optimizer.zero_grad()
+                        if frozen:
+                            seed_all(_FROZEN_SEED)
                         with quiet_logging(pl_module):
                             out = loss_of(pl_module.training_step(batch, 0))
                         assert out is not None
@@ -683,6 +731,7 @@ class OverfitBatchSanity(GradGuardCallback):
             seconds=0.0,
             num_samples=n,
             optimizer=type(optimizer).__name__,
+            randomness=randomness,
         )
         if not losses:
             result.passed = True  # nothing could be checked (warned above)
@@ -720,15 +769,20 @@ class OverfitBatchSanity(GradGuardCallback):
             )
         if self.check_batch_mixing:
             findings.extend(self._batch_mixing(trainer, pl_module, batch))
-        learned = reached or memorised
+        result.converged = not (reached or memorised) and at_floor(
+            losses, grad_norms, result.chance_loss, result.num_classes
+        )
+        learned = reached or memorised or result.converged
         if not learned and any(o is optimizer for o in trainer.optimizers):
             # The user's optimizer missed the target. Is it the pipeline, or only the optimizer's LR (a
             # fine-tuning LR such as 2e-5, a warm-up the check does not run)? Try again from the same
             # weights with Adam(fallback_lr): if that memorises the batch, the model, the loss and the data
             # are fine, and the finding is a warning.
-            learned = self._fallback_trial(trainer, pl_module, batch, params, start, labels, n)
+            learned = self._fallback_trial(
+                trainer, pl_module, batch, params, start, labels, n, frozen, result
+            )
             result.fallback_reached = learned
-        if not (reached or memorised):
+        if not (reached or memorised or result.converged):
             failed = self._failed_finding(result)
             if result.fallback_reached:
                 failed.severity = "warning"
@@ -744,6 +798,39 @@ class OverfitBatchSanity(GradGuardCallback):
         result.passed = learned and not any(f.severity == "error" for f in findings)
         return result
 
+    def _randomness(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, n: int) -> str:
+        """Does ``training_step`` draw random numbers, and where do they act?
+
+        Calls it twice on the batch under two different seeds. ``"none"``: the same loss. ``"inputs"``:
+        the model's output changed (noise added to the inputs, a diffusion timestep, mixup, augmentation
+        in ``training_step``, dropout). ``"targets"``: the same output but another loss (labels drawn or
+        shuffled at random, sampled negatives).
+        """
+        seen: list[tuple[float, Tensor | None]] = []
+        for seed in (1, 2):
+            seed_all(seed)
+            leaf = LeafOutputs(pl_module, n) if n else None
+            try:
+                with (
+                    torch.enable_grad(),
+                    trainer.precision_plugin.train_step_context(),
+                    quiet_logging(pl_module),
+                ):
+                    loss = loss_of(pl_module.training_step(batch, 0))
+            finally:
+                if leaf is not None:
+                    leaf.remove()
+            if loss is None:
+                return "none"
+            out = None if leaf is None or leaf.last is None else leaf.last.detach()
+            seen.append((float(loss.detach().float()), out))
+        (a, out_a), (b, out_b) = seen
+        if a == b or (math.isnan(a) and math.isnan(b)):
+            return "none"
+        if out_a is not None and out_b is not None and torch.equal(out_a, out_b):
+            return "targets"
+        return "inputs"
+
     def _fallback_trial(
         self,
         trainer: pl.Trainer,
@@ -753,6 +840,8 @@ class OverfitBatchSanity(GradGuardCallback):
         start: list[Tensor],
         labels: Tensor | None,
         n: int,
+        frozen: bool,
+        result: OverfitResult,
     ) -> bool:
         """Train from ``start`` with ``Adam(fallback_lr)``: does it reach the target or memorise the batch?"""
         with torch.no_grad():
@@ -761,9 +850,13 @@ class OverfitBatchSanity(GradGuardCallback):
         optimizer = torch.optim.Adam(params, lr=self.fallback_lr)
         leaf = LeafOutputs(pl_module, n) if labels is not None and n else None
         initial = math.nan
+        losses: list[float] = []
+        norms: list[float] = []
         try:
             for step in range(self.max_steps + 1):
                 optimizer.zero_grad(set_to_none=True)
+                if frozen:
+                    seed_all(_FROZEN_SEED)
                 with (
                     torch.enable_grad(),
                     trainer.precision_plugin.train_step_context(),
@@ -774,13 +867,14 @@ class OverfitBatchSanity(GradGuardCallback):
                     return False
                 value = float(loss.detach().float())
                 initial = value if step == 0 else initial
+                losses.append(value)
                 if not math.isfinite(value):
                     return False
                 if step > 0 and value <= self._target_loss(initial):
                     return True
                 if step == self.max_steps:
                     out = None if leaf is None else leaf.last
-                    return (
+                    return at_floor(losses, norms, result.chance_loss, result.num_classes) or (
                         labels is not None
                         and out is not None
                         and out.dim() == 2
@@ -789,6 +883,8 @@ class OverfitBatchSanity(GradGuardCallback):
                         and value < initial
                     )
                 loss.backward()
+                grads = [p.grad for p in params if p.grad is not None]
+                norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
                 optimizer.step()
         finally:
             if leaf is not None:
@@ -1081,6 +1177,13 @@ class OverfitBatchSanity(GradGuardCallback):
                 "the model is too small or too regularised (dropout, weight decay) to memorise a few samples",
                 "identical inputs with different labels in the batch",
             ]
+        if result.randomness == "targets":
+            causes.insert(
+                0,
+                "training_step draws its targets at random: called twice, the model's output was the same "
+                "but the loss was not (labels shuffled or drawn on every call; sampled negatives, which "
+                "are fine — then use action='warn')",
+            )
         return Finding(
             "overfit_failed",
             "error",

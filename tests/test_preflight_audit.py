@@ -684,3 +684,68 @@ def test_the_real_run_after_both_checks_is_bit_identical_to_one_without(
     for p, q in zip(base.parameters(), after.parameters(), strict=True):
         sa, sb = opt_a.state.get(p, {}), opt_b.state.get(q, {})
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --------------------------------------------------------------------------------------------- more layers
+
+
+class Recurrent(Model):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(16, CLASSES))
+        self.rnn = nn.LSTM(2, 16, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.rnn(x.view(x.shape[0], 4, 2))
+        return self.net(out[:, -1])
+
+
+class Attention(Model):
+    """A Transformer encoder layer: multi-head attention with (functional) dropout, LayerNorm, GELU."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(8, CLASSES))
+        self.inp = nn.Linear(2, 8)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 32, dropout=0.1, activation="gelu", batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(self.enc(self.inp(x.view(x.shape[0], 4, 2))).mean(dim=1))
+
+
+def _normed(wrap: Callable[[nn.Module], nn.Module]) -> Callable[[], Model]:
+    return lambda: Model(nn.Sequential(wrap(nn.Linear(FEATURES, 32)), nn.ReLU(), nn.Linear(32, CLASSES)))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        Recurrent,
+        Attention,
+        _normed(nn.utils.parametrizations.spectral_norm),
+        _normed(nn.utils.spectral_norm),
+        _normed(nn.utils.parametrizations.weight_norm),
+    ],
+    ids=["lstm", "transformer_layer", "spectral_norm", "spectral_norm_hook", "weight_norm"],
+)
+def test_recurrent_attention_and_reparametrised_layers_pass(model: Callable[[], Model]) -> None:
+    """Spectral norm used to fail GradientCheck: its power iteration moved u, v at every evaluation."""
+    torch.manual_seed(0)
+    overfit, grads, _, ours = run_checks(model(), loader(*data()))
+    assert_healthy(overfit, grads, ours)
+    assert grads.result is not None and max(p.max_rel_error for p in grads.result.parameters) < 1e-4
+
+
+def test_a_slow_steady_curve_is_not_called_oscillating() -> None:
+    from lightning_gradguard.callbacks.overfit_batch import OverfitResult
+
+    def shape(losses: list[float]) -> str:
+        r = OverfitResult(
+            passed=False, reached_target=False, memorised=False, steps=len(losses) - 1,
+            initial_loss=losses[0], final_loss=losses[-1], target_loss=0.1 * losses[0], losses=losses,
+            grad_norms=[], seconds=0.0, num_samples=16, optimizer="Adam",
+        )  # fmt: skip
+        return OverfitBatchSanity()._failed_finding(r).message.split("curve ")[1]
+
+    steady = [1.6 * 0.993**k for k in range(200)]  # 1.6 -> 0.39: more than 1.5x between the halves
+    assert shape(steady).startswith("slow")
+    bouncing = [*steady[:150], *[1.0, 0.5] * 25]
+    assert shape(bouncing).startswith("oscillating")

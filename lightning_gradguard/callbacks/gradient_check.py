@@ -435,7 +435,22 @@ def _copy64(module: nn.Module) -> nn.Module:
     for m in clone.modules():
         if isinstance(m, (nn.modules.dropout._DropoutNd, nn.AlphaDropout, nn.FeatureAlphaDropout)):
             m.eval()
+        if _power_iterates(m):
+            m.eval()
     return clone
+
+
+def _power_iterates(m: nn.Module) -> bool:
+    """A spectral-norm module: in train mode each forward runs a power-iteration step under ``no_grad``.
+
+    Training differentiates ``W / (u^T W v)`` with ``u, v`` held constant; in eval mode the forward *is*
+    that function of ``W`` (no iteration step), so the comparison with finite differences is exact.
+    """
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    return type(m).__name__ == "_SpectralNorm" or any(
+        isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()
+    )
 
 
 def _check(
@@ -462,9 +477,15 @@ def _check(
     batch = apply_to_collection(batch, Tensor, lambda t: t.detach().double() if t.is_floating_point() else t)
 
     promote = [True]  # the first evaluation finds out whether float64 must be enforced
+    # Buffers a forward pass updates (spectral norm's power-iteration vectors, BatchNorm's running
+    # statistics, counters) are put back before every evaluation: each one sees the same function.
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
 
     def raw_loss() -> Tensor:
         _seed_all(seed)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
         mode = _Float64Mode() if promote[0] else None
         with mode if mode is not None else nullcontext():
             if loss_fn is not None:

@@ -1165,7 +1165,9 @@ class OverfitBatchSanity(GradGuardCallback):
                 "the loss is computed on the wrong tensors or axis",
                 "inputs not normalised (mean 0, std 1)",
             ]
-        elif len(losses) > 4 and max(losses[len(losses) // 2 :]) > 1.5 * min(losses):
+        elif len(losses) > 4 and any(  # a rise of 50 % over the best loss so far, late in the run
+            losses[k] > 1.5 * min(losses[:k]) for k in range(len(losses) // 2, len(losses))
+        ):
             shape = "oscillating"
             causes = [
                 "learning rate too high (lower it 10x)",

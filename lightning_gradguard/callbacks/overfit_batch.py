@@ -418,20 +418,29 @@ class OverfitBatchSanity(GradGuardCallback):
     ``training_step`` and the user's optimizer (``trainer.optimizers[0]``; when
     ``configure_optimizers`` returned none, ``torch.optim.Adam(lr=fallback_lr)`` over the trainable
     parameters) for up to ``max_steps`` steps. The learning-rate scheduler is not stepped, gradient
-    clipping and loss scaling are not applied, and ``self.log`` calls are swallowed. It passes as soon as
-    the loss is at or below the target: ``target * initial_loss`` (``target_mode="relative"``) or
-    ``target`` (``"absolute"``).
+    clipping and loss scaling are not applied, and ``self.log`` calls are swallowed. Each param group
+    trains at its configured LR (``initial_lr``, recorded by a scheduler before it scaled ``lr``: a
+    warm-up from 0 would learn nothing). It passes as soon as the loss is at or below the target:
+    ``target * initial_loss`` (``target_mode="relative"``) or ``target`` (``"absolute"``); or, after
+    ``max_steps``, when the loss sits on a floor above the target that the model reached (every sample
+    classified correctly, or the gradient norm down to 5 %: label smoothing, soft targets). Randomness
+    inside ``training_step`` that changes the model's output (noise, a diffusion timestep, mixup) is
+    frozen: every step is re-seeded alike. When the user's optimizer misses, ``Adam(fallback_lr)`` tries
+    again from the same weights; if it succeeds, ``overfit_failed`` is only a warning (a slow LR).
 
     In the same pass it checks (findings, each an alert of its own kind):
 
-    * ``unused_parameter`` (error): a trainable parameter never received a gradient;
+    * ``unused_parameter`` (error): a trainable parameter in the optimizer, whose module ran in
+      ``training_step``, never received a gradient (warning: not in the optimizer either, or its module
+      never ran — a teacher, a validation-only head);
     * ``parameter_not_updated`` (error): a parameter had a gradient but the optimizer never changed it
       (not in any param group, or its group's ``lr`` is 0);
-    * ``initial_loss_mismatch`` (error): for a classifier, the initial loss is far from ``ln C`` (what a
-      fresh model predicting the uniform distribution scores). ``C`` is ``num_classes``, or inferred
-      when the batch holds integer labels of shape ``[N]`` and the last leaf module outputs ``[N, C]``
-      with every label below ``C``. A ratio close to the batch size says the loss is summed, not
-      averaged. Skipped when the run resumes from a checkpoint (``global_step > 0``);
+    * ``initial_loss_mismatch``: for a classifier whose loss is the cross-entropy of its logits, the
+      initial loss is far from ``ln C`` (what a fresh model predicting the uniform distribution
+      scores): above is a warning, below (a pretrained model) is info. ``C`` is ``num_classes``, or
+      inferred when the batch holds integer labels of shape ``[N]`` and the last leaf module outputs
+      ``[N, C]`` with every label below ``C``. A loss ``N`` times that cross-entropy is summed, not
+      averaged: an error. Skipped when the run resumes from a checkpoint (``global_step > 0``);
     * ``gradient_not_shrinking`` (warning): the gradient norm did not shrink while the batch was
       learned;
     * ``labels_unstable`` (error, with ``check_label_stability=True``, default): the samples of the
@@ -1165,8 +1174,11 @@ class OverfitBatchSanity(GradGuardCallback):
                 "the loss is computed on the wrong tensors or axis",
                 "inputs not normalised (mean 0, std 1)",
             ]
-        elif len(losses) > 4 and any(  # a rise of 50 % over the best loss so far, late in the run
-            losses[k] > 1.5 * min(losses[:k]) for k in range(len(losses) // 2, len(losses))
+        elif (
+            len(losses) > 4
+            and any(  # a rise of 50 % over the best loss so far, late in the run
+                losses[k] > 1.5 * min(losses[:k]) for k in range(len(losses) // 2, len(losses))
+            )
         ):
             shape = "oscillating"
             causes = [

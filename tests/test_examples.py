@@ -34,6 +34,8 @@ def test_quickstart_trains_and_prints_a_health_summary(tmp_path: Path) -> None:
     acc = float(out.split("final val accuracy")[1].split()[0])
     assert acc > 0.9  # a real model learned real data
     assert "alerts by kind          none" in out
+    assert "overfit one batch       passed" in out and "gradient check          passed" in out
+    assert "LR range test           suggested lr" in out and "; applied" in out
     assert list((tmp_path / "runs" / "quickstart").glob("version_0/events.out.tfevents.*"))
 
 
@@ -49,7 +51,29 @@ def test_nan_failfast_fails_reports_and_resumes(tmp_path: Path) -> None:
     assert int(resumed.split()[0]) > 3
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_broken_networks_every_case_detected_in_time_without_false_alerts(tmp_path: Path) -> None:
+    out = run_example("broken_networks.py", tmp_path).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 8
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        expected, detected, onset, delay, false = cells[2], cells[3], cells[4], cells[5], cells[6]
+        assert detected.startswith(expected), row
+        step = int(detected.rsplit("(", 1)[1].rstrip(")"))
+        assert step - int(onset) <= int(delay), row
+        assert false == "none", row
+
+
+def test_lr_find_suggests_applies_and_trains(tmp_path: Path) -> None:
+    out = run_example("lr_find.py", tmp_path).stdout
+    assert "epoch 0:" in out and "epoch 4:" in out and "applied=True" in out
+    acc = float(out.split("'val_acc': ")[1].split("}")[0])
+    assert acc > 0.9
+    log_dir = tmp_path / "runs" / "lr_find" / "version_0"
+    assert (log_dir / "lr_finder.csv").exists() and (log_dir / "lr_finder_epoch4.csv").exists()
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "zoo.py"))
 def test_every_example_has_a_docstring_that_says_how_to_run_it(name: str) -> None:
     text = (EXAMPLES / name).read_text()
     assert text.startswith('"""') and "Run it" in text.split('"""')[1]

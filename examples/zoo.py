@@ -449,8 +449,7 @@ def detect(case: Case, root_dir: str | None = None) -> Result:
     """Train ``case`` with ``VanishingExplodingDetector()`` and ``DeadReLUMonitor()`` at defaults."""
     import time
 
-    from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
-    from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+    from lightning_gradguard import DeadReLUMonitor, VanishingExplodingDetector
 
     detectors = [VanishingExplodingDetector(), DeadReLUMonitor()]
     start = time.perf_counter()

@@ -749,3 +749,31 @@ def test_a_slow_steady_curve_is_not_called_oscillating() -> None:
     assert shape(steady).startswith("slow")
     bouncing = [*steady[:150], *[1.0, 0.5] * 25]
     assert shape(bouncing).startswith("oscillating")
+
+
+class WithNegatives(torch.utils.data.Dataset):
+    """Fixed features and label, plus negatives drawn at random on every access (as recommenders do)."""
+
+    def __init__(self) -> None:
+        self.x, self.y = data()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.x[i], self.y[i], torch.randint(0, CLASSES, (3,))
+
+
+class NegativeAware(Model):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y, negatives = batch
+        out = self(x)
+        return F.cross_entropy(out, y) + 0.1 * out.gather(1, negatives).sigmoid().mean()
+
+
+def test_random_negatives_in_the_dataset_are_not_unstable_labels() -> None:
+    torch.manual_seed(0)
+    data_loader = torch.utils.data.DataLoader(WithNegatives(), batch_size=16, shuffle=True)
+    overfit, grads, _, ours = run_checks(NegativeAware(), data_loader)
+    assert_healthy(overfit, grads, ours)
+    assert not [f for f in overfit.result.findings if f.kind == "labels_unstable"]  # type: ignore[union-attr]

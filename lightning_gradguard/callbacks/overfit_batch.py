@@ -378,13 +378,16 @@ def _label_stability(first: Any, second: Any) -> list[Finding]:
     """Compare two draws of the same samples: identical inputs with different labels is a pipeline bug.
 
     Only judged when every floating tensor came back identical (no random augmentation): then any
-    per-sample difference in an integer tensor means the labels are not tied to their inputs.
+    per-sample difference in a one-dimensional integer tensor means the labels are not tied to their
+    inputs.
     """
     a, b = list(tensors_in(first)), list(tensors_in(second))
     if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a, b, strict=True)):
         return []
     floats = [(x, y) for x, y in zip(a, b, strict=True) if x.is_floating_point()]
-    ints = [(x, y) for x, y in zip(a, b, strict=True) if not x.is_floating_point() and x.dim() >= 1]
+    # labels are one integer per sample: [N, k] integers are often drawn at random on purpose (sampled
+    # negatives, random masks), a per-sample label is not
+    ints = [(x, y) for x, y in zip(a, b, strict=True) if not x.is_floating_point() and x.dim() == 1]
     if not floats or not ints or not all(torch.equal(x, y) for x, y in floats):
         return []
     for x, y in ints:
@@ -995,7 +998,9 @@ class OverfitBatchSanity(GradGuardCallback):
             parts.append(f"in a param group with lr=0: {_listed(zero_lr)}")
         if other:
             parts.append(
-                f"unchanged by optimizer.step() although their gradient was non-zero: {_listed(other)}"
+                "unchanged by optimizer.step() although their gradient was non-zero (or every update was "
+                "below the weights' floating-point resolution: bf16/fp16 weights, a tiny LR): "
+                + _listed(other)
             )
         if parts:
             stuck = missing + zero_lr + other

@@ -777,3 +777,16 @@ def test_random_negatives_in_the_dataset_are_not_unstable_labels() -> None:
     overfit, grads, _, ours = run_checks(NegativeAware(), data_loader)
     assert_healthy(overfit, grads, ours)
     assert not [f for f in overfit.result.findings if f.kind == "labels_unstable"]  # type: ignore[union-attr]
+
+
+class NoBatchIdx(Model):
+    def training_step(self, batch: Any) -> Any:  # type: ignore[override]
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+
+def test_a_training_step_without_batch_idx_is_checked_too() -> None:
+    """Lightning passes batch_idx only when training_step takes it; the checks used to skip such models."""
+    torch.manual_seed(0)
+    overfit, grads, _, ours = run_checks(NoBatchIdx(), loader(*data()))
+    assert_healthy(overfit, grads, ours)

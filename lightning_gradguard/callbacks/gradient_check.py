@@ -38,6 +38,7 @@ from lightning_gradguard.callbacks.overfit_batch import (
     slice_batch,
     tensors_free_iterables,
     tensors_in,
+    training_step_of,
 )
 from lightning_gradguard.functional.gradcheck import (
     finite_difference_check,
@@ -492,7 +493,7 @@ def _check(
                 out = loss_fn(model, batch)
             else:
                 with quiet_logging(model):
-                    out = model.training_step(batch, 0)  # type: ignore[operator]
+                    out = training_step_of(model, batch)
         if mode is not None and len(promote) == 1:
             promote.append(mode.promoted)
             promote[0] = mode.promoted  # nothing was promoted: the mode changes nothing, drop its cost

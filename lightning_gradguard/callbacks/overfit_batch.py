@@ -59,6 +59,16 @@ def quiet_logging(pl_module: nn.Module) -> Iterator[None]:
                 del pl_module.__dict__[k]
 
 
+def training_step_of(pl_module: nn.Module, batch: Any) -> Any:
+    """Call ``training_step`` as Lightning does: with ``batch_idx=0`` only when its signature takes one."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    step = pl_module.training_step
+    if is_param_in_hook_signature(step, "batch_idx", min_args=2):  # type: ignore[arg-type]
+        return step(batch, 0)  # type: ignore[operator]
+    return step(batch)  # type: ignore[operator]
+
+
 def loss_of(output: Any) -> Tensor | None:
     """The loss in what ``training_step`` returned: the tensor itself or ``output["loss"]``."""
     if isinstance(output, Tensor):
@@ -654,7 +664,7 @@ class OverfitBatchSanity(GradGuardCallback):
                     trainer.precision_plugin.train_step_context(),
                     quiet_logging(pl_module),
                 ):
-                    loss = loss_of(pl_module.training_step(batch, 0))
+                    loss = loss_of(training_step_of(pl_module, batch))
                 if calls is not None:
                     calls.remove()
                 if leaf is not None:
@@ -711,7 +721,7 @@ class OverfitBatchSanity(GradGuardCallback):
                         if frozen:
                             seed_all(_FROZEN_SEED)
                         with quiet_logging(pl_module):
-                            out = loss_of(pl_module.training_step(batch, 0))
+                            out = loss_of(training_step_of(pl_module, batch))
                         assert out is not None
                         out.backward()
                         return out
@@ -828,7 +838,7 @@ class OverfitBatchSanity(GradGuardCallback):
                     trainer.precision_plugin.train_step_context(),
                     quiet_logging(pl_module),
                 ):
-                    loss = loss_of(pl_module.training_step(batch, 0))
+                    loss = loss_of(training_step_of(pl_module, batch))
             finally:
                 if leaf is not None:
                     leaf.remove()
@@ -874,7 +884,7 @@ class OverfitBatchSanity(GradGuardCallback):
                     trainer.precision_plugin.train_step_context(),
                     quiet_logging(pl_module),
                 ):
-                    loss = loss_of(pl_module.training_step(batch, 0))
+                    loss = loss_of(training_step_of(pl_module, batch))
                 if loss is None:
                     return False
                 value = float(loss.detach().float())
@@ -1110,7 +1120,7 @@ class OverfitBatchSanity(GradGuardCallback):
         pl_module.eval()
         try:
             with torch.enable_grad(), quiet_logging(pl_module):
-                pl_module.training_step(probe, 0)
+                training_step_of(pl_module, probe)
         finally:
             leaf.remove()
             pl_module.train()

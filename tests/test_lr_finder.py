@@ -184,6 +184,21 @@ def test_divergence_rule_ignores_one_bad_batch_on_a_flat_start_and_stops_on_nan(
     assert m.update(float("nan")) and m.reason == "non-finite loss"
 
 
+def test_divergence_rule_ignores_a_low_first_batch() -> None:
+    # the very first smoothed value is the first raw loss: a low one must not become the best that the
+    # flat start then seems to climb away from (seen on a real sweep: it stopped after 22 of 100 steps)
+    rng = np.random.default_rng(3)
+    flat = list(2.3 + 0.01 * rng.standard_normal(60))
+    flat[0] = 2.27  # 3 sigma low
+    for i in range(15, 30):
+        flat[i] += (
+            0.025  # a sustained wobble of the flat start (counting the first batch as best: stop at 26)
+        )
+    assert _monitor_stop(flat, beta=0.9) == -1
+    rising = flat[:30] + [2.3 + 0.05 * i for i in range(1, 30)]  # a real rise still stops it
+    assert 30 < _monitor_stop(rising, beta=0.9) < 40
+
+
 # ---------------------------------------------------------------------------------------------- modules
 def _data(n: int = 96, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

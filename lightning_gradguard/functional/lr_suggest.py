@@ -119,7 +119,9 @@ class DivergenceMonitor:
     * afterwards the sweep has diverged when ``smoothed - best > threshold * max(reference - best,
       noise_factor * noise, floor)``: with ``threshold = 1`` the smoothed loss has climbed back as far
       above its best as the best ever got below the start; the noise term keeps an early flat curve from
-      stopping on one unlucky batch.
+      stopping on one unlucky batch. The best counts from the ``warmup``-th smoothed value on: the
+      first few averages are hardly smoothed (the very first is one raw loss), and one low batch among
+      them would otherwise set a best that the flat start then seems to climb away from.
 
     A non-finite loss stops the sweep at once (and is not recorded by the callers).
 
@@ -156,7 +158,8 @@ class DivergenceMonitor:
         self._avg = self.beta * self._avg + (1.0 - self.beta) * loss
         smooth = self._avg / (1.0 - self.beta**self.count) if self.beta > 0 else self._avg
         self.smoothed.append(smooth)
-        self.best = min(self.best, smooth)
+        if self.count >= self.warmup:  # before that the average has seen too few losses to be a best
+            self.best = min(self.best, smooth)
         if len(self._first) < self.warmup:
             self._first.append(loss)
             if len(self._first) == self.warmup:

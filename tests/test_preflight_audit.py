@@ -792,3 +792,31 @@ def test_a_training_step_without_batch_idx_is_checked_too() -> None:
     torch.manual_seed(0)
     overfit, grads, _, ours = run_checks(NoBatchIdx(), loader(*data()))
     assert_healthy(overfit, grads, ours)
+
+
+class VAE(Model):
+    """A variational autoencoder: reparametrisation noise, an ELBO that takes long to memorise a batch."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 8)), lr=1e-3)
+        self.dec = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, FEATURES))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, _ = batch
+        mu, logvar = self.net(x).chunk(2, dim=1)
+        z = mu + (0.5 * logvar).exp() * torch.randn_like(mu)
+        rec = F.mse_loss(self.dec(z), x, reduction="sum") / x.shape[0]
+        kl = -0.5 * (1 + logvar - mu**2 - logvar.exp()).sum() / x.shape[0]
+        return rec + kl
+
+
+def test_a_slowly_but_steadily_learning_vae_is_a_warning_not_an_error() -> None:
+    torch.manual_seed(0)
+    overfit, grads, trainer, ours = run_checks(VAE(), loader(*data()))
+    assert_healthy(overfit, grads, ours)
+    r = overfit.result
+    assert r is not None and r.randomness == "inputs" and not r.reached_target and r.steps == 200
+    assert r.final_loss <= 0.5 * r.initial_loss and r.fallback_reached is False  # Adam(1e-3) is the same
+    (alert,) = overfit.alerts
+    assert (alert.kind, alert.severity) == ("overfit_failed", "warning") and "still falling" in alert.message
+    assert trainer.global_step == 2

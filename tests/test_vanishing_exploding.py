@@ -149,6 +149,28 @@ def test_ceiling_fires_from_the_first_steps_and_suggests_a_default_clip() -> Non
     assert det.alerts[0].data["total_norm"] == pytest.approx(model.true_total[1], rel=1e-5)
 
 
+def test_nonfinite_checks_give_no_verdict_and_keep_the_strike_count() -> None:
+    """Norms over the ceiling with an inf step between them (a step 16-mixed's GradScaler skips): the inf
+    step is not reported (NaNSentinel's business) and does not reset patience, so the second finite
+    check over the ceiling is the alert."""
+
+    class SkipsNonFinite(Scheduled):
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            super().on_before_optimizer_step(optimizer)  # runs after the callbacks' hook
+            for p in self.parameters():  # like the GradScaler: a non-finite step changes nothing
+                if p.grad is not None and not bool(p.grad.isfinite().all()):
+                    p.grad = None
+
+    scale = {3: 500.0, 4: math.inf, 5: 500.0}
+    model = SkipsNonFinite(lambda s: scale.get(s, 1.0), lr=0.0)
+    det = every_step(spike_factor=None, growth_factor=None)
+    fit(model, det, one_batch_loader(8))
+    assert not math.isfinite(model.true_total[4])
+    assert [(a.kind, a.step) for a in det.alerts] == [("exploding_gradient", 5)]
+    assert det.alerts[0].data["total_norm"] == pytest.approx(model.true_total[5], rel=1e-5)
+    assert det.strikes["0:exploding_gradient"] == 0  # step 6 is healthy again
+
+
 def test_sustained_growth_without_ceiling_or_spike() -> None:
     model = Scheduled(lambda s: 2.0**s, lr=0.0)
     det = every_step(max_norm=None, spike_factor=None, growth_factor=100.0, growth_window=10)

@@ -115,7 +115,9 @@ class DeadReLUMonitor(GradGuardCallback):
     module hooks that exist only during the sampled forward pass and are removed right after; other
     steps and validation cost nothing. A functional call is named after the module whose ``forward`` made it
     (``"encoder.block3:relu"``), a ReLU module by its own name; a name reached twice in one forward pass
-    gets ``#2``, ``#3``.
+    gets ``#2``, ``#3``. Calls outside every module's ``forward`` (loss code in ``training_step``, such as
+    a hinge loss written with ``F.relu``) and outputs with fewer than 2 dimensions are not layers and are
+    not watched.
 
     A *unit* is a feature of a ``Linear`` output (last dimension) or a channel of a ``ConvNd`` output
     (dimension 1). Per sampled batch each unit is *active* if it output a non-zero value for at least one
@@ -303,9 +305,12 @@ class DeadReLUMonitor(GradGuardCallback):
             self._channel_first = False
 
     def _record(self, fn: str, x: Tensor, saturation: bool) -> None:
-        if not x.is_floating_point():
+        # Only layers are watched: a call outside every module's ``forward`` is loss or glue code in
+        # ``training_step`` (a hinge loss ``F.relu(1 - y * f(x))`` outputs 0 exactly when it is satisfied),
+        # and a tensor with fewer than 2 dimensions has no unit axis (one value per sample, or a scalar).
+        if not self._stack or x.dim() < 2 or not x.is_floating_point():
             return
-        top, is_activation = self._stack[-1] if self._stack else ("", False)
+        top, is_activation = self._stack[-1]
         base = top if is_activation else (f"{top}:{fn}" if top else fn)
         n = self._calls[base] = self._calls.get(base, 0) + 1
         key = base if n == 1 else f"{base}#{n}"

@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, step_stats
+from lightning_gradguard._shared import log_step, step_stats, warn_once
 from lightning_gradguard._validate import check_float, check_int
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
@@ -93,6 +93,10 @@ class VanishingExplodingDetector(GradGuardCallback):
     Layers without a gradient this step (frozen, unused, or exactly zero behind a dead path) are never
     called vanishing. ``where`` names the layers, the hint says what to try (and a clip value, from the
     90th percentile of this run's healthy norms).
+
+    A check whose total norm is NaN/inf gives no verdict: that is :class:`NaNSentinel`'s finding (under
+    16-mixed, a step the GradScaler skips), so it is not reported here, and it neither counts towards
+    ``patience`` nor resets it.
 
     Every check also records ``grad_flow/<layer>`` (log10 of the layer norm over the largest one), logged
     at most once per ``log_every_n_steps``.
@@ -256,7 +260,21 @@ class VanishingExplodingDetector(GradGuardCallback):
         if not self.due(step):
             return
         stats = step_stats(trainer, pl_module, optimizer)
-        labels, norms = stats.grad_groups(2.0)
+        if any(g.is_sparse for g in stats.grads):
+            # sparse gradients (nn.Embedding(sparse=True)): use the shared norms if they support them,
+            # otherwise skip this check with a one-time warning rather than crash the run
+            try:
+                labels, norms = stats.grad_groups(2.0)
+            except (RuntimeError, NotImplementedError):
+                warn_once(
+                    trainer,
+                    "vanishing_exploding_sparse",
+                    "VanishingExplodingDetector: the shared gradient norms do not support sparse gradients "
+                    "(nn.Embedding(sparse=True)); the detector skips the steps that have them.",
+                )
+                return
+        else:
+            labels, norms = stats.grad_groups(2.0)
         if not labels:
             return
         opt = getattr(optimizer, "optimizer", optimizer)
@@ -274,6 +292,12 @@ class VanishingExplodingDetector(GradGuardCallback):
             t = trainer.strategy.reduce(t, reduce_op="sum")
             flags = [bool(x > 0) for x in t.cpu().tolist()]
         self.last_check = {"step": step, "exploding": flags[0], "vanishing": flags[1], **verdict}
+        if not math.isfinite(verdict["total"]):
+            # No verdict on a NaN/inf norm: that is NaNSentinel's finding (or, under 16-mixed, a step the
+            # GradScaler skips). It neither counts towards patience nor resets it, so finite evidence on
+            # both sides of a skipped step still adds up, and nothing is reported twice. (The gradients
+            # are all-reduced, so every rank takes this branch together.)
+            return
         self._log_flow(trainer, labels, verdict["flow"], opt_idx)
         alerts = []
         for kind, flag in zip(("exploding_gradient", "vanishing_gradient"), flags, strict=True):

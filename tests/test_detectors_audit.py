@@ -1,0 +1,651 @@
+"""A demanding user's audit of the two detectors at their DEFAULT arguments.
+
+Real, small Lightning setups beyond the zoo (tests/test_zoo.py): longer runs with learning-rate
+schedules, gradient accumulation, 16-mixed with a GradScaler on CPU, bf16-mixed, a manually optimized
+GAN, sparse-ish and truly sparse embedding gradients, branches unused on some steps, frozen layers,
+weight tying, a model whose last layer is a LayerNorm, a learnable temperature on the LightningModule,
+healthy-but-sparse ReLU nets, padding, channels_last convolutions, one ReLU module called at several
+places, and a hinge loss written with ``F.relu``. Healthy setups must raise nothing of severity warning
+or above and no exception; broken ones (ReLUs killed mid-run by a learning-rate jump, a run exploding
+under 16-mixed) must raise their alert, and the 16-mixed one must not double-report with NaNSentinel.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
+from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
+from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+
+FEATURES, CLASSES = 16, 4
+
+
+# ---------------------------------------------------------------------------------------------- data
+def teacher_data(n: int = 512, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Inputs with labels from a fixed random two-layer teacher: learnable, not trivially separable."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    h = torch.tanh(x @ torch.randn(FEATURES, 32, generator=g))
+    y = (h @ torch.randn(32, CLASSES, generator=g)).argmax(dim=1)
+    return x, y
+
+
+def loader(*tensors: Tensor, batch_size: int = 32) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(
+        TensorDataset(*tensors), batch_size=batch_size, shuffle=True, generator=g, drop_last=True
+    )
+
+
+def token_data(n: int = 512, vocab: int = 5000, length: int = 8, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Token sequences from a large vocabulary (a batch touches a few hundred rows of the embedding);
+    the label is a fixed function of the tokens."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n, length), generator=g)
+    y = (tokens % CLASSES).mode(dim=1).values
+    return tokens, y
+
+
+# ---------------------------------------------------------------------------------------------- modules
+def mlp(sizes: list[int], act: Callable[[], nn.Module] = nn.ReLU) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
+class Classifier(pl.LightningModule):
+    """Cross-entropy around ``net``; ``optimizer(params)`` and optional ``scheduler(opt)`` (per step)."""
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Callable[[Any], torch.optim.Optimizer],
+        scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.make_optimizer = optimizer
+        self.make_scheduler = scheduler
+        self.losses: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.net(x)
+        return out
+
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(out.float(), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = self.loss(self(x), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = self.make_optimizer([p for p in self.parameters() if p.requires_grad])
+        if self.make_scheduler is None:
+            return opt
+        sched = self.make_scheduler(opt)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def warmup_cosine(warmup: int, total: int) -> Callable[[torch.optim.Optimizer], Any]:
+    def lr_lambda(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+
+
+def adamw(lr: float = 3e-3) -> Callable[[Any], torch.optim.Optimizer]:
+    return lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.01)
+
+
+# ---------------------------------------------------------------------------------------------- setups
+@dataclass
+class Setup:
+    name: str
+    build: Callable[[], tuple[pl.LightningModule, DataLoader[Any]]]
+    steps: int
+    expected: tuple[str, ...] = ()
+    onset: int = 0
+    max_delay: int = 0
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
+    learns: bool = True
+    #: 16-mixed with a GradScaler on CPU (a fresh scaler per run: a scaler keeps its scale)
+    fp16_scaler: bool = False
+
+    @property
+    def healthy(self) -> bool:
+        return not self.expected
+
+
+def trainer_kwargs(setup: Setup) -> dict[str, Any]:
+    kwargs = dict(setup.trainer_kwargs)
+    if setup.fp16_scaler:
+        kwargs["plugins"] = [MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))]
+    return kwargs
+
+
+def run(setup: Setup, extra: list[Any] | None = None) -> tuple[list[Any], pl.Trainer]:
+    """Train ``setup`` with both detectors at their defaults (plus ``extra`` callbacks)."""
+    pl.seed_everything(0, verbose=False)
+    module, data = setup.build()
+    detectors: list[Any] = [VanishingExplodingDetector(), DeadReLUMonitor()]
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=setup.steps,
+        max_epochs=-1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        log_every_n_steps=25,
+    )
+    kwargs.update(trainer_kwargs(setup))
+    trainer = pl.Trainer(callbacks=[*detectors, *(extra or [])], **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+        trainer.fit(module, data)
+    alerts = sorted((a for d in [*detectors, *(extra or [])] for a in d.alerts), key=lambda a: a.step)
+    return alerts, trainer
+
+
+# ---- healthy
+def h_warmup_cosine() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    net = mlp([FEATURES, 64, 64, CLASSES])
+    return Classifier(net, adamw(), warmup_cosine(40, 400)), loader(*teacher_data())
+
+
+def h_onecycle() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    net = mlp([FEATURES, 64, 64, CLASSES])
+    sched = lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.2, total_steps=400)  # noqa: E731
+    return Classifier(net, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), sched), loader(
+        *teacher_data()
+    )
+
+
+def h_accumulate() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    net = mlp([FEATURES, 64, 64, CLASSES])
+    return Classifier(net, adamw(), warmup_cosine(10, 150)), loader(*teacher_data(), batch_size=8)
+
+
+def h_small_mlp() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    net = mlp([FEATURES, 64, 64, CLASSES])
+    return Classifier(net, adamw(1e-3)), loader(*teacher_data())
+
+
+class TokenClassifier(nn.Module):
+    """Embedding (most rows get no gradient on a batch), mean pool, MLP head."""
+
+    def __init__(self, vocab: int = 5000, dim: int = 32, sparse: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, sparse=sparse)
+        self.head = mlp([dim, 64, CLASSES])
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        out: Tensor = self.head(self.embed(tokens).mean(dim=1))
+        return out
+
+
+def h_embedding() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return Classifier(TokenClassifier(), adamw(1e-2)), loader(*token_data())
+
+
+def h_sparse_embedding() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return Classifier(TokenClassifier(sparse=True), lambda p: torch.optim.SGD(p, lr=0.5)), loader(
+        *token_data()
+    )
+
+
+class TwoBranch(nn.Module):
+    """A trunk and two heads; the auxiliary head runs only on every third call (no gradient otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = mlp([FEATURES, 64, 64])
+        self.main = nn.Linear(64, CLASSES)
+        self.aux = nn.Sequential(nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, CLASSES))
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        h = self.trunk(x)
+        out: Tensor = self.main(F.relu(h))
+        if self.calls % 3 == 0:
+            out = out + self.aux(h)
+        return out
+
+
+def h_unused_branch() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return Classifier(TwoBranch(), adamw()), loader(*teacher_data())
+
+
+def h_frozen_middle() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    net = mlp([FEATURES, 64, 64, 64, CLASSES])
+    for p in net[2].parameters():  # a frozen middle layer (e.g. a pretrained adapter kept fixed)
+        p.requires_grad_(False)
+    net[0].bias.requires_grad_(False)  # and a frozen bias in the first layer
+    return Classifier(net, adamw()), loader(*teacher_data())
+
+
+class TiedLM(nn.Module):
+    """A next-token-style model whose output projection is the input embedding (weight tying)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        h = h + self.mix(h)
+        logits: Tensor = self.out(self.norm(h))
+        return logits
+
+
+class LMTask(Classifier):
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+
+
+def lm_data(n: int = 512, vocab: int = 64, length: int = 12) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    seq = (start + 3 * torch.arange(length + 1)) % vocab  # a learnable rule: next = this + 3
+    return seq[:, :-1], seq[:, 1:]
+
+
+def h_weight_tied() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return LMTask(TiedLM(), adamw(3e-3)), loader(*lm_data())
+
+
+class Encoder(nn.Module):
+    """An embedding model: an MLP whose last layer is a LayerNorm (a bias-and-scale layer)."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.body = mlp([FEATURES, 64, dim])
+        self.final_norm = nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.final_norm(self.body(x))
+        return out
+
+
+class Contrastive(pl.LightningModule):
+    """CLIP-style: two views, a learnable temperature on the LightningModule itself, an encoder ending
+    in a LayerNorm. The temperature is called in ``forward`` before the encoder, so by depth it is the
+    *first* layer; the LayerNorm is the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(10.0)))
+        self.encoder = Encoder()
+        self.losses: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = self.logit_scale.exp()
+        z = F.normalize(self.encoder(x), dim=-1)
+        return z * scale.sqrt()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        (x,) = batch
+        g = torch.Generator().manual_seed(batch_idx)
+        a = self(x + 0.1 * torch.randn(x.shape, generator=g))
+        b = self(x + 0.1 * torch.randn(x.shape, generator=g))
+        logits = a @ b.T
+        target = torch.arange(len(x))
+        loss = 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def h_layernorm_last() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return Contrastive(), loader(teacher_data()[0])
+
+
+class Hinge(Classifier):
+    """A binary SVM-style classifier trained with the hinge loss written as ``F.relu(1 - y * f(x))`` in
+    ``training_step``: once the data are separated with margin, that ReLU outputs 0 for every sample.
+    That is the loss being satisfied, not a dead layer."""
+
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        sign = 2.0 * y.float() - 1.0
+        return F.relu(1.0 - sign * out.float().squeeze(1)).mean()
+
+
+def h_hinge() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, FEATURES, generator=g)
+    y = (x @ torch.randn(FEATURES, generator=g) > 0).long()
+    return Hinge(mlp([FEATURES, 64, 1]), adamw(1e-2)), loader(x, y)
+
+
+class GAN(pl.LightningModule):
+    """A tiny GAN on a 2-D ring of Gaussians: two optimizers, manual optimization, non-saturating loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(
+            nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2)
+        )
+        self.discriminator = nn.Sequential(
+            nn.Linear(2, 64), nn.LeakyReLU(0.2), nn.Linear(64, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1)
+        )
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (real,) = batch
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        z = torch.randn(len(real), 8)
+        fake = self.generator(z)
+        d_loss = (
+            F.softplus(-self.discriminator(real)).mean()
+            + F.softplus(self.discriminator(fake.detach())).mean()
+        )
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = F.softplus(-self.discriminator(fake)).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.losses.append(float(d_loss.detach()))
+
+    def configure_optimizers(self) -> Any:
+        betas = (0.5, 0.999)
+        return (
+            torch.optim.Adam(self.generator.parameters(), lr=2e-3, betas=betas),
+            torch.optim.Adam(self.discriminator.parameters(), lr=2e-3, betas=betas),
+        )
+
+
+def ring(n: int = 1024) -> Tensor:
+    g = torch.Generator().manual_seed(0)
+    angle = 2 * math.pi * torch.randint(0, 8, (n,), generator=g).float() / 8
+    return torch.stack([angle.cos(), angle.sin()], 1) * 2 + 0.05 * torch.randn(n, 2, generator=g)
+
+
+def h_gan() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return GAN(), loader(ring(), batch_size=64)
+
+
+def h_sparse_relu() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """40 % of the first hidden layer's units start (and stay) silent: a healthy, sparse ReLU net."""
+    net = mlp([FEATURES, 100, 64, CLASSES])
+    with torch.no_grad():
+        net[0].bias[:40] = -50.0  # inputs are N(0, 1): these 40 units never fire, so never learn back
+    return Classifier(net, adamw()), loader(*teacher_data())
+
+
+class Padded(nn.Module):
+    """Variable-length sequences padded with all-zero vectors; a per-position MLP, masked mean pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(FEATURES, 64, bias=False)
+        self.act = nn.ReLU()
+        self.ff = nn.Linear(64, 64)
+        self.head = nn.Linear(64, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = (x.abs().sum(-1, keepdim=True) > 0).float()
+        h = F.relu(self.ff(self.act(self.proj(x))))  # padding rows give proj = 0, so relu(0) = 0
+        pooled = (h * mask).sum(1) / mask.sum(1).clamp(min=1)
+        out: Tensor = self.head(pooled)
+        return out
+
+
+def padded_data(n: int = 512, length: int = 12) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, length, FEATURES, generator=g)
+    lengths = torch.randint(2, length + 1, (n,), generator=g)
+    x[torch.arange(length)[None, :] >= lengths[:, None]] = 0.0  # most positions of short samples: padding
+    y = (x.sum(1) @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(1)
+    return x, y
+
+
+def h_padding() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return Classifier(Padded(), adamw()), loader(*padded_data())
+
+
+def image_data(n: int = 256) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, CLASSES, (n,), generator=g)
+    x = 0.5 * torch.randn(n, 3, 12, 12, generator=g)
+    for c in range(CLASSES):  # each class brightens one quadrant
+        r, col = divmod(c, 2)
+        x[y == c, :, 6 * r : 6 * r + 6, 6 * col : 6 * col + 6] += 1.0
+    return x.contiguous(memory_format=torch.channels_last), y
+
+
+class ChannelsLastCNN(Classifier):
+    def on_fit_start(self) -> None:
+        self.net.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.net(x.contiguous(memory_format=torch.channels_last))
+        return out
+
+
+def h_channels_last() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    net = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(16, 32, 3, padding=1, stride=2),
+        nn.BatchNorm2d(32),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, CLASSES),
+    )
+    return ChannelsLastCNN(net, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)), loader(*image_data())
+
+
+class SharedReLU(nn.Module):
+    """One ``nn.ReLU`` module called at three places, on tensors of different widths and ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU()
+        self.conv = nn.Conv1d(1, 8, 3, padding=1)
+        self.fc1 = nn.Linear(8 * FEATURES, 64)
+        self.fc2 = nn.Linear(64, 32)
+        self.head = nn.Linear(32, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.act(self.conv(x[:, None, :])).flatten(1)  # (batch, 8 channels, 16): channel units
+        h = self.act(self.fc1(h))
+        h = self.act(self.fc2(h))
+        out: Tensor = self.head(h)
+        return out
+
+
+def h_shared_relu() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return Classifier(SharedReLU(), adamw()), loader(*teacher_data())
+
+
+class SigmoidOutput(nn.Module):
+    """A binary classifier whose model ends in ``nn.Sigmoid`` (trained with ``BCELoss``): once it is
+    confident its output logits are large, which is confidence, not a saturated hidden layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp([FEATURES, 64, 1])
+        self.out = nn.Sigmoid()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.out(self.body(x)).squeeze(1)
+        return out
+
+
+class BCE(Classifier):
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return F.binary_cross_entropy(out.float(), y.float())
+
+
+def h_sigmoid_output() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, FEATURES, generator=g)
+    y = (x @ torch.randn(FEATURES, generator=g) > 0).long()
+    return BCE(SigmoidOutput(), adamw(1e-2)), loader(x, y)
+
+
+# ---- broken
+def b_lr_jump_kills_relus() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """SGD at 0.05; a warm-up bug multiplies the LR by 400 for steps 100-102: the second hidden layer's
+    ReLUs are pushed below zero for every input and never come back (the loss stalls at chance)."""
+    net = mlp([FEATURES, 64, 64, CLASSES])
+    jump = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 400.0 if 100 <= s < 103 else 1.0)  # noqa: E731
+    return Classifier(net, lambda p: torch.optim.SGD(p, lr=0.05), jump), loader(*teacher_data())
+
+
+SETUPS: list[Setup] = [
+    Setup("warmup_cosine_adamw", h_warmup_cosine, 400),
+    Setup("onecycle_sgd", h_onecycle, 400),
+    Setup("grad_accumulation_4", h_accumulate, 150, trainer_kwargs={"accumulate_grad_batches": 4}),
+    Setup("fp16_mixed_gradscaler", h_small_mlp, 300, fp16_scaler=True),
+    Setup("bf16_mixed_long", h_small_mlp, 300, trainer_kwargs={"precision": "bf16-mixed"}),
+    Setup("embedding_rows_mostly_zero", h_embedding, 300),
+    Setup("sparse_embedding_sgd", h_sparse_embedding, 300),
+    Setup("branch_unused_on_some_steps", h_unused_branch, 300),
+    Setup("frozen_middle_layer", h_frozen_middle, 300),
+    Setup("weight_tied_lm", h_weight_tied, 300),
+    Setup("temperature_and_layernorm_last", h_layernorm_last, 300),
+    Setup("hinge_loss_with_relu", h_hinge, 300),
+    Setup("gan_manual_two_optimizers", h_gan, 600, learns=False),
+    Setup("relu_40pct_dead_by_design", h_sparse_relu, 300),
+    Setup("padding_zero_inputs", h_padding, 300),
+    Setup("conv_channels_last", h_channels_last, 300),
+    Setup("one_relu_module_three_call_sites", h_shared_relu, 300),
+    Setup("sigmoid_output_layer_bce", h_sigmoid_output, 300),
+    # ReLUs die at step 100; DeadReLUMonitor samples every 50 steps and needs a full window of 4 silent
+    # sampled batches, twice (patience 2): the sampled steps 150..350, so 250 steps at most.
+    Setup("relus_killed_by_lr_jump_at_100", b_lr_jump_kills_relus, 400, ("dead_relu",), 100, 250),
+]
+
+
+@pytest.mark.parametrize("setup", SETUPS, ids=lambda s: s.name)
+def test_setup(setup: Setup) -> None:
+    alerts, trainer = run(setup)
+    serious = [a for a in alerts if a.severity != "info"]
+    said = [a.format() for a in serious]
+    if setup.healthy:
+        assert serious == [], said
+        losses = trainer.lightning_module.losses
+        if setup.learns:
+            first, last = sum(losses[:20]) / 20, sum(losses[-20:]) / 20
+            assert last < 0.7 * first, (first, last)
+        return
+    assert [a for a in serious if a.kind not in setup.expected] == [], said
+    for kind in setup.expected:
+        steps = [a.step for a in serious if a.kind == kind]
+        assert steps, f"{kind} not raised: {said}"
+        assert setup.onset <= min(steps) <= setup.onset + setup.max_delay, said
+
+
+class NormRecorder(Classifier):
+    """Records the true total gradient norm the optimizer sees (unscaled by Lightning before this hook)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.norms: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.norms[self.trainer.global_step] = float(torch.nn.utils.get_total_norm(grads))
+
+
+def b_fp16_explodes() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    net = mlp([FEATURES, 64, 64, CLASSES])
+    return NormRecorder(net, lambda p: torch.optim.SGD(p, lr=10.0)), loader(*teacher_data())
+
+
+@pytest.mark.parametrize("with_sentinel", [False, True], ids=["alone", "with_nan_sentinel"])
+def test_exploding_under_fp16_gradscaler(with_sentinel: bool) -> None:
+    """SGD lr=10 under 16-mixed with a GradScaler: finite norms grow past 100 between steps the scaler
+    skips (inf) until the weights overflow (NaN). The detector reports the explosion from the finite
+    norms only; a NaN/inf step is never its alert (it is NaNSentinel's), so nothing is reported twice."""
+    extra = [NaNSentinel()] if with_sentinel else []
+    setup = Setup("fp16_explodes", b_fp16_explodes, 40, fp16_scaler=True)
+    pl.seed_everything(0, verbose=False)
+    if with_sentinel:
+        from lightning_gradguard.alerts import NonFiniteError
+
+        holder: dict[str, Any] = {}
+        with pytest.raises(NonFiniteError):
+            _run_keep(setup, extra, holder)
+        trainer = holder["trainer"]
+        detectors = holder["detectors"]
+    else:
+        _, trainer = run(setup)
+        detectors = trainer.callbacks[:2]
+    norms: dict[int, float] = trainer.lightning_module.norms
+    nonfinite = {s for s, n in norms.items() if not math.isfinite(n)}
+    assert nonfinite, "the scaler path must have met inf/NaN gradients for this test to mean anything"
+    exploding = [a for a in detectors[0].alerts if a.kind == "exploding_gradient"]
+    assert exploding, [a.format() for a in detectors[0].alerts]
+    first = exploding[0]
+    assert math.isfinite(first.data["total_norm"]) and first.data["total_norm"] > 100
+    assert first.step not in nonfinite
+    assert abs(first.data["total_norm"] - norms[first.step]) <= 1e-3 * norms[first.step]
+    # it came before the run went NaN for good
+    nan_at = [a.step for a in extra[0].alerts] if with_sentinel else [s for s, n in norms.items() if n != n]
+    assert nan_at and first.step < min(nan_at)
+    assert all(a.kind == "exploding_gradient" for d in detectors for a in d.alerts if a.severity != "info")
+    if with_sentinel:
+        sentinel_kinds = {a.kind for a in extra[0].alerts}
+        assert sentinel_kinds & {"nonfinite_loss", "nonfinite_gradient"}, sentinel_kinds
+        assert not {a.step for a in exploding} & {a.step for a in extra[0].alerts}
+
+
+def _run_keep(setup: Setup, extra: list[Any], holder: dict[str, Any]) -> None:
+    """Like :func:`run`, but keeps the trainer and callbacks reachable when ``fit`` raises."""
+    module, data = setup.build()
+    detectors: list[Any] = [VanishingExplodingDetector(), DeadReLUMonitor()]
+    trainer = pl.Trainer(
+        callbacks=[*detectors, *extra],
+        accelerator="cpu",
+        devices=1,
+        max_steps=setup.steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **trainer_kwargs(setup),
+    )
+    holder.update(trainer=trainer, detectors=detectors)
+    trainer.fit(module, data)

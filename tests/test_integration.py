@@ -1,0 +1,491 @@
+"""Integration: all seven gradguard callbacks together on one real Trainer, as the README uses them.
+
+The question every test asks is whether the callbacks stay out of each other's way: the pre-flight
+checks (OverfitBatchSanity, GradientCheck) and the LR range test (LRFinderPlus) run their own training
+loops before step 0; none of those trial steps may reach NaNSentinel, feed VanishingExplodingDetector's
+baseline, trigger DeadReLUMonitor's sampling, add points to GradientNormLogger's clip window or shift the
+x-axis of the charts. The run that follows must be the run one would have had by starting with the
+suggested LR and no checks at all, bit for bit. Every alert lands in one JSONL file and the TensorBoard
+custom-scalars layout holds every callback's charts exactly once.
+
+Configurations: CPU 32-true, bf16-mixed, 16-mixed with a real GradScaler on CPU, gradient accumulation,
+a LightningDataModule, resuming from a checkpoint, 2-process DDP (gloo), and a NaN injected mid-run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from tensorboard.backend.event_processing import event_file_loader
+from tensorboard.plugins.custom_scalar import layout_pb2
+from torch import nn
+
+from lightning_gradguard.alerts import NonFiniteError
+from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
+from lightning_gradguard.callbacks.gradient_check import GradientCheck
+from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
+from lightning_gradguard.callbacks.lr_finder import LRFinderPlus
+from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
+from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity
+from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+from tests.conftest import MemoryLogger
+from tests.test_ddp import run_ddp_script
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
+    pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
+]
+
+FEATURES, HIDDEN, CLASSES = 16, 32, 4
+N_SAMPLES, BATCH = 256, 16
+STEPS_PER_EPOCH = N_SAMPLES // BATCH  # 16
+LOG_EVERY = 4
+SWEEP = 30
+
+
+def dataset(seed: int = 0) -> torch.utils.data.TensorDataset:
+    """Learnable random data: the label is the argmax of a fixed linear map of the input."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_SAMPLES, FEATURES, generator=g)
+    w = torch.randn(FEATURES, CLASSES, generator=g)
+    return torch.utils.data.TensorDataset(x, (x @ w).argmax(dim=1))
+
+
+def loader(shuffle: bool = True, seed: int = 0) -> torch.utils.data.DataLoader[Any]:
+    return torch.utils.data.DataLoader(dataset(seed), batch_size=BATCH, shuffle=shuffle)
+
+
+class DataModule(pl.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.data: torch.utils.data.TensorDataset | None = None
+
+    def setup(self, stage: str) -> None:
+        self.data = dataset()
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        assert self.data is not None
+        return torch.utils.data.DataLoader(self.data, batch_size=BATCH, shuffle=True)
+
+
+class Net(pl.LightningModule):
+    """A ReLU MLP that records, without gradguard, what the real optimizer steps saw.
+
+    ``steps`` holds ``global_step`` at every real ``on_before_optimizer_step`` (Lightning calls the
+    module hook only for the run's own steps), ``norms`` the true pre-clip total gradient norm there and
+    ``losses`` the loss of every real training batch (``on_train_batch_end``).
+    """
+
+    def __init__(self, lr: float = 0.05, nan_at: int | None = None, nan_rank: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+        self.lr = lr
+        self.nan_at = nan_at
+        self.nan_rank = nan_rank
+        self.steps: list[int] = []
+        self.norms: dict[int, float] = {}
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if (
+            self.nan_at is not None
+            and self.trainer.global_step == self.nan_at
+            and self.nan_rank in (None, self.global_rank)
+        ):
+            x = x.clone()
+            x[0, 0] = float("nan")
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val/loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        step = int(self.trainer.global_step)
+        self.steps.append(step)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.norms[step] = float(torch.nn.utils.get_total_norm(grads))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def seven(**sentinel: Any) -> list[GradGuardCallback]:
+    """The README's callbacks plus GradientCheck, in the README's order (pre-flight first)."""
+    return [
+        OverfitBatchSanity(),
+        GradientCheck(),
+        LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=SWEEP, progress=False, plot=False),
+        GradientNormLogger(histogram_every_n_steps=8),
+        VanishingExplodingDetector(),
+        DeadReLUMonitor(every_n_steps=5),
+        NaNSentinel(**sentinel),
+    ]
+
+
+def by_type(callbacks: list[Any], cls: type) -> Any:
+    return next(cb for cb in callbacks if isinstance(cb, cls))
+
+
+def trainer_for(callbacks: list[Any], tmp_path: Path, logger: Any = None, **kw: Any) -> pl.Trainer:
+    args: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        log_every_n_steps=LOG_EVERY,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        logger=logger if logger is not None else False,
+    )
+    args.update(kw)
+    return pl.Trainer(callbacks=callbacks, **args)
+
+
+def layout_of(log_dir: Path) -> list[layout_pb2.Layout]:
+    """Every custom-scalars layout written to the TensorBoard event files under ``log_dir``."""
+    layouts = []
+    for path in sorted(log_dir.rglob("events.out.tfevents.*")):
+        for event in event_file_loader.EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == "custom_scalars":
+                    layouts.append(layout_pb2.Layout.FromString(value.tensor.string_val[0]))
+    return layouts
+
+
+def jsonl_alerts(log_dir: Path) -> list[dict[str, Any]]:
+    path = log_dir / "gradguard_alerts.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------- configurations
+CONFIGS: dict[str, dict[str, Any]] = {
+    "32-true": {},
+    "bf16-mixed": {"precision": "bf16-mixed"},
+    "16-mixed-scaler": {},  # plugins built per test (a GradScaler is stateful)
+    "accumulate-2": {"accumulate_grad_batches": 2},
+    "datamodule": {},  # the data comes from a LightningDataModule
+    "validation": {"num_sanity_val_steps": 2},  # a val loader, sanity check before the pre-flight checks
+}
+
+
+def fit(trainer: pl.Trainer, model: pl.LightningModule, config: str, **kw: Any) -> None:
+    if config == "datamodule":
+        trainer.fit(model, datamodule=DataModule(), **kw)
+    elif config == "validation":
+        trainer.fit(model, loader(), loader(shuffle=False, seed=1), **kw)
+    else:
+        trainer.fit(model, loader(), **kw)
+
+
+def config_kwargs(name: str) -> dict[str, Any]:
+    kw = dict(CONFIGS[name])
+    if name == "16-mixed-scaler":
+        kw["plugins"] = [MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))]
+    return kw
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_trial_steps_reach_no_monitor_and_charts_start_at_step_zero(config: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    callbacks = seven()
+    memory = MemoryLogger(str(tmp_path / "tb" / "run"))
+    tb = TensorBoardLogger(str(tmp_path), name="tb", version="run")
+    kw = config_kwargs(config)
+    trainer = trainer_for(callbacks, tmp_path, logger=[tb, memory], gradient_clip_val=1.0, **kw)
+    model = Net()
+    fit(trainer, model, config)
+
+    accumulate = kw.get("accumulate_grad_batches", 1)
+    n_steps = STEPS_PER_EPOCH // accumulate
+    # the pre-flight checks and the sweep ran, and passed / suggested
+    overfit, gcheck, finder = (
+        by_type(callbacks, c) for c in (OverfitBatchSanity, GradientCheck, LRFinderPlus)
+    )
+    gnl, vx, relu, sentinel = (
+        by_type(callbacks, c)
+        for c in (GradientNormLogger, VanishingExplodingDetector, DeadReLUMonitor, NaNSentinel)
+    )
+    assert overfit.result is not None and overfit.result.passed and overfit.result.steps > 1
+    assert gcheck.result is not None and gcheck.result.passed
+    assert finder.result is not None and finder.result.suggestion is not None
+    assert len(finder.result.lrs) >= 10
+    # the run's own optimizer steps are exactly 0..n-1 (the module hook fires only for real steps)
+    assert model.steps == list(range(n_steps))
+    assert trainer.global_step == n_steps
+    # NaNSentinel: the sweep's divergence (max_lr=10) did not reach it; its norm history is the real steps'
+    assert sentinel.alerts == []
+    assert sentinel._history_steps == list(range(n_steps))
+    history = sentinel._history[: len(sentinel._history_steps)].tolist()
+    for step, value in zip(sentinel._history_steps, history, strict=True):
+        if math.isfinite(model.norms[step]):
+            assert value == pytest.approx(model.norms[step] / _scale_at(config, step), rel=1e-4)
+    # VanishingExplodingDetector: its baseline holds the checked real steps' norms only
+    checked = [s for s in range(n_steps) if vx.due(s)]
+    expected_baseline = [model.norms[s] for s in checked if math.isfinite(model.norms[s])]
+    assert vx.history.get(0, []) == pytest.approx(expected_baseline[-vx.history_size :], rel=1e-4)
+    # DeadReLUMonitor: every micro-batch of its due steps sampled, none of the trial steps
+    assert relu.sampled_batches == accumulate * len([s for s in range(n_steps) if relu.due(s)])
+    # GradientNormLogger: one clip-window point per real step, charts at the trainer's step axis
+    assert gnl._clip_seen == n_steps
+    logged = memory.series("grad_norm/total")
+    expected_steps = [s for s in range(n_steps) if s == 0 or (s + 1) % LOG_EVERY == 0]
+    assert sorted(logged) == expected_steps
+    for step, value in logged.items():
+        assert value == pytest.approx(model.norms[step], rel=1e-4)
+    # Lightning's own train/loss and our charts share the axis
+    loss_steps = sorted(memory.series("train/loss"))
+    assert set(expected_steps) - {0} <= set(loss_steps) | {0}
+
+
+def _scale_at(config: str, step: int) -> float:
+    return 1.0
+
+
+# ---------------------------------------------------------------------------------------- bit for bit
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_run_after_checks_and_finder_equals_a_plain_run_at_the_suggested_lr(
+    config: str, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    callbacks = seven()
+    checked = Net()
+    kw = config_kwargs(config)
+    fit(trainer_for(callbacks, tmp_path / "a", max_epochs=2, gradient_clip_val=1.0, **kw), checked, config)
+    finder = by_type(callbacks, LRFinderPlus)
+    assert finder.result is not None and finder.result.applied
+    suggested = finder.result.suggestion
+    assert suggested != Net().lr  # the finder changed the LR: the comparison below is not trivial
+
+    torch.manual_seed(0)
+    plain = Net(lr=suggested)
+    kw = config_kwargs(config)
+    fit(trainer_for([], tmp_path / "b", max_epochs=2, gradient_clip_val=1.0, **kw), plain, config)
+    assert len(checked.losses) == len(plain.losses) == 2 * STEPS_PER_EPOCH
+    assert checked.losses == plain.losses  # exact floats, every batch, shuffled order included
+    for (name, a), b in zip(checked.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------------------- one alert path
+class DyingNet(Net):
+    """Most hidden units start dead (bias -20), so several callbacks have something to say."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        with torch.no_grad():
+            first: nn.Linear = self.net[0]  # type: ignore[assignment]
+            first.bias[: HIDDEN * 3 // 4] = -20.0
+
+
+def test_every_alert_in_one_jsonl_and_every_chart_once_in_the_layout(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    callbacks = [
+        OverfitBatchSanity(action="warn", max_steps=20),
+        GradientCheck(),
+        LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=SWEEP, progress=False, plot=False),
+        GradientNormLogger(histogram_every_n_steps=8, clip_window=10),
+        VanishingExplodingDetector(),
+        DeadReLUMonitor(every_n_steps=2),
+        NaNSentinel(action="warn", save_checkpoint=False),
+    ]
+    tb = TensorBoardLogger(str(tmp_path), name="tb", version="run")
+    trainer = trainer_for(callbacks, tmp_path, logger=tb, gradient_clip_val=1e-4)
+    trainer.fit(DyingNet(nan_at=12), loader())
+    log_dir = Path(tb.log_dir)
+
+    sources = {a.source for cb in callbacks for a in cb.alerts}
+    assert {"OverfitBatchSanity", "GradientNormLogger", "DeadReLUMonitor", "NaNSentinel"} <= sources
+    written = jsonl_alerts(log_dir)
+    expected = sorted((a.source, a.kind, a.step, a.where) for cb in callbacks for a in cb.alerts)
+    assert sorted((r["source"], r["kind"], r["step"], r["where"]) for r in written) == expected
+    assert [p.name for p in tmp_path.rglob("gradguard_alerts.jsonl")] == ["gradguard_alerts.jsonl"]
+
+    layouts = layout_of(log_dir)
+    assert len(layouts) == 1
+    (category,) = layouts[0].category
+    assert category.title == "GradGuard"
+    titles = [chart.title for chart in category.chart]
+    expected_titles = [t for cb in callbacks for t in cb.layout_charts()]
+    expected_titles.append("Alerts (cumulative count per kind)")
+    assert sorted(titles) == sorted(expected_titles)
+    assert len(set(titles)) == len(titles)
+    for cb in callbacks:
+        assert cb.layout_charts() or isinstance(cb, (NaNSentinel, GradientCheck)), type(cb).__name__
+
+
+# ---------------------------------------------------------------------------------------- resume
+def test_resume_from_checkpoint_repeats_no_preflight_or_sweep_and_continues_exactly(tmp_path: Path) -> None:
+    """Resuming restores every callback's state; the checks and the sweep belong to the fresh start only.
+
+    The resumed run equals the uninterrupted one bit for bit (unshuffled data: Lightning does not restore
+    a sampler's random order), and the LR is the one the finder applied before the checkpoint.
+    """
+    torch.manual_seed(0)
+    whole = Net()
+    whole_cbs = seven()
+    trainer_for(whole_cbs, tmp_path / "whole", max_epochs=2).fit(whole, loader(shuffle=False))
+
+    torch.manual_seed(0)
+    first = Net()
+    first_cbs = seven()
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    trainer_for([*first_cbs, ckpt], tmp_path / "first", max_epochs=1, enable_checkpointing=True).fit(
+        first, loader(shuffle=False)
+    )
+    suggested = by_type(first_cbs, LRFinderPlus).result.suggestion
+    assert suggested is not None
+
+    torch.manual_seed(1)  # a different process state: everything must come from the checkpoint
+    resumed = Net()
+    cbs = seven()
+    memory = MemoryLogger(str(tmp_path / "resumed"))
+    trainer = trainer_for(
+        [*cbs, ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)],
+        tmp_path / "resumed",
+        logger=memory,
+        max_epochs=2,
+        enable_checkpointing=True,
+    )
+    trainer.fit(resumed, loader(shuffle=False), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+
+    assert by_type(cbs, LRFinderPlus).results == []  # not repeated: epoch 0's test is in the checkpoint
+    assert trainer.optimizers[0].param_groups[0]["lr"] == suggested
+    assert resumed.steps == list(range(STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH))
+    sentinel = by_type(cbs, NaNSentinel)
+    assert sentinel.alerts == [] and sentinel._history_steps == resumed.steps
+    assert sorted(memory.series("grad_norm/total")) == [
+        s for s in resumed.steps if (s + 1) % LOG_EVERY == 0
+    ]  # the step axis continues where the first run stopped
+    vx_whole = by_type(whole_cbs, VanishingExplodingDetector)
+    vx_resumed = by_type(cbs, VanishingExplodingDetector)
+    assert vx_resumed.history[0] == vx_whole.history[0]  # the baseline was carried over
+    assert resumed.losses == whole.losses[STEPS_PER_EPOCH:]
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------------------- NaN mid-run
+NAN_AT = 5  # a step DeadReLUMonitor samples (its capture mode is active when the loss is checked)
+
+
+@pytest.mark.parametrize(
+    ("sentinel_first", "accumulate"),
+    [(False, 1), (True, 1), (True, 2)],
+    ids=["sentinel-last", "sentinel-first", "sentinel-first-accumulate-2"],
+)
+def test_nan_at_step_k_fails_with_nonfinite_error_and_leaves_no_hook_behind(
+    sentinel_first: bool, accumulate: int, tmp_path: Path
+) -> None:
+    """With accumulation the sentinel raises in ``on_before_backward`` of the micro-batch, before the
+    other callbacks' ``on_before_backward``: DeadReLUMonitor's capture mode is still active then."""
+    torch.manual_seed(0)
+    callbacks = seven()
+    if sentinel_first:
+        callbacks = callbacks[-1:] + callbacks[:-1]
+    tb = TensorBoardLogger(str(tmp_path), name="tb", version="run")
+    model = Net(nan_at=NAN_AT)
+    trainer = trainer_for(callbacks, tmp_path, logger=tb, max_epochs=2, accumulate_grad_batches=accumulate)
+    with pytest.raises(NonFiniteError) as info:
+        trainer.fit(model, loader())
+    report = info.value.report
+    assert report["kind"] == "nonfinite_loss" and report["step"] == NAN_AT
+    # the real steps' norms; without accumulation the loss is judged with the gradients, so the
+    # poisoned step's NaN norm closes the list; with it, the first poisoned micro-batch stops the run
+    history = report["recent_total_grad_norms"]
+    judged = list(range(NAN_AT + 1)) if accumulate == 1 else list(range(NAN_AT))
+    assert [h["step"] for h in history] == judged
+    assert [h["total_grad_norm"] for h in history[:NAN_AT]] == pytest.approx(
+        [model.norms[s] for s in range(NAN_AT)]
+    )
+    assert accumulate > 1 or math.isnan(history[-1]["total_grad_norm"])
+    assert report["origin"]["in_input"] is True
+    assert model.steps == list(range(NAN_AT))  # the poisoned update never ran
+    # every other callback is quiet and left nothing attached
+    for cb in callbacks:
+        if not isinstance(cb, NaNSentinel):
+            assert [a.kind for a in cb.alerts] == [], type(cb).__name__
+    assert not torch.nn.modules.module._global_forward_hooks
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not torch.overrides._is_torch_function_mode_enabled()
+    assert info.value.report_dir is not None
+    folder = Path(info.value.report_dir)
+    assert {"report.json", "batch.pt", "last_good.ckpt"} <= {p.name for p in folder.iterdir()}
+    kinds = [r["kind"] for r in jsonl_alerts(Path(tb.log_dir))]
+    assert kinds == ["nonfinite_loss"]
+    # the model works after the failure: a plain forward pass, no hook or mode left to fire
+    assert torch.isfinite(model.net(torch.randn(2, FEATURES))).all()
+
+
+# ---------------------------------------------------------------------------------------- DDP
+def test_ddp_two_ranks_all_callbacks_agree_rank_zero_logs_and_nan_fails_both(tmp_path: Path) -> None:
+    proc = run_ddp_script("ddp_all_callbacks.py", tmp_path, timeout=180)  # a hang would time out here
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    # healthy fit: 192 samples / 2 ranks / batch 8 = 12 steps; the same verdicts and numbers on both ranks
+    assert r0["steps"] == r1["steps"] == list(range(12))
+    for key in (
+        "norms",
+        "weights",
+        "lr",
+        "gradient_check",
+        "finder",
+        "vx_history",
+        "relu_sampled",
+        "relu_dead",
+    ):
+        assert r0[key] == r1[key], key
+    assert r0["overfit"][0] is True and r1["overfit"][0] is True  # each rank checks its own first batch
+    assert r0["gradient_check"] is True
+    suggestion, lrs, _ = r0["finder"]
+    assert suggestion is not None and r0["lr"] == suggestion and len(lrs) >= 5
+    assert r0["sentinel_history_steps"] == r1["sentinel_history_steps"] == list(range(12))
+    assert r0["vx_history"] == pytest.approx(r0["norms"], rel=1e-5)  # real steps only, all-reduced norms
+    assert r0["clip_seen"] == 12 and r1["clip_seen"] == 0  # the logger works on rank 0 only
+    assert r0["alerts"] == r1["alerts"] and not any(r0["alerts"].values())
+    # rank 0 wrote the logs: one event file, one layout, the all-reduced norms on Lightning's step axis
+    events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert len(events) == 1
+    assert len(layout_of(tmp_path / "tb")) == 1
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv", newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("grad_norm/total")]
+    logged = {int(r["step"]): float(r["grad_norm/total"]) for r in rows}
+    assert sorted(logged) == [0, 1, 3, 5, 7, 9, 11]
+    for step, value in logged.items():
+        assert value == pytest.approx(r0["norms"][step], rel=1e-5)
+    # NaN in rank 1's batch at step 3: NonFiniteError on both ranks, nothing else raised or reported
+    n0, n1 = r0["nan"], r1["nan"]
+    assert n0["error"] == n1["error"] == "NonFiniteError", (n0, n1)
+    assert n0["message"] == n1["message"]
+    for report in (n0["report"], n1["report"]):
+        assert report["kind"] == "nonfinite_loss" and report["step"] == 3 and report["rank"] == 1
+        assert report["origin"]["in_input"] is True
+    assert abs(n0["time"] - n1["time"]) < 10
+    for alerts in (n0["alerts"], n1["alerts"]):
+        assert {k: v for k, v in alerts.items() if v} == {"NaNSentinel": ["nonfinite_loss"]}
+    assert [r["kind"] for r in jsonl_alerts(tmp_path / "nan")] == ["nonfinite_loss"]  # rank 0 only
+    assert {"report.json", "batch.pt", "last_good.ckpt"} <= {
+        p.name for p in (tmp_path / "nan" / "nan_report" / "step_3").iterdir()
+    }

@@ -820,3 +820,52 @@ def test_a_slowly_but_steadily_learning_vae_is_a_warning_not_an_error() -> None:
     (alert,) = overfit.alerts
     assert (alert.kind, alert.severity) == ("overfit_failed", "warning") and "still falling" in alert.message
     assert trainer.global_step == 2
+
+
+# --------------------------------------------------------------------------------------------- deliberate
+
+
+class RoundSTE(torch.autograd.Function):
+    """Straight-through estimator: forward rounds, backward passes the gradient through unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
+class Reverse(torch.autograd.Function):
+    """Gradient reversal (domain-adversarial training): identity forward, negated backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return -grad
+
+
+class Apply(nn.Module):
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn.apply(x)
+
+
+@pytest.mark.parametrize(("fn", "words"), [(RoundSTE, "straight-through"), (Reverse, "up to the sign")])
+def test_deliberate_surrogate_gradients_are_reported_with_a_hint_that_names_them(fn: Any, words: str) -> None:
+    """A backward that differs from the derivative on purpose is a mismatch; the hint names its shape."""
+    from lightning_gradguard.callbacks.gradient_check import gradient_check, pattern
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(FEATURES, 16), Apply(fn), nn.Tanh(), nn.Linear(16, CLASSES))
+    x, y = data(n=8)
+    result = gradient_check(net, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    assert result.targets == ["1"] and {p.name for p in result.failures} == {"0.weight", "0.bias"}
+    assert all(words in pattern(p) for p in result.failures), [pattern(p) for p in result.failures]

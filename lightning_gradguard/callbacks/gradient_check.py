@@ -607,6 +607,40 @@ def describe(check: ParameterCheck) -> str:
     )
 
 
+def pattern(check: ParameterCheck) -> str:
+    """A sentence on what the two gradient values look like, when they match a known pattern, else ``""``.
+
+    Some backwards differ from the derivative on purpose: a straight-through estimator (forward rounds,
+    backward passes the gradient through; finite differences see no dependence), a gradient-reversal
+    layer (the sign flipped). Those are reported too — they are mismatches — but the hint says so.
+    """
+    a, n = check.analytic, check.numeric
+    if not (math.isfinite(a) and math.isfinite(n)) or a == 0:
+        return ""
+    if abs(n) <= 1e-3 * abs(a):
+        return (
+            " Finite differences see almost no dependence where autograd sees one: a straight-through "
+            "estimator (or an `x + (q - x).detach()` trick) does this on purpose — if so, leave that module "
+            "out of `modules`."
+        )
+    if abs(a + n) <= 1e-2 * abs(a):
+        return (
+            " The two agree up to the sign: a gradient-reversal layer does this on purpose — if so, leave "
+            "that module out of `modules`; otherwise a sign is lost in the backward."
+        )
+    ratio = a / n if n else math.inf
+    if abs(ratio) < 1e3 and abs(ratio - round(ratio)) <= 1e-2 * abs(ratio) and round(ratio) not in (0, 1):
+        return f" Autograd is {round(ratio)}x the true gradient: a constant factor is wrong."
+    inverse = n / a
+    if (
+        abs(inverse) < 1e3
+        and abs(inverse - round(inverse)) <= 1e-2 * abs(inverse)
+        and round(inverse) not in (0, 1)
+    ):
+        return f" Autograd is 1/{round(inverse)} of the true gradient: a constant factor is missing."
+    return ""
+
+
 # --------------------------------------------------------------------------------------------- callback
 
 
@@ -753,7 +787,7 @@ class GradientCheck(GradGuardCallback):
                 "error",
                 check.name,
                 "Autograd and finite differences disagree: " + describe(check) + ".",
-                _HINT,
+                _HINT + pattern(check),
                 {
                     "relative_error": check.max_rel_error,
                     "analytic": check.analytic,

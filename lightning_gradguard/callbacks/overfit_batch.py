@@ -461,7 +461,8 @@ class OverfitBatchSanity(GradGuardCallback):
     classified correctly, or the gradient norm down to 5 %: label smoothing, soft targets). Randomness
     inside ``training_step`` that changes the model's output (noise, a diffusion timestep, mixup) is
     frozen: every step is re-seeded alike. When the user's optimizer misses, ``Adam(fallback_lr)`` tries
-    again from the same weights; if it succeeds, ``overfit_failed`` is only a warning (a slow LR).
+    again from the same weights; if it succeeds (a slow LR), or the user's curve kept falling and at
+    least halved (a slow objective), ``overfit_failed`` is only a warning.
 
     In the same pass it checks (findings, each an alert of its own kind):
 

@@ -400,6 +400,7 @@ class Stream(torch.utils.data.IterableDataset):
     [
         ("accumulate", {"accumulate_grad_batches": 2}),
         ("bf16", {"precision": "bf16-mixed"}),
+        ("bf16_true", {"precision": "bf16-true"}),
         ("datamodule", {}),
         ("iterable", {}),
         ("clip", {"gradient_clip_val": 0.5}),
@@ -869,3 +870,32 @@ def test_deliberate_surrogate_gradients_are_reported_with_a_hint_that_names_them
     result = gradient_check(net, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
     assert result.targets == ["1"] and {p.name for p in result.failures} == {"0.weight", "0.bias"}
     assert all(words in pattern(p) for p in result.failures), [pattern(p) for p in result.failures]
+
+
+class DictBatch(Model):
+    """Hugging Face style: a dict batch, the loss computed inside forward, integer token inputs."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(16, CLASSES))
+        self.emb = nn.Embedding(20, 16)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor) -> dict[str, Tensor]:  # type: ignore[override]
+        h = (self.emb(input_ids) * attention_mask.unsqueeze(-1)).sum(1) / attention_mask.sum(1, keepdim=True)
+        logits = self.net(h)
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(**batch)["loss"]
+
+
+def test_a_dict_batch_with_the_loss_inside_forward_passes() -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 20, (64, 6), generator=g)
+    mask = torch.ones(64, 6, dtype=torch.long)
+    mask[:, 4:] = (torch.rand(64, 2, generator=g) > 0.5).long()
+    labels = torch.randint(0, CLASSES, (64,), generator=g)
+    samples = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(64)]
+    torch.manual_seed(0)
+    overfit, grads, _, ours = run_checks(DictBatch(), torch.utils.data.DataLoader(samples, batch_size=16))
+    assert_healthy(overfit, grads, ours)
+    assert overfit.result is not None and overfit.result.num_classes == CLASSES and not overfit.alerts

@@ -96,14 +96,19 @@ class Net(pl.LightningModule):
         self.steps: list[int] = []
         self.norms: dict[int, float] = {}
         self.losses: list[float] = []
+        self._poison = False
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        if (
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Poison real batches only (the pre-flight checks call training_step before any of them)."""
+        self._poison = (
             self.nan_at is not None
             and self.trainer.global_step == self.nan_at
             and self.nan_rank in (None, self.global_rank)
-        ):
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self._poison:
             x = x.clone()
             x[0, 0] = float("nan")
         loss = nn.functional.cross_entropy(self.net(x), y)
@@ -489,3 +494,42 @@ def test_ddp_two_ranks_all_callbacks_agree_rank_zero_logs_and_nan_fails_both(tmp
     assert {"report.json", "batch.pt", "last_good.ckpt"} <= {
         p.name for p in (tmp_path / "nan" / "nan_report" / "step_3").iterdir()
     }
+
+
+def test_resume_from_the_sentinels_last_good_checkpoint_with_all_callbacks(tmp_path: Path) -> None:
+    """The NaN workflow: fail at step k, resume from last_good.ckpt; the run continues at step k.
+
+    Meeting the same NaN again (the data was not fixed) gives the full report once more: the checkpoint
+    holds the sentinel as it was before the failure, so the failure is not inside a restored cooldown.
+    """
+    torch.manual_seed(0)
+    cbs = seven()
+    with pytest.raises(NonFiniteError) as first:
+        trainer_for(cbs, tmp_path / "a", max_epochs=1).fit(Net(nan_at=NAN_AT), loader(shuffle=False))
+    suggested = by_type(cbs, LRFinderPlus).result.suggestion
+    assert first.value.report_dir is not None
+    ckpt = str(Path(first.value.report_dir) / "last_good.ckpt")
+
+    again = seven()
+    tb = TensorBoardLogger(str(tmp_path), name="b", version="run")
+    with pytest.raises(NonFiniteError) as second:
+        trainer_for(again, tmp_path / "b", logger=tb, max_epochs=1).fit(
+            Net(nan_at=NAN_AT), loader(shuffle=False), ckpt_path=ckpt
+        )
+    assert second.value.report["step"] == NAN_AT
+    assert second.value.report_dir is not None and [a.kind for a in second.value.alerts] == ["nonfinite_loss"]
+    assert {"report.json", "batch.pt", "last_good.ckpt"} <= {
+        p.name for p in Path(second.value.report_dir).iterdir()
+    }
+    assert [r["kind"] for r in jsonl_alerts(Path(tb.log_dir))] == ["nonfinite_loss"]
+    assert by_type(again, LRFinderPlus).results == []
+
+    fixed = seven()
+    model = Net()
+    trainer = trainer_for(fixed, tmp_path / "c", max_epochs=1)
+    trainer.fit(model, loader(shuffle=False), ckpt_path=ckpt)
+    assert model.steps == list(range(NAN_AT, STEPS_PER_EPOCH))
+    assert trainer.optimizers[0].param_groups[0]["lr"] == suggested
+    assert by_type(fixed, LRFinderPlus).results == []
+    assert all(cb.alerts == [] for cb in fixed)
+    assert by_type(fixed, NaNSentinel)._history_steps == model.steps

@@ -182,6 +182,9 @@ class NaNSentinel(GradGuardCallback):
         self._loss: Tensor | None = None
         self._history: Tensor | None = None
         self._history_steps: list[int] = []
+        # the skip counters before the step being judged, and the state the last-good checkpoint holds
+        self._counters_before = (0, 0)
+        self._state_override: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -250,6 +253,7 @@ class NaNSentinel(GradGuardCallback):
     ) -> None:
         """Reduce the flags across ranks, read them once, and act on the same verdict everywhere."""
         world, rank = trainer.world_size, trainer.global_rank
+        self._counters_before = (self.skipped_steps, self.consecutive_skips)
         device = (loss_bad if loss_bad is not None else grad_bad).device  # type: ignore[union-attr]
         flags = torch.zeros(world + 1, device=device)
         if loss_bad is not None:
@@ -294,6 +298,11 @@ class NaNSentinel(GradGuardCallback):
         scale: float | None = None,
     ) -> None:
         step = int(trainer.global_step)
+        # The last-good checkpoint holds this callback as it was before the bad step: without this
+        # failure in the cooldown (a resumed run that meets the same NaN must report it in full) and
+        # with the skip counters before this step.
+        last_good = self.state_dict()
+        last_good["skipped_steps"], last_good["consecutive_skips"] = self._counters_before
         local = self._local_findings(trainer, pl_module, kind, optimizer, can_replay)
         findings = _gather(trainer, local)
         if culprit is None:  # gradients are all-reduced: the first rank whose replay found an origin
@@ -340,7 +349,11 @@ class NaNSentinel(GradGuardCallback):
         folder = os.path.join(
             self.report_dir or os.path.join(_emit.log_dir(trainer), "nan_report"), f"step_{step}"
         )
-        report["files"] = self._write(trainer, folder, report, culprit, kind)
+        self._state_override = last_good
+        try:
+            report["files"] = self._write(trainer, folder, report, culprit, kind)
+        finally:
+            self._state_override = None
         self.last_report_dir = folder
         self._apply(trainer, optimizer, kind, message + f" Report: {folder}", report, folder)
 
@@ -473,6 +486,8 @@ class NaNSentinel(GradGuardCallback):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
+        if self._state_override is not None:  # while the last-good checkpoint is written
+            return dict(self._state_override)
         return {
             **super().state_dict(),
             "skipped_steps": self.skipped_steps,

@@ -533,3 +533,23 @@ def test_resume_from_the_sentinels_last_good_checkpoint_with_all_callbacks(tmp_p
     assert by_type(fixed, LRFinderPlus).results == []
     assert all(cb.alerts == [] for cb in fixed)
     assert by_type(fixed, NaNSentinel)._history_steps == model.steps
+
+
+def test_the_same_callbacks_serve_a_second_fresh_fit_as_a_new_run(tmp_path: Path) -> None:
+    """A retry after a failure (or a notebook re-run) with the same callback instances is a new run:
+    the first run's cooldowns do not silence its alerts, and its report and clip window hold its steps."""
+    cbs = seven()
+    errors = []
+    for attempt in range(2):
+        torch.manual_seed(0)
+        with pytest.raises(NonFiniteError) as info:
+            trainer_for(cbs, tmp_path / str(attempt), max_epochs=1, gradient_clip_val=1.0).fit(
+                Net(nan_at=NAN_AT), loader()
+            )
+        errors.append(info.value)
+        assert info.value.report_dir is not None and Path(info.value.report_dir).is_dir()
+        assert str(tmp_path / str(attempt)) in info.value.report_dir
+        assert [h["step"] for h in info.value.report["recent_total_grad_norms"]] == list(range(NAN_AT + 1))
+        assert by_type(cbs, GradientNormLogger)._clip_seen == NAN_AT + 1
+    assert errors[1].alerts and errors[1].alerts[0] is not errors[0].alerts[0]
+    assert [a.step for a in by_type(cbs, NaNSentinel).alerts] == [NAN_AT, NAN_AT]

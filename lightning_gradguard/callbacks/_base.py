@@ -43,8 +43,19 @@ class GradGuardCallback(Callback):
         """Chart title -> tag regexes this callback contributes to the "GradGuard" custom-scalars section."""
         return {}
 
+    def fresh_run(self, trainer: pl.Trainer) -> bool:
+        """Whether this fit starts from scratch (no ``ckpt_path``): a new run, whose step count restarts at 0.
+
+        The same callback instances may serve several fits (a notebook, a hyperparameter loop, a retry
+        after a failure). What belongs to one run (cooldowns, windows, histories) is reset at the start
+        of a fresh one; a resumed fit keeps what ``load_state_dict`` restored.
+        """
+        return getattr(trainer, "ckpt_path", None) is None
+
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.fresh_run(trainer):  # an earlier run's cooldowns do not silence this one's alerts
+            self._last_reported.clear()
         charts: dict[str, list[str]] = {}
         for cb in gradguard_callbacks(trainer):
             charts.update(cb.layout_charts())

@@ -188,6 +188,13 @@ class GradientNormLogger(GradGuardCallback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):  # the clip window holds this run's steps only
+            self._clip_norms, self._clip_seen = None, 0
+            self._pending, self.last_logged = [], {}
+
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:

@@ -188,6 +188,14 @@ class NaNSentinel(GradGuardCallback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):  # the report of this run lists this run's steps only
+            self.skipped_steps = self.consecutive_skips = 0
+            self._history, self._history_steps = None, []
+            self._loss_bad = self._loss = self._batch = None
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:

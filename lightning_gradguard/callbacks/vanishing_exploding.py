@@ -31,6 +31,8 @@ __all__ = ["VanishingExplodingDetector"]
 _MAX_NAMED = 5
 #: a spike must also beat the largest recent norm by this factor (heavy-tailed healthy runs stay below)
 _SPIKE_OVER_MAX = 2.0
+#: a layer that started behind a zero-initialized weight is judged again once its gradient grew this much
+_OPENED_FACTOR = 100.0
 
 _EXPLODING_HINT = (
     "Clip gradients: Trainer(gradient_clip_val={clip:g}) ({clip_why}). Lower the learning rate (try 10x "
@@ -93,6 +95,12 @@ class VanishingExplodingDetector(GradGuardCallback):
     Layers without a gradient this step (frozen, unused, or exactly zero behind a dead path) are never
     called vanishing. ``where`` names the layers, the hint says what to try (and a clip value, from the
     90th percentile of this run's healthy norms).
+
+    A layer whose gradient is exactly 0 the first time it is checked, while other layers have one, sits
+    behind a weight that starts at 0 (LoRA's ``B``, a zero-initialized residual gain or output layer,
+    ReZero): its gradient grows from 0 by design. Until it has grown 100x past its first non-zero value
+    such layers are compared only with each other (depth ratio, relative floor) and the absolute
+    ``min_rms`` floor does not apply to them.
 
     A check whose total norm is NaN/inf gives no verdict: that is :class:`NaNSentinel`'s finding (under
     16-mixed, a step the GradScaler skips), so it is not reported here, and it neither counts towards
@@ -200,6 +208,10 @@ class VanishingExplodingDetector(GradGuardCallback):
         self._last_flow_at: dict[int, int] = {}
         self._last_alert: dict[str, int] = {}
         self._numel_cache: dict[tuple[str, ...], list[int]] = {}
+        #: layers whose gradient started at exactly 0 (behind a zero-initialized weight) and is still
+        #: growing: layer -> its first non-zero norm (0.0 while it is still 0)
+        self.opening: dict[str, float] = {}
+        self._seen_layers: set[str] = set()
 
     # ------------------------------------------------------------------ layout
     @override
@@ -335,6 +347,34 @@ class VanishingExplodingDetector(GradGuardCallback):
         self._numel_cache = {key: numels}
         return numels
 
+    def _opening(self, labels: list[str], values: list[float]) -> set[int]:
+        """Positions of layers behind a zero-initialized weight whose gradient is still growing from zero.
+
+        A layer whose gradient is exactly 0 the first time it is checked while other layers have one sits
+        behind a weight that starts at zero (LoRA's ``B``, a zero-initialized residual gain or output
+        layer, ReZero, ControlNet's zero convolutions): its gradient is proportional to that weight and
+        grows from 0 by design. It is left out of the vanishing rules until its norm has grown
+        ``_OPENED_FACTOR`` times past its first non-zero value; after that it is an ordinary layer.
+        """
+        finite = [v for v in values if math.isfinite(v)]
+        others_live = any(v > 0 for v in finite)
+        out: set[int] = set()
+        for i, (name, v) in enumerate(zip(labels, values, strict=True)):
+            if name not in self._seen_layers:
+                self._seen_layers.add(name)
+                if v == 0.0 and others_live:
+                    self.opening[name] = 0.0
+            start = self.opening.get(name)
+            if start is None or not math.isfinite(v):
+                continue
+            if start == 0.0 and v > 0.0:
+                self.opening[name] = start = v
+            if start == 0.0 or v < _OPENED_FACTOR * start:
+                out.add(i)
+            else:
+                del self.opening[name]
+        return out
+
     def _evaluate(
         self, labels: list[str], norms: Tensor, total: float, numels: list[int], opt_idx: int
     ) -> dict[str, Any]:
@@ -382,8 +422,15 @@ class VanishingExplodingDetector(GradGuardCallback):
         vanishing: list[str] = []
         low: set[int] = set()
         flow = gradient_flow(norms).tolist()
-        live = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
-        if self.min_rms is not None:
+        # Layers behind a zero-initialized weight ("opening") are compared with each other, never with
+        # the rest: their gradients are all scaled down by weights that start at 0 and grow together.
+        opening = self._opening(labels, values)
+        if opening:
+            data["opening_layers"] = float(len(opening))
+        positive = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
+        groups = [[i for i in positive if i not in opening], [i for i in positive if i in opening]]
+        if self.min_rms is not None:  # an absolute floor: not for a gradient growing from 0 by design
+            live = groups[0]
             rms = {i: values[i] / math.sqrt(max(numels[i], 1)) for i in live}
             under = [i for i in live if rms[i] < self.min_rms]
             if under:
@@ -394,28 +441,39 @@ class VanishingExplodingDetector(GradGuardCallback):
                 )
         if self.relative_floor is not None:
             floor = math.log10(self.relative_floor)
-            under = [i for i in live if flow[i] < floor]
-            if under:
-                low.update(under)
-                vanishing.append(
-                    f"norm below relative_floor={self.relative_floor:g} of the largest layer's in "
-                    + _named([labels[i] for i in under], [10 ** flow[i] for i in under], "{:.2e} of it")
-                )
+            for live in groups:
+                if not live:
+                    continue
+                top_of_group = max(flow[i] for i in live)
+                rel = {i: flow[i] - top_of_group for i in live}
+                under = [i for i in live if rel[i] < floor]
+                if under:
+                    low.update(under)
+                    vanishing.append(
+                        f"norm below relative_floor={self.relative_floor:g} of the largest layer's in "
+                        + _named([labels[i] for i in under], [10 ** rel[i] for i in under], "{:.2e} of it")
+                    )
         if self.depth_ratio_floor is not None:
-            in_order = sorted(
-                (self.forward_order[n], i) for i, n in enumerate(labels) if n in self.forward_order
-            )
-            idx = [i for _, i in in_order]
-            ratio, a, b = depth_ratio([values[i] for i in idx]) if len(idx) >= 2 else (math.nan, -1, -1)
-            if math.isfinite(ratio):
+            for g, live in enumerate(groups):
+                idx = [
+                    i
+                    for _, i in sorted(
+                        (self.forward_order[labels[i]], i) for i in live if labels[i] in self.forward_order
+                    )
+                ]
+                ratio, a, b = depth_ratio([values[i] for i in idx]) if len(idx) >= 2 else (math.nan, -1, -1)
+                if not math.isfinite(ratio):
+                    continue
                 first, last = idx[a], idx[b]
-                data["first_last_ratio"] = ratio
-                data["first_layer_norm"] = values[first]
+                if g == 0:
+                    data["first_last_ratio"] = ratio
+                    data["first_layer_norm"] = values[first]
                 if ratio < self.depth_ratio_floor and values[first] < self.first_layer_floor:
                     low.add(first)
+                    among = " (among the layers behind zero-initialized weights)" if g else ""
                     vanishing.append(
                         f"the first layer {labels[first]} has {ratio:.2e} of the last layer "
-                        f"{labels[last]}'s norm ({values[first]:.2e} vs {values[last]:.2e}; floors "
+                        f"{labels[last]}'s norm{among} ({values[first]:.2e} vs {values[last]:.2e}; floors "
                         f"{self.depth_ratio_floor:g} and {self.first_layer_floor:g})"
                     )
         return {
@@ -478,6 +536,8 @@ class VanishingExplodingDetector(GradGuardCallback):
             strikes=dict(self.strikes),
             forward_order=dict(self.forward_order),
             last_alert=dict(self._last_alert),
+            opening=dict(self.opening),
+            seen_layers=sorted(self._seen_layers),
         )
         return state
 
@@ -489,3 +549,5 @@ class VanishingExplodingDetector(GradGuardCallback):
         self.forward_order = dict(state_dict.get("forward_order", {}))
         self._order_seen = bool(self.forward_order)
         self._last_alert = dict(state_dict.get("last_alert", {}))
+        self.opening = {str(k): float(v) for k, v in state_dict.get("opening", {}).items()}
+        self._seen_layers = set(state_dict.get("seen_layers", []))

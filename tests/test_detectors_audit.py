@@ -22,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -171,7 +172,8 @@ def run(setup: Setup, extra: list[Any] | None = None) -> tuple[list[Any], pl.Tra
         warnings.filterwarnings("ignore", message=".*does not have many workers.*")
         warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
         trainer.fit(module, data)
-    alerts = sorted((a for d in [*detectors, *(extra or [])] for a in d.alerts), key=lambda a: a.step)
+    everyone = [*detectors, *(extra or [])]
+    alerts = sorted((a for d in everyone for a in getattr(d, "alerts", [])), key=lambda a: a.step)
     return alerts, trainer
 
 
@@ -605,6 +607,35 @@ def b_deep_sigmoid_zero_head() -> tuple[pl.LightningModule, DataLoader[Any]]:
     return Classifier(net, lambda p: torch.optim.SGD(p, lr=0.1)), loader(*teacher_data())
 
 
+class FineTune(Classifier):
+    """A backbone and a head; Lightning's ``BackboneFinetuning`` unfreezes the backbone at epoch 5 (step 80)
+    and adds it to the optimizer: the total norm suddenly covers many more parameters."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Identity(), adamw(1e-3))
+        self.backbone = mlp([FEATURES, 128, 128, 64])
+        self.head = nn.Linear(64, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(F.relu(self.backbone(x)))
+        return out
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def h_backbone_finetuning() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return FineTune(), loader(*teacher_data())
+
+
+def h_warm_restarts() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """SGDR: the learning rate jumps from ~0 back to 0.3 every 100 steps."""
+    net = mlp([FEATURES, 64, 64, CLASSES])
+    sgd = lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9)  # noqa: E731
+    sched = lambda opt: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=100)  # noqa: E731
+    return Classifier(net, sgd, sched), loader(*teacher_data())
+
+
 SETUPS: list[Setup] = [
     Setup("warmup_cosine_adamw", h_warmup_cosine, 400),
     Setup("onecycle_sgd", h_onecycle, 400),
@@ -626,6 +657,8 @@ SETUPS: list[Setup] = [
     Setup("sigmoid_output_layer_bce", h_sigmoid_output, 300),
     Setup("lora_finetune_b_zero_init", h_lora, 300, learns=0.85),  # a random frozen "pretrained" base
     Setup("resnet_zero_init_residual", h_zero_init_resnet, 120),
+    Setup("backbone_finetuning_unfreeze_at_80", h_backbone_finetuning, 300),
+    Setup("sgdr_warm_restarts", h_warm_restarts, 400),
     Setup("deep_sigmoid_zero_init_head", b_deep_sigmoid_zero_head, 60, ("vanishing_gradient",), 0, 5),
     # ReLUs die at step 100; DeadReLUMonitor samples every 50 steps and needs a full window of 4 silent
     # sampled batches, twice (patience 2): the sampled steps 150..350, so 250 steps at most.
@@ -635,9 +668,12 @@ SETUPS: list[Setup] = [
 
 @pytest.mark.parametrize("setup", SETUPS, ids=lambda s: s.name)
 def test_setup(setup: Setup) -> None:
-    alerts, trainer = run(setup)
+    extra = [BackboneFinetuning(unfreeze_backbone_at_epoch=5)] if "backbone" in setup.name else []
+    alerts, trainer = run(setup, extra)
     serious = [a for a in alerts if a.severity != "info"]
     said = [a.format() for a in serious]
+    if extra:  # the backbone really was unfrozen and checked
+        assert any(label.startswith("backbone") for label in trainer.callbacks[0].last_check["labels"])
     if setup.healthy:
         assert serious == [], said
         losses = trainer.lightning_module.losses

@@ -45,6 +45,7 @@ from tests.test_ddp import run_ddp_script
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
     pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
+    pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended"),
 ]
 
 FEATURES, HIDDEN, CLASSES = 16, 32, 4
@@ -396,12 +397,18 @@ NAN_AT = 5  # a step DeadReLUMonitor samples (its capture mode is active when th
 
 
 @pytest.mark.parametrize(
-    ("sentinel_first", "accumulate"),
-    [(False, 1), (True, 1), (True, 2)],
-    ids=["sentinel-last", "sentinel-first", "sentinel-first-accumulate-2"],
+    ("sentinel_first", "accumulate", "config"),
+    [
+        (False, 1, "32-true"),
+        (True, 1, "32-true"),
+        (True, 2, "32-true"),
+        (False, 1, "16-mixed-scaler"),
+        (False, 1, "bf16-mixed"),
+    ],
+    ids=["sentinel-last", "sentinel-first", "sentinel-first-accumulate-2", "16-mixed-scaler", "bf16-mixed"],
 )
 def test_nan_at_step_k_fails_with_nonfinite_error_and_leaves_no_hook_behind(
-    sentinel_first: bool, accumulate: int, tmp_path: Path
+    sentinel_first: bool, accumulate: int, config: str, tmp_path: Path
 ) -> None:
     """With accumulation the sentinel raises in ``on_before_backward`` of the micro-batch, before the
     other callbacks' ``on_before_backward``: DeadReLUMonitor's capture mode is still active then."""
@@ -411,7 +418,10 @@ def test_nan_at_step_k_fails_with_nonfinite_error_and_leaves_no_hook_behind(
         callbacks = callbacks[-1:] + callbacks[:-1]
     tb = TensorBoardLogger(str(tmp_path), name="tb", version="run")
     model = Net(nan_at=NAN_AT)
-    trainer = trainer_for(callbacks, tmp_path, logger=tb, max_epochs=2, accumulate_grad_batches=accumulate)
+    kw = config_kwargs(config)
+    trainer = trainer_for(
+        callbacks, tmp_path, logger=tb, max_epochs=2, accumulate_grad_batches=accumulate, **kw
+    )
     with pytest.raises(NonFiniteError) as info:
         trainer.fit(model, loader())
     report = info.value.report

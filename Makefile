@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck unit bench clean
+.PHONY: setup demo test lint typecheck unit bench bench-lr bench-dead-relu clean
 
 setup: $(STAMP)
 
@@ -32,8 +32,17 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# Per-step overhead of every callback against bare Lightning (about 10 minutes on 2 idle cores).
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# LRFinderPlus against Lightning's lr_find on real sklearn tasks (suggestion quality and wall time).
+bench-lr: $(STAMP)
+	$(PY) benchmarks/lr_finder.py
+
+# A DeadReLUMonitor sampled step against a plain step.
+bench-dead-relu: $(STAMP)
+	$(PY) benchmarks/dead_relu_step.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -23,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -294,6 +295,56 @@ def test_run_after_checks_and_finder_equals_a_plain_run_at_the_suggested_lr(
         assert torch.equal(a, b), name
 
 
+class RichNet(Net):
+    """BatchNorm (running buffers), Dropout (random draws) and a torchmetrics metric in training_step:
+    everything the trial loops touch that must be put back."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        self.net = nn.Sequential(
+            nn.Linear(FEATURES, HIDDEN),
+            nn.BatchNorm1d(HIDDEN),
+            nn.ReLU(),
+            nn.Dropout(0.2),
+            nn.Linear(HIDDEN, CLASSES),
+        )
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=CLASSES)
+        self.epoch_acc: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x)
+        self.acc.update(logits, y)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("train/loss", loss)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.epoch_acc.append(float(self.acc.compute()))
+        self.acc.reset()
+
+
+@pytest.mark.parametrize("config", ["32-true", "16-mixed-scaler"])
+def test_batchnorm_dropout_and_metrics_come_back_exactly_after_the_trial_loops(
+    config: str, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    callbacks = seven()
+    checked = RichNet()
+    trainer_for(callbacks, tmp_path / "a", max_epochs=2, **config_kwargs(config)).fit(checked, loader())
+    assert by_type(callbacks, OverfitBatchSanity).result.passed
+    suggested = by_type(callbacks, LRFinderPlus).result.suggestion
+    assert suggested is not None and suggested != checked.lr
+
+    torch.manual_seed(0)
+    plain = RichNet(lr=suggested)
+    trainer_for([], tmp_path / "b", max_epochs=2, **config_kwargs(config)).fit(plain, loader())
+    assert checked.losses == plain.losses
+    assert checked.epoch_acc == plain.epoch_acc  # the metric saw the real batches only
+    for (name, a), b in zip(checked.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name  # BatchNorm running statistics included
+
+
 # ---------------------------------------------------------------------------------------- one alert path
 class DyingNet(Net):
     """Most hidden units start dead (bias -20), so several callbacks have something to say."""
@@ -479,6 +530,7 @@ def test_ddp_two_ranks_all_callbacks_agree_rank_zero_logs_and_nan_fails_both(tmp
     assert r0["sentinel_history_steps"] == r1["sentinel_history_steps"] == list(range(12))
     assert r0["vx_history"] == pytest.approx(r0["norms"], rel=1e-5)  # real steps only, all-reduced norms
     assert r0["clip_seen"] == 12 and r1["clip_seen"] == 0  # the logger works on rank 0 only
+    assert r0["weights"] == r0["plain_weights"]  # = a plain DDP run started at the suggested LR, bit for bit
     assert r0["alerts"] == r1["alerts"] and not any(r0["alerts"].values())
     # rank 0 wrote the logs: one event file, one layout, the all-reduced norms on Lightning's step axis
     events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))

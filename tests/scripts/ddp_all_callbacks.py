@@ -4,7 +4,8 @@
 
 1. a healthy one with TensorBoard and CSV loggers under OUTDIR: every rank records the callbacks'
    verdicts and what its own optimizer steps saw;
-2. one whose rank 1 gets a NaN in its batch at optimizer step ``NAN_AT``: every rank records what
+2. a plain one (no callbacks) started with the LR the finder suggested in 1: its weights must equal 1's;
+3. one whose rank 1 gets a NaN in its batch at optimizer step ``NAN_AT``: every rank records what
    ``trainer.fit`` raised.
 
 Each rank writes OUTDIR/rank<r>.json.
@@ -37,8 +38,9 @@ N_SAMPLES, BATCH = 192, 8  # 12 optimizer steps per rank and epoch
 
 
 class Model(pl.LightningModule):
-    def __init__(self, nan_at: int | None = None) -> None:
+    def __init__(self, nan_at: int | None = None, lr: float = 0.05) -> None:
         super().__init__()
+        self.lr = lr
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
         self.nan_at = nan_at
         self.steps: list[int] = []
@@ -59,7 +61,7 @@ class Model(pl.LightningModule):
         self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
 def callbacks() -> list[Any]:
@@ -78,7 +80,7 @@ def loader() -> Any:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N_SAMPLES, 8, generator=g)
     y = (x @ torch.randn(8, 3, generator=g)).argmax(dim=1)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True)
 
 
 def trainer(out: Path, cbs: list[Any], logger: Any) -> pl.Trainer:
@@ -123,6 +125,11 @@ def main(out: Path) -> None:
         "clip_seen": gnl._clip_seen,
         "alerts": {type(cb).__name__: [a.kind for a in cb.alerts] for cb in cbs},
     }
+
+    pl.seed_everything(0, verbose=False)
+    plain = Model(lr=result["lr"])
+    trainer(out / "plain", [], False).fit(plain, loader())
+    result["plain_weights"] = [p.detach().reshape(-1).tolist() for p in plain.parameters()]
 
     pl.seed_everything(0, verbose=False)
     cbs = callbacks()

@@ -109,7 +109,10 @@ class DeadReLUMonitor(GradGuardCallback):
     r"""Alert when most units of a ReLU layer never fire.
 
     On sampled training steps (every step while ``global_step < window + patience - 1``, so a network
-    that starts dead is caught at once; then every ``every_n_steps``) it watches each ReLU output during
+    that starts dead is caught at once; then every ``every_n_steps``, and when such a sample finds more
+    than ``threshold`` of a layer's units silent on that batch, the next ``window + patience - 1``
+    batches as well, so a layer that dies mid-run is confirmed within ``every_n_steps + window +
+    patience - 1`` steps; follow-ups never start new follow-ups) it watches each ReLU output during
     the forward pass: ``nn.ReLU``, ``nn.ReLU6``, in-place ReLUs, and ``F.relu`` / ``torch.relu`` /
     ``Tensor.relu`` called inside any ``forward``. Watching uses a ``TorchFunctionMode`` and global
     module hooks that exist only during the sampled forward pass and are removed right after; other
@@ -207,6 +210,9 @@ class DeadReLUMonitor(GradGuardCallback):
         self._calls: dict[str, int] = {}
         self._batch: list[tuple[str, bool, Tensor, int]] = []
         self._sampled_at = (0, 0)
+        #: sampled batches still to take right away because a layer looked dead on a sampled batch
+        self._follow_left = 0
+        self._following = False
 
     # ------------------------------------------------------------------ layout
     @override
@@ -225,8 +231,10 @@ class DeadReLUMonitor(GradGuardCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._mode is not None or not self.due(int(trainer.global_step)):
+        regular = self.due(int(trainer.global_step))
+        if self._mode is not None or not (regular or self._follow_left > 0):
             return
+        self._following = not regular
         self._names = {id(m): name for name, m in pl_module.named_modules()}
         self._sampled_at = (int(trainer.global_step), log_step(trainer))
         self._stack, self._calls, self._batch = [], {}, []
@@ -276,6 +284,9 @@ class DeadReLUMonitor(GradGuardCallback):
         if self._batch:
             batch_records, self._batch = self._batch, []
             self._flush(trainer, batch_records)
+        if self._following:
+            self._following = False
+            self._follow_left = max(self._follow_left - 1, 0)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -360,7 +371,10 @@ class DeadReLUMonitor(GradGuardCallback):
         metrics: dict[str, float] = {}
         histograms: list[tuple[str, Tensor]] = []
         alerts = []
-        for key, (saturation, _) in per_batch.items():
+        suspicious = False
+        for key, (saturation, batch_counts) in per_batch.items():
+            if not saturation:  # more than `threshold` of the units silent on this very batch
+                suspicious |= float((batch_counts == 0).float().mean()) > self.threshold
             win = self._windows[key]
             counts = torch.stack([c for c, _ in win])
             total = sum(n for _, n in win)
@@ -409,6 +423,11 @@ class DeadReLUMonitor(GradGuardCallback):
             spec = device_histograms([r for _, r in histograms], bins=self.histogram_bins)
             for i, (tag, _) in enumerate(histograms):
                 _emit.log_histogram_raw(trainer, tag, spec.stats[i], spec.edges[i], spec.counts[i], at)
+        # A regular sample that looks dead is followed up at once: the next window + patience - 1 batches
+        # are sampled too, so a layer that died mid-run is confirmed within a few steps, not
+        # every_n_steps x (window + patience - 1). Follow-ups do not start new follow-ups.
+        if suspicious and not self._following and step >= self.window + self.patience - 1:
+            self._follow_left = self.window + self.patience - 1
         self.act(trainer, alerts)
 
     # ------------------------------------------------------------------ state
@@ -419,6 +438,7 @@ class DeadReLUMonitor(GradGuardCallback):
             strikes=dict(self._strikes),
             windows={k: [(c.clone(), n) for c, n in w] for k, w in self._windows.items()},
             sampled_batches=self.sampled_batches,
+            follow_left=self._follow_left,
         )
         return state
 
@@ -431,3 +451,4 @@ class DeadReLUMonitor(GradGuardCallback):
             for k, w in state_dict.get("windows", {}).items()
         }
         self.sampled_batches = int(state_dict.get("sampled_batches", 0))
+        self._follow_left = int(state_dict.get("follow_left", 0))

@@ -615,3 +615,21 @@ def test_the_same_callbacks_serve_a_second_fresh_fit_as_a_new_run(tmp_path: Path
         assert by_type(cbs, GradientNormLogger)._clip_seen == NAN_AT + 1
     assert errors[1].alerts and errors[1].alerts[0] is not errors[0].alerts[0]
     assert [a.step for a in by_type(cbs, NaNSentinel).alerts] == [NAN_AT, NAN_AT]
+
+
+def test_a_sweep_that_ends_in_nan_trips_no_monitor(tmp_path: Path) -> None:
+    """The range test runs to LRs where the loss overflows; the NaN stays inside the sweep."""
+    torch.manual_seed(0)
+    callbacks = seven()
+    callbacks[2] = LRFinderPlus(
+        min_lr=1e-4, max_lr=1e6, num_training=SWEEP, divergence_threshold=None, progress=False, plot=False
+    )
+    memory = MemoryLogger(str(tmp_path))
+    model = Net()
+    trainer_for(callbacks, tmp_path, logger=memory).fit(model, loader())
+    finder = by_type(callbacks, LRFinderPlus)
+    assert finder.result.stop_reason == "non-finite loss" and finder.result.suggestion is not None
+    assert all(cb.alerts == [] for cb in callbacks)
+    assert model.steps == list(range(STEPS_PER_EPOCH)) and all(math.isfinite(v) for v in model.losses)
+    assert by_type(callbacks, NaNSentinel)._history_steps == model.steps
+    assert all(math.isfinite(v) for v in memory.series("grad_norm/total").values())

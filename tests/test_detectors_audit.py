@@ -201,6 +201,11 @@ def h_small_mlp() -> tuple[pl.LightningModule, DataLoader[Any]]:
     return Classifier(net, adamw(1e-3)), loader(*teacher_data())
 
 
+def h_fused_adamw() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    net = mlp([FEATURES, 64, 64, CLASSES])
+    return Classifier(net, lambda p: torch.optim.AdamW(p, lr=3e-3, fused=True)), loader(*teacher_data())
+
+
 class TokenClassifier(nn.Module):
     """Embedding (most rows get no gradient on a batch), mean pool, MLP head."""
 
@@ -641,6 +646,7 @@ SETUPS: list[Setup] = [
     Setup("onecycle_sgd", h_onecycle, 400),
     Setup("grad_accumulation_4", h_accumulate, 150, trainer_kwargs={"accumulate_grad_batches": 4}),
     Setup("fp16_mixed_gradscaler", h_small_mlp, 300, fp16_scaler=True),
+    Setup("fp16_gradscaler_fused_adamw", h_fused_adamw, 150, fp16_scaler=True),  # unscaled inside .step()
     Setup("bf16_mixed_long", h_small_mlp, 300, trainer_kwargs={"precision": "bf16-mixed"}),
     Setup("embedding_rows_mostly_zero", h_embedding, 300),
     Setup("sparse_embedding_sgd", h_sparse_embedding, 300),

@@ -296,6 +296,30 @@ def test_shares_the_gradient_pass_with_the_logger(tmp_path: Path) -> None:
     assert len(calls) == 4
 
 
+class ZeroInitHead(RecordingMLP):
+    """The output layer starts at 0: the first layer's gradient is exactly 0 at step 0 ("opening")."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        nn.init.zeros_(self.net[2].weight)
+
+
+def test_layers_behind_zero_init_weights_are_opening_until_grown_and_resume() -> None:
+    det = every_step()
+    fit(ZeroInitHead(), det, random_loader(n=8 * 6))
+    model_first = det.opening["net.0"]
+    assert model_first > 0  # its first non-zero norm (step 1), recorded
+    assert "net.2" not in det.opening  # the head had a gradient from step 0
+    assert det.alerts == []
+    other = VanishingExplodingDetector()
+    other.load_state_dict(det.state_dict())
+    assert other.opening == det.opening and other._seen_layers == {"net.0", "net.2"}
+    # grown 100x past its first value: an ordinary layer again
+    labels, values = ["net.0", "net.2"], [100.0 * model_first, 1.0]
+    assert other._opening(labels, values) == set() and "net.0" not in other.opening
+    assert other._opening(labels, [1e-30, 1.0]) == set()  # and it stays ordinary
+
+
 def test_state_dict_round_trip() -> None:
     det = VanishingExplodingDetector()
     fit(Scheduled(lambda s: 500.0), det, random_loader(n=80))

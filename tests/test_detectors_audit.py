@@ -771,3 +771,29 @@ def _run_keep(setup: Setup, extra: list[Any], holder: dict[str, Any]) -> None:
     )
     holder.update(trainer=trainer, detectors=detectors)
     trainer.fit(module, data)
+
+
+class QuietTokens(Classifier):
+    """A large embedding table whose model has nearly converged (the loss is scaled down 100x to stand in
+    for a late, small loss; lr=0 keeps the run short): every dense layer's RMS gradient stays above 1e-7,
+    and so do the table rows this batch used, but the RMS over the whole table is far below it."""
+
+    def __init__(self) -> None:
+        super().__init__(TokenClassifier(vocab=200_000, dim=16), lambda p: torch.optim.SGD(p, lr=0.0))
+        self.table_rms: list[tuple[float, float]] = []
+
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        return 1e-2 * super().loss(out, y)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        g = self.net.embed.weight.grad
+        used = g[g.abs().sum(1) > 0]
+        self.table_rms.append((float(g.pow(2).mean().sqrt()), float(used.pow(2).mean().sqrt())))
+
+
+def test_embedding_table_rms_is_not_vanishing() -> None:
+    setup = Setup("embedding_200k_rows", lambda: (QuietTokens(), loader(*token_data(vocab=200_000))), 25)
+    alerts, trainer = run(setup)
+    table, used = zip(*trainer.lightning_module.table_rms, strict=True)
+    assert max(table) < 1e-7 < min(used)  # the whole-table RMS would have been "vanishing"
+    assert [a.format() for a in alerts if a.severity != "info"] == []

@@ -212,6 +212,8 @@ class VanishingExplodingDetector(GradGuardCallback):
         #: growing: layer -> its first non-zero norm (0.0 while it is still 0)
         self.opening: dict[str, float] = {}
         self._seen_layers: set[str] = set()
+        #: embedding layers (their gradient has a row per token, most rows 0 on a batch)
+        self._embedding_layers: set[str] | None = None
 
     # ------------------------------------------------------------------ layout
     @override
@@ -289,6 +291,12 @@ class VanishingExplodingDetector(GradGuardCallback):
             labels, norms = stats.grad_groups(2.0)
         if not labels:
             return
+        if self._embedding_layers is None:
+            self._embedding_layers = {
+                name
+                for name, m in pl_module.named_modules()
+                if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+            }
         opt = getattr(optimizer, "optimizer", optimizer)
         ids = [id(o) for o in trainer.optimizers]
         opt_idx = ids.index(id(opt)) if id(opt) in ids else 0
@@ -429,8 +437,12 @@ class VanishingExplodingDetector(GradGuardCallback):
             data["opening_layers"] = float(len(opening))
         positive = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
         groups = [[i for i in positive if i not in opening], [i for i in positive if i in opening]]
-        if self.min_rms is not None:  # an absolute floor: not for a gradient growing from 0 by design
-            live = groups[0]
+        if self.min_rms is not None:
+            # An absolute per-element floor: not for a gradient growing from 0 by design (opening), nor
+            # for an embedding table, whose RMS is dominated by the rows this batch never touched (their
+            # gradient is exactly 0): a 50k x 768 table has a 6000x lower RMS than the rows in use.
+            tables = self._embedding_layers or set()
+            live = [i for i in groups[0] if labels[i] not in tables]
             rms = {i: values[i] / math.sqrt(max(numels[i], 1)) for i in live}
             under = [i for i in live if rms[i] < self.min_rms]
             if under:

@@ -89,7 +89,9 @@ class VanishingExplodingDetector(GradGuardCallback):
       less than ``depth_ratio_floor`` of the last layer's norm *and* an absolute norm below
       ``first_layer_floor`` (AutoTrainer's rule: 1e-3 and 1e-4);
     * a layer's root-mean-square gradient is below ``min_rms`` (SageMaker's mean\|g\| < 1e-7; RMS is an
-      upper bound of mean\|g\|, so this fires only when mean\|g\| is even smaller);
+      upper bound of mean\|g\|, so this fires only when mean\|g\| is even smaller). Embedding tables
+      (``nn.Embedding``, ``nn.EmbeddingBag``) are left out: the rows a batch did not touch have a gradient
+      of exactly 0, so their RMS measures the vocabulary size;
     * a layer's norm is below ``relative_floor`` times the largest layer norm of the same step.
 
     Layers without a gradient this step (frozen, unused, or exactly zero behind a dead path) are never

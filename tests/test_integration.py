@@ -397,20 +397,23 @@ def test_resume_from_checkpoint_repeats_no_preflight_or_sweep_and_continues_exac
     """Resuming restores every callback's state; the checks and the sweep belong to the fresh start only.
 
     The resumed run equals the uninterrupted one bit for bit (unshuffled data: Lightning does not restore
-    a sampler's random order), and the LR is the one the finder applied before the checkpoint.
+    a sampler's random order), and the LR is the one the finder applied before the checkpoint. The
+    callbacks' states load under ``weights_only=True`` (plain tensors, numbers, lists and dicts).
     """
     torch.manual_seed(0)
     whole = Net()
     whole_cbs = seven()
-    trainer_for(whole_cbs, tmp_path / "whole", max_epochs=2).fit(whole, loader(shuffle=False))
+    trainer_for(whole_cbs, tmp_path / "whole", max_epochs=2, gradient_clip_val=1.0).fit(
+        whole, loader(shuffle=False)
+    )
 
     torch.manual_seed(0)
     first = Net()
     first_cbs = seven()
     ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
-    trainer_for([*first_cbs, ckpt], tmp_path / "first", max_epochs=1, enable_checkpointing=True).fit(
-        first, loader(shuffle=False)
-    )
+    trainer_for(
+        [*first_cbs, ckpt], tmp_path / "first", max_epochs=1, enable_checkpointing=True, gradient_clip_val=1.0
+    ).fit(first, loader(shuffle=False))
     suggested = by_type(first_cbs, LRFinderPlus).result.suggestion
     assert suggested is not None
 
@@ -424,8 +427,10 @@ def test_resume_from_checkpoint_repeats_no_preflight_or_sweep_and_continues_exac
         logger=memory,
         max_epochs=2,
         enable_checkpointing=True,
+        gradient_clip_val=1.0,
     )
-    trainer.fit(resumed, loader(shuffle=False), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    last = str(tmp_path / "ckpt" / "last.ckpt")
+    trainer.fit(resumed, loader(shuffle=False), ckpt_path=last, weights_only=True)
 
     assert by_type(cbs, LRFinderPlus).results == []  # not repeated: epoch 0's test is in the checkpoint
     assert trainer.optimizers[0].param_groups[0]["lr"] == suggested
@@ -438,6 +443,11 @@ def test_resume_from_checkpoint_repeats_no_preflight_or_sweep_and_continues_exac
     vx_whole = by_type(whole_cbs, VanishingExplodingDetector)
     vx_resumed = by_type(cbs, VanishingExplodingDetector)
     assert vx_resumed.history[0] == vx_whole.history[0]  # the baseline was carried over
+    gnl_whole = by_type(whole_cbs, GradientNormLogger)
+    gnl_resumed = by_type(cbs, GradientNormLogger)
+    assert gnl_resumed._clip_seen == gnl_whole._clip_seen == 2 * STEPS_PER_EPOCH  # the clip window too
+    assert torch.equal(gnl_resumed._clip_norms.isnan(), gnl_whole._clip_norms.isnan())
+    assert torch.equal(gnl_resumed._clip_norms.nan_to_num(), gnl_whole._clip_norms.nan_to_num())
     assert resumed.losses == whole.losses[STEPS_PER_EPOCH:]
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name

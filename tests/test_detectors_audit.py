@@ -797,3 +797,28 @@ def test_embedding_table_rms_is_not_vanishing() -> None:
     table, used = zip(*trainer.lightning_module.table_rms, strict=True)
     assert max(table) < 1e-7 < min(used)  # the whole-table RMS would have been "vanishing"
     assert [a.format() for a in alerts if a.severity != "info"] == []
+
+
+class ColumnHinge(Classifier):
+    """The hinge loss on a ``(batch, 1)`` output, ``F.relu(1 - y * f(x))`` in ``training_step``: a 2-D ReLU
+    output with one "unit" that is 0 for every sample once the margins are met."""
+
+    def loss(self, out: Tensor, y: Tensor) -> Tensor:
+        sign = 2.0 * y.float()[:, None] - 1.0
+        return F.relu(1.0 - sign * out.float()).mean()
+
+
+def test_relu_in_loss_code_is_not_a_layer_and_says_so_once() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, FEATURES, generator=g)
+    y = (x @ torch.randn(FEATURES, generator=g) > 0).long()
+    setup = Setup(
+        "column_hinge", lambda: (ColumnHinge(mlp([FEATURES, 64, 1]), adamw(1e-2)), loader(x, y)), 300
+    )
+    with pytest.warns(UserWarning, match="outside every module's forward") as record:
+        alerts, trainer = run(setup)
+    assert [a.format() for a in alerts if a.severity != "info"] == []
+    assert sum("outside every module" in str(w.message) for w in record) == 1
+    assert set(trainer.callbacks[1].dead_fractions) == {"net.1"}  # the model's own ReLU is watched
+    losses = trainer.lightning_module.losses
+    assert sum(losses[-20:]) / 20 < 0.1 * sum(losses[:20]) / 20  # the margins are met: the loss's ReLU is 0

@@ -120,7 +120,7 @@ class DeadReLUMonitor(GradGuardCallback):
     (``"encoder.block3:relu"``), a ReLU module by its own name; a name reached twice in one forward pass
     gets ``#2``, ``#3``. Calls outside every module's ``forward`` (loss code in ``training_step``, such as
     a hinge loss written with ``F.relu``) and outputs with fewer than 2 dimensions are not layers and are
-    not watched.
+    not watched (a one-time warning says so when the former were seen).
 
     A *unit* is a feature of a ``Linear`` output (last dimension) or a channel of a ``ConvNd`` output
     (dimension 1). Per sampled batch each unit is *active* if it output a non-zero value for at least one
@@ -213,6 +213,7 @@ class DeadReLUMonitor(GradGuardCallback):
         #: sampled batches still to take right away because a layer looked dead on a sampled batch
         self._follow_left = 0
         self._following = False
+        self._outside_seen = False
 
     # ------------------------------------------------------------------ layout
     @override
@@ -287,6 +288,14 @@ class DeadReLUMonitor(GradGuardCallback):
         if self._following:
             self._following = False
             self._follow_left = max(self._follow_left - 1, 0)
+        if self._outside_seen:
+            self._outside_seen = False
+            warn_once(
+                trainer,
+                "dead_relu_outside_modules",
+                "DeadReLUMonitor: ReLU/sigmoid/tanh calls outside every module's forward (loss code in "
+                "training_step, or a model called as self.forward(x) instead of self(x)) are not watched.",
+            )
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -319,7 +328,10 @@ class DeadReLUMonitor(GradGuardCallback):
         # Only layers are watched: a call outside every module's ``forward`` is loss or glue code in
         # ``training_step`` (a hinge loss ``F.relu(1 - y * f(x))`` outputs 0 exactly when it is satisfied),
         # and a tensor with fewer than 2 dimensions has no unit axis (one value per sample, or a scalar).
-        if not self._stack or x.dim() < 2 or not x.is_floating_point():
+        if x.dim() < 2 or not x.is_floating_point():
+            return
+        if not self._stack:
+            self._outside_seen = True
             return
         top, is_activation = self._stack[-1]
         base = top if is_activation else (f"{top}:{fn}" if top else fn)

@@ -28,7 +28,7 @@ on them until the suggestion rules and the default method had been chosen on the
 
 It also reads rules that were considered and not adopted off the pooled curve (no extra training).
 
-Run: ``python benchmarks/lr_finder.py`` (about 6 min on one core) or ``--quick`` (coarse grid, 2 seeds).
+Run: ``python benchmarks/lr_finder.py`` (about 5 min on one core) or ``--quick`` (coarse grid, 2 seeds).
 Writes Markdown tables to stdout and JSON with every number to ``--out``.
 """
 

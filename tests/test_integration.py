@@ -642,3 +642,17 @@ def test_a_sweep_that_ends_in_nan_trips_no_monitor(tmp_path: Path) -> None:
     assert model.steps == list(range(STEPS_PER_EPOCH)) and all(math.isfinite(v) for v in model.losses)
     assert by_type(callbacks, NaNSentinel)._history_steps == model.steps
     assert all(math.isfinite(v) for v in memory.series("grad_norm/total").values())
+
+
+def test_resume_does_not_rerun_the_preflight_checks(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    trainer_for([*seven(), ckpt], tmp_path / "first", max_epochs=1, enable_checkpointing=True).fit(
+        Net(), loader(shuffle=False)
+    )
+    cbs = seven()
+    trainer_for(cbs, tmp_path / "resumed", max_epochs=2).fit(
+        Net(), loader(shuffle=False), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+    )
+    assert by_type(cbs, OverfitBatchSanity).result is None
+    assert by_type(cbs, GradientCheck).result is None

@@ -11,6 +11,7 @@ plain function on any module and batch.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import random
 import time
@@ -53,6 +54,8 @@ __all__ = [
     "find_custom_functions",
     "gradient_check",
 ]
+
+log = logging.getLogger("lightning_gradguard")
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -724,6 +727,9 @@ class GradientCheck(GradGuardCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.fresh_run(trainer):  # a resumed run was checked when it started
+            log.info("GradientCheck: fit resumes from a checkpoint; the pre-flight check is not repeated")
+            return
         if not pl_module.automatic_optimization:
             warn_once(
                 trainer,

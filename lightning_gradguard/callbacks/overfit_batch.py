@@ -10,6 +10,7 @@ initial loss is the one a fresh classifier should have, and put everything back 
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 import random
 import statistics
@@ -35,6 +36,8 @@ from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks._snapshot import TrainingSnapshot, loader_generators
 
 __all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
+
+log = logging.getLogger("lightning_gradguard")
 
 _MAX_LISTED = 8
 
@@ -597,6 +600,11 @@ class OverfitBatchSanity(GradGuardCallback):
     # ------------------------------------------------------------------ hook
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.fresh_run(trainer):  # a resumed run was checked when it started
+            log.info(
+                "OverfitBatchSanity: fit resumes from a checkpoint; the pre-flight check is not repeated"
+            )
+            return
         if not pl_module.automatic_optimization:
             warn_once(
                 trainer,
@@ -1330,6 +1338,12 @@ class OverfitBatchSanity(GradGuardCallback):
         self.act(trainer, alerts)
 
     # ------------------------------------------------------------------ state
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        #: the summary of the check made when the run started (``passed``, ``steps``, losses), on resume
+        self.resumed_result: dict[str, Any] | None = state_dict.get("result")
+
     @override
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

@@ -656,3 +656,71 @@ def test_resume_does_not_rerun_the_preflight_checks(tmp_path: Path) -> None:
     )
     assert by_type(cbs, OverfitBatchSanity).result is None
     assert by_type(cbs, GradientCheck).result is None
+
+
+def test_second_fresh_fit_with_the_same_finder_runs_the_range_test_again(tmp_path: Path) -> None:
+    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=30, progress=False, plot=False)
+    for attempt in range(2):
+        torch.manual_seed(0)
+        trainer_for([finder], tmp_path / str(attempt)).fit(Net(), loader())
+        assert len(finder.results) == attempt + 1
+
+
+class Scheduled(Net):
+    """AdamW under a per-step scheduler built from the module's ``lr`` (the configured LR)."""
+
+    def __init__(self, kind: str, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        self.kind = kind
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.lrs.append(float(self.trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        sched: Any
+        if self.kind == "warmup":
+            sched = torch.optim.lr_scheduler.SequentialLR(
+                opt,
+                [
+                    torch.optim.lr_scheduler.LinearLR(opt, 0.1, 1.0, 5),
+                    torch.optim.lr_scheduler.CosineAnnealingLR(opt, 27),
+                ],
+                [5],
+            )
+        elif self.kind == "onecycle":
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=32)
+        else:
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=32)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.parametrize("kind", ["cosine", "warmup", "onecycle"])
+def test_the_finder_applies_its_suggestion_as_the_configured_lr_under_a_scheduler(
+    kind: str, tmp_path: Path
+) -> None:
+    """After the finder the schedule is the one a run started with ``lr=suggestion`` follows."""
+    torch.manual_seed(0)
+    callbacks = seven()
+    checked = Scheduled(kind)
+    trainer_for(callbacks, tmp_path / "a", max_epochs=2).fit(checked, loader())
+    suggested = by_type(callbacks, LRFinderPlus).result.suggestion
+    torch.manual_seed(0)
+    plain = Scheduled(kind, lr=suggested)
+    trainer_for([], tmp_path / "b", max_epochs=2).fit(plain, loader())
+    assert checked.lrs == pytest.approx(plain.lrs, rel=1e-9)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_all_seven_callbacks_under_true_precisions(precision: str, tmp_path: Path) -> None:
+    """Lightning converts the batch to the precision's dtype (precision_plugin.convert_input) before
+    training_step; the range test's own loop must too (it crashed: float batch, double weights)."""
+    torch.manual_seed(0)
+    callbacks = seven()
+    model = Net()
+    trainer_for(callbacks, tmp_path, precision=precision).fit(model, loader())
+    assert by_type(callbacks, LRFinderPlus).result.suggestion is not None
+    assert by_type(callbacks, OverfitBatchSanity).result.passed
+    assert model.steps == list(range(16))

@@ -542,16 +542,21 @@ def test_manual_optimization_warns_once_and_training_goes_on() -> None:
     assert [a.kind for a in finder.alerts] == ["lr_finder_failed"]
 
 
-def test_state_dict_remembers_which_milestones_ran() -> None:
+def test_state_dict_remembers_which_milestones_ran(tmp_path: Path) -> None:
     pl.seed_everything(0)
     finder = _finder(milestones=[0, 5])
-    _fit(Net(), [finder], max_steps=1)
+    trainer = _fit(Net(), [finder], max_steps=1)
     state = finder.state_dict()
     assert state["done_epochs"] == [0]
+    trainer.save_checkpoint(tmp_path / "step1.ckpt")
     resumed = _finder(milestones=[0, 5])
-    resumed.load_state_dict(state)
-    _fit(Net(), [resumed], max_steps=1)
+    trainer = make_trainer([resumed], max_steps=2)
+    trainer.fit(Net(), _loader(shuffle=True), ckpt_path=str(tmp_path / "step1.ckpt"))
     assert resumed.results == []  # epoch 0 already had its test: not run again after a resume
+    again = _finder(milestones=[0, 5])
+    again.load_state_dict(state)
+    _fit(Net(), [again], max_steps=1)  # a fresh fit (no ckpt_path) is a new run: it tests again
+    assert len(again.results) == 1
 
 
 # ---------------------------------------------------------------------------------------------- outputs

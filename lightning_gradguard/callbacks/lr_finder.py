@@ -355,6 +355,12 @@ class LRFinderPlus(GradGuardCallback):
 
     # ------------------------------------------------------------------ hooks
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):  # the same callback reused for a new run tests that run again
+            self._done_epochs.clear()
+
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = int(trainer.current_epoch)
         if epoch not in self.milestones or epoch in self._done_epochs:
@@ -376,7 +382,7 @@ class LRFinderPlus(GradGuardCallback):
         optimizer = trainer.optimizers[0]
         started = time.perf_counter()
         snapshot = _Snapshot(trainer, pl_module, optimizer)
-        base = [float(g["lr"]) for g in optimizer.param_groups]
+        base = [_configured(g) for g in optimizer.param_groups]
         try:
             lrs, losses, smoothed, stop_reason, skipped = self._sweep(trainer, pl_module, optimizer, base)
         finally:
@@ -464,6 +470,7 @@ class LRFinderPlus(GradGuardCallback):
                         break
                     batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
                     batch = strategy.batch_to_device(batch, dataloader_idx=0)
+                    batch = trainer.precision_plugin.convert_input(batch)
                     loss = _loss_of(strategy.training_step(batch, batch_idx))
                     if loss is None:
                         stop_reason = "no loss"
@@ -650,6 +657,15 @@ class LRFinderPlus(GradGuardCallback):
         self._done_epochs = set(state_dict.get("done_epochs", []))
 
 
+def _configured(group: dict[str, Any]) -> float:
+    """The LR a group was configured with, before a scheduler scaled it (OneCycleLR: its peak)."""
+    for key in ("max_lr", "initial_lr"):
+        value = group.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return float(group["lr"])
+
+
 def _apply_lr(trainer: pl.Trainer, optimizer: Any, base: list[float], suggestion: float) -> None:
     """Scale every group's LR (and the schedulers' base LRs) so that group 0 gets ``suggestion``.
 
@@ -668,8 +684,10 @@ def _apply_lr(trainer: pl.Trainer, optimizer: Any, base: list[float], suggestion
         for key in _SCALED_GROUP_KEYS:
             if isinstance(group.get(key), (int, float)) and not isinstance(group.get(key), bool):
                 group[key] = scaled(float(group[key]))
-    for cfg in trainer.lr_scheduler_configs:
-        scheduler = cfg.scheduler
+    todo = [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
+    while todo:  # SequentialLR / ChainedScheduler: their children keep base LRs of their own
+        scheduler = todo.pop()
+        todo.extend(getattr(scheduler, "_schedulers", []))
         if hasattr(scheduler, "base_lrs"):
             scheduler.base_lrs = [scaled(float(b)) for b in scheduler.base_lrs]
         if hasattr(scheduler, "_last_lr"):

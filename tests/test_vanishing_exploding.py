@@ -320,6 +320,18 @@ def test_layers_behind_zero_init_weights_are_opening_until_grown_and_resume() ->
     assert other._opening(labels, [1e-30, 1.0]) == set()  # and it stays ordinary
 
 
+def test_a_second_fresh_fit_is_a_new_run() -> None:
+    """The same detector on a second fit without ckpt_path: its own history, strikes and cooldowns."""
+    det = VanishingExplodingDetector()
+    torch.manual_seed(0)
+    fit(Scheduled(lambda s: 500.0), det, random_loader(n=80))
+    first = (list(det.history[0]), dict(det.forward_order))
+    torch.manual_seed(0)
+    fit(Scheduled(lambda s: 500.0), det, random_loader(n=80))
+    assert [(a.kind, a.step) for a in det.alerts] == [("exploding_gradient", 1)] * 2
+    assert (det.history[0], det.forward_order) == first
+
+
 def test_state_dict_round_trip() -> None:
     det = VanishingExplodingDetector()
     fit(Scheduled(lambda s: 500.0), det, random_loader(n=80))

@@ -227,6 +227,14 @@ class DeadReLUMonitor(GradGuardCallback):
         """Whether training step ``step`` (``global_step``) is sampled."""
         return step < self.window + self.patience - 1 or step % self.every_n_steps == 0
 
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):  # a new run is judged on its own sampled batches
+            self._windows, self._strikes = {}, {}
+            self.dead_fractions, self.saturated_fractions = {}, {}
+            self.sampled_batches, self._follow_left, self._following = 0, 0, False
+
     # ------------------------------------------------------------------ attach / detach
     @override
     def on_train_batch_start(

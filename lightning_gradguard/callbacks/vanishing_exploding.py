@@ -222,6 +222,15 @@ class VanishingExplodingDetector(GradGuardCallback):
     def layout_charts(self) -> dict[str, list[str]]:
         return {"Gradient flow: log10(layer norm / largest layer norm)": ["grad_flow/.*"]}
 
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):  # a new run (perhaps of a new model) is judged on its own numbers
+            self.history, self.strikes, self.last_check = {}, {}, {}
+            self.forward_order, self._order_seen = {}, False
+            self._last_flow_at, self._last_alert, self._numel_cache = {}, {}, {}
+            self.opening, self._seen_layers, self._embedding_layers = {}, set(), None
+
     # ------------------------------------------------------------------ forward order (once)
     @override
     def on_train_batch_start(

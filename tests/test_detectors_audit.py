@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
@@ -641,6 +642,26 @@ def h_warm_restarts() -> tuple[pl.LightningModule, DataLoader[Any]]:
     return Classifier(net, sgd, sched), loader(*teacher_data())
 
 
+class Checkpointed(nn.Module):
+    """Activation checkpointing: both halves are recomputed during backward (their ReLUs run twice)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = mlp([FEATURES, 64, 64])
+        self.b = nn.Sequential(nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = checkpoint(self.a, x, use_reentrant=False)
+        h = checkpoint(self.b, h, use_reentrant=False)
+        out: Tensor = self.head(h)
+        return out
+
+
+def h_checkpointed() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return Classifier(Checkpointed(), adamw()), loader(*teacher_data())
+
+
 SETUPS: list[Setup] = [
     Setup("warmup_cosine_adamw", h_warmup_cosine, 400),
     Setup("onecycle_sgd", h_onecycle, 400),
@@ -665,6 +686,7 @@ SETUPS: list[Setup] = [
     Setup("resnet_zero_init_residual", h_zero_init_resnet, 120),
     Setup("backbone_finetuning_unfreeze_at_80", h_backbone_finetuning, 300),
     Setup("sgdr_warm_restarts", h_warm_restarts, 400),
+    Setup("activation_checkpointing", h_checkpointed, 200),
     Setup("deep_sigmoid_zero_init_head", b_deep_sigmoid_zero_head, 60, ("vanishing_gradient",), 0, 5),
     # ReLUs die at step 100. DeadReLUMonitor samples every 50 steps; the sample at 150 looks dead and is
     # followed up at once (window + patience - 1 = 5 more sampled steps): at most 50 + 5 steps late.

@@ -4,13 +4,15 @@ Pre-flight checks (overfit one batch, an LR range test) train the real model for
 real run starts. Afterwards the run must be the one it would have been without them, bit for bit. A
 :class:`TrainingSnapshot` records, and :meth:`TrainingSnapshot.restore` writes back:
 
-* every parameter's value, ``.grad`` and ``requires_grad``, every buffer's value (BatchNorm running
+* every parameter's value, ``.grad`` and ``requires_grad`` (the module's, and any tensor an optimizer
+  holds that the module does not own), every buffer's value (BatchNorm running
   statistics, ``num_batches_tracked``), every module's ``training`` flag;
 * the state of every optimizer (moments, step counts, param groups and their learning rates) and LR
   scheduler;
 * the RNG states: torch CPU, every initialised CUDA device, NumPy's global generator, Python's
   ``random``, and the ``generator`` of a dataloader's sampler when given;
-* the trainer's progress counters (global step, batches that stepped, epoch and batch progress);
+* the trainer's progress counters (global step, batches that stepped, epoch and batch progress) and
+  the GradScaler of its precision plugin (16-mixed), if any;
 * torchmetrics states (duck-typed: modules with ``_defaults``, ``_update_count``, ``_computed``).
 
 Values are copied into the *same* tensor objects (``copy_``), so optimizers, DDP hooks and anything else
@@ -120,9 +122,19 @@ class TrainingSnapshot:
     ) -> None:
         self.module = module
         self.rng = RNGState(generators)
-        self.params: list[tuple[nn.Parameter, Tensor, Tensor | None, bool]] = [
+        if trainer is not None:
+            optimizers = list(trainer.optimizers) if optimizers is None else optimizers
+            if schedulers is None:
+                schedulers = [cfg.scheduler for cfg in getattr(trainer, "lr_scheduler_configs", [])]
+        tensors: dict[int, Tensor] = {}
+        for p in [
+            *module.parameters(),
+            *(q for o in optimizers or [] for g in o.param_groups for q in g["params"]),
+        ]:
+            tensors.setdefault(id(p), p)
+        self.params: list[tuple[Tensor, Tensor, Tensor | None, bool]] = [
             (p, p.detach().clone(), None if p.grad is None else p.grad.detach().clone(), p.requires_grad)
-            for p in module.parameters()
+            for p in tensors.values()
         ]
         self.buffers: list[tuple[nn.Module, str, Tensor | None]] = []
         for mod in module.modules():
@@ -130,15 +142,16 @@ class TrainingSnapshot:
                 self.buffers.append((mod, name, None if buf is None else buf.detach().clone()))
         self.modes = [(m, m.training) for m in module.modules()]
         self.metrics = [(m, _metric_state(m)) for m in module.modules() if _is_metric(m)]
-        if trainer is not None:
-            optimizers = list(trainer.optimizers) if optimizers is None else optimizers
-            if schedulers is None:
-                schedulers = [cfg.scheduler for cfg in getattr(trainer, "lr_scheduler_configs", [])]
         self.optimizers = [(o, copy.deepcopy(o.state_dict())) for o in (optimizers or [])]
         self.schedulers = [(s, copy.deepcopy(s.state_dict())) for s in (schedulers or [])]
         self.progress: list[tuple[Any, dict[str, Any]]] = []
         self.batches_that_stepped: int | None = None
+        self.scaler: Any = None
+        self.scaler_state: dict[str, Any] | None = None
         if trainer is not None:
+            scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+            if scaler is not None:
+                self.scaler, self.scaler_state = scaler, copy.deepcopy(scaler.state_dict())
             for path in _PROGRESS_PATHS:
                 obj = _resolve(trainer, path)
                 if obj is not None and hasattr(obj, "state_dict"):
@@ -169,6 +182,9 @@ class TrainingSnapshot:
             sched.load_state_dict(copy.deepcopy(state))
         for obj, state in self.progress:
             obj.load_state_dict(copy.deepcopy(state))
+        if self.scaler is not None and self.scaler_state is not None:
+            self.scaler.load_state_dict(copy.deepcopy(self.scaler_state))
+            self.scaler._per_optimizer_states.clear()  # no half-finished unscale_/step bookkeeping
         if self.batches_that_stepped is not None and self.trainer is not None:
             self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.batches_that_stepped
         self.rng.restore()

@@ -724,11 +724,13 @@ class GradientCheck(GradGuardCallback):
         self.seed = seed
         self.taylor_tolerance = float(taylor_tolerance)
         self.result: GradientCheckResult | None = None
+        self._in_checkpoint = False  # set by load_state_dict: the resumed run had this check
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.fresh_run(trainer):  # a resumed run was checked when it started
-            log.info("GradientCheck: fit resumes from a checkpoint; the pre-flight check is not repeated")
+        checked_before, self._in_checkpoint = self._in_checkpoint, False
+        if not self.fresh_run(trainer) and checked_before:  # the run was checked when it started
+            log.info("GradientCheck: fit resumes from a checkpoint; the check is not repeated")
             return
         if not pl_module.automatic_optimization:
             warn_once(
@@ -816,3 +818,9 @@ class GradientCheck(GradGuardCallback):
             if alert is not None:
                 alerts.append(alert)
         self.act(trainer, alerts)
+
+    # ------------------------------------------------------------------ state
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._in_checkpoint = True  # the run being resumed had this check: it is not repeated

@@ -18,7 +18,6 @@ what makes Lightning's own finder fail after training has started.
 from __future__ import annotations
 
 import contextlib
-import copy
 import csv
 import logging
 import math
@@ -31,7 +30,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from typing_extensions import override
@@ -40,6 +38,7 @@ from lightning_gradguard import _emit
 from lightning_gradguard._shared import log_step, warn_once
 from lightning_gradguard._validate import check_choice, check_float, check_int
 from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard.callbacks._snapshot import TrainingSnapshot
 from lightning_gradguard.functional.lr_suggest import (
     SUGGESTION_METHODS,
     DivergenceMonitor,
@@ -123,81 +122,6 @@ class LRFinderResult:
 
 class _FinderDone(Exception):
     """Ends the throwaway fit of :func:`lr_find` right after the sweep."""
-
-
-class _Snapshot:
-    """Everything a sweep changes, copied so it can be put back bit for bit."""
-
-    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        with torch.no_grad():
-            self.tensors = [(t, t.detach().clone()) for t in _state_tensors(pl_module)]
-            self.grads = [
-                (p, None if p.grad is None else p.grad.detach().clone())
-                for p in _all_params(pl_module, optimizer)
-            ]
-        self.optimizer = optimizer
-        self.optimizer_state = copy.deepcopy(optimizer.state_dict())
-        self.schedulers = [
-            (cfg.scheduler, copy.deepcopy(cfg.scheduler.state_dict())) for cfg in trainer.lr_scheduler_configs
-        ]
-        self.scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.scaler_state = copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None
-        self.rng = _collect_rng_states(include_cuda=True)
-        self.metrics = _metric_states(pl_module)
-        self.training = {m: m.training for m in pl_module.modules()}
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for tensor, saved in self.tensors:
-                tensor.copy_(saved)
-            for p, grad in self.grads:
-                p.grad = grad
-        self.optimizer.load_state_dict(self.optimizer_state)
-        for scheduler, state in self.schedulers:
-            scheduler.load_state_dict(state)
-        if self.scaler is not None and self.scaler_state is not None:
-            self.scaler.load_state_dict(self.scaler_state)
-            self.scaler._per_optimizer_states.clear()
-        for metric, state in self.metrics:
-            for name, value in state.items():
-                setattr(metric, name, value)
-        for m, mode in self.training.items():
-            m.training = mode
-        _set_rng_states(self.rng)
-
-
-def _state_tensors(pl_module: pl.LightningModule) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out: list[torch.Tensor] = []
-    for t in [*pl_module.parameters(), *pl_module.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def _all_params(pl_module: pl.LightningModule, optimizer: Any) -> list[torch.Tensor]:
-    seen: set[int] = set()
-    out: list[torch.Tensor] = []
-    for p in [*pl_module.parameters(), *(q for g in optimizer.param_groups for q in g["params"])]:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
-
-
-def _metric_states(pl_module: pl.LightningModule) -> list[tuple[Any, dict[str, Any]]]:
-    """Copies of every torchmetrics metric's accumulated state (a training_step may update them)."""
-    try:
-        from torchmetrics import Metric
-    except ImportError:  # pragma: no cover - torchmetrics is optional
-        return []
-    out = []
-    for m in pl_module.modules():
-        if isinstance(m, Metric):
-            names = [*m._defaults, "_update_count", "_computed", "_forward_cache"]
-            out.append((m, {n: copy.deepcopy(getattr(m, n)) for n in names if hasattr(m, n)}))
-    return out
 
 
 def _batches(loader: Any) -> Iterator[tuple[Any, int]]:
@@ -381,7 +305,7 @@ class LRFinderPlus(GradGuardCallback):
             return None
         optimizer = trainer.optimizers[0]
         started = time.perf_counter()
-        snapshot = _Snapshot(trainer, pl_module, optimizer)
+        snapshot = TrainingSnapshot(pl_module, trainer=trainer)
         base = [_configured(g) for g in optimizer.param_groups]
         try:
             lrs, losses, smoothed, stop_reason, skipped = self._sweep(trainer, pl_module, optimizer, base)

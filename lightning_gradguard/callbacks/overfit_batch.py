@@ -592,6 +592,7 @@ class OverfitBatchSanity(GradGuardCallback):
         self.ignore_parameters = list(ignore_parameters or [])
         self.fallback_lr = float(fallback_lr)
         self.result: OverfitResult | None = None
+        self._in_checkpoint = False  # set by load_state_dict: the resumed run had this check
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -600,10 +601,9 @@ class OverfitBatchSanity(GradGuardCallback):
     # ------------------------------------------------------------------ hook
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.fresh_run(trainer):  # a resumed run was checked when it started
-            log.info(
-                "OverfitBatchSanity: fit resumes from a checkpoint; the pre-flight check is not repeated"
-            )
+        checked_before, self._in_checkpoint = self._in_checkpoint, False
+        if not self.fresh_run(trainer) and checked_before:  # the run was checked when it started
+            log.info("OverfitBatchSanity: fit resumes from a checkpoint; the check is not repeated")
             return
         if not pl_module.automatic_optimization:
             warn_once(
@@ -1343,6 +1343,7 @@ class OverfitBatchSanity(GradGuardCallback):
         super().load_state_dict(state_dict)
         #: the summary of the check made when the run started (``passed``, ``steps``, losses), on resume
         self.resumed_result: dict[str, Any] | None = state_dict.get("result")
+        self._in_checkpoint = True  # the run being resumed had this check: it is not repeated
 
     @override
     def state_dict(self) -> dict[str, Any]:

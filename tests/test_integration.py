@@ -724,3 +724,24 @@ def test_all_seven_callbacks_under_true_precisions(precision: str, tmp_path: Pat
     assert by_type(callbacks, LRFinderPlus).result.suggestion is not None
     assert by_type(callbacks, OverfitBatchSanity).result.passed
     assert model.steps == list(range(16))
+
+
+class Exploding(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * 1e5
+
+
+def test_second_fresh_fit_with_the_same_detector_alerts_again(tmp_path: Path) -> None:
+    vx = VanishingExplodingDetector()
+    for attempt in range(2):
+        torch.manual_seed(0)
+        trainer_for([vx], tmp_path / str(attempt)).fit(Exploding(), loader())
+        assert len([a for a in vx.alerts if a.kind == "exploding_gradient"]) == attempt + 1
+
+
+def test_second_fresh_fit_with_the_same_relu_monitor_judges_its_own_samples(tmp_path: Path) -> None:
+    relu = DeadReLUMonitor(every_n_steps=2)
+    for attempt in range(2):
+        torch.manual_seed(0)
+        trainer_for([relu], tmp_path / str(attempt)).fit(DyingNet(), loader())
+    assert [(a.kind, a.step) for a in relu.alerts] == [("dead_relu", 4), ("dead_relu", 4)]

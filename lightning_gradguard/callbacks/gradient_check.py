@@ -31,14 +31,15 @@ from lightning_gradguard._shared import reduce_any, warn_once
 from lightning_gradguard._validate import check_float, check_int
 from lightning_gradguard.alerts import Alert, SanityCheckError
 from lightning_gradguard.callbacks._base import GradGuardCallback
-from lightning_gradguard.callbacks._snapshot import RNGState, loader_generators
+from lightning_gradguard.callbacks._snapshot import RNGState
 from lightning_gradguard.callbacks.overfit_batch import (
     first_train_batch,
     loss_of,
+    preflight_applies,
     quiet_logging,
     slice_batch,
-    tensors_free_iterables,
     tensors_in,
+    train_loader_generators,
     training_step_of,
 )
 from lightning_gradguard.functional.gradcheck import (
@@ -729,22 +730,9 @@ class GradientCheck(GradGuardCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checked_before, self._in_checkpoint = self._in_checkpoint, False
-        if not self.fresh_run(trainer) and checked_before:  # the run was checked when it started
-            log.info("GradientCheck: fit resumes from a checkpoint; the check is not repeated")
+        if not preflight_applies(self, trainer, pl_module, checked_before):
             return
-        if not pl_module.automatic_optimization:
-            warn_once(
-                trainer,
-                "gradient_check_manual",
-                "GradientCheck needs training_step to return the loss (automatic optimization); skipped. "
-                "Call lightning_gradguard.callbacks.gradient_check.gradient_check(model, batch, loss_fn).",
-            )
-            return
-        combined = trainer.fit_loop._combined_loader
-        gens: list[torch.Generator] = []
-        if combined is not None:
-            for loader in tensors_free_iterables(combined.iterables):
-                gens.extend(loader_generators(loader))
+        gens = train_loader_generators(trainer)
         if self.modules is not None:
             unknown = [m for m in self.modules if m not in dict(pl_module.named_modules())]
             if unknown:

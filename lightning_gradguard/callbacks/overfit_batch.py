@@ -114,6 +114,37 @@ def slice_batch(batch: Any, max_samples: int | None) -> Any:
     return apply_to_collection(batch, Tensor, cut)
 
 
+def preflight_applies(
+    check: GradGuardCallback, trainer: pl.Trainer, pl_module: pl.LightningModule, checked_before: bool
+) -> bool:
+    """Whether a pre-flight check runs in this fit: not on a resume of a run it already checked, and
+    only under automatic optimization (else a one-time warning; the run goes on)."""
+    name = type(check).__name__
+    if not check.fresh_run(trainer) and checked_before:
+        log.info("%s: fit resumes from a checkpoint; the check is not repeated", name)
+        return False
+    if not pl_module.automatic_optimization:
+        warn_once(
+            trainer,
+            f"{name}_manual",
+            f"{name} needs automatic optimization (training_step returning the loss); the check was skipped. "
+            "Under manual optimization, call lightning_gradguard.gradient_check(model, batch, loss_fn) "
+            "yourself.",
+        )
+        return False
+    return True
+
+
+def train_loader_generators(trainer: pl.Trainer) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects of the train dataloaders' samplers (their state is restored too)."""
+    combined = trainer.fit_loop._combined_loader
+    gens: list[torch.Generator] = []
+    if combined is not None:
+        for loader in tensors_free_iterables(combined.iterables):
+            gens.extend(loader_generators(loader))
+    return gens
+
+
 def first_train_batch(trainer: pl.Trainer) -> tuple[Any, list[torch.Generator]]:
     """The first batch of a fresh pass over the train dataloader(s), prepared as the training loop does.
 
@@ -602,22 +633,10 @@ class OverfitBatchSanity(GradGuardCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checked_before, self._in_checkpoint = self._in_checkpoint, False
-        if not self.fresh_run(trainer) and checked_before:  # the run was checked when it started
-            log.info("OverfitBatchSanity: fit resumes from a checkpoint; the check is not repeated")
-            return
-        if not pl_module.automatic_optimization:
-            warn_once(
-                trainer,
-                "overfit_batch_manual",
-                "OverfitBatchSanity supports automatic optimization only; the check was skipped.",
-            )
+        if not preflight_applies(self, trainer, pl_module, checked_before):
             return
         started = time.perf_counter()
-        combined = trainer.fit_loop._combined_loader
-        gens: list[torch.Generator] = []
-        if combined is not None:
-            for loader in tensors_free_iterables(combined.iterables):
-                gens.extend(loader_generators(loader))
+        gens = train_loader_generators(trainer)
         snapshot = TrainingSnapshot(pl_module, trainer=trainer, generators=gens)
         result: OverfitResult | None = None
         try:

@@ -31,7 +31,9 @@ class TrainerState:
     alert_counts: dict[str, int] = field(default_factory=dict)
     said_no_logger: bool = False
     warned: set[str] = field(default_factory=set)
-    param_cache: dict[int, tuple[list[Tensor], list[str], list[Tensor]]] = field(default_factory=dict)
+    param_cache: dict[int, tuple[list[Tensor], list[str], list[Tensor], list[bool]]] = field(
+        default_factory=dict
+    )
 
 
 _STATES: weakref.WeakKeyDictionary[Any, TrainerState] = weakref.WeakKeyDictionary()
@@ -69,11 +71,13 @@ def _trainable(
     """Names and tensors of the trainable parameters ``optimizer`` updates, in model order (cached)."""
     opt = getattr(optimizer, "optimizer", optimizer)  # unwrap LightningOptimizer
     in_opt = [p for g in opt.param_groups for p in g["params"]]
+    trainable = [p.requires_grad for p in in_opt]  # unfreezing a layer later changes what is measured
     cached = state.param_cache.get(id(opt))
     if (
         cached is not None
         and len(cached[0]) == len(in_opt)
         and all(a is b for a, b in zip(cached[0], in_opt, strict=True))
+        and cached[3] == trainable
     ):
         return cached[1], cached[2]
     wanted = {id(p) for p in in_opt if p.requires_grad}
@@ -90,7 +94,7 @@ def _trainable(
             seen.add(id(p))
             names.append(f"optimizer_param_{i}")
             params.append(p)
-    state.param_cache[id(opt)] = (in_opt, names, params)
+    state.param_cache[id(opt)] = (in_opt, names, params, trainable)
     return names, params
 
 

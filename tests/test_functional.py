@@ -148,3 +148,18 @@ def test_fused_and_per_tensor_histograms_agree(log10: bool) -> None:
         torch.testing.assert_close(getattr(per, field), getattr(fused, field), rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="method"):
         device_histograms(ts, method="gpu")
+
+
+def test_sparse_gradients_have_the_norms_of_their_dense_form() -> None:
+    emb = torch.nn.Embedding(50, 4, sparse=True)
+    emb(torch.tensor([[1, 3, 3, 7]])).pow(2).sum().backward()
+    grad = emb.weight.grad
+    assert grad is not None and grad.is_sparse
+    dense = grad.to_dense()
+    for norm_type in (2.0, math.inf):
+        torch.testing.assert_close(
+            foreach_norms([grad, dense], norm_type), torch.linalg.vector_norm(dense, norm_type).repeat(2)
+        )
+    assert nonfinite_counts([grad]).tolist() == [0]
+    spec = device_histograms([grad], bins=4)
+    assert spec.stats[0, 2] == 12  # the stored values of rows 1, 3 and 7 (row 3 coalesced), not the zeros

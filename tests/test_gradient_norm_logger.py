@@ -352,3 +352,24 @@ def test_state_dict_round_trip(memory_logger: MemoryLogger) -> None:
     assert other._clip_norms is not None and cb._clip_norms is not None
     torch.testing.assert_close(other._clip_norms, cb._clip_norms)
     assert other._last_reported == cb._last_reported == {"clipping_always_active@None": 9}
+
+
+class _UnfreezeLater(RecordingMLP):
+    """The first layer starts frozen (still in the optimizer) and is unfrozen after two steps."""
+
+    def on_fit_start(self) -> None:
+        self.net[0].requires_grad_(False)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == 2:
+            self.net[0].requires_grad_(True)
+
+
+def test_a_layer_unfrozen_mid_run_is_measured_from_then_on(memory_logger: MemoryLogger) -> None:
+    model = _UnfreezeLater()
+    make_trainer([GradientNormLogger(log_every_n_steps=1)], logger=memory_logger).fit(model, random_loader())
+    logged = memory_logger.series("grad_norm/net.0")
+    assert sorted(logged) == [s for s in range(2, 8)]
+    for step, value in logged.items():
+        assert value == pytest.approx(model.true_layers[step]["net.0"], rel=1e-5)
+    assert memory_logger.series("grad_norm/total")[5] == pytest.approx(model.true_total[5], rel=1e-5)

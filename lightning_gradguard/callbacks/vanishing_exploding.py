@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, step_stats, warn_once
+from lightning_gradguard._shared import log_step, step_stats
 from lightning_gradguard._validate import check_float, check_int
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
@@ -285,21 +285,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         if not self.due(step):
             return
         stats = step_stats(trainer, pl_module, optimizer)
-        if any(g.is_sparse for g in stats.grads):
-            # sparse gradients (nn.Embedding(sparse=True)): use the shared norms if they support them,
-            # otherwise skip this check with a one-time warning rather than crash the run
-            try:
-                labels, norms = stats.grad_groups(2.0)
-            except (RuntimeError, NotImplementedError):
-                warn_once(
-                    trainer,
-                    "vanishing_exploding_sparse",
-                    "VanishingExplodingDetector: the shared gradient norms do not support sparse gradients "
-                    "(nn.Embedding(sparse=True)); the detector skips the steps that have them.",
-                )
-                return
-        else:
-            labels, norms = stats.grad_groups(2.0)
+        labels, norms = stats.grad_groups(2.0)
         if not labels:
             return
         if self._embedding_layers is None:

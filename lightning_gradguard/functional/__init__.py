@@ -51,6 +51,7 @@ from lightning_gradguard.functional.lr_suggest import (
 )
 from lightning_gradguard.functional.stats import (
     HistogramSpec,
+    dense_values,
     device_histograms,
     foreach_norms,
     group_index,
@@ -74,6 +75,7 @@ __all__ = [
     "activity_counts",
     "centered_smooth",
     "dead_units",
+    "dense_values",
     "depth_ratio",
     "device_histograms",
     "ema",

@@ -16,6 +16,7 @@ from torch import Tensor
 
 __all__ = [
     "HistogramSpec",
+    "dense_values",
     "device_histograms",
     "foreach_norms",
     "group_index",
@@ -76,6 +77,7 @@ def foreach_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     norm_type = _check_norm_type(norm_type)
     if len(tensors) == 0:
         return torch.zeros(0)
+    tensors = dense_values(tensors)
     out_device = tensors[0].device
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -87,6 +89,17 @@ def foreach_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
         norms = torch.stack(torch._foreach_norm([tensors[i] for i in idx], norm_type)).float()
         out[torch.tensor(idx, device=out_device)] = norms.to(out_device, non_blocking=True)
     return out
+
+
+def dense_values(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``tensors`` with every sparse tensor replaced by its stored values (``nn.Embedding(sparse=True)``).
+
+    The implicit zeros of a sparse gradient change no norm and hold no NaN/inf, so norms and finiteness
+    of the values are those of the whole tensor; a histogram of them leaves the zeros out.
+    """
+    if not any(t.layout != torch.strided for t in tensors):
+        return list(tensors)
+    return [t.coalesce().values() if t.is_sparse else t for t in tensors]
 
 
 def reduce_norms(norms: Tensor, index: Tensor, num_groups: int, norm_type: float = 2.0) -> Tensor:
@@ -140,6 +153,7 @@ def nonfinite_counts(tensors: Sequence[Tensor]) -> Tensor:
     """
     if len(tensors) == 0:
         return torch.zeros(0, dtype=torch.long)
+    tensors = dense_values(tensors)
     device = tensors[0].device
     return torch.stack([(~torch.isfinite(t)).sum().to(device) for t in tensors])
 
@@ -181,6 +195,7 @@ def device_histograms(
     """
     if bins < 1:
         raise ValueError(f"`bins` must be >= 1, got {bins!r}")
+    tensors = dense_values(tensors)
     if len(tensors) == 0:
         z = torch.zeros(0)
         return HistogramSpec(z.reshape(0, 5), z.reshape(0, bins + 1), z.reshape(0, bins), z)

@@ -9,17 +9,26 @@ cached tensors. Nothing here moves data to the host: callers do that, once, when
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_gradguard.functional.stats import foreach_norms, group_index, layer_names, reduce_norms
 
-__all__ = ["StepStats", "TrainerState", "log_step", "reduce_any", "step_stats", "trainer_state"]
+__all__ = [
+    "StepStats",
+    "TrainerState",
+    "log_step",
+    "quiet_logging",
+    "reduce_any",
+    "step_stats",
+    "trainer_state",
+]
 
 
 @dataclass
@@ -231,3 +240,24 @@ def gradguard_callbacks(trainer: pl.Trainer) -> Iterable[Any]:
     from lightning_gradguard.callbacks._base import GradGuardCallback
 
     return [cb for cb in trainer.callbacks if isinstance(cb, GradGuardCallback)]  # type: ignore[attr-defined]
+
+
+@contextmanager
+def quiet_logging(pl_module: nn.Module) -> Iterator[None]:
+    """Run ``training_step`` without its ``self.log`` / ``self.log_dict`` calls reaching the loggers.
+
+    For the trial steps of the pre-flight checks, the LR sweep and the NaN replay: their losses are
+    not the run's metrics.
+    """
+    had = {k: k in pl_module.__dict__ for k in ("log", "log_dict")}
+    saved = {k: pl_module.__dict__.get(k) for k in had}
+    pl_module.__dict__["log"] = lambda *a, **k: None
+    pl_module.__dict__["log_dict"] = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        for k, present in had.items():
+            if present:
+                pl_module.__dict__[k] = saved[k]
+            else:
+                del pl_module.__dict__[k]

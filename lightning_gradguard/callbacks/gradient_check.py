@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
-from lightning_gradguard._shared import reduce_any, warn_once
+from lightning_gradguard._shared import quiet_logging, reduce_any, warn_once
 from lightning_gradguard._validate import check_float, check_int
 from lightning_gradguard.alerts import Alert, SanityCheckError
 from lightning_gradguard.callbacks._base import GradGuardCallback
@@ -36,7 +36,6 @@ from lightning_gradguard.callbacks.overfit_batch import (
     first_train_batch,
     loss_of,
     preflight_applies,
-    quiet_logging,
     slice_batch,
     tensors_in,
     train_loader_generators,

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, warn_once
+from lightning_gradguard._shared import log_step, quiet_logging, warn_once
 from lightning_gradguard._validate import check_choice, check_float, check_int
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks._snapshot import TrainingSnapshot
@@ -144,10 +144,6 @@ def _loss_of(output: Any) -> torch.Tensor | None:
         loss = output.get("loss")
         return loss if isinstance(loss, torch.Tensor) else None
     return None
-
-
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    """Stands in for ``LightningModule.log`` during the sweep: its losses are not the run's metrics."""
 
 
 class LRFinderPlus(GradGuardCallback):
@@ -373,11 +369,8 @@ class LRFinderPlus(GradGuardCallback):
         losses: list[float] = []
         skipped = 0
         stop_reason = "completed"
-        saved_log: dict[str, Any] = {
-            n: pl_module.__dict__[n] for n in ("log", "log_dict") if n in pl_module.__dict__
-        }
-        pl_module.log = _no_log  # type: ignore[method-assign]
-        pl_module.log_dict = _no_log  # type: ignore[method-assign]
+        quiet = contextlib.ExitStack()
+        quiet.enter_context(quiet_logging(pl_module))  # the sweep's losses are not the run's metrics
         batches = _batches(trainer.train_dataloader)
         prefix = f"LRFinderPlus [epoch {trainer.current_epoch}]"
         try:
@@ -446,9 +439,7 @@ class LRFinderPlus(GradGuardCallback):
                     stop_reason = monitor.reason
                     break
         finally:
-            for n in ("log", "log_dict"):
-                pl_module.__dict__.pop(n, None)
-            pl_module.__dict__.update(saved_log)
+            quiet.close()
             optimizer.zero_grad(set_to_none=True)
         if show:
             print(f"{prefix}: {len(lrs)} points, stopped: {stop_reason}", file=sys.stderr, flush=True)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,7 +20,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import step_stats
+from lightning_gradguard._shared import quiet_logging, step_stats
 from lightning_gradguard._validate import check_float, check_int
 from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.callbacks._base import GradGuardCallback
@@ -55,18 +53,6 @@ _HINTS = {
         "clip gradients."
     ),
 }
-
-
-@contextmanager
-def _quiet_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Replay ``training_step`` without its ``self.log`` calls reaching the real loggers."""
-    pl_module.log = lambda *a, **k: None  # type: ignore[method-assign]
-    pl_module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del pl_module.log
-        del pl_module.log_dict
 
 
 class NaNSentinel(GradGuardCallback):
@@ -429,7 +415,7 @@ class NaNSentinel(GradGuardCallback):
         batch, batch_idx = self._batch, self._batch_idx
 
         def run() -> Any:
-            with trainer.precision_plugin.train_step_context(), _quiet_logging(pl_module):
+            with trainer.precision_plugin.train_step_context(), quiet_logging(pl_module):
                 out = pl_module.training_step(batch, batch_idx)
             return out["loss"] if isinstance(out, dict) else out
 

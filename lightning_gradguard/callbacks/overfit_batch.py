@@ -16,7 +16,6 @@ import random
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import reduce_any, warn_once
+from lightning_gradguard._shared import quiet_logging, reduce_any, warn_once
 from lightning_gradguard._validate import check_choice, check_float, check_int
 from lightning_gradguard.alerts import Alert, SanityCheckError, Severity
 from lightning_gradguard.callbacks._base import GradGuardCallback
@@ -44,23 +43,6 @@ _MAX_LISTED = 8
 
 # --------------------------------------------------------------------------------------------- helpers
 # Shared with callbacks/gradient_check.py.
-
-
-@contextmanager
-def quiet_logging(pl_module: nn.Module) -> Iterator[None]:
-    """Run ``training_step`` without its ``self.log`` / ``self.log_dict`` calls reaching the loggers."""
-    had = {k: k in pl_module.__dict__ for k in ("log", "log_dict")}
-    saved = {k: pl_module.__dict__.get(k) for k in had}
-    pl_module.__dict__["log"] = lambda *a, **k: None
-    pl_module.__dict__["log_dict"] = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        for k, present in had.items():
-            if present:
-                pl_module.__dict__[k] = saved[k]
-            else:
-                del pl_module.__dict__[k]
 
 
 def training_step_of(pl_module: nn.Module, batch: Any) -> Any:

@@ -10,9 +10,6 @@ import copy
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +34,7 @@ from lightning_gradguard.functional.lr_suggest import (
     sweep_lrs,
 )
 from tests.conftest import MemoryLogger, make_trainer
+from tests.test_ddp import run_ddp_script
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -628,18 +626,6 @@ def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> N
 
 
 # ---------------------------------------------------------------------------------------------- DDP
-def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent.parent), OMP_NUM_THREADS="1")
-    env.pop("PL_DISABLE_FORK", None)
-    return subprocess.run(
-        [sys.executable, str(SCRIPTS / name), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     proc = run_ddp_script("ddp_lr_finder.py", tmp_path, timeout=180)  # a hang would time out here
     assert proc.returncode == 0, proc.stderr[-4000:]

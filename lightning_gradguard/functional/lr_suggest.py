@@ -189,12 +189,9 @@ def _edge(n: int) -> int:
     return min(max(1, n // 20), 5)
 
 
-def suggest_steep(lrs: Sequence[float], losses: Sequence[float]) -> float | None:
-    """The LR where the curve falls fastest per decade (most negative d loss / d log10 lr).
-
-    Only the stretch before the minimum counts, and a few points at the very start are ignored (smoothing
-    edge effects). ``None`` when the curve never falls.
-    """
+def _descent_slopes(lrs: Sequence[float], losses: Sequence[float]) -> tuple[int, np.ndarray] | None:
+    """``(start, d loss / d log10 lr)`` over the stretch before the minimum, the first few points (the
+    smoothing's edge) left out; ``None`` when the curve is too short for a slope."""
     x, y = _as_arrays(lrs, losses)
     n = y.size
     if n < 5 or np.ptp(x) == 0:
@@ -203,8 +200,19 @@ def suggest_steep(lrs: Sequence[float], losses: Sequence[float]) -> float | None
     start = _edge(n)
     if stop - start < 2:
         return None
-    slope = np.gradient(y, x)
-    window = slope[start:stop]
+    return start, np.gradient(y, x)[start:stop]
+
+
+def suggest_steep(lrs: Sequence[float], losses: Sequence[float]) -> float | None:
+    """The LR where the curve falls fastest per decade (most negative d loss / d log10 lr).
+
+    Only the stretch before the minimum counts, and a few points at the very start are ignored (smoothing
+    edge effects). ``None`` when the curve never falls.
+    """
+    found = _descent_slopes(lrs, losses)
+    if found is None:
+        return None
+    start, window = found
     i = int(np.argmin(window))
     if window[i] >= 0:
         return None
@@ -235,15 +243,10 @@ def suggest_valley(lrs: Sequence[float], losses: Sequence[float], tolerance: flo
     descent itself (``tolerance = 0.5``: where it falls at least half as fast as at its fastest), whatever
     the scale or offset of the loss. ``None`` when the curve never falls.
     """
-    x, y = _as_arrays(lrs, losses)
-    n = y.size
-    if n < 5 or np.ptp(x) == 0:
+    descent = _descent_slopes(lrs, losses)
+    if descent is None:
         return None
-    stop = int(np.argmin(y)) + 1
-    start = _edge(n)
-    if stop - start < 2:
-        return None
-    slope = np.gradient(y, x)[start:stop]
+    start, slope = descent
     steepest = float(-slope.min())
     if steepest <= 0:
         return None
@@ -251,6 +254,7 @@ def suggest_valley(lrs: Sequence[float], losses: Sequence[float], tolerance: flo
     if found is None:  # pragma: no cover - the steepest point itself always qualifies
         return None
     a, b = found
+    x = np.log10(np.asarray(lrs, dtype=np.float64))  # the middle in log-LR
     return float(10.0 ** (0.5 * (x[start + a] + x[start + b])))
 
 

@@ -128,10 +128,10 @@ RELU_KINDS = {
     "nn.ReLU": "net.act",
     "nn.ReLU6": "net.act",
     "nn.ReLU(inplace)": "net.act",
-    "F.relu": "net:relu",
-    "torch.relu": "net:relu",
-    "Tensor.relu_": "net:relu",
-    "F.relu6": "net:relu6",
+    "F.relu": "net:relu(fc)",
+    "torch.relu": "net:relu(fc)",
+    "Tensor.relu_": "net:relu(fc)",
+    "F.relu6": "net:relu6(fc)",
 }
 
 
@@ -220,9 +220,9 @@ class Reused(nn.Module):
 def test_a_module_used_twice_gets_two_layers() -> None:
     monitor = DeadReLUMonitor()
     make_trainer([monitor], max_steps=6).fit(Module(Reused()), random_loader(n=48))
-    assert set(monitor.dead_fractions) == {"net.act", "net.act#2", "net:relu"}
-    assert monitor.dead_fractions["net.act#2"] == 1.0 and monitor.dead_fractions["net:relu"] == 1.0
-    assert {a.where for a in monitor.alerts} == {"net.act#2", "net:relu"}
+    assert set(monitor.dead_fractions) == {"net.act", "net.act#2", "net:relu(act)"}
+    assert monitor.dead_fractions["net.act#2"] == 1.0 and monitor.dead_fractions["net:relu(act)"] == 1.0
+    assert {a.where for a in monitor.alerts} == {"net.act#2", "net:relu(act)"}
 
 
 def test_histogram_of_activation_rates_in_tensorboard(tmp_path: Path) -> None:
@@ -253,7 +253,7 @@ def test_saturated_tanh_is_a_warning_and_optional() -> None:
     monitor = DeadReLUMonitor()
     make_trainer([monitor], max_steps=6).fit(Module(Saturated()), random_loader(n=48))
     assert monitor.saturated_fractions["net.act"] > 0.5
-    assert monitor.saturated_fractions["net:sigmoid"] == 0.0
+    assert monitor.saturated_fractions["net:sigmoid(fc)"] == 0.0
     assert [(a.kind, a.where, a.severity) for a in monitor.alerts] == [
         ("saturated_activation", "net.act", "warning")
     ]
@@ -336,4 +336,4 @@ def test_gradient_accumulation_samples_every_micro_batch_of_a_sampled_step() -> 
     model = Module(Net("F.relu"))
     make_trainer([monitor], max_steps=6, accumulate_grad_batches=2).fit(model, random_loader(n=96))
     assert monitor.sampled_batches == 10  # optimizer steps 0..4, two micro-batches each
-    assert monitor.dead_fractions == {"net:relu": DEAD / UNITS}
+    assert monitor.dead_fractions == {"net:relu(fc)": DEAD / UNITS}

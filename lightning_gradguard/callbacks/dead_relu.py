@@ -117,7 +117,8 @@ class DeadReLUMonitor(GradGuardCallback):
     ``Tensor.relu`` called inside any ``forward``. Watching uses a ``TorchFunctionMode`` and global
     module hooks that exist only during the sampled forward pass and are removed right after; other
     steps and validation cost nothing. A functional call is named after the module whose ``forward`` made it
-    (``"encoder.block3:relu"``), a ReLU module by its own name; a name reached twice in one forward pass
+    and the child whose output it got (``"encoder.block3:relu(fc1)"``, at the root ``"relu(hidden1)"``), a ReLU
+    module by its own name; a name reached twice in one forward pass
     gets ``#2``, ``#3``. Calls outside every module's ``forward`` (loss code in ``training_step``, such as
     a hinge loss written with ``F.relu``) and outputs with fewer than 2 dimensions are not layers and are
     not watched (a one-time warning says so when the former were seen).
@@ -205,7 +206,8 @@ class DeadReLUMonitor(GradGuardCallback):
         self._mode: _Capture | None = None
         self._handles: list[RemovableHandle] = []
         self._names: dict[int, str] = {}
-        self._stack: list[tuple[str, bool]] = []
+        # modules whose forward is running: [name, is an activation module, last child that finished]
+        self._stack: list[list[Any]] = []
         self._channel_first = False
         self._calls: dict[str, int] = {}
         self._batch: list[tuple[str, bool, Tensor, int]] = []
@@ -322,11 +324,13 @@ class DeadReLUMonitor(GradGuardCallback):
     # ------------------------------------------------------------------ during the sampled forward
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
         name = self._names.get(id(module), f"<{type(module).__name__}>")
-        self._stack.append((name, isinstance(module, _ACTIVATION_MODULES)))
+        self._stack.append([name, isinstance(module, _ACTIVATION_MODULES), None])
 
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack:
-            self._stack.pop()
+            done = self._stack.pop()[0]
+            if self._stack:  # the caller's latest finished child: what a functional ReLU most likely eats
+                self._stack[-1][2] = done
         if isinstance(module, _CHANNEL_FIRST):
             self._channel_first = True
         elif isinstance(module, (nn.Linear, nn.LayerNorm, nn.Embedding, nn.RNNBase, nn.MultiheadAttention)):
@@ -341,8 +345,14 @@ class DeadReLUMonitor(GradGuardCallback):
         if not self._stack:
             self._outside_seen = True
             return
-        top, is_activation = self._stack[-1]
-        base = top if is_activation else (f"{top}:{fn}" if top else fn)
+        top, is_activation, producer = self._stack[-1]
+        if is_activation:
+            base = top
+        else:  # a functional call: named by the calling module and the child whose output it got
+            if producer and top and producer.startswith(top + "."):
+                producer = producer[len(top) + 1 :]
+            call = f"{fn}({producer})" if producer else fn
+            base = f"{top}:{call}" if top else call
         n = self._calls[base] = self._calls.get(base, 0) + 1
         key = base if n == 1 else f"{base}#{n}"
         dim = unit_dim(x.dim(), self._channel_first and x.dim() >= 3)

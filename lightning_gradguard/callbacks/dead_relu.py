@@ -116,10 +116,10 @@ class DeadReLUMonitor(GradGuardCallback):
     the forward pass: ``nn.ReLU``, ``nn.ReLU6``, in-place ReLUs, and ``F.relu`` / ``torch.relu`` /
     ``Tensor.relu`` called inside any ``forward``. Watching uses a ``TorchFunctionMode`` and global
     module hooks that exist only during the sampled forward pass and are removed right after; other
-    steps and validation cost nothing. A functional call is named after the module whose ``forward`` made it
-    and the child whose output it got (``"encoder.block3:relu(fc1)"``, at the root ``"relu(hidden1)"``), a ReLU
-    module by its own name; a name reached twice in one forward pass
-    gets ``#2``, ``#3``. Calls outside every module's ``forward`` (loss code in ``training_step``, such as
+    steps and validation cost nothing. A functional call is named after the module whose ``forward``
+    made it and the child whose output it got (``"encoder.block3:relu(fc1)"``; at the root
+    ``"relu(hidden1)"``), a ReLU module by its own name; a name reached twice in one forward pass gets
+    ``#2``, ``#3``. Calls outside every module's ``forward`` (loss code in ``training_step``, such as
     a hinge loss written with ``F.relu``) and outputs with fewer than 2 dimensions are not layers and are
     not watched (a one-time warning says so when the former were seen).
 

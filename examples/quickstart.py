@@ -8,8 +8,10 @@ short health report read back from the callbacks. Then::
 
     tensorboard --logdir runs
 
-and open the "Custom Scalars" tab: the "GradGuard" section holds the gradient, weight, update-ratio
-and clipping charts. The "Histograms" tab holds ``grad/*``, ``grad_log10/*`` and ``weight/*``.
+and open the "Custom Scalars" tab: the "GradGuard" section holds the gradient, weight, update-ratio,
+clipping, gradient-flow, dead-ReLU, LR-finder and pre-flight charts (expand "Matches" under a chart, or
+hover, to see which line is which layer). The "Histograms" tab holds ``grad/*``, ``grad_log10/*``,
+``weight/*`` and ``activation_rate/*``.
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ def main() -> None:
         max_epochs=MAX_EPOCHS,
         gradient_clip_val=GRADIENT_CLIP_VAL,
         log_every_n_steps=LOG_EVERY_N_STEPS,
-        logger=TensorBoardLogger(RUNS_DIR, name=RUN_NAME),
+        logger=TensorBoardLogger(RUNS_DIR, name=RUN_NAME, default_hp_metric=False),
         callbacks=[*callbacks, EpochLine()],
         enable_progress_bar=False,
         enable_model_summary=False,

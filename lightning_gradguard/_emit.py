@@ -43,6 +43,7 @@ def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) ->
                 alerts_path(trainer),
             )
         return
+    trainer_state(trainer).logged_tags.update(metrics)
     for logger in trainer.loggers:
         logger.log_metrics(dict(metrics), step=step)
 
@@ -102,14 +103,15 @@ def log_text(trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
             writer.add_text(tag, text, global_step=step)
 
 
-def write_layout(trainer: pl.Trainer, charts: Mapping[str, Sequence[str]]) -> None:
+def write_layout(trainer: pl.Trainer, charts: Mapping[str, Sequence[str]], replace: bool = False) -> None:
     """Write the "GradGuard" custom-scalars layout once per TensorBoard writer.
 
     ``charts`` maps a chart title to tag regular expressions (TensorBoard matches them as regexes).
+    ``replace=True`` writes it again (TensorBoard shows the run's latest layout).
     """
     state = trainer_state(trainer)
     for writer in tensorboard_writers(trainer):
-        if id(writer) in state.layout_written:
+        if id(writer) in state.layout_written and not replace:
             continue
         state.layout_written.add(id(writer))
         layout = {LAYOUT_CATEGORY: {title: ["Multiline", list(tags)] for title, tags in charts.items()}}

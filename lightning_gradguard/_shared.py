@@ -37,6 +37,8 @@ class TrainerState:
 
     stats: dict[tuple[int, int], StepStats] = field(default_factory=dict)
     layout_written: set[int] = field(default_factory=set)
+    layout_pruned: bool = False
+    logged_tags: set[str] = field(default_factory=set)
     alert_counts: dict[str, int] = field(default_factory=dict)
     said_no_logger: bool = False
     warned: set[str] = field(default_factory=set)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -379,7 +380,7 @@ def test_every_alert_in_one_jsonl_and_every_chart_once_in_the_layout(tmp_path: P
     assert [p.name for p in tmp_path.rglob("gradguard_alerts.jsonl")] == ["gradguard_alerts.jsonl"]
 
     layouts = layout_of(log_dir)
-    assert len(layouts) == 1
+    assert len(layouts) == 2  # the full layout at fit start, the one without empty charts at train end
     (category,) = layouts[0].category
     assert category.title == "GradGuard"
     titles = [chart.title for chart in category.chart]
@@ -389,6 +390,18 @@ def test_every_alert_in_one_jsonl_and_every_chart_once_in_the_layout(tmp_path: P
     assert len(set(titles)) == len(titles)
     for cb in callbacks:
         assert cb.layout_charts() or isinstance(cb, (NaNSentinel, GradientCheck)), type(cb).__name__
+    tags = {
+        v.tag
+        for p in log_dir.rglob("events.out.tfevents.*")
+        for e in event_file_loader.EventFileLoader(str(p)).Load()
+        for v in e.summary.value
+    }
+    (final,) = layouts[-1].category
+    kept = {chart.title for chart in final.chart}
+    for chart in category.chart:  # a chart is kept exactly when one of its regexes matches a logged tag
+        regexes = list(chart.multiline.tag)
+        assert (chart.title in kept) == any(re.match(r, t) for r in regexes for t in tags), chart.title
+    assert "Saturated sigmoid/tanh units per layer" not in kept  # the model has no sigmoid or tanh
 
 
 # ---------------------------------------------------------------------------------------- resume
@@ -544,7 +557,7 @@ def test_ddp_two_ranks_all_callbacks_agree_rank_zero_logs_and_nan_fails_both(tmp
     # rank 0 wrote the logs: one event file, one layout, the all-reduced norms on Lightning's step axis
     events = list((tmp_path / "tb").rglob("events.out.tfevents.*"))
     assert len(events) == 1
-    assert len(layout_of(tmp_path / "tb")) == 1
+    assert len(layout_of(tmp_path / "tb")) == 2  # rank 0 only: full at fit start, pruned at train end
     with open(tmp_path / "csv" / "version_0" / "metrics.csv", newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if r.get("grad_norm/total")]
     logged = {int(r["step"]): float(r["grad_norm/total"]) for r in rows}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import lightning.pytorch as pl
@@ -52,15 +53,35 @@ class GradGuardCallback(Callback):
         """
         return getattr(trainer, "ckpt_path", None) is None
 
-    @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.fresh_run(trainer):  # an earlier run's cooldowns do not silence this one's alerts
-            self._last_reported.clear()
+    @staticmethod
+    def _layout(trainer: pl.Trainer) -> dict[str, list[str]]:
         charts: dict[str, list[str]] = {}
         for cb in gradguard_callbacks(trainer):
             charts.update(cb.layout_charts())
         charts["Alerts (cumulative count per kind)"] = ["alerts/.*"]
-        _emit.write_layout(trainer, charts)
+        return charts
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.fresh_run(trainer):  # an earlier run's cooldowns do not silence this one's alerts
+            self._last_reported.clear()
+        _emit.write_layout(trainer, self._layout(trainer))
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Rewrite the layout without the charts that stayed empty (no sigmoid in the model, no alert)."""
+        state = trainer_state(trainer)
+        if state.layout_pruned or not _emit.tensorboard_writers(trainer):
+            return
+        state.layout_pruned = True
+        charts = self._layout(trainer)
+        kept = {
+            title: regexes
+            for title, regexes in charts.items()
+            if any(re.match(r, tag) for r in regexes for tag in state.logged_tags)
+        }
+        if kept and kept != charts:
+            _emit.write_layout(trainer, kept, replace=True)
 
     # ------------------------------------------------------------------ alerts
     def report(

@@ -177,12 +177,19 @@ class GradientNormLogger(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
+        not_total = r"(?!total(_opt\d+)?$)"  # the per-layer charts leave the total out of their y range
         return {
             "Gradient norm: total": ["grad_norm/total.*"],
-            "Gradient norm per layer": ["grad_norm/.*"],
-            "Weight norm per layer": ["weight_norm/.*"],
-            "Update / weight ratio per layer": ["update_ratio/.*"],
-            "Gradient clipping": ["grad_clip/.*"],
+            "Gradient norm per layer": [f"grad_norm/{not_total}.*"],
+            "Weight norm per layer": [f"weight_norm/{not_total}.*"],
+            "Update / weight ratio per layer (healthy ~1e-3: use the log y axis)": [
+                f"update_ratio/{not_total}.*"
+            ],
+            "Gradient clipping: fraction of steps clipped": ["grad_clip/fraction_clipped"],
+            "Gradient clipping: pre-clip norm p50/p90/p99 and suggested clip value": [
+                "grad_clip/pre_clip_norm_.*",
+                "grad_clip/suggested_clip_val",
+            ],
             "Non-finite gradient entries": ["grad_nonfinite/.*"],
         }
 

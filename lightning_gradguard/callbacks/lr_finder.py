@@ -106,7 +106,8 @@ class LRFinderResult:
                 continue
             chosen = " (chosen)" if name == self.method else ""
             style = "-" if chosen else "--"
-            ax.axvline(lr, color=colors.get(name, "k"), ls=style, lw=1.5, label=f"{name} {lr:.2e}{chosen}")
+            label = "minimum/10" if name == "minimum" else name  # the rule is the lowest loss's LR / 10
+            ax.axvline(lr, color=colors.get(name, "k"), ls=style, lw=1.5, label=f"{label} {lr:.2e}{chosen}")
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
         ax.set_ylabel("training loss")
@@ -270,7 +271,7 @@ class LRFinderPlus(GradGuardCallback):
     def layout_charts(self) -> dict[str, list[str]]:
         return {
             "LR finder: loss per sweep step": [r"lr_finder/loss.*", r"lr_finder/smoothed_loss.*"],
-            "LR finder: learning rate per sweep step": [r"lr_finder/lr.*"],
+            "LR finder: learning rate per sweep step (use the log y axis)": [r"lr_finder/lr.*"],
         }
 
     # ------------------------------------------------------------------ hooks

@@ -609,7 +609,10 @@ class OverfitBatchSanity(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return {"Pre-flight: overfit one batch (x = check step)": ["preflight/overfit_.*"]}
+        return {
+            "Pre-flight: overfit-one-batch loss (x = check step)": ["preflight/overfit_loss"],
+            "Pre-flight: overfit-one-batch gradient norm (x = check step)": ["preflight/overfit_grad_norm"],
+        }
 
     # ------------------------------------------------------------------ hook
     @override

@@ -32,7 +32,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradguard.callbacks.lr_finder import LRFinderPlus, lr_find
+from lightning_gradguard import LRFinderPlus, lr_find
 
 SEED = 0
 BATCH_SIZE = 64

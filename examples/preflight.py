@@ -30,8 +30,7 @@ from sklearn.preprocessing import StandardScaler
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradguard.callbacks.gradient_check import GradientCheck
-from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, SanityCheckError
+from lightning_gradguard import GradientCheck, OverfitBatchSanity, SanityCheckError
 
 SEED = 0
 BATCH_SIZE = 32

@@ -43,6 +43,20 @@ def test_spike_ratio_is_against_the_median() -> None:
     assert math.isnan(spike_ratio(1.0, []))
 
 
+def test_spike_ratio_with_recent_follows_a_rising_level() -> None:
+    """A level rising by design (a GAN generator's norm while the discriminator learns): the long median
+    lags far behind, the recent median follows. A jump over a steady level is the same either way."""
+    rising = [0.05, 0.07, 0.1, 0.14, 0.2, 0.3, 0.45, 0.7, 1.0, 1.5, 2.0]
+    assert spike_ratio(4.0, rising) == pytest.approx(4.0 / 0.3)  # > 10: the old rule called this a spike
+    assert spike_ratio(4.0, rising, recent=5) == pytest.approx(4.0 / 1.0)  # median of the last five
+    steady = [1.0, 0.9, 1.1, 1.0, 0.8, 1.2, 1.0]
+    assert spike_ratio(50.0, steady, recent=5) == pytest.approx(spike_ratio(50.0, steady)) == 50.0
+    falling = [9.0, 8.0, 7.0, 6.0, 1.0, 0.9, 0.8]  # a falling level keeps the (higher) long median
+    assert spike_ratio(20.0, falling, recent=3) == pytest.approx(20.0 / 6.0)
+    with pytest.raises(ValueError, match="recent"):
+        spike_ratio(1.0, steady, recent=0)
+
+
 def test_growth_factor_of_a_geometric_series_and_of_noise() -> None:
     assert growth_factor([2.0**i for i in range(10)]) == pytest.approx(2.0**9)
     assert growth_factor([1.0, 5.0, 1.0, 5.0, 1.0, 5.0]) == 1.0  # half the steps fall: not sustained
@@ -108,7 +122,9 @@ def test_sustained_spike_is_reported_one_check_after_onset_with_the_true_numbers
     assert [(a.kind, a.step) for a in det.alerts] == [("exploding_gradient", 31)]
     alert = det.alerts[0]
     before = sorted(model.true_total[s] for s in range(30))
-    assert alert.data["spike_ratio"] == pytest.approx(model.true_total[31] / before[14], rel=1e-4)
+    last5 = sorted(model.true_total[s] for s in range(25, 30))
+    level = max(before[14], last5[2])  # the larger of the long and the recent (lower) median
+    assert alert.data["spike_ratio"] == pytest.approx(model.true_total[31] / level, rel=1e-4)
     layers = model.true_layers[31]
     assert alert.where == max(layers, key=layers.__getitem__)
     assert alert.severity == "error" and "gradient_clip_val=" in alert.hint
@@ -258,9 +274,11 @@ def test_layers_without_gradient_are_never_vanishing(memory_logger: MemoryLogger
 def test_gradient_flow_scalars_equal_independent_computation(memory_logger: MemoryLogger) -> None:
     model = RecordingMLP()
     det = VanishingExplodingDetector(log_every_n_steps=3)
-    fit(model, det, random_loader(n=160), memory_logger)
+    fit(model, det, random_loader(n=320), memory_logger)
     series = {layer: memory_logger.series(f"grad_flow/{layer}") for layer in ("net.0", "net.2")}
-    assert sorted(series["net.0"]) == [0, 3, 6, 9, 12, 15, 18]
+    # Lightning's rule (step + 1) % 3 == 0 plus step 0, on checked steps: all of the dense 0..19, then
+    # only where (step + 1) is also a multiple of check_every_n_steps=5
+    assert sorted(series["net.0"]) == [0, 2, 5, 8, 11, 14, 17, 29]
     for step in series["net.0"]:
         truth = model.true_layers[step]
         top = max(truth.values())
@@ -268,10 +286,20 @@ def test_gradient_flow_scalars_equal_independent_computation(memory_logger: Memo
             assert values[step] == pytest.approx(math.log10(truth[layer] / top), abs=1e-5)
 
 
+def test_gradient_flow_points_share_the_x_of_the_logged_loss(memory_logger: MemoryLogger) -> None:
+    """With check_every_n_steps dividing the Trainer's log_every_n_steps, every step Lightning logs the
+    loss on also has its grad_flow point (and step 0, as GradientNormLogger), none elsewhere."""
+    det = VanishingExplodingDetector()  # check_every_n_steps=5, dense_steps=20
+    fit(RecordingMLP(), det, random_loader(n=8 * 60), memory_logger, log_every_n_steps=10)
+    loss_steps = sorted(memory_logger.series("train_loss"))
+    assert loss_steps == [9, 19, 29, 39, 49, 59]
+    assert sorted(memory_logger.series("grad_flow/net.0")) == [0, *loss_steps]
+
+
 # ---------------------------------------------------------------------------------------------- plumbing
-def test_cadence_dense_then_every_n() -> None:
+def test_cadence_dense_then_lightning_logging_rule() -> None:
     det = VanishingExplodingDetector(check_every_n_steps=5, dense_steps=3)
-    assert [s for s in range(16) if det.due(s)] == [0, 1, 2, 5, 10, 15]
+    assert [s for s in range(16) if det.due(s)] == [0, 1, 2, 4, 9, 14]
 
 
 def test_shares_the_gradient_pass_with_the_logger(tmp_path: Path) -> None:

@@ -70,16 +70,24 @@ class VanishingExplodingDetector(GradGuardCallback):
     It reads the per-layer gradient norms of ``on_before_optimizer_step`` (accumulated, unscaled,
     all-reduced, not yet clipped) from the statistics every gradguard callback shares, and brings them
     to the host in one small transfer on the steps it checks: every step for the first ``dense_steps``
-    steps (pathologies of the initialization show at once), then every ``check_every_n_steps``.
+    steps (pathologies of the initialization show at once), then on the steps where
+    ``(step + 1) % check_every_n_steps == 0``. Steps are counted the way Lightning counts them for
+    logging (batches that stepped an optimizer: ``global_step`` in automatic optimization, one per batch
+    in manual optimization), so with ``check_every_n_steps`` dividing the Trainer's ``log_every_n_steps``
+    every ``grad_flow/*`` point lies at the x of the loss and the ``grad_norm/*`` points of the same batch,
+    and with several optimizers each one is checked every ``check_every_n_steps`` of its own steps.
 
     **Exploding** (alert ``exploding_gradient``, severity error) when, on ``patience`` consecutive
     checks, at least one of:
 
     * the total norm exceeds ``max_norm`` (the usual red line is 100);
-    * after ``warmup_checks`` checks, the total norm is more than ``spike_factor`` times the median of
-      this run's own recent norms (a robust baseline of the log-norm) and more than twice the largest of
-      them (healthy runs late in training are heavy-tailed: norms spread over two decades are normal). A
-      spike is kept out of the baseline until it has been reported;
+    * after ``warmup_checks`` checks, the total norm is more than ``spike_factor`` times this run's
+      current level and more than twice the largest of its last ``history_size`` checked norms (healthy
+      runs late in training are heavy-tailed: norms spread over two decades are normal). The level is the
+      larger of the median of those norms and the median of the last ``warmup_checks`` of them: the long
+      median alone lags a level that is still rising by design (a GAN's generator while its
+      discriminator learns), which would make every sample of the rise look like a jump. A spike is kept
+      out of the baseline until it has been reported;
     * over the last ``growth_window`` checks the norm rose steadily by more than ``growth_factor``.
 
     **Vanishing** (alert ``vanishing_gradient``, severity error) when, on ``patience`` consecutive checks,
@@ -108,24 +116,27 @@ class VanishingExplodingDetector(GradGuardCallback):
     16-mixed, a step the GradScaler skips), so it is not reported here, and it neither counts towards
     ``patience`` nor resets it.
 
-    Every check also records ``grad_flow/<layer>`` (log10 of the layer norm over the largest one), logged
-    at most once per ``log_every_n_steps``.
+    Every check also computes ``grad_flow/<layer>`` (log10 of the layer norm over the largest one), logged
+    on the checked steps Lightning logs on (``(step + 1) % log_every_n_steps == 0``, plus step 0).
 
     Args:
-        check_every_n_steps: check every this many optimizer steps after the dense start.
-        dense_steps: check every step while ``global_step`` is below this.
+        check_every_n_steps: after the dense start, check the steps where ``(step + 1)`` is a multiple of
+            this (Lightning's logging rule).
+        dense_steps: check every step while the step (Lightning's logging step) is below this.
         max_norm: ceiling on the total gradient norm (``None``: off).
         spike_factor: a total norm this many times the run's median is a spike (``None``: off).
         growth_factor: a steady rise by more than this factor over ``growth_window`` checks (``None``: off).
         growth_window: checks the growth test looks at.
-        warmup_checks: checks before the spike test has a baseline.
+        warmup_checks: checks before the spike test has a baseline; also how many recent checks make
+            the current level it is measured against.
         history_size: how many recent checked norms the baseline uses.
         depth_ratio_floor: first/last layer norm ratio below which gradients vanish (``None``: off).
         first_layer_floor: ... provided the first layer's norm is also below this.
         min_rms: RMS gradient floor per layer (``None``: off).
         relative_floor: per-layer floor relative to the largest layer norm (``None``: off).
         patience: consecutive checks a condition must hold before it is reported.
-        log_every_n_steps: minimum steps between two ``grad_flow/*`` points (default: the Trainer's).
+        log_every_n_steps: ``grad_flow/*`` points at ``(step + 1) % log_every_n_steps == 0`` (and step 0)
+            when that step is checked (default: the Trainer's).
         log_gradient_flow: log the ``grad_flow/*`` scalars.
         action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; with ``"stop"``/``"raise"`` under DDP the
             flags are all-reduced before acting, so every rank acts at the same step.
@@ -274,15 +285,15 @@ class VanishingExplodingDetector(GradGuardCallback):
 
     # ------------------------------------------------------------------ the check
     def due(self, step: int) -> bool:
-        """Whether ``global_step`` ``step`` is checked."""
-        return step < self.dense_steps or step % self.check_every_n_steps == 0
+        """Whether logging step ``step`` (see :func:`~lightning_gradguard._shared.log_step`) is checked."""
+        return step < self.dense_steps or (step + 1) % self.check_every_n_steps == 0
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         step = int(trainer.global_step)
-        if not self.due(step):
+        if not self.due(log_step(trainer)):
             return
         stats = step_stats(trainer, pl_module, optimizer)
         labels, norms = stats.grad_groups(2.0)
@@ -404,14 +415,15 @@ class VanishingExplodingDetector(GradGuardCallback):
             exploding.append(f"the total norm exceeds max_norm={self.max_norm:g}")
         spike = False
         if self.spike_factor is not None and len(hist) >= self.warmup_checks:
-            ratio = spike_ratio(total, hist)
+            ratio = spike_ratio(total, hist, recent=self.warmup_checks)
             record = total / max(hist)
             data["spike_ratio"] = ratio
             if ratio > self.spike_factor and record > _SPIKE_OVER_MAX:
                 spike = True
                 exploding.append(
-                    f"it is {ratio:.3g}x the median and {record:.3g}x the largest of the last {len(hist)} "
-                    f"checked norms (spike_factor={self.spike_factor:g})"
+                    f"it is {ratio:.3g}x the run's level (the larger median of the last {len(hist)} and of "
+                    f"the last {min(len(hist), self.warmup_checks)} checked norms) and {record:.3g}x the "
+                    f"largest of them (spike_factor={self.spike_factor:g})"
                 )
         if self.growth_factor is not None and len(hist) + 1 >= self.growth_window:
             g = growth_factor([*hist[-(self.growth_window - 1) :], total])
@@ -529,8 +541,9 @@ class VanishingExplodingDetector(GradGuardCallback):
             return
         at = log_step(trainer)
         every = self.log_every_n_steps or max(int(getattr(trainer, "log_every_n_steps", 50)), 1)
-        last = self._last_flow_at.get(opt_idx)
-        if last is not None and at - last < every:
+        # Lightning's own rule (plus the first step, as GradientNormLogger): the loss of this batch is
+        # logged at the same x. Once per optimizer and step (an optimizer may step twice in a batch).
+        if not (at == 0 or (at + 1) % every == 0) or self._last_flow_at.get(opt_idx) == at:
             return
         self._last_flow_at[opt_idx] = at
         metrics = {f"grad_flow/{n}": v for n, v in zip(labels, flow, strict=True) if math.isfinite(v)}

@@ -82,12 +82,23 @@ def ema(values: Sequence[float] | Tensor, beta: float = 0.9) -> float:
     return float((weights * x).sum() / (1.0 - beta**n))
 
 
-def spike_ratio(value: float, history: Sequence[float] | Tensor) -> float:
-    """How many times larger ``value`` is than the median of ``history`` (NaN without a usable history).
+def spike_ratio(value: float, history: Sequence[float] | Tensor, recent: int | None = None) -> float:
+    """How many times larger ``value`` is than the run's typical norm (NaN without a usable history).
 
-    A ratio of 10 means "ten times the run's typical norm". The history should not include ``value``.
+    The typical norm is the median of ``history``; with ``recent``, the larger of that median and the
+    median of the last ``recent`` entries. The long median is robust to outliers but lags a level that
+    is still moving: a norm that is rising by design (a GAN's generator while its discriminator learns,
+    a warm-up) sits far above the median of its own past without any jump. The short median follows
+    the current level, so a value is a spike only when it jumps above both. On a steady level the two
+    medians agree and the ratio is the plain one. A ratio of 10 means "ten times the typical norm".
+    The history should not include ``value``.
     """
-    base = robust_baseline(log10_norms(history))
+    if recent is not None and recent < 1:
+        raise ValueError(f"`recent` must be a positive int or None; got {recent!r}")
+    logs = log10_norms(history)
+    base = robust_baseline(logs)
+    if recent is not None and math.isfinite(base):
+        base = max(base, robust_baseline(logs[-recent:]))
     if not math.isfinite(base) or not value > 0:
         return math.nan
     return 10.0 ** (math.log10(value) - base)

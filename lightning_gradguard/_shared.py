@@ -24,6 +24,7 @@ __all__ = [
     "StepStats",
     "TrainerState",
     "log_step",
+    "loss_of",
     "quiet_logging",
     "reduce_any",
     "step_stats",
@@ -263,3 +264,12 @@ def quiet_logging(pl_module: nn.Module) -> Iterator[None]:
                 pl_module.__dict__[k] = saved[k]
             else:
                 del pl_module.__dict__[k]
+
+
+def loss_of(output: Any) -> Tensor | None:
+    """The loss in what ``training_step`` returned: the tensor itself or ``output["loss"]``."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None

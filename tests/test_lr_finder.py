@@ -643,3 +643,33 @@ def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     )
     assert ranks[0]["first_loss"] != ranks[1]["first_loss"]
     assert (tmp_path / "csv" / "version_0" / "lr_finder.csv").exists()
+
+
+class _SeesBatches(Net):
+    """Records the first feature of every batch the real run trains on (its batch order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:  # the real loop only
+        self.seen.append(float(batch[0][0, 0]))
+
+
+def test_a_seeded_shuffling_loader_keeps_its_batch_order_after_the_sweep() -> None:
+    """The sweep draws batches through the sampler's own generator; the snapshot puts it back."""
+
+    def seeded_loader() -> Any:
+        x, y = _data()
+        data = torch.utils.data.TensorDataset(x, y)
+        return torch.utils.data.DataLoader(
+            data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
+
+    runs = []
+    for callbacks in ([_finder(apply=False)], []):
+        pl.seed_everything(0)
+        model = _SeesBatches()
+        make_trainer(callbacks, max_epochs=1).fit(model, seeded_loader())
+        runs.append(model.seen)
+    assert len(runs[0]) > 2 and runs[0] == runs[1]

@@ -94,14 +94,17 @@ class GradGuardCallback(Callback):
         hint: str,
         data: dict[str, float] | None = None,
         step: int | None = None,
+        cooldown_key: str | None = None,
     ) -> Alert | None:
         """Record and emit an alert, unless the same kind at the same place was reported within the cooldown.
 
         ``step`` is the ``global_step`` the finding was measured at (default: the current one).
-        Returns the alert, or ``None`` when it was suppressed by the cooldown.
+        ``cooldown_key`` names what counts as "the same finding" (default ``"<kind>@<where>"``; a check
+        whose ``where`` moves between layers passes its own). Returns the alert, or ``None`` when it was
+        suppressed by the cooldown.
         """
         step = int(trainer.global_step) if step is None else int(step)
-        key = f"{kind}@{where}"
+        key = cooldown_key if cooldown_key is not None else f"{kind}@{where}"
         last = self._last_reported.get(key)
         if last is not None and step - last < self.cooldown_steps:
             return None

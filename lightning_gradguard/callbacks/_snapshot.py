@@ -29,7 +29,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["RNGState", "TrainingSnapshot"]
+__all__ = [
+    "RNGState",
+    "TrainingSnapshot",
+    "loader_generators",
+    "tensors_free_iterables",
+    "train_loader_generators",
+]
 
 
 class RNGState:
@@ -75,6 +81,25 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+def tensors_free_iterables(iterables: Any) -> list[Any]:
+    """The individual dataloaders inside what ``CombinedLoader.iterables`` holds."""
+    if isinstance(iterables, dict):
+        return list(iterables.values())
+    if isinstance(iterables, (list, tuple)):
+        return list(iterables)
+    return [iterables]
+
+
+def train_loader_generators(trainer: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects of the train dataloaders' samplers (a snapshot restores them)."""
+    combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    gens: list[torch.Generator] = []
+    if combined is not None:
+        for loader in tensors_free_iterables(combined.iterables):
+            gens.extend(loader_generators(loader))
+    return gens
+
+
 _PROGRESS_PATHS = (
     "fit_loop.epoch_progress",
     "fit_loop.epoch_loop.batch_progress",
@@ -99,7 +124,9 @@ class TrainingSnapshot:
         module: the model; its parameters, buffers, ``training`` flags and torchmetrics states are kept.
         optimizers: optimizers whose ``state_dict`` is kept (default: the trainer's, when given).
         schedulers: LR schedulers whose ``state_dict`` is kept (default: the trainer's, when given).
-        trainer: a Lightning ``Trainer``: its optimizers, schedulers and progress counters are kept.
+        trainer: a Lightning ``Trainer``: its optimizers, schedulers, progress counters and the
+            ``torch.Generator`` of its train dataloaders' samplers are kept (trial steps that draw
+            batches must not change the run's batch order).
         generators: extra ``torch.Generator`` objects whose state is kept (e.g. from
             :func:`loader_generators`).
 
@@ -121,7 +148,10 @@ class TrainingSnapshot:
         generators: Iterable[torch.Generator] = (),
     ) -> None:
         self.module = module
-        self.rng = RNGState(generators)
+        gens = list(generators)
+        if trainer is not None:
+            gens += [g for g in train_loader_generators(trainer) if all(g is not h for h in gens)]
+        self.rng = RNGState(gens)
         if trainer is not None:
             optimizers = list(trainer.optimizers) if optimizers is None else optimizers
             if schedulers is None:

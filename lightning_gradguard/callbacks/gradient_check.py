@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import random
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -31,14 +30,14 @@ from lightning_gradguard._shared import quiet_logging, reduce_any, warn_once
 from lightning_gradguard._validate import check_float, check_int
 from lightning_gradguard.alerts import Alert, SanityCheckError
 from lightning_gradguard.callbacks._base import GradGuardCallback
-from lightning_gradguard.callbacks._snapshot import RNGState
+from lightning_gradguard.callbacks._snapshot import RNGState, train_loader_generators
 from lightning_gradguard.callbacks.overfit_batch import (
     first_train_batch,
     loss_of,
     preflight_applies,
+    seed_all,
     slice_batch,
     tensors_in,
-    train_loader_generators,
     training_step_of,
 )
 from lightning_gradguard.functional.gradcheck import (
@@ -288,17 +287,6 @@ class GradientCheckResult:
 # --------------------------------------------------------------------------------------------- function
 
 
-def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed)
-    except ImportError:  # pragma: no cover
-        pass
-
-
 def _validate(
     max_samples: int | None,
     samples_per_tensor: int,
@@ -486,7 +474,7 @@ def _check(
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
 
     def raw_loss() -> Tensor:
-        _seed_all(seed)
+        seed_all(seed)
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)

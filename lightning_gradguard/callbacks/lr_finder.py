@@ -29,13 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, quiet_logging, warn_once
+from lightning_gradguard._shared import log_step, loss_of, quiet_logging, warn_once
 from lightning_gradguard._validate import check_choice, check_float, check_int
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks._snapshot import TrainingSnapshot
@@ -136,15 +135,6 @@ def _batches(loader: Any) -> Iterator[tuple[Any, int]]:
             yield batch, batch_idx
         if not produced:
             return
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict):
-        loss = output.get("loss")
-        return loss if isinstance(loss, torch.Tensor) else None
-    return None
 
 
 class LRFinderPlus(GradGuardCallback):
@@ -389,7 +379,7 @@ class LRFinderPlus(GradGuardCallback):
                     batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
                     batch = strategy.batch_to_device(batch, dataloader_idx=0)
                     batch = trainer.precision_plugin.convert_input(batch)
-                    loss = _loss_of(strategy.training_step(batch, batch_idx))
+                    loss = loss_of(strategy.training_step(batch, batch_idx))
                     if loss is None:
                         stop_reason = "no loss"
                         break

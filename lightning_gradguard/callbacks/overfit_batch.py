@@ -28,11 +28,15 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import quiet_logging, reduce_any, warn_once
+from lightning_gradguard._shared import loss_of, quiet_logging, reduce_any, warn_once
 from lightning_gradguard._validate import check_choice, check_float, check_int
 from lightning_gradguard.alerts import Alert, SanityCheckError, Severity
 from lightning_gradguard.callbacks._base import GradGuardCallback
-from lightning_gradguard.callbacks._snapshot import TrainingSnapshot, loader_generators
+from lightning_gradguard.callbacks._snapshot import (
+    TrainingSnapshot,
+    loader_generators,
+    tensors_free_iterables,
+)
 
 __all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
 
@@ -53,15 +57,6 @@ def training_step_of(pl_module: nn.Module, batch: Any) -> Any:
     if is_param_in_hook_signature(step, "batch_idx", min_args=2):  # type: ignore[arg-type]
         return step(batch, 0)  # type: ignore[operator]
     return step(batch)  # type: ignore[operator]
-
-
-def loss_of(output: Any) -> Tensor | None:
-    """The loss in what ``training_step`` returned: the tensor itself or ``output["loss"]``."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None
 
 
 def tensors_in(obj: Any) -> Iterator[Tensor]:
@@ -117,16 +112,6 @@ def preflight_applies(
     return True
 
 
-def train_loader_generators(trainer: pl.Trainer) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects of the train dataloaders' samplers (their state is restored too)."""
-    combined = trainer.fit_loop._combined_loader
-    gens: list[torch.Generator] = []
-    if combined is not None:
-        for loader in tensors_free_iterables(combined.iterables):
-            gens.extend(loader_generators(loader))
-    return gens
-
-
 def first_train_batch(trainer: pl.Trainer) -> tuple[Any, list[torch.Generator]]:
     """The first batch of a fresh pass over the train dataloader(s), prepared as the training loop does.
 
@@ -150,15 +135,6 @@ def first_train_batch(trainer: pl.Trainer) -> tuple[Any, list[torch.Generator]]:
     batch = trainer.precision_plugin.convert_input(batch)
     batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=idx)
     return trainer.strategy.batch_to_device(batch, dataloader_idx=idx), gens
-
-
-def tensors_free_iterables(iterables: Any) -> list[Any]:
-    """The individual dataloaders inside what ``CombinedLoader.iterables`` holds."""
-    if isinstance(iterables, dict):
-        return list(iterables.values())
-    if isinstance(iterables, (list, tuple)):
-        return list(iterables)
-    return [iterables]
 
 
 def redraw_first_samples(trainer: pl.Trainer) -> Any:
@@ -621,8 +597,7 @@ class OverfitBatchSanity(GradGuardCallback):
         if not preflight_applies(self, trainer, pl_module, checked_before):
             return
         started = time.perf_counter()
-        gens = train_loader_generators(trainer)
-        snapshot = TrainingSnapshot(pl_module, trainer=trainer, generators=gens)
+        snapshot = TrainingSnapshot(pl_module, trainer=trainer)  # sampler generators included
         result: OverfitResult | None = None
         try:
             batch, _ = first_train_batch(trainer)

@@ -219,7 +219,6 @@ class VanishingExplodingDetector(GradGuardCallback):
         self._order_hooks: list[RemovableHandle] = []
         self._order_seen = False
         self._last_flow_at: dict[int, int] = {}
-        self._last_alert: dict[str, int] = {}
         self._numel_cache: dict[tuple[str, ...], list[int]] = {}
         #: layers whose gradient started at exactly 0 (behind a zero-initialized weight) and is still
         #: growing: layer -> its first non-zero norm (0.0 while it is still 0)
@@ -239,7 +238,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         if self.fresh_run(trainer):  # a new run (perhaps of a new model) is judged on its own numbers
             self.history, self.strikes, self.last_check = {}, {}, {}
             self.forward_order, self._order_seen = {}, False
-            self._last_flow_at, self._last_alert, self._numel_cache = {}, {}, {}
+            self._last_flow_at, self._numel_cache = {}, {}
             self.opening, self._seen_layers, self._embedding_layers = {}, set(), None
 
     # ------------------------------------------------------------------ forward order (once)
@@ -333,12 +332,8 @@ class VanishingExplodingDetector(GradGuardCallback):
             self.strikes[key] = self.strikes.get(key, 0) + 1 if flag else 0
             if self.strikes[key] < self.patience:
                 continue
-            last = self._last_alert.get(key)
-            if last is not None and step - last < self.cooldown_steps:
-                continue
             alert = self._report(trainer, kind, verdict, step, opt_idx)
             if alert is not None:
-                self._last_alert[key] = step
                 alerts.append(alert)
         # a spike does not move the baseline it is measured against, until it has been reported
         adopt = (
@@ -534,7 +529,10 @@ class VanishingExplodingDetector(GradGuardCallback):
             message = f"Gradients vanish ({self.patience} consecutive checks): {reasons}."
             hint = _VANISHING_HINT
             where = _where(verdict["vanishing_layers"])
-        return self.report(trainer, kind, "error", where, message, hint, data, step=step)
+        # one cooldown per optimizer and kind: ``where`` (the top layers) moves from check to check
+        return self.report(
+            trainer, kind, "error", where, message, hint, data, step=step, cooldown_key=f"{opt_idx}:{kind}"
+        )
 
     def _log_flow(self, trainer: pl.Trainer, labels: list[str], flow: list[float], opt_idx: int) -> None:
         if not self.log_gradient_flow:
@@ -557,7 +555,6 @@ class VanishingExplodingDetector(GradGuardCallback):
             history={k: list(v) for k, v in self.history.items()},
             strikes=dict(self.strikes),
             forward_order=dict(self.forward_order),
-            last_alert=dict(self._last_alert),
             opening=dict(self.opening),
             seen_layers=sorted(self._seen_layers),
         )
@@ -570,6 +567,5 @@ class VanishingExplodingDetector(GradGuardCallback):
         self.strikes = dict(state_dict.get("strikes", {}))
         self.forward_order = dict(state_dict.get("forward_order", {}))
         self._order_seen = bool(self.forward_order)
-        self._last_alert = dict(state_dict.get("last_alert", {}))
         self.opening = {str(k): float(v) for k, v in state_dict.get("opening", {}).items()}
         self._seen_layers = set(state_dict.get("seen_layers", []))

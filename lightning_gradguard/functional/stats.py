@@ -190,8 +190,8 @@ def device_histograms(
 
     ``method``: ``"fused"`` bins every tensor together (a handful of kernels, no host round trip: the
     right choice on a GPU), ``"per_tensor"`` runs one ``aminmax`` + ``histc`` per tensor (about 10x
-    faster on a CPU, where there is no sync to avoid), ``"auto"`` (default) picks by the device of the
-    first tensor. Both give the same buckets.
+    faster on a CPU, where there is no sync to avoid; three host reads per tensor elsewhere), ``"auto"``
+    (default) takes it only when every tensor is on the CPU. Both give the same buckets.
     """
     if bins < 1:
         raise ValueError(f"`bins` must be >= 1, got {bins!r}")
@@ -201,7 +201,7 @@ def device_histograms(
         return HistogramSpec(z.reshape(0, 5), z.reshape(0, bins + 1), z.reshape(0, bins), z)
     if method not in ("auto", "fused", "per_tensor"):
         raise ValueError(f"`method` must be one of 'auto', 'fused', 'per_tensor'; got {method!r}")
-    if method == "per_tensor" or (method == "auto" and tensors[0].device.type == "cpu"):
+    if method == "per_tensor" or (method == "auto" and all(t.device.type == "cpu" for t in tensors)):
         # On a CPU the fused scatter/index_add formulation is ~10x slower than one histc per tensor, and
         # reading a per-tensor min/max costs no device sync: "auto" uses the per-tensor path there.
         rows = [_histogram_one(t, bins, log10) for t in tensors]

@@ -688,7 +688,7 @@ SETUPS: list[Setup] = [
     Setup("sgdr_warm_restarts", h_warm_restarts, 400),
     Setup("activation_checkpointing", h_checkpointed, 200),
     Setup("deep_sigmoid_zero_init_head", b_deep_sigmoid_zero_head, 60, ("vanishing_gradient",), 0, 5),
-    # ReLUs die at step 100. DeadReLUMonitor samples every 50 steps; the sample at 150 looks dead and is
+    # ReLUs die at step 100. DeadReLUMonitor samples every 50 steps; the sample at 149 looks dead and is
     # followed up at once (window + patience - 1 = 5 more sampled steps): at most 50 + 5 steps late.
     Setup("relus_killed_by_lr_jump_at_100", b_lr_jump_kills_relus, 300, ("dead_relu",), 100, 55),
 ]

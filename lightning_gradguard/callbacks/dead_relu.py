@@ -226,8 +226,12 @@ class DeadReLUMonitor(GradGuardCallback):
         return charts
 
     def due(self, step: int) -> bool:
-        """Whether training step ``step`` (``global_step``) is sampled."""
-        return step < self.window + self.patience - 1 or step % self.every_n_steps == 0
+        """Whether logging step ``step`` (see :func:`~lightning_gradguard._shared.log_step`) is sampled.
+
+        Lightning's logging rule, ``(step + 1) % every_n_steps == 0``, so ``dead_relu/*`` points share the
+        x of the loss and of the gradient histograms; every step at the start.
+        """
+        return step < self.window + self.patience - 1 or (step + 1) % self.every_n_steps == 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -242,7 +246,7 @@ class DeadReLUMonitor(GradGuardCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        regular = self.due(int(trainer.global_step))
+        regular = self.due(log_step(trainer))
         if self._mode is not None or not (regular or self._follow_left > 0):
             return
         self._following = not regular

@@ -1071,9 +1071,6 @@ class OverfitBatchSanity(GradGuardCallback):
                 return c, t
         return (c, None) if self.num_classes is not None else (None, None)
 
-    def _classes(self, batch: Any, logits: Tensor | None, n: int) -> int | None:
-        return self._labels(batch, logits, n)[0]
-
     def _initial_loss_finding(
         self, batch: Any, logits: Tensor | None, initial: float, n: int
     ) -> list[Finding]:

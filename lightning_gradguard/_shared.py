@@ -23,10 +23,14 @@ from lightning_gradguard.functional.stats import foreach_norms, group_index, lay
 __all__ = [
     "StepStats",
     "TrainerState",
+    "info_once",
     "log_step",
+    "logging_interval",
     "loss_of",
+    "on_logging_step",
     "quiet_logging",
     "reduce_any",
+    "skipped_for_fast_dev_run",
     "step_stats",
     "trainer_state",
 ]
@@ -68,6 +72,51 @@ def log_step(trainer: pl.Trainer) -> int:
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     value = getattr(loop, "_batches_that_stepped", None)
     return int(value) if value is not None else int(trainer.global_step)
+
+
+def logging_interval(trainer: pl.Trainer, override: int | None = None) -> int:
+    """How often a callback logs its periodic scalars, in logging steps; ``0`` means never.
+
+    ``override`` (the callback's own ``log_every_n_steps``) wins when given; otherwise the Trainer's
+    ``log_every_n_steps``, where Lightning reads ``0`` as "log nothing" and so do we: detection still runs,
+    only the periodic scalars and histograms stop.
+    """
+    if override is not None:
+        return int(override)
+    return max(int(getattr(trainer, "log_every_n_steps", 50) or 0), 0)
+
+
+def on_logging_step(at: int, every: int) -> bool:
+    """Lightning's logging rule (``(step + 1) % every == 0``) plus the very first step; never for ``every=0``.
+
+    Matching Lightning puts our points at the same x as the loss it logs from the same batch; the extra
+    first point shows whether the run starts in a healthy range.
+    """
+    return every > 0 and (at == 0 or (at + 1) % every == 0)
+
+
+def info_once(trainer: pl.Trainer, key: str, message: str) -> None:
+    """One INFO line per trainer on the ``lightning_gradguard`` logger, from global rank zero."""
+    state = trainer_state(trainer)
+    if key in state.warned:
+        return
+    state.warned.add(key)
+    if trainer.is_global_zero:
+        import logging
+
+        logging.getLogger("lightning_gradguard").info(message)
+
+
+def skipped_for_fast_dev_run(trainer: pl.Trainer, name: str, what: str) -> bool:
+    """True (after one INFO line) when ``fast_dev_run`` is on: a smoke test skips sweeps and trial runs.
+
+    Lightning's own tuner does the same: ``fast_dev_run`` runs a batch or two to prove the code path,
+    and a range test or a pre-flight trial of hundreds of steps would defeat it.
+    """
+    if not getattr(trainer, "fast_dev_run", False):
+        return False
+    info_once(trainer, f"fast_dev_run:{name}", f"{name}: skipping {what} since `fast_dev_run` is enabled.")
+    return True
 
 
 def reduce_any(trainer: pl.Trainer, flag: bool) -> bool:

@@ -33,7 +33,29 @@ __all__ = [
 
 log = logging.getLogger("lightning_gradguard")
 
+
+class _FallbackHandler(logging.StreamHandler):
+    """Prints our records to stderr while the application has configured no logging at all.
+
+    Python's own last resort shows only warnings, so a user who never set up logging would not see that
+    a pre-flight check passed or that a sweep was skipped. As soon as the root logger or our own logger
+    has another handler (``logging.basicConfig``, pytest's capture, a framework's or the user's set-up),
+    this one steps aside and the records reach that handler, printed once.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        configured = logging.getLogger().handlers or any(h is not self for h in log.handlers)
+        if not configured:
+            super().emit(record)
+
+
+if not any(isinstance(h, _FallbackHandler) for h in log.handlers):
+    log.addHandler(_FallbackHandler())
+if log.level == logging.NOTSET:  # INFO lines (a check passed, a sweep skipped) are part of what we say
+    log.setLevel(logging.INFO)
+
 Severity = Literal["info", "warning", "error", "critical"]
+#: what a finding of severity error or critical does (see ``GradGuardCallback``)
 Action = Literal["warn", "stop", "raise"]
 SEVERITIES: tuple[str, ...] = ("info", "warning", "error", "critical")
 ACTIONS: tuple[str, ...] = ("warn", "stop", "raise")

@@ -2,19 +2,64 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import gradguard_callbacks, log_step, trainer_state
+from lightning_gradguard._shared import gradguard_callbacks, log_step, trainer_state, warn_once
 from lightning_gradguard._validate import check_choice, check_int
 from lightning_gradguard.alerts import ACTIONS, Alert, GradGuardError, JsonlSink, LoggingSink, Severity
 
 ALERT_TEXT_TAG = "gradguard/alerts"
+
+#: set to 1 (our test suite does) to let a monitor's own exceptions through instead of warning once
+STRICT_ENV = "GRADGUARD_STRICT"
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def strict_mode() -> bool:
+    """Whether a monitor's own exceptions are raised (``GRADGUARD_STRICT=1``) instead of warned about."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def guarded(hook: _Hook) -> _Hook:
+    """A monitor's hook that must never crash the run it watches.
+
+    An exception inside the hook (a model shape or a statistic our code did not expect) becomes one
+    warning per callback and hook, with the error, and training goes on; the hook's work for that step is
+    lost, nothing else. The errors a callback raises on purpose (:class:`GradGuardError`: a NaN, a failed
+    pre-flight check, ``action="raise"``) pass through. Only for hooks without collectives, or whose
+    collectives every rank reaches alike, so that a rank that skips one cannot leave the others waiting.
+    With the environment variable ``GRADGUARD_STRICT=1`` the exception is raised (tests).
+    """
+
+    @functools.wraps(hook)
+    def wrapper(self: Any, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(self, trainer, *args, **kwargs)
+        except GradGuardError:
+            raise
+        except Exception as err:
+            if strict_mode():
+                raise
+            name = type(self).__name__
+            warn_once(
+                trainer,
+                f"internal:{name}:{hook.__name__}",
+                f"{name}.{hook.__name__} failed ({type(err).__name__}: {err}); training goes on without it "
+                "for this step. Please report this to lightning_gradguard with the model's layout.",
+            )
+            return None
+
+    return wrapper  # type: ignore[return-value]
 
 
 class GradGuardCallback(Callback):
@@ -30,14 +75,27 @@ class GradGuardCallback(Callback):
 
     error_type: type[GradGuardError] = GradGuardError
     allowed_actions: tuple[str, ...] = ACTIONS
+    #: the ``__init__`` arguments that tell two instances of the callback apart in a checkpoint
+    state_key_args: tuple[str, ...] = ()
 
     def __init__(self, action: str = "warn", cooldown_steps: int = 100) -> None:
-        check_choice("action", action, self.allowed_actions)
-        check_int("cooldown_steps", cooldown_steps, 0)
-        self.action = action
-        self.cooldown_steps = cooldown_steps
+        self.action: str = check_choice("action", action, self.allowed_actions)
+        self.cooldown_steps: int = check_int("cooldown_steps", cooldown_steps, 0)
         self.alerts: list[Alert] = []
         self._last_reported: dict[str, int] = {}
+
+    @property
+    @override
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint: its class and identifying arguments.
+
+        Like Lightning's ``ModelCheckpoint`` and ``EarlyStopping``: two instances with different settings
+        (two ``GradientNormLogger`` with other cadences, two ``LRFinderPlus`` with other milestones) are
+        saved side by side and each resumes its own state. The identifying arguments are listed in
+        ``state_key_args``; changing one of them between a run and its resume starts that callback's state
+        afresh. A checkpoint written before state keys existed (keyed by the class) still loads.
+        """
+        return self._generate_state_key(**{name: getattr(self, name) for name in self.state_key_args})
 
     # ------------------------------------------------------------------ layout
     def layout_charts(self) -> dict[str, list[str]]:

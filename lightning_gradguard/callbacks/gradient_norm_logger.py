@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import StepStats, log_step, step_stats
-from lightning_gradguard._validate import check_int
-from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard._shared import StepStats, log_step, logging_interval, on_logging_step, step_stats
+from lightning_gradguard._validate import check_bool, check_int
+from lightning_gradguard.callbacks._base import GradGuardCallback, guarded
 from lightning_gradguard.functional.stats import (
     HistogramSpec,
     device_histograms,
@@ -34,6 +35,8 @@ from lightning_gradguard.functional.stats import (
 __all__ = ["GradientNormLogger"]
 
 _PERCENTILES = (50.0, 90.0, 99.0)
+#: with periodic logging off (``log_every_n_steps=0``), the clipping verdict is still reached this often
+_CLIP_CHECK_EVERY = 100
 
 
 @dataclass
@@ -51,23 +54,21 @@ class _Pending:
     histograms: dict[str, tuple[list[str], HistogramSpec]] = field(default_factory=dict)
 
 
-def _on_cadence(at: int, every: int) -> bool:
-    """Lightning's own logging rule (``(step + 1) % every == 0``) plus the very first step.
-
-    Matching Lightning puts our points at the same x as the loss it logs from the same batch; the
-    extra first point shows whether the run starts in a healthy range.
-    """
-    return at == 0 or (at + 1) % every == 0
-
-
-def _parse_norm_type(norm_type: float | str) -> float:
+def _parse_norm_type(norm_type: Any) -> float:
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (str, int, float)):
+        raise TypeError(f"`norm_type` must be 2 or 'inf'; got {norm_type!r} ({type(norm_type).__name__})")
     try:
         value = float(norm_type)
-    except (TypeError, ValueError):
+    except ValueError:
         value = float("nan")
     if value not in (2.0, math.inf):
         raise ValueError(f"`norm_type` must be 2 or 'inf'; got {norm_type!r}")
     return value
+
+
+def _fmt(value: float | None, spec: str = ".3g") -> str:
+    """A number for a message; ``n/a`` where a statistic is missing (never a crash in a format string)."""
+    return "n/a" if value is None else format(value, spec)
 
 
 class GradientNormLogger(GradGuardCallback):
@@ -82,7 +83,10 @@ class GradientNormLogger(GradGuardCallback):
     * ``grad_nonfinite/total`` (and ``grad_nonfinite/<layer>`` where non-zero): NaN/inf gradient entries;
     * with ``gradient_clip_val`` set on the Trainer: ``grad_clip/fraction_clipped``,
       ``grad_clip/pre_clip_norm_p50|p90|p99`` and ``grad_clip/suggested_clip_val`` over the last
-      ``clip_window`` steps.
+      ``clip_window`` steps. Under ``gradient_clip_algorithm="norm"`` the pre-clip norm is the total
+      2-norm and a step counts as clipped when it exceeds ``gradient_clip_val``; under ``"value"`` it is
+      the largest absolute gradient entry (the infinity norm), since clipping by value changes a step
+      exactly when some ``|g|`` exceeds the value.
 
     Every ``histogram_every_n_steps`` it also writes TensorBoard histograms ``grad/<param>``,
     ``grad_log10/<param>`` (log10 of the non-zero magnitudes: vanishing gradients show as mass many
@@ -90,9 +94,14 @@ class GradientNormLogger(GradGuardCallback):
     merges deeper modules, ``per_parameter=True`` logs every parameter. Frozen parameters are skipped.
     With several optimizers (manual optimization) the tags get an ``_opt<i>`` suffix on ``total``.
 
+    Logging follows Lightning's rule, ``(step + 1) % log_every_n_steps == 0``, plus the first step; a
+    ``log_every_n_steps`` of 0 (here or, by default, on the Trainer) turns periodic logging off, as it does
+    for Lightning: nothing is measured for the charts, while the clipping statistics are still gathered
+    and their alerts still checked every 100 steps.
+
     Args:
         log_every_n_steps: log every this many optimizer steps (default: the Trainer's
-            ``log_every_n_steps``, so our charts line up with the loss).
+            ``log_every_n_steps``, so our charts line up with the loss; ``0``: no periodic logging).
         histogram_every_n_steps: write histograms every this many steps; ``None`` (default) means ten
             times the logging interval, ``0`` turns histograms off.
         norm_type: ``2`` (Euclidean) or ``"inf"`` (largest absolute entry).
@@ -114,11 +123,20 @@ class GradientNormLogger(GradGuardCallback):
         # tensorboard --logdir lightning_logs  ->  Custom Scalars tab, "GradGuard" section
     """
 
+    state_key_args = (
+        "log_every_n_steps",
+        "histogram_every_n_steps",
+        "norm_type",
+        "group_depth",
+        "per_parameter",
+        "clip_window",
+    )
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,
         histogram_every_n_steps: int | None = None,
-        norm_type: float | str = 2.0,
+        norm_type: float | Literal["inf"] = 2.0,
         group_depth: int | None = None,
         per_parameter: bool = False,
         log_weight_norms: bool = True,
@@ -128,28 +146,22 @@ class GradientNormLogger(GradGuardCallback):
         cooldown_steps: int = 1000,
     ) -> None:
         super().__init__(action="warn", cooldown_steps=cooldown_steps)
-        check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
-        check_int("histogram_every_n_steps", histogram_every_n_steps, 0, allow_none=True)
-        check_int("group_depth", group_depth, 1, allow_none=True)
-        check_int("histogram_bins", histogram_bins, 2)
-        check_int("clip_window", clip_window, 10)
-        for name, flag in (
-            ("per_parameter", per_parameter),
-            ("log_weight_norms", log_weight_norms),
-            ("log_update_ratio", log_update_ratio),
-        ):
-            if not isinstance(flag, bool):
-                raise ValueError(f"`{name}` must be True or False; got {flag!r}")
-        self.log_every_n_steps = log_every_n_steps
-        self.histogram_every_n_steps = histogram_every_n_steps
+        self.log_every_n_steps: int | None = check_int(
+            "log_every_n_steps", log_every_n_steps, 0, allow_none=True
+        )
+        self.histogram_every_n_steps: int | None = check_int(
+            "histogram_every_n_steps", histogram_every_n_steps, 0, allow_none=True
+        )
         self.norm_type = _parse_norm_type(norm_type)
-        self.group_depth = group_depth
-        self.per_parameter = per_parameter
-        self.log_weight_norms = log_weight_norms
-        self.log_update_ratio = log_update_ratio
-        self.histogram_bins = histogram_bins
-        self.clip_window = clip_window
+        self.group_depth: int | None = check_int("group_depth", group_depth, 1, allow_none=True)
+        self.per_parameter = check_bool("per_parameter", per_parameter)
+        self.log_weight_norms = check_bool("log_weight_norms", log_weight_norms)
+        self.log_update_ratio = check_bool("log_update_ratio", log_update_ratio)
+        self.histogram_bins: int = check_int("histogram_bins", histogram_bins, 2)
+        self.clip_window: int = check_int("clip_window", clip_window, 10)
         self._pending: list[_Pending] = []
+        self._clip_check_due = False
+        self._clip_check_step = 0  # global_step of the latest step measured for the clipping verdict
         # clipping statistics: a device ring buffer of pre-clip norms, filled every step without a sync
         self._clip_norms: Tensor | None = None
         self._clip_seen = 0
@@ -157,23 +169,27 @@ class GradientNormLogger(GradGuardCallback):
 
     # ------------------------------------------------------------------ cadence
     def _log_interval(self, trainer: pl.Trainer) -> int:
-        if self.log_every_n_steps is not None:
-            return self.log_every_n_steps
-        return max(int(getattr(trainer, "log_every_n_steps", 50)), 1)
+        """Logging steps between two logged points; 0: periodic logging is off."""
+        return logging_interval(trainer, self.log_every_n_steps)
 
     def _hist_interval(self, trainer: pl.Trainer) -> int:
+        every = self._log_interval(trainer)
         if self.histogram_every_n_steps is not None:
-            return self.histogram_every_n_steps
-        return 10 * self._log_interval(trainer)
+            return self.histogram_every_n_steps if every else 0
+        return 10 * every
 
     @staticmethod
     def _clip_setting(trainer: pl.Trainer) -> tuple[float, float] | None:
-        """``(clip value, norm type that decides clipping)`` when the Trainer clips gradients."""
+        """``(clip value, norm type that decides clipping)`` when the Trainer clips gradients.
+
+        Clipping by norm rescales the gradient when its total 2-norm exceeds the value; clipping by value
+        changes it when some entry's magnitude does, which is when the infinity norm exceeds the value.
+        """
         val = trainer.gradient_clip_val
         if val is None or float(val) <= 0 or not trainer.lightning_module.automatic_optimization:
             return None
-        algorithm = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm")
-        return float(val), (math.inf if algorithm.endswith("value") else 2.0)
+        algorithm = GradClipAlgorithmType(getattr(trainer, "gradient_clip_algorithm", None) or "norm")
+        return float(val), (math.inf if algorithm == GradClipAlgorithmType.VALUE else 2.0)
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -200,8 +216,10 @@ class GradientNormLogger(GradGuardCallback):
         if self.fresh_run(trainer):  # the clip window holds this run's steps only
             self._clip_norms, self._clip_seen = None, 0
             self._pending, self.last_logged = [], {}
+            self._clip_check_due = False
 
     @override
+    @guarded
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -209,13 +227,16 @@ class GradientNormLogger(GradGuardCallback):
             return
         at = log_step(trainer)
         every = self._log_interval(trainer)
-        sampled = _on_cadence(at, every)
+        sampled = on_logging_step(at, every)
         clip = self._clip_setting(trainer)
         if not sampled and clip is None:
             return
         stats = step_stats(trainer, pl_module, optimizer)
         if clip is not None:
             self._record_clip_norm(stats.grad_total(clip[1]))
+            # with logging off the verdict is still reached, on a cadence of its own
+            if sampled or (every == 0 and self._clip_seen % _CLIP_CHECK_EVERY == 0):
+                self._clip_check_due, self._clip_check_step = True, stats.step
         if not sampled:
             return
         suffix = ""
@@ -241,7 +262,7 @@ class GradientNormLogger(GradGuardCallback):
         if self.log_update_ratio and stats.params:
             pending.snapshot = list(torch._foreach_mul([p.detach() for p in stats.params], 1.0))
         hist_every = self._hist_interval(trainer)
-        if hist_every > 0 and _on_cadence(at, hist_every) and _emit.tensorboard_writers(trainer):
+        if on_logging_step(at, hist_every) and _emit.tensorboard_writers(trainer):
             pending.histograms = self._histograms(stats)
         self._pending.append(pending)
 
@@ -264,20 +285,23 @@ class GradientNormLogger(GradGuardCallback):
         self._clip_seen += 1
 
     @override
+    @guarded
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._pending:
+        if self._pending or self._clip_check_due:
             self._flush(trainer)
 
     @override
+    @guarded
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending:
+        if self._pending or self._clip_check_due:
             self._flush(trainer)
 
     # ------------------------------------------------------------------ the one transfer
     def _flush(self, trainer: pl.Trainer) -> None:
         pending, self._pending = self._pending, []
+        clip_due, self._clip_check_due = self._clip_check_due, False
         parts: list[Tensor] = []
         layout: list[tuple[int, str, int, tuple[int, ...]]] = []  # (pending idx, key, numel, shape)
 
@@ -303,7 +327,7 @@ class GradientNormLogger(GradGuardCallback):
                 for field_name in ("stats", "edges", "counts", "nonfinite"):
                     add(i, f"hist:{name}:{field_name}", getattr(spec, field_name))
         clip = self._clip_setting(trainer)
-        if clip is not None and self._clip_norms is not None and self._clip_seen:
+        if clip_due and clip is not None and self._clip_norms is not None and self._clip_seen:
             filled = self._clip_norms[: min(self._clip_seen, self.clip_window)]
             finite = torch.isfinite(filled)
             n_finite = finite.sum().clamp_min(1)
@@ -321,7 +345,7 @@ class GradientNormLogger(GradGuardCallback):
         for i, p in enumerate(pending):
             self._emit_step(trainer, p, {k: v for (j, k), v in values.items() if j == i})
         if (-1, "clip_fraction") in values and clip is not None:
-            self._emit_clip(trainer, pending[-1], clip, values)
+            self._emit_clip(trainer, pending[-1] if pending else None, clip, values)
 
     def _emit_step(self, trainer: pl.Trainer, p: _Pending, v: dict[str, Tensor]) -> None:
         metrics: dict[str, float] = {f"grad_norm/total{p.suffix}": float(v["grad_total"][0])}
@@ -366,25 +390,31 @@ class GradientNormLogger(GradGuardCallback):
     def _emit_clip(
         self,
         trainer: pl.Trainer,
-        last: _Pending,
+        last: _Pending | None,
         clip: tuple[float, float],
         values: dict[tuple[int, str], Tensor],
     ) -> None:
+        """Clipping statistics over the window and their alerts; ``last`` is ``None`` with logging off."""
         window = values[(-1, "clip_window")]
         finite = window[torch.isfinite(window)].double()
         if finite.numel() == 0:
             return
         fraction = float(values[(-1, "clip_fraction")][0])
         qs = torch.quantile(finite, torch.tensor([q / 100 for q in _PERCENTILES], dtype=torch.float64))
-        suggested = suggest_clip_value(finite)
+        suggested = suggest_clip_value(finite)  # None when every norm in the window was 0
         metrics = {"grad_clip/fraction_clipped": fraction}
         for q, x in zip(_PERCENTILES, qs.tolist(), strict=True):
             metrics[f"grad_clip/pre_clip_norm_p{int(q)}"] = x
         if suggested is not None:
             metrics["grad_clip/suggested_clip_val"] = suggested
         self.last_logged.update(metrics)
-        _emit.log_scalars(trainer, metrics, last.step)
+        if last is not None:
+            _emit.log_scalars(trainer, metrics, last.step)
+        step = last.stats.step if last is not None else self._clip_check_step
         n = int(finite.numel())
+        largest = float(finite.max())
+        what = "norm" if clip[1] == 2.0 else "largest |g|"
+        by = "" if clip[1] == 2.0 else " (clipping by value)"
         data = {"fraction_clipped": fraction, "clip_val": clip[0], "steps": float(n), **metrics}
         if n >= min(100, self.clip_window) and fraction >= 0.95 and suggested is not None:
             self.report(
@@ -392,24 +422,35 @@ class GradientNormLogger(GradGuardCallback):
                 "clipping_always_active",
                 "warning",
                 None,
-                f"gradient_clip_val={clip[0]:g} clipped {fraction:.0%} of the last {n} steps "
-                f"(median pre-clip norm {metrics['grad_clip/pre_clip_norm_p50']:.3g}).",
-                f"The threshold is below the typical gradient norm, which slows learning. Clip only the "
-                f"outliers: try gradient_clip_val={suggested:g} (90th percentile of recent norms).",
+                f"gradient_clip_val={clip[0]:g}{by} clipped {fraction:.0%} of the last {n} steps "
+                f"(median pre-clip {what} {_fmt(metrics['grad_clip/pre_clip_norm_p50'])}).",
+                f"The threshold is below the typical gradient {what}, which slows learning. Clip only the "
+                f"outliers: try gradient_clip_val={_fmt(suggested, 'g')} (90th percentile of recent values).",
                 data,
-                step=last.stats.step,
+                step=step,
             )
-        elif n >= self.clip_window and fraction == 0.0 and float(finite.max()) < clip[0] / 10:
+        elif n >= self.clip_window and fraction == 0.0 and largest < clip[0] / 10:
+            if suggested is None:
+                hint = (
+                    f"Every pre-clip {what} of the window was exactly 0: no parameter of this optimizer got "
+                    "a gradient, so nothing learns. Check that the loss depends on the parameters (a "
+                    "`.detach()`, `torch.no_grad()`, a zero loss weight); OverfitBatchSanity names them."
+                )
+            else:
+                hint = (
+                    "Clipping guards nothing at this level. To catch spikes, use about "
+                    f"{_fmt(suggested, 'g')}."
+                )
             self.report(
                 trainer,
                 "clipping_never_active",
                 "info",
                 None,
-                f"gradient_clip_val={clip[0]:g} never fired in {n} steps; the largest norm was "
-                f"{float(finite.max()):.3g}.",
-                f"Clipping guards nothing at this level. To catch spikes, use about {suggested:g}.",
+                f"gradient_clip_val={clip[0]:g}{by} never fired in {n} steps; the largest pre-clip {what} "
+                f"was {_fmt(largest)}.",
+                hint,
                 data,
-                step=last.stats.step,
+                step=step,
             )
 
     # ------------------------------------------------------------------ state

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -21,7 +22,7 @@ from typing_extensions import override
 
 from lightning_gradguard import _emit
 from lightning_gradguard._shared import quiet_logging, step_stats
-from lightning_gradguard._validate import check_float, check_int
+from lightning_gradguard._validate import check_bool, check_float, check_int, check_path
 from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.forensics import find_backward_origin, find_forward_origin
@@ -55,6 +56,15 @@ _HINTS = {
 }
 
 
+@dataclass(frozen=True)
+class _MicroBatch:
+    """One micro-batch as the sentinel saw it: what a report, ``batch.pt`` and the replay are made of."""
+
+    batch: Any
+    batch_idx: int
+    loss: Tensor | None
+
+
 class NaNSentinel(GradGuardCallback):
     r"""Stop at the first NaN/inf loss, gradient or parameter, with nothing lost.
 
@@ -66,8 +76,12 @@ class NaNSentinel(GradGuardCallback):
     * optionally the parameters after the update, every ``check_parameters_every_n_steps``.
 
     The loss and gradient verdicts of one step are read from the device together, so a step costs one
-    sync. With ``accumulate_grad_batches > 1`` the loss of each micro-batch is read as it comes (one
-    read per micro-batch), so the report names the exact offending micro-batch.
+    sync. With ``accumulate_grad_batches > 1`` each micro-batch is judged as it comes (one read per
+    micro-batch): its loss, and, from the second micro-batch of an optimizer step on, the gradients
+    accumulated so far (one fused norm pass; non-finite values persist in a sum, so the first micro-batch
+    after which they are non-finite is the one that poisoned them). The report names that micro-batch,
+    and an optimizer step yields at most one finding: once a micro-batch is found poisoned, the rest of
+    the step is not judged again.
 
     On detection (alert ``nonfinite_loss``, ``nonfinite_gradient`` or ``nonfinite_parameter``, severity
     critical) every rank takes the same decision at the same point (one collective) and, with the
@@ -93,6 +107,14 @@ class NaNSentinel(GradGuardCallback):
             poisoned update and goes on: every gradient of the optimizer is set to ``None``, which
             ``torch.optim`` optimizers treat as "no update" (Adam's step count and moments stay as
             they were), exactly like the GradScaler's own skip; the LR scheduler still advances.
+            ``"stop"`` drops the poisoned update the same way and sets ``trainer.should_stop``: the run
+            ends with the weights of the last good step (Lightning ends it after the current batch and
+            a validation run, if any; with ``accumulate_grad_batches > 1`` possibly before the
+            accumulation window is complete, and then no update is made at all). Until ``min_epochs``
+            / ``min_steps`` are met Lightning keeps training: every poisoned update meanwhile is
+            dropped too. ``"warn"`` only reports: the poisoned update is applied. Under
+            ``accumulate_grad_batches > 1``, ``"skip"`` and ``"stop"`` drop the update of the whole
+            optimizer step that holds the poisoned micro-batch.
         report_dir: where reports go (default: ``<log_dir>/nan_report``).
         save_batch: write the offending batch.
         save_checkpoint: write the last-good checkpoint (a collective under DDP: every rank calls it).
@@ -117,13 +139,14 @@ class NaNSentinel(GradGuardCallback):
 
     error_type = NonFiniteError
     allowed_actions = ("warn", "stop", "raise", "skip")
+    state_key_args = ("check_loss", "check_gradients", "check_parameters_every_n_steps", "action")
 
     def __init__(
         self,
         check_loss: bool = True,
         check_gradients: bool = True,
         check_parameters_every_n_steps: int = 0,
-        action: str = "raise",
+        action: Literal["raise", "stop", "warn", "skip"] = "raise",
         report_dir: str | None = None,
         save_batch: bool = True,
         save_checkpoint: bool = True,
@@ -134,38 +157,30 @@ class NaNSentinel(GradGuardCallback):
         cooldown_steps: int = 100,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
-        for name, flag in (
-            ("check_loss", check_loss),
-            ("check_gradients", check_gradients),
-            ("save_batch", save_batch),
-            ("save_checkpoint", save_checkpoint),
-            ("find_origin", find_origin),
-        ):
-            if not isinstance(flag, bool):
-                raise ValueError(f"`{name}` must be True or False; got {flag!r}")
-        check_int("check_parameters_every_n_steps", check_parameters_every_n_steps, 0)
-        check_int("history_size", history_size, 1)
-        check_float("loss_scale_floor", loss_scale_floor, 0.0, low_open=True)
-        check_int("max_consecutive_skips", max_consecutive_skips, 1)
-        if report_dir is not None and not isinstance(report_dir, (str, os.PathLike)):
-            raise ValueError(f"`report_dir` must be a path or None; got {report_dir!r}")
-        self.check_loss = check_loss
-        self.check_gradients = check_gradients
-        self.check_parameters_every_n_steps = check_parameters_every_n_steps
-        self.report_dir = os.fspath(report_dir) if report_dir is not None else None
-        self.save_batch = save_batch
-        self.save_checkpoint = save_checkpoint
-        self.find_origin = find_origin
-        self.history_size = history_size
-        self.loss_scale_floor = loss_scale_floor
-        self.max_consecutive_skips = max_consecutive_skips
+        self.check_loss = check_bool("check_loss", check_loss)
+        self.check_gradients = check_bool("check_gradients", check_gradients)
+        self.check_parameters_every_n_steps: int = check_int(
+            "check_parameters_every_n_steps", check_parameters_every_n_steps, 0
+        )
+        self.report_dir: str | None = check_path("report_dir", report_dir)
+        self.save_batch = check_bool("save_batch", save_batch)
+        self.save_checkpoint = check_bool("save_checkpoint", save_checkpoint)
+        self.find_origin = check_bool("find_origin", find_origin)
+        self.history_size: int = check_int("history_size", history_size, 1)
+        self.loss_scale_floor: float = check_float("loss_scale_floor", loss_scale_floor, 0.0, low_open=True)
+        self.max_consecutive_skips: int = check_int("max_consecutive_skips", max_consecutive_skips, 1)
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.last_report_dir: str | None = None
         self._batch: Any = None
         self._batch_idx = 0
         self._loss_bad: Tensor | None = None
-        self._loss: Tensor | None = None
+        # the micro-batch whose backward ran last; under accumulation the micro-batches judged in the
+        # current optimizer step, and the one its finding named (the step then yields no other finding)
+        self._current: _MicroBatch | None = None
+        self._in_step = 0
+        self._poisoned: _MicroBatch | None = None
+        self._stepped = False  # an optimizer step ran in the current batch
         self._history: Tensor | None = None
         self._history_steps: list[int] = []
         # the skip counters before the step being judged, and the state the last-good checkpoint holds
@@ -179,7 +194,9 @@ class NaNSentinel(GradGuardCallback):
         if self.fresh_run(trainer):  # the report of this run lists this run's steps only
             self.skipped_steps = self.consecutive_skips = 0
             self._history, self._history_steps = None, []
-            self._loss_bad = self._loss = self._batch = None
+        # a fit never starts inside an optimizer step (one stopped mid-accumulation leaves this behind)
+        self._loss_bad = self._batch = self._current = self._poisoned = None
+        self._in_step, self._stepped = 0, False
 
     @override
     def on_train_batch_start(
@@ -189,21 +206,57 @@ class NaNSentinel(GradGuardCallback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if not self.check_loss:
-            return
         loss = loss.detach()
-        self._loss = loss
-        bad = ~torch.isfinite(loss).all()
-        if pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
-            self._decide(trainer, pl_module, None, loss_bad=bad, grad_bad=None)  # this micro-batch, now
+        previous = self._current
+        self._current = current = _MicroBatch(batch=self._batch, batch_idx=self._batch_idx, loss=loss)
+        if not (pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1):
+            if self.check_loss:  # judged with the gradients, in on_before_optimizer_step
+                bad = ~torch.isfinite(loss).all()
+                self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
             return
-        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
+        # Accumulation: judge each micro-batch now, so the finding names it (and the replay and batch.pt
+        # are its own), and at most once per optimizer step.
+        first = self._in_step == 0
+        self._in_step += 1
+        if self._poisoned is not None:  # this step has its finding; its update is dealt with at the step
+            return
+        loss_bad = ~torch.isfinite(loss).all() if self.check_loss else None
+        earlier_bad = None
+        if self.check_gradients and not first and not _scaler_enabled(trainer):
+            # the gradients summed over the step's earlier micro-batches (local ones under DDP's no_sync)
+            grads = [g for _, g in _named_grads(trainer, pl_module)]
+            if grads:
+                earlier_bad = ~torch.isfinite(foreach_norms(grads)).all()
+        if loss_bad is None and earlier_bad is None:
+            return
+        self._decide(
+            trainer,
+            pl_module,
+            None,
+            current=current,
+            loss_bad=loss_bad,
+            grad_bad=None,
+            earlier_bad=earlier_bad,
+            previous=previous,
+        )
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         loss_bad, self._loss_bad = self._loss_bad, None
+        self._stepped = True
+        poisoned, self._poisoned, self._in_step = self._poisoned, None, 0
+        if poisoned is not None:
+            # Accumulation: a micro-batch of this step was found poisoned and reported already (on every
+            # rank alike, so no rank waits in a collective here). No second finding; drop the update.
+            if self.check_gradients:
+                self._remember_norm(
+                    step_stats(trainer, pl_module, optimizer).grad_total(2.0), int(trainer.global_step)
+                )
+            if self.action in ("skip", "stop"):
+                _drop_update(optimizer)
+            return
         if not self.check_gradients and loss_bad is None:
             return
         stats = step_stats(trainer, pl_module, optimizer)
@@ -211,14 +264,20 @@ class NaNSentinel(GradGuardCallback):
         if self.check_gradients:
             grad_bad = ~stats.grads_finite()
             self._remember_norm(stats.grad_total(2.0), int(trainer.global_step))
-        self._decide(trainer, pl_module, optimizer, loss_bad=loss_bad, grad_bad=grad_bad)
+        current = self._current or _MicroBatch(batch=self._batch, batch_idx=self._batch_idx, loss=None)
+        self._decide(trainer, pl_module, optimizer, current=current, loss_bad=loss_bad, grad_bad=grad_bad)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        micro = self._current or _MicroBatch(batch=self._batch, batch_idx=self._batch_idx, loss=None)
+        if self._in_step == 0:  # no optimizer step is open: hold no micro-batch longer than needed
+            self._current = None
+        stepped, self._stepped = self._stepped, False
         every = self.check_parameters_every_n_steps
-        if not every or trainer.global_step == 0 or trainer.global_step % every:
+        # parameters change only where an optimizer stepped: not after the other micro-batches of a step
+        if not every or not stepped or trainer.global_step == 0 or trainer.global_step % every:
             return
         params = [p.detach() for p in pl_module.parameters()]
         bad = ~torch.isfinite(foreach_norms(params)).all() if params else torch.zeros((), dtype=torch.bool)
@@ -226,7 +285,7 @@ class NaNSentinel(GradGuardCallback):
         if trainer.world_size > 1:
             flags = trainer.strategy.reduce(flags, reduce_op="sum")
         if float(flags.sum()) > 0:
-            self._fail(trainer, pl_module, "nonfinite_parameter", culprit=0, can_replay=False)
+            self._fail(trainer, pl_module, "nonfinite_parameter", culprit=0, micro=micro, can_replay=False)
 
     # ------------------------------------------------------------------ the verdict
     def _remember_norm(self, total: Tensor, step: int) -> None:
@@ -242,43 +301,79 @@ class NaNSentinel(GradGuardCallback):
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         optimizer: Any,
+        *,
+        current: _MicroBatch,
         loss_bad: Tensor | None,
         grad_bad: Tensor | None,
+        earlier_bad: Tensor | None = None,
+        previous: _MicroBatch | None = None,
     ) -> None:
-        """Reduce the flags across ranks, read them once, and act on the same verdict everywhere."""
+        """Reduce the flags across ranks, read them once, and act on the same verdict everywhere.
+
+        ``optimizer`` is ``None`` for a micro-batch judged under accumulation (``on_before_backward``);
+        there ``earlier_bad`` says whether the gradients summed over the step's earlier micro-batches are
+        non-finite, which names ``previous`` (the micro-batch just before ``current``) as the culprit.
+        """
         world, rank = trainer.world_size, trainer.global_rank
         self._counters_before = (self.skipped_steps, self.consecutive_skips)
-        device = (loss_bad if loss_bad is not None else grad_bad).device  # type: ignore[union-attr]
-        flags = torch.zeros(world + 1, device=device)
+        given = [t for t in (loss_bad, earlier_bad, grad_bad) if t is not None]
+        device = given[0].device
+        # one slot per rank for the loss, one per rank for the earlier micro-batches' gradients (local
+        # under DDP's no_sync), one for the step's gradients (all-reduced: the same on every rank)
+        flags = torch.zeros(2 * world + 1, device=device)
         if loss_bad is not None:
             flags[rank] = loss_bad.float()
+        if earlier_bad is not None:
+            flags[world + rank] = earlier_bad.float()
         if grad_bad is not None:
-            flags[world] = grad_bad.float()
+            flags[2 * world] = grad_bad.float()
         if world > 1:
             flags = trainer.strategy.reduce(flags, reduce_op="sum")
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         parts = [flags]
         if scaler is not None and scaler.is_enabled() and optimizer is not None:
             parts.append(scaler._scale.reshape(1).float().to(device))
-        host = torch.cat(parts).tolist()  # the one device -> host read of this step
+        host = torch.cat(parts).tolist()  # the one device -> host read of this step (or micro-batch)
+        earlier_ranks = [r for r in range(world) if host[world + r] > 0]
+        if earlier_ranks and previous is not None:  # the first poisoned micro-batch is the previous one
+            self._poisoned = previous
+            self._fail(trainer, pl_module, "nonfinite_gradient", culprit=earlier_ranks[0], micro=previous)
+            return
         loss_ranks = [r for r in range(world) if host[r] > 0]
         if loss_ranks:
-            self._fail(trainer, pl_module, "nonfinite_loss", culprit=loss_ranks[0], optimizer=optimizer)
+            if optimizer is None:  # under accumulation: the rest of this optimizer step is not judged
+                self._poisoned = current
+            self._fail(
+                trainer,
+                pl_module,
+                "nonfinite_loss",
+                culprit=loss_ranks[0],
+                micro=current,
+                optimizer=optimizer,
+            )
             return
         if optimizer is None:
             return
-        grads_bad = host[world] > 0
-        if len(host) == world + 2:  # a GradScaler is active: non-finite gradients mean "skip this step"
-            scale = host[world + 1]
+        grads_bad = host[2 * world] > 0
+        if len(host) == 2 * world + 2:  # a GradScaler is active: non-finite gradients mean "skip this step"
+            scale = host[2 * world + 1]
             self.consecutive_skips = self.consecutive_skips + 1 if grads_bad else 0
             self.skipped_steps += int(grads_bad)
             if scale < self.loss_scale_floor or self.consecutive_skips >= self.max_consecutive_skips:
                 self._fail(
-                    trainer, pl_module, "loss_scale_collapse", culprit=0, optimizer=optimizer, scale=scale
+                    trainer,
+                    pl_module,
+                    "loss_scale_collapse",
+                    culprit=0,
+                    micro=current,
+                    optimizer=optimizer,
+                    scale=scale,
                 )
             return
         if grads_bad:
-            self._fail(trainer, pl_module, "nonfinite_gradient", culprit=None, optimizer=optimizer)
+            self._fail(
+                trainer, pl_module, "nonfinite_gradient", culprit=None, micro=current, optimizer=optimizer
+            )
 
     # ------------------------------------------------------------------ the failure path (rare)
     def _fail(
@@ -287,17 +382,25 @@ class NaNSentinel(GradGuardCallback):
         pl_module: pl.LightningModule,
         kind: str,
         culprit: int | None,
+        micro: _MicroBatch,
         optimizer: Any = None,
         can_replay: bool = True,
         scale: float | None = None,
     ) -> None:
+        """Report ``kind``, found in ``micro`` (this rank's micro-batch), and apply the action."""
         step = int(trainer.global_step)
+        last = self._last_reported.get(kind)
+        if self.action != "raise" and last is not None and step - last < self.cooldown_steps:
+            # Reported within the cooldown (a "warn"/"skip" run that keeps meeting NaNs): no replay, no
+            # gather, no files, only the action. Every rank has the same cooldown, so all skip alike.
+            self._apply(trainer, optimizer, kind, "", {})
+            return
         # The last-good checkpoint holds this callback as it was before the bad step: without this
         # failure in the cooldown (a resumed run that meets the same NaN must report it in full) and
         # with the skip counters before this step.
         last_good = self.state_dict()
         last_good["skipped_steps"], last_good["consecutive_skips"] = self._counters_before
-        local = self._local_findings(trainer, pl_module, kind, optimizer, can_replay)
+        local = self._local_findings(trainer, pl_module, kind, optimizer, can_replay, micro)
         findings = _gather(trainer, local)
         if culprit is None:  # gradients are all-reduced: the first rank whose replay found an origin
             culprit = next((r for r, f in enumerate(findings) if f.get("origin")), 0)
@@ -322,9 +425,7 @@ class NaNSentinel(GradGuardCallback):
             }
             if scale is not None
             else None,
-            "weights": "as after the last good step (the update was not applied)"
-            if kind != "nonfinite_parameter"
-            else "already non-finite: the update that caused it was applied",
+            "weights": _weights_note(kind, self.action),
         }
         message = self._message(report)
         alert = self.report(
@@ -333,9 +434,10 @@ class NaNSentinel(GradGuardCallback):
             "critical" if kind != "loss_scale_collapse" else "error",
             _first_place(report),
             message,
-            _hint(kind, report.get("origin")),
+            _hint(kind, report.get("origin"), report.get("loss")),
             {"step": float(step), "rank": float(culprit)},
             step=step,
+            cooldown_key=kind,  # one finding of a kind per cooldown, wherever the origin moves
         )
         if alert is None:  # within the cooldown: already reported
             self._apply(trainer, optimizer, kind, message, report)
@@ -345,7 +447,7 @@ class NaNSentinel(GradGuardCallback):
         )
         self._state_override = last_good
         try:
-            report["files"] = self._write(trainer, folder, report, culprit, kind)
+            report["files"] = self._write(trainer, folder, report, culprit, kind, micro)
         finally:
             self._state_override = None
         self.last_report_dir = folder
@@ -362,26 +464,29 @@ class NaNSentinel(GradGuardCallback):
     ) -> None:
         if self.action == "raise":
             raise NonFiniteError(message, [a for a in self.alerts if a.kind == kind][-1:], report, folder)
-        if self.action == "stop":
+        if self.action == "stop":  # Lightning ends the run after this batch (see the class docstring)
             trainer.should_stop = True
-        elif self.action == "skip" and optimizer is not None and kind != "nonfinite_parameter":
-            opt = getattr(optimizer, "optimizer", optimizer)
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+        if self.action in ("skip", "stop") and optimizer is not None and kind != "nonfinite_parameter":
+            _drop_update(optimizer)  # under accumulation without an optimizer: at the step, via _poisoned
 
     def _local_findings(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str, optimizer: Any, can_replay: bool
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        kind: str,
+        optimizer: Any,
+        can_replay: bool,
+        micro: _MicroBatch,
     ) -> dict[str, Any]:
         """What this rank knows: its loss, its non-finite tensors, and the replayed origin."""
-        loss = None if self._loss is None else float(self._loss.float().mean())
+        loss = None if micro.loss is None else float(micro.loss.float().mean())
         if kind == "nonfinite_parameter":
             named = [(n, p.detach()) for n, p in pl_module.named_parameters()]
         elif optimizer is not None:
             stats = step_stats(trainer, pl_module, optimizer)
             named = list(zip(stats.grad_names, stats.grads, strict=True))
-        else:
-            named = []
+        else:  # a micro-batch under accumulation: the gradients summed so far
+            named = _named_grads(trainer, pl_module)
         bad: list[dict[str, Any]] = []
         if named:
             norms = foreach_norms([t for _, t in named]).tolist()
@@ -392,8 +497,8 @@ class NaNSentinel(GradGuardCallback):
                 for i, c in zip(idx, counts, strict=True)
             ]
         origin: dict[str, Any] | None = None
-        if self.find_origin and can_replay and pl_module.automatic_optimization and self._batch is not None:
-            origin = self._replay(trainer, pl_module, kind)
+        if self.find_origin and can_replay and pl_module.automatic_optimization and micro.batch is not None:
+            origin = self._replay(trainer, pl_module, kind, micro)
         history: list[dict[str, float]] = []
         if self._history is not None and self._history_steps:
             values = self._history.tolist()
@@ -403,7 +508,7 @@ class NaNSentinel(GradGuardCallback):
                 for i, s in enumerate(self._history_steps)
             ]
         return {
-            "batch_idx": self._batch_idx,
+            "batch_idx": micro.batch_idx,
             "loss": loss,
             "learning_rates": [[float(g["lr"]) for g in opt.param_groups] for opt in trainer.optimizers],
             "nonfinite_parameters": bad,
@@ -411,8 +516,10 @@ class NaNSentinel(GradGuardCallback):
             "history": history,
         }
 
-    def _replay(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str) -> dict[str, Any] | None:
-        batch, batch_idx = self._batch, self._batch_idx
+    def _replay(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str, micro: _MicroBatch
+    ) -> dict[str, Any] | None:
+        batch, batch_idx = micro.batch, micro.batch_idx
 
         def run() -> Any:
             with trainer.precision_plugin.train_step_context(), quiet_logging(pl_module):
@@ -432,17 +539,23 @@ class NaNSentinel(GradGuardCallback):
         return None
 
     def _write(
-        self, trainer: pl.Trainer, folder: str, report: dict[str, Any], culprit: int, kind: str
+        self,
+        trainer: pl.Trainer,
+        folder: str,
+        report: dict[str, Any],
+        culprit: int,
+        kind: str,
+        micro: _MicroBatch,
     ) -> dict[str, str]:
         files: dict[str, str] = {}
-        if trainer.global_rank == culprit and self.save_batch and self._batch is not None:
+        if trainer.global_rank == culprit and self.save_batch and micro.batch is not None:
             os.makedirs(folder, exist_ok=True)
             files["batch"] = os.path.join(folder, "batch.pt")
-            torch.save(apply_to_collection(self._batch, Tensor, lambda t: t.detach().cpu()), files["batch"])
+            torch.save(apply_to_collection(micro.batch, Tensor, lambda t: t.detach().cpu()), files["batch"])
         if self.save_checkpoint and kind != "nonfinite_parameter":
             files["checkpoint"] = os.path.join(folder, "last_good.ckpt")
             trainer.save_checkpoint(files["checkpoint"])  # every rank calls it (a barrier under DDP)
-        if self.save_batch and self._batch is not None:
+        if self.save_batch and micro.batch is not None:
             files["batch"] = os.path.join(folder, "batch.pt")  # written by the culprit rank
         if trainer.is_global_zero:
             os.makedirs(folder, exist_ok=True)
@@ -495,8 +608,10 @@ class NaNSentinel(GradGuardCallback):
         self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
 
 
-def _hint(kind: str, origin: dict[str, Any] | None) -> str:
+def _hint(kind: str, origin: dict[str, Any] | None, loss: float | None = None) -> str:
     """Advice for what was found, sharpened by where the value was born when the replay found it."""
+    if kind == "nonfinite_gradient" and loss is not None and not math.isfinite(loss):
+        kind = "nonfinite_loss"  # the loss went unchecked (check_loss=False): never claim it was finite
     if origin and origin.get("phase") == "forward" and origin.get("in_input"):
         return (
             "The batch itself holds NaN/inf (it entered the model that way): inspect the saved batch.pt and "
@@ -515,6 +630,38 @@ def _hint(kind: str, origin: dict[str, Any] | None) -> str:
             "Derivatives of sqrt/pow/log/div blow up at 0: add eps or clamp the input there."
         )
     return _HINTS[kind]
+
+
+def _weights_note(kind: str, action: str) -> str:
+    """What the report says about the weights at the time it was written."""
+    if kind == "nonfinite_parameter":
+        return "already non-finite: the update that caused it was applied"
+    if action == "warn" and kind != "loss_scale_collapse":
+        return "as after the last good step when written; action='warn' lets this step's update through"
+    return "as after the last good step (the update was not applied)"
+
+
+def _scaler_enabled(trainer: pl.Trainer) -> bool:
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    return bool(scaler is not None and scaler.is_enabled())
+
+
+def _named_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, Tensor]]:
+    """The gradients the optimizers hold now, by parameter name in model order (trainable ones only)."""
+    wanted = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
+    return [
+        (name, p.grad)
+        for name, p in pl_module.named_parameters()
+        if id(p) in wanted and p.requires_grad and p.grad is not None
+    ]
+
+
+def _drop_update(optimizer: Any) -> None:
+    """Set every gradient of ``optimizer`` to ``None``: ``torch.optim`` optimizers then skip the update."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 def _first_place(report: dict[str, Any]) -> str | None:

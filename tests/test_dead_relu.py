@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import pytest
@@ -63,7 +64,7 @@ class Net(nn.Module):
         self.kind = kind
         self.fc = nn.Linear(8, UNITS)
         self.out = nn.Linear(UNITS, 4)
-        acts = {
+        acts: dict[str, Callable[[], nn.Module]] = {
             "nn.ReLU": nn.ReLU,
             "nn.ReLU6": nn.ReLU6,
             "nn.ReLU(inplace)": lambda: nn.ReLU(inplace=True),
@@ -188,6 +189,7 @@ class ConvNet(nn.Module):
         self.conv = nn.Conv2d(1, 6, 3, padding=1)
         self.act = nn.ReLU()
         self.head = nn.Linear(6, 4)
+        assert self.conv.bias is not None
         with torch.no_grad():
             self.conv.bias[:4] = -100.0
             self.conv.bias[4:] = 100.0
@@ -218,9 +220,11 @@ class Reused(nn.Module):
         return self.out(F.relu(self.act(self.b(self.act(self.a(x))))))
 
 
-def test_a_module_used_twice_gets_two_layers() -> None:
-    monitor = DeadReLUMonitor()
-    make_trainer([monitor], max_steps=6).fit(Module(Reused()), random_loader(n=48))
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_a_module_used_twice_gets_two_layers(accumulate: int) -> None:
+    monitor = DeadReLUMonitor()  # with accumulation too: `#2` counts within one forward pass, not one step
+    trainer = make_trainer([monitor], max_steps=6, accumulate_grad_batches=accumulate)
+    trainer.fit(Module(Reused()), random_loader(n=48 * accumulate))
     assert set(monitor.dead_fractions) == {"net.act", "net.act#2", "net:relu(act)"}
     assert monitor.dead_fractions["net.act#2"] == 1.0 and monitor.dead_fractions["net:relu(act)"] == 1.0
     assert {a.where for a in monitor.alerts} == {"net.act#2", "net:relu(act)"}
@@ -281,25 +285,6 @@ def test_cadence_and_state_dict() -> None:
     ]
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "name"),
-    [
-        ({"every_n_steps": 0}, "every_n_steps"),
-        ({"window": 0}, "window"),
-        ({"threshold": 1.5}, "threshold"),
-        ({"patience": 0}, "patience"),
-        ({"check_saturation": 1}, "check_saturation"),
-        ({"saturation_threshold": -0.1}, "saturation_threshold"),
-        ({"log_histograms": "no"}, "log_histograms"),
-        ({"histogram_bins": 1}, "histogram_bins"),
-        ({"action": "panic"}, "action"),
-    ],
-)
-def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
-    with pytest.raises(ValueError, match=f"`{name}`"):
-        DeadReLUMonitor(**kwargs)
-
-
 def test_ddp_both_detectors_reach_the_same_verdict_on_every_rank(tmp_path: Path) -> None:
     import json
 
@@ -317,6 +302,8 @@ def test_ddp_both_detectors_reach_the_same_verdict_on_every_rank(tmp_path: Path)
     assert next(a for a in seen["alerts"] if a[0] == "exploding_gradient")[2] == 7
     assert {a[0] for a in seen["alerts"]} == {"dead_relu", "exploding_gradient"}
     assert seen["raised"] == ["GradGuardError", [7]]  # action="raise": every rank, the same step
+    # one rank without any activation on the sampled steps: skipped on both, nobody left waiting
+    assert seen["branching"] == [6, 0]
 
 
 class Exploding(Module):
@@ -332,9 +319,126 @@ def test_an_exception_in_the_sampled_forward_leaves_nothing_behind() -> None:
     assert not module_globals._global_forward_pre_hooks and not module_globals._global_forward_hooks
 
 
-def test_gradient_accumulation_samples_every_micro_batch_of_a_sampled_step() -> None:
-    monitor = DeadReLUMonitor(every_n_steps=100)
-    model = Module(Net("F.relu"))
-    make_trainer([monitor], max_steps=6, accumulate_grad_batches=2).fit(model, random_loader(n=96))
-    assert monitor.sampled_batches == 10  # optimizer steps 0..4, two micro-batches each
-    assert monitor.dead_fractions == {"net:relu(fc)": DEAD / UNITS}
+# --------------------------------------------------------------------------- gradient accumulation
+K = 4  # accumulate_grad_batches in these runs
+
+
+class Gated(nn.Module):
+    """fc -> ReLU -> out on inputs whose features 0..3 one-hot the batch's place in its optimizer step.
+
+    ``mode``: ``"dead"``: units 0..11 dead from the start (bias -100), 12..15 always on (+100);
+    ``"dies"``: all on until global step ``kill_at``, then units 0..11 are killed;
+    ``"one_micro_batch"``: unit j fires only on micro-batch j % 4 of every step (fc frozen).
+    """
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.fc, self.act, self.out = nn.Linear(8, UNITS), nn.ReLU(), nn.Linear(UNITS, 4)
+        with torch.no_grad():
+            if mode == "one_micro_batch":
+                self.fc.weight.zero_()
+                for j in range(UNITS):
+                    self.fc.weight[j, j % K] = 10.0
+                self.fc.bias.fill_(-5.0)  # +5 on its own micro-batch, -5 on the three others
+                self.fc.requires_grad_(False)
+            else:
+                self.fc.bias.fill_(100.0)
+                if mode == "dead":
+                    self.fc.bias[:DEAD] = -100.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.fc(x)))
+
+
+class Counting(Module):
+    """Counts each unit's non-zero outputs per micro-batch with its own hook: ``(global_step, counts)``."""
+
+    def __init__(self, net: Gated, kill_at: int = -1) -> None:
+        super().__init__(net)
+        self.kill_at = kill_at
+        self.micro: list[tuple[int, torch.Tensor]] = []
+        net.act.register_forward_hook(self._count)
+
+    def _count(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if self.training:
+            self.micro.append((int(self.trainer.global_step), (out.detach() != 0).sum(0)))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == self.kill_at:
+            with torch.no_grad():
+                cast(Gated, self.net).fc.bias[:DEAD] = -100.0
+
+
+def placed_loader(steps: int) -> Any:
+    """8 samples a batch, ``K`` batches a step; features 0..3 one-hot the batch's place in its step."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * K * 8, 8, generator=g)
+    place = (torch.arange(len(x)) // 8) % K
+    x[:, :K] = F.one_hot(place, K).float()
+    y = torch.randint(0, 4, (len(x),), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+def rule(
+    steps: list[torch.Tensor], every: int, window: int, patience: int, threshold: float
+) -> tuple[list[int], dict[int, float], list[int]]:
+    """The documented rule on per-step active counts: sampled steps, dead fraction logged at each, alerts."""
+    dense = window + patience - 1
+    sampled: list[int] = []
+    fractions: dict[int, float] = {}
+    alerts: list[int] = []
+    recent: list[torch.Tensor] = []
+    follow = strikes = 0
+    for s, counts in enumerate(steps):
+        regular = s < dense or (s + 1) % every == 0
+        if not (regular or follow):
+            continue
+        sampled.append(s)
+        recent = [*recent, counts][-window:]
+        fractions[s] = float((torch.stack(recent).sum(0) == 0).float().mean())
+        if len(recent) == window:
+            strikes = strikes + 1 if fractions[s] > threshold else 0
+            if strikes >= patience:
+                alerts.append(s)
+        if not regular:
+            follow -= 1
+        elif s >= dense and float((counts == 0).float().mean()) > threshold:
+            follow = dense  # a regular sample that looks dead: the next window + patience - 1 steps too
+    return sampled, fractions, alerts
+
+
+@pytest.mark.parametrize(
+    ("mode", "kill_at", "steps", "kwargs"),
+    [
+        ("dead", -1, 8, {"every_n_steps": 100}),  # defaults: window 4, patience 2
+        ("dies", 6, 15, {"every_n_steps": 5, "window": 2, "patience": 2}),  # follow-ups after step 9
+        ("one_micro_batch", -1, 6, {"every_n_steps": 3, "window": 1, "patience": 2}),
+    ],
+)
+def test_accumulation_samples_windows_and_patience_count_optimizer_steps(
+    mode: str, kill_at: int, steps: int, kwargs: dict[str, Any], memory_logger: MemoryLogger
+) -> None:
+    monitor = DeadReLUMonitor(**kwargs)
+    model = Counting(Gated(mode), kill_at)
+    trainer = make_trainer([monitor], memory_logger, max_steps=steps, accumulate_grad_batches=K)
+    trainer.fit(model, placed_loader(steps))
+    assert trainer.global_step == steps
+    # our own hook: every micro-batch, pooled per optimizer step (a unit is active if any sample fired it)
+    per_step = [torch.stack([c for s, c in model.micro if s == step]) for step in range(steps)]
+    assert [len(m) for m in per_step] == [K] * steps
+    if mode == "one_micro_batch":  # each unit fires on exactly one of its step's micro-batches
+        assert all(((m > 0).sum(0) == 1).all() for m in per_step)
+    pooled = [m.sum(0) for m in per_step]
+    sampled, fractions, alert_steps = rule(
+        pooled, monitor.every_n_steps, monitor.window, monitor.patience, monitor.threshold
+    )
+    assert monitor.sampled_batches == len(sampled)
+    assert memory_logger.series("dead_relu/net.act") == fractions
+    assert [a.step for a in monitor.alerts] == alert_steps[:1]  # later ones fall within the cooldown
+    expected = {"dead": ([0, 1, 2, 3, 4], [4]), "dies": ([0, 1, 2, 4, 9, 10, 11, 12, 14], [11])}
+    assert (sampled, alert_steps[:1]) == expected.get(mode, ([0, 1, 2, 5], []))
+    # the window holds one entry per sampled step: its micro-batches' counts and all their samples
+    assert [(c.tolist(), n) for c, n in monitor._windows["net.act"]] == [
+        (pooled[s].tolist(), float(K * 8)) for s in sampled[-monitor.window :]
+    ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -25,9 +25,9 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, warn_once
-from lightning_gradguard._validate import check_float, check_int
-from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard._shared import log_step, logging_interval, warn_once
+from lightning_gradguard._validate import check_bool, check_float, check_int
+from lightning_gradguard.callbacks._base import GradGuardCallback, guarded, strict_mode
 from lightning_gradguard.functional.health import activity_counts, dead_units, saturation_counts, unit_dim
 from lightning_gradguard.functional.stats import device_histograms
 
@@ -98,10 +98,10 @@ class _Capture(TorchFunctionMode):
         if relu is None and func is F.hardtanh and _hardtanh_is_relu6(args, kwargs):
             relu = "relu6"
         if sat is not None and monitor.check_saturation and args and isinstance(args[0], Tensor):
-            monitor._record(sat, args[0], saturation=True)
+            monitor._safe_record(sat, args[0], saturation=True)
         out = func(*args, **kwargs)
         if relu is not None and isinstance(out, Tensor):
-            monitor._record(relu, out, saturation=False)
+            monitor._safe_record(relu, out, saturation=False)
         return out
 
 
@@ -110,8 +110,8 @@ class DeadReLUMonitor(GradGuardCallback):
 
     On sampled training steps (every step while ``global_step < window + patience - 1``, so a network
     that starts dead is caught at once; then every ``every_n_steps``, and when such a sample finds more
-    than ``threshold`` of a layer's units silent on that batch, the next ``window + patience - 1``
-    batches as well, so a layer that dies mid-run is confirmed within ``every_n_steps + window +
+    than ``threshold`` of a layer's units silent on that step, the next ``window + patience - 1``
+    steps as well, so a layer that dies mid-run is confirmed within ``every_n_steps + window +
     patience - 1`` steps; follow-ups never start new follow-ups) it watches each ReLU output during
     the forward pass: ``nn.ReLU``, ``nn.ReLU6``, in-place ReLUs, and ``F.relu`` / ``torch.relu`` /
     ``Tensor.relu`` called inside any ``forward``. Watching uses a ``TorchFunctionMode`` and global
@@ -124,10 +124,13 @@ class DeadReLUMonitor(GradGuardCallback):
     not watched (a one-time warning says so when the former were seen).
 
     A *unit* is a feature of a ``Linear`` output (last dimension) or a channel of a ``ConvNd`` output
-    (dimension 1). Per sampled batch each unit is *active* if it output a non-zero value for at least one
-    sample; it is *dead* if it was inactive in every batch of the last ``window`` sampled batches. All
-    reductions happen on the device; one vector per sampled batch comes to the host (all-reduced across
-    ranks first, so every rank reaches the same verdict).
+    (dimension 1). One sample is one optimizer step (one batch in manual optimization): with
+    ``accumulate_grad_batches`` every micro-batch of a sampled step is watched and they are pooled into
+    one sample, so windows, ``patience``, follow-ups, rates and ``sampled_batches`` all count optimizer
+    steps. Per sampled step each unit is *active* if it output a non-zero value for at least one sample
+    of its batch (of any of its micro-batches); it is *dead* if it was inactive in every one of the last
+    ``window`` sampled steps. All reductions happen on the device; one vector per sampled step comes to
+    the host (all-reduced across ranks first, so every rank reaches the same verdict).
 
     Logged per layer: ``dead_relu/<layer>`` (dead fraction) and, to TensorBoard, a histogram
     ``activation_rate/<layer>`` of per-unit activation rates over the window. Alert ``dead_relu``
@@ -141,7 +144,7 @@ class DeadReLUMonitor(GradGuardCallback):
 
     Args:
         every_n_steps: sample one training step in this many (after the first ``window + patience - 1``).
-        window: sampled batches a unit must stay silent in to count as dead.
+        window: sampled steps a unit must stay silent in to count as dead.
         threshold: dead fraction of a layer above which it is reported (SageMaker and the classic
             debugging advice both use 0.5).
         patience: consecutive full-window checks above the threshold before the alert.
@@ -162,6 +165,8 @@ class DeadReLUMonitor(GradGuardCallback):
         print(monitor.dead_fractions)   # {"net.1": 0.03, "net.3": 0.97, ...}
     """
 
+    state_key_args = ("every_n_steps", "window", "threshold", "patience", "check_saturation")
+
     def __init__(
         self,
         every_n_steps: int = 50,
@@ -172,32 +177,23 @@ class DeadReLUMonitor(GradGuardCallback):
         saturation_threshold: float = 0.5,
         log_histograms: bool = True,
         histogram_bins: int = 20,
-        action: str = "warn",
+        action: Literal["warn", "stop", "raise"] = "warn",
         cooldown_steps: int = 1000,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
-        check_int("every_n_steps", every_n_steps, 1)
-        check_int("window", window, 1)
-        check_float("threshold", threshold, 0.0, 1.0)
-        check_int("patience", patience, 1)
-        check_float("saturation_threshold", saturation_threshold, 0.0, 1.0)
-        check_int("histogram_bins", histogram_bins, 2)
-        for name, flag in (("check_saturation", check_saturation), ("log_histograms", log_histograms)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"`{name}` must be True or False; got {flag!r}")
-        self.every_n_steps = every_n_steps
-        self.window = window
-        self.threshold = threshold
-        self.patience = patience
-        self.check_saturation = check_saturation
-        self.saturation_threshold = saturation_threshold
-        self.log_histograms = log_histograms
-        self.histogram_bins = histogram_bins
+        self.every_n_steps: int = check_int("every_n_steps", every_n_steps, 1)
+        self.window: int = check_int("window", window, 1)
+        self.threshold: float = check_float("threshold", threshold, 0.0, 1.0)
+        self.patience: int = check_int("patience", patience, 1)
+        self.check_saturation = check_bool("check_saturation", check_saturation)
+        self.saturation_threshold: float = check_float("saturation_threshold", saturation_threshold, 0.0, 1.0)
+        self.log_histograms = check_bool("log_histograms", log_histograms)
+        self.histogram_bins: int = check_int("histogram_bins", histogram_bins, 2)
         #: dead fraction per ReLU layer at the last full-window check
         self.dead_fractions: dict[str, float] = {}
         #: saturated fraction per sigmoid/tanh layer at the last full-window check
         self.saturated_fractions: dict[str, float] = {}
-        #: how many batches were sampled
+        #: how many optimizer steps were sampled (batches, in manual optimization); micro-batches pooled
         self.sampled_batches = 0
         self._windows: dict[str, deque[tuple[Tensor, float]]] = {}
         self._strikes: dict[str, int] = {}
@@ -210,9 +206,13 @@ class DeadReLUMonitor(GradGuardCallback):
         self._stack: list[list[Any]] = []
         self._channel_first = False
         self._calls: dict[str, int] = {}
-        self._batch: list[tuple[str, bool, Tensor, int]] = []
+        # the sampled step's records so far, pooled over its micro-batches: key -> (saturation, counts, n)
+        self._step: dict[str, tuple[bool, Tensor, int]] = {}
+        self._stepped = False  # on_before_optimizer_step fired during this batch
+        self._step_sampled = False  # the current optimizer step is a sampled one (on every rank alike)
+        self._record_error: Exception | None = None  # what stopped this step's capture, if anything
         self._sampled_at = (0, 0)
-        #: sampled batches still to take right away because a layer looked dead on a sampled batch
+        #: sampled steps still to take right away because a layer looked dead on a sampled step
         self._follow_left = 0
         self._following = False
         self._outside_seen = False
@@ -229,30 +229,41 @@ class DeadReLUMonitor(GradGuardCallback):
         """Whether logging step ``step`` (see :func:`~lightning_gradguard._shared.log_step`) is sampled.
 
         Lightning's logging rule, ``(step + 1) % every_n_steps == 0``, so ``dead_relu/*`` points share the
-        x of the loss and of the gradient histograms; every step at the start.
+        x of the loss and of the gradient histograms; every step at the start. Under
+        ``accumulate_grad_batches`` all micro-batches of a due optimizer step are watched, as one sample.
         """
         return step < self.window + self.patience - 1 or (step + 1) % self.every_n_steps == 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):  # a new run is judged on its own sampled batches
+        if self.fresh_run(trainer):  # a new run is judged on its own sampled steps
             self._windows, self._strikes = {}, {}
             self.dead_fractions, self.saturated_fractions = {}, {}
             self.sampled_batches, self._follow_left, self._following = 0, 0, False
+            self._step, self._stepped = {}, False
 
     # ------------------------------------------------------------------ attach / detach
     @override
+    @guarded
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        regular = self.due(log_step(trainer))
+        at = log_step(trainer)
+        if (self._step or self._following) and at != self._sampled_at[1]:
+            # a step ended without on_before_optimizer_step (an ``optimizer_step`` override that skipped
+            # ``optimizer.step``): close it now, still at the same point on every rank
+            self._end_step(trainer)
+        self._stepped = False
+        regular = self.due(at)
         if self._mode is not None or not (regular or self._follow_left > 0):
             return
+        # the micro-batches of one optimizer step share ``at``, so they are all sampled or none is
         self._following = not regular
+        self._step_sampled = True
         self._names = {id(m): name for name, m in pl_module.named_modules()}
-        self._sampled_at = (int(trainer.global_step), log_step(trainer))
-        self._stack, self._calls, self._batch = [], {}, []
+        self._sampled_at = (int(trainer.global_step), at)
+        self._stack, self._calls = [], {}  # names (``#2``) restart with each forward pass
         self._channel_first = False
         self._handles = [
             register_module_forward_pre_hook(self._pre_hook),
@@ -286,22 +297,29 @@ class DeadReLUMonitor(GradGuardCallback):
             )
 
     @override
+    @guarded
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._mode is not None:
             self._detach(trainer)
 
     @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._stepped = True  # fires only for the micro-batch that steps (more than once for LBFGS)
+
+    @override
+    @guarded
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._mode is not None:
             self._detach(trainer)
-        if self._batch:
-            batch_records, self._batch = self._batch, []
-            self._flush(trainer, batch_records)
-        if self._following:
-            self._following = False
-            self._follow_left = max(self._follow_left - 1, 0)
+        # One sample per optimizer step: under accumulate_grad_batches the micro-batches before the one that
+        # steps only add to the pooled counts. Without accumulation, and in manual optimization (where
+        # Lightning refuses accumulate_grad_batches), every batch closes its step, as it always did.
+        if self._stepped or not pl_module.automatic_optimization or trainer.accumulate_grad_batches <= 1:
+            self._end_step(trainer)
         if self._outside_seen:
             self._outside_seen = False
             warn_once(
@@ -311,11 +329,45 @@ class DeadReLUMonitor(GradGuardCallback):
                 "training_step, or a model called as self.forward(x) instead of self(x)) are not watched.",
             )
 
+    def _end_step(self, trainer: pl.Trainer) -> None:
+        """Close the sampled optimizer step: one flush (one collective under DDP), one follow-up used.
+
+        Under DDP every rank of a sampled step flushes, also one that saw no activation (a branch its data
+        did not take) or whose capture failed: the flush's collectives must meet on every rank, and its
+        signature check then skips the step everywhere instead of leaving the others waiting.
+        """
+        self._stepped = False
+        sampled, self._step_sampled = self._step_sampled, False
+        records, self._step = self._step, {}
+        if self._record_error is not None:
+            err, self._record_error = self._record_error, None
+            records = {}  # a partial capture is no sample
+            warn_once(
+                trainer,
+                "dead_relu_record_error",
+                f"DeadReLUMonitor could not measure an activation ({type(err).__name__}: {err}); the "
+                "sampled steps where that happens are skipped.",
+            )
+        if records or (sampled and trainer.world_size > 1):
+            self._flush(trainer, [(key, sat, counts, n) for key, (sat, counts, n) in records.items()])
+        if self._following:
+            self._following = False
+            self._follow_left = max(self._follow_left - 1, 0)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._mode is not None:  # on_train_batch_start returned -1: that batch never ended
+            self._detach(trainer)
+        if (self._step or self._following) and log_step(trainer) != self._sampled_at[1]:
+            self._end_step(trainer)
+        # what is left belongs to a step cut short with the epoch: Lightning drops its gradients too
+        self._step, self._following, self._stepped = {}, False, False
+
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._mode is not None:
             self._detach(trainer)
-            self._batch = []
+            self._step = {}
 
     @override
     def on_exception(
@@ -323,7 +375,7 @@ class DeadReLUMonitor(GradGuardCallback):
     ) -> None:
         if self._mode is not None:
             self._detach(trainer)
-        self._batch = []
+        self._step = {}
 
     # ------------------------------------------------------------------ during the sampled forward
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
@@ -339,6 +391,20 @@ class DeadReLUMonitor(GradGuardCallback):
             self._channel_first = True
         elif isinstance(module, (nn.Linear, nn.LayerNorm, nn.Embedding, nn.RNNBase, nn.MultiheadAttention)):
             self._channel_first = False
+
+    def _safe_record(self, fn: str, x: Tensor, saturation: bool) -> None:
+        """:meth:`_record`, run inside the user's forward pass: a failure of ours must not break it.
+
+        An activation we cannot measure (a tensor subclass, an exotic layout) stops the capture of this
+        step; the step is then skipped with a one-time warning (see :meth:`_end_step`).
+        """
+        try:
+            self._record(fn, x, saturation)
+        except Exception as err:
+            if strict_mode():
+                raise
+            self._capturing = False
+            self._record_error = err
 
     def _record(self, fn: str, x: Tensor, saturation: bool) -> None:
         # Only layers are watched: a call outside every module's ``forward`` is loss or glue code in
@@ -364,11 +430,16 @@ class DeadReLUMonitor(GradGuardCallback):
             counts, per_unit = saturation_counts(x, fn, dim)
         else:
             counts, per_unit = activity_counts(x, dim)
-        self._batch.append((key, saturation, counts, per_unit))
+        # pooled over the step's micro-batches: a unit is active in the step if any sample of any of them
+        # fired it, and its rate is over all their samples (a changed unit count starts the key afresh)
+        prev = self._step.get(key)
+        if prev is not None and prev[1].shape == counts.shape:
+            counts, per_unit = prev[1] + counts, prev[2] + per_unit
+        self._step[key] = (saturation, counts, per_unit)
 
     # ------------------------------------------------------------------ after the sampled step
     def _flush(self, trainer: pl.Trainer, records: list[tuple[str, bool, Tensor, int]]) -> None:
-        device = records[0][2].device
+        device = records[0][2].device if records else trainer.strategy.root_device
         parts = [c.float().reshape(-1) for _, _, c, _ in records]
         parts.append(torch.tensor([float(n) for *_, n in records], device=device))
         packed = torch.cat(parts)
@@ -384,31 +455,33 @@ class DeadReLUMonitor(GradGuardCallback):
                     "skipped on every rank.",
                 )
                 return
+            if not records:  # no rank saw an activation on this sampled step
+                return
             packed = trainer.strategy.reduce(packed, reduce_op="sum")
-        host = packed.cpu()  # the one device -> host transfer of this sampled batch
+        host = packed.cpu()  # the one device -> host transfer of this sampled step
         self.sampled_batches += 1
         offset = 0
-        per_batch: dict[str, tuple[bool, Tensor]] = {}
+        per_step: dict[str, tuple[bool, Tensor]] = {}
         for key, saturation, counts, _ in records:
-            per_batch[key] = (saturation, host[offset : offset + counts.numel()])
+            per_step[key] = (saturation, host[offset : offset + counts.numel()])
             offset += counts.numel()
         ns = host[offset:].tolist()
-        for (key, (_, counts)), n in zip(per_batch.items(), ns, strict=True):
+        for (key, (_, counts)), n in zip(per_step.items(), ns, strict=True):
             win = self._windows.get(key)
             if win is None or (win and win[-1][0].numel() != counts.numel()):
                 win = self._windows[key] = deque(maxlen=self.window)
             win.append((counts, n))
-        self._check(trainer, per_batch)
+        self._check(trainer, per_step)
 
-    def _check(self, trainer: pl.Trainer, per_batch: dict[str, tuple[bool, Tensor]]) -> None:
+    def _check(self, trainer: pl.Trainer, per_step: dict[str, tuple[bool, Tensor]]) -> None:
         step, at = self._sampled_at
         metrics: dict[str, float] = {}
         histograms: list[tuple[str, Tensor]] = []
         alerts = []
         suspicious = False
-        for key, (saturation, batch_counts) in per_batch.items():
-            if not saturation:  # more than `threshold` of the units silent on this very batch
-                suspicious |= float((batch_counts == 0).float().mean()) > self.threshold
+        for key, (saturation, step_counts) in per_step.items():
+            if not saturation:  # more than `threshold` of the units silent on this very step
+                suspicious |= float((step_counts == 0).float().mean()) > self.threshold
             win = self._windows[key]
             counts = torch.stack([c for c, _ in win])
             total = sum(n for _, n in win)
@@ -441,23 +514,25 @@ class DeadReLUMonitor(GradGuardCallback):
             if kind == "dead_relu":
                 message = (
                     f"{frac:.0%} of the {units} units of {key} output 0 for every sample of the last "
-                    f"{len(win)} sampled batches (threshold {limit:.0%})."
+                    f"{len(win)} sampled steps (threshold {limit:.0%})."
                 )
                 alert = self.report(trainer, kind, "error", key, message, _DEAD_HINT, data, step=step)
             else:
                 message = (
                     f"{frac:.0%} of the {units} units of {key} spend most of the last {len(win)} sampled "
-                    f"batches in the saturated zone, where the derivative is 0 (threshold {limit:.0%})."
+                    f"steps in the saturated zone, where the derivative is 0 (threshold {limit:.0%})."
                 )
                 alert = self.report(trainer, kind, "warning", key, message, _SATURATION_HINT, data, step=step)
             if alert is not None:
                 alerts.append(alert)
-        _emit.log_scalars(trainer, metrics, at)
-        if self.log_histograms and histograms and _emit.tensorboard_writers(trainer):
+        logging_on = logging_interval(trainer) > 0  # Trainer(log_every_n_steps=0): detection only
+        if logging_on:
+            _emit.log_scalars(trainer, metrics, at)
+        if logging_on and self.log_histograms and histograms and _emit.tensorboard_writers(trainer):
             spec = device_histograms([r for _, r in histograms], bins=self.histogram_bins)
             for i, (tag, _) in enumerate(histograms):
                 _emit.log_histogram_raw(trainer, tag, spec.stats[i], spec.edges[i], spec.counts[i], at)
-        # A regular sample that looks dead is followed up at once: the next window + patience - 1 batches
+        # A regular sample that looks dead is followed up at once: the next window + patience - 1 steps
         # are sampled too, so a layer that died mid-run is confirmed within a few steps, not
         # every_n_steps x (window + patience - 1). Follow-ups do not start new follow-ups.
         if suspicious and not self._following and step >= self.window + self.patience - 1:

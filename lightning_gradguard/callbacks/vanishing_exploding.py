@@ -11,7 +11,7 @@ where along the network the gradient dies.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -20,9 +20,9 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, step_stats
-from lightning_gradguard._validate import check_float, check_int
-from lightning_gradguard.callbacks._base import GradGuardCallback
+from lightning_gradguard._shared import log_step, logging_interval, on_logging_step, step_stats
+from lightning_gradguard._validate import check_bool, check_float, check_int
+from lightning_gradguard.callbacks._base import GradGuardCallback, guarded
 from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
 from lightning_gradguard.functional.stats import suggest_clip_value
 
@@ -44,11 +44,6 @@ _VANISHING_HINT = (
     "BatchNorm/LayerNorm between layers and residual connections in deep nets; raise the learning rate "
     "only after those fixes."
 )
-
-
-def _check_optional_positive(name: str, value: Any) -> None:
-    if value is not None:
-        check_float(name, value, 0.0, low_open=True)
 
 
 def _named(labels: list[str], values: list[float], fmt: str = "{:.3g}") -> str:
@@ -136,7 +131,8 @@ class VanishingExplodingDetector(GradGuardCallback):
         relative_floor: per-layer floor relative to the largest layer norm (``None``: off).
         patience: consecutive checks a condition must hold before it is reported.
         log_every_n_steps: ``grad_flow/*`` points at ``(step + 1) % log_every_n_steps == 0`` (and step 0)
-            when that step is checked (default: the Trainer's).
+            when that step is checked (default: the Trainer's; ``0``, here or on the Trainer: no
+            ``grad_flow/*`` points, while the checks and alerts go on).
         log_gradient_flow: log the ``grad_flow/*`` scalars.
         action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; with ``"stop"``/``"raise"`` under DDP the
             flags are all-reduced before acting, so every rank acts at the same step.
@@ -151,6 +147,18 @@ class VanishingExplodingDetector(GradGuardCallback):
         trainer.fit(model)
         # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
     """
+
+    state_key_args = (
+        "check_every_n_steps",
+        "dense_steps",
+        "max_norm",
+        "spike_factor",
+        "growth_factor",
+        "depth_ratio_floor",
+        "min_rms",
+        "relative_floor",
+        "patience",
+    )
 
     def __init__(
         self,
@@ -169,45 +177,37 @@ class VanishingExplodingDetector(GradGuardCallback):
         patience: int = 2,
         log_every_n_steps: int | None = None,
         log_gradient_flow: bool = True,
-        action: str = "warn",
+        action: Literal["warn", "stop", "raise"] = "warn",
         cooldown_steps: int = 100,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
-        check_int("check_every_n_steps", check_every_n_steps, 1)
-        check_int("dense_steps", dense_steps, 0)
-        for name, value in (
-            ("max_norm", max_norm),
-            ("depth_ratio_floor", depth_ratio_floor),
-            ("min_rms", min_rms),
-            ("relative_floor", relative_floor),
-        ):
-            _check_optional_positive(name, value)
-        for name, value in (("spike_factor", spike_factor), ("growth_factor", growth_factor)):
-            if value is not None:
-                check_float(name, value, 1.0, low_open=True)
-        check_int("growth_window", growth_window, 3)
-        check_int("warmup_checks", warmup_checks, 1)
-        check_int("history_size", history_size, 2)
-        check_float("first_layer_floor", first_layer_floor, 0.0, low_open=True)
-        check_int("patience", patience, 1)
-        check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
-        if not isinstance(log_gradient_flow, bool):
-            raise ValueError(f"`log_gradient_flow` must be True or False; got {log_gradient_flow!r}")
-        self.check_every_n_steps = check_every_n_steps
-        self.dense_steps = dense_steps
-        self.max_norm = max_norm
-        self.spike_factor = spike_factor
-        self.growth_factor = growth_factor
-        self.growth_window = growth_window
-        self.warmup_checks = warmup_checks
-        self.history_size = history_size
-        self.depth_ratio_floor = depth_ratio_floor
-        self.first_layer_floor = first_layer_floor
-        self.min_rms = min_rms
-        self.relative_floor = relative_floor
-        self.patience = patience
-        self.log_every_n_steps = log_every_n_steps
-        self.log_gradient_flow = log_gradient_flow
+        self.check_every_n_steps: int = check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.dense_steps: int = check_int("dense_steps", dense_steps, 0)
+        self.max_norm: float | None = check_float("max_norm", max_norm, 0.0, low_open=True, allow_none=True)
+        self.spike_factor: float | None = check_float(
+            "spike_factor", spike_factor, 1.0, low_open=True, allow_none=True
+        )
+        self.growth_factor: float | None = check_float(
+            "growth_factor", growth_factor, 1.0, low_open=True, allow_none=True
+        )
+        self.growth_window: int = check_int("growth_window", growth_window, 3)
+        self.warmup_checks: int = check_int("warmup_checks", warmup_checks, 1)
+        self.history_size: int = check_int("history_size", history_size, 2)
+        self.depth_ratio_floor: float | None = check_float(
+            "depth_ratio_floor", depth_ratio_floor, 0.0, low_open=True, allow_none=True
+        )
+        self.first_layer_floor: float = check_float(
+            "first_layer_floor", first_layer_floor, 0.0, low_open=True
+        )
+        self.min_rms: float | None = check_float("min_rms", min_rms, 0.0, low_open=True, allow_none=True)
+        self.relative_floor: float | None = check_float(
+            "relative_floor", relative_floor, 0.0, low_open=True, allow_none=True
+        )
+        self.patience: int = check_int("patience", patience, 1)
+        self.log_every_n_steps: int | None = check_int(
+            "log_every_n_steps", log_every_n_steps, 0, allow_none=True
+        )
+        self.log_gradient_flow = check_bool("log_gradient_flow", log_gradient_flow)
         #: per optimizer index: recent finite total norms of checked steps
         self.history: dict[int, list[float]] = {}
         #: per optimizer index and kind: consecutive checks with the condition
@@ -243,6 +243,7 @@ class VanishingExplodingDetector(GradGuardCallback):
 
     # ------------------------------------------------------------------ forward order (once)
     @override
+    @guarded
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -288,6 +289,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         return step < self.dense_steps or (step + 1) % self.check_every_n_steps == 0
 
     @override
+    @guarded
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -538,10 +540,10 @@ class VanishingExplodingDetector(GradGuardCallback):
         if not self.log_gradient_flow:
             return
         at = log_step(trainer)
-        every = self.log_every_n_steps or max(int(getattr(trainer, "log_every_n_steps", 50)), 1)
+        every = logging_interval(trainer, self.log_every_n_steps)
         # Lightning's own rule (plus the first step, as GradientNormLogger): the loss of this batch is
         # logged at the same x. Once per optimizer and step (an optimizer may step twice in a batch).
-        if not (at == 0 or (at + 1) % every == 0) or self._last_flow_at.get(opt_idx) == at:
+        if not on_logging_step(at, every) or self._last_flow_at.get(opt_idx) == at:
             return
         self._last_flow_at[opt_idx] = at
         metrics = {f"grad_flow/{n}": v for n, v in zip(labels, flow, strict=True) if math.isfinite(v)}

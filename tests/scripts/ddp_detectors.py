@@ -5,8 +5,10 @@ rank 1 sees. Twelve of the sixteen units of ``act1`` fire only on +1, so
 rank 1 alone would call 75 % of them dead; after the all-reduce of the activity counts both ranks see
 them alive. ``act2`` is dead everywhere. From step 6 the loss is multiplied by 1e4 (lr=0 keeps the
 weights fixed), which the VanishingExplodingDetector must report on both ranks at the same step; a
-second fit with ``action="raise"`` must raise on both ranks at that step. Every rank writes what its
-detectors said to OUTDIR/rank<r>.json.
+second fit with ``action="raise"`` must raise on both ranks at that step. A third fit takes a branch
+without any ReLU on rank 1 only: on its sampled steps rank 0 has activations to reduce and rank 1 none,
+which must skip those steps on both ranks instead of leaving rank 0 waiting in a collective. Every rank
+writes what its detectors said to OUTDIR/rank<r>.json.
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+class Branching(Model):
+    """Rank 1's data take a branch without activations (the same parameters, so DDP is content)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        net = self.net
+        if self.global_rank == 1:
+            return nn.functional.cross_entropy(net.out(net.fc2(net.fc1(x))), y)
+        return nn.functional.cross_entropy(net(x), y)
+
+
 def main(out: Path) -> None:
     pl.seed_everything(0)
     x = torch.randn(96, 8)
@@ -93,6 +106,10 @@ def main(out: Path) -> None:
         result["raised"] = None
     except GradGuardError as err:
         result["raised"] = [type(err).__name__, [a.step for a in err.alerts]]
+    branching = DeadReLUMonitor(check_saturation=False)
+    trainer = pl.Trainer(**{**common, "max_epochs": 1, "callbacks": [branching]})
+    trainer.fit(Branching(), loader)
+    result["branching"] = [trainer.global_step, branching.sampled_batches]
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import logging
 import math
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.saving import load_hparams_from_yaml
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
@@ -263,6 +267,13 @@ def _fit(model: pl.LightningModule, callbacks: list[Any], loader: Any = None, **
     return trainer
 
 
+def _unchanged(model: pl.LightningModule, before: dict[str, torch.Tensor]) -> None:
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+
+
 def _same_state(a: pl.LightningModule, b: pl.LightningModule) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
@@ -502,6 +513,7 @@ def test_no_suggestion_gives_none_and_an_alert() -> None:
     assert model.trainer.optimizers[0].param_groups[0]["lr"] == 0.1  # unchanged
     kinds = [a.kind for a in finder.alerts]
     assert kinds == ["lr_finder_failed"] and "no 'steep' suggestion" in finder.alerts[0].message
+    assert "Widen the sweep" in finder.alerts[0].hint  # a sweep that ran: the advice is about the sweep
 
 
 def test_too_few_points_gives_none_and_an_alert_with_the_reason() -> None:
@@ -517,7 +529,7 @@ def test_too_few_points_gives_none_and_an_alert_with_the_reason() -> None:
     assert "only 3 of 40 sweep steps" in finder.alerts[0].message
 
 
-def test_manual_optimization_warns_once_and_training_goes_on() -> None:
+def test_manual_optimization_says_the_sweep_needs_automatic_optimization() -> None:
     class Manual(Plain):
         def __init__(self) -> None:
             super().__init__()
@@ -533,11 +545,17 @@ def test_manual_optimization_warns_once_and_training_goes_on() -> None:
 
     finder = _finder()
     model = Manual()
-    with pytest.warns(UserWarning, match="manual optimization is not supported"):
+    with pytest.warns(UserWarning, match="needs automatic optimization"):
         trainer = _fit(model, [finder], loader=_loader(), max_steps=2)
     assert trainer.global_step == 2 and model.calls == 0  # Plain.training_step was replaced; no sweep ran
-    assert finder.result is not None and finder.result.suggestion is None
+    result = finder.result
+    assert result is not None and result.suggestion is None and result.stop_reason == "not run"
     assert [a.kind for a in finder.alerts] == ["lr_finder_failed"]
+    alert = finder.alerts[0]
+    # the setup is the problem, not the sweep's range: say so, and do not advise widening the sweep
+    assert "needs automatic optimization" in alert.message and "manual optimization" in alert.message
+    assert "automatic-optimization" in alert.hint and "lr_find()" in alert.hint
+    assert "Widen" not in alert.hint and "Widen" not in alert.message
 
 
 def test_state_dict_remembers_which_milestones_ran(tmp_path: Path) -> None:
@@ -585,12 +603,159 @@ def test_curve_goes_to_the_loggers_csv_and_figure(tmp_path: Path) -> None:
     assert "lr_finder/curve" in events.Tags()["images"]
 
 
+class _WithHparams(Net):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        self.save_hyperparameters()
+
+
+def test_applied_lr_goes_to_the_result_and_the_loggers_hyperparameters(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    pl.seed_everything(0)
+    tb = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    csv_logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    finder = _finder(milestones=[0, 1])
+    model = _WithHparams(lr=0.05)
+    _fit(model, [finder], logger=[tb, csv_logger], max_epochs=2, limit_train_batches=3)
+    first, second = finder.results
+    assert first.applied and second.applied
+    assert first.applied_lr == first.suggestion and second.applied_lr == second.suggestion
+    # what the run trained with: the first real batch of each epoch ran at the applied LR
+    assert model.step_lrs[0] == first.applied_lr and model.step_lrs[3] == second.applied_lr
+    expected = {
+        "lr_finder/applied_lr": first.suggestion,
+        "lr_finder/method": "steep",
+        "lr_finder/applied_lr_epoch1": second.suggestion,
+        "lr_finder/method_epoch1": "steep",
+    }
+    for hparams in (
+        dict(tb.hparams),
+        load_hparams_from_yaml(str(tmp_path / "tb" / "version_0" / "hparams.yaml")),
+        dict(csv_logger.experiment.hparams),
+        load_hparams_from_yaml(str(tmp_path / "csv" / "version_0" / "hparams.yaml")),
+    ):
+        assert {k: hparams.get(k) for k in expected} == expected
+        assert hparams["lr"] == 0.05  # the module's own hyperparameters are kept beside them
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert len(events.Scalars("hp_metric")) == 1  # Lightning's own at fit start; none added by the finder
+
+
+def test_apply_false_records_no_applied_lr(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    pl.seed_everything(0)
+    csv_logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    finder = _finder(apply=False)
+    _fit(Net(), [finder], logger=csv_logger, max_steps=1)
+    assert finder.result is not None and finder.result.suggestion is not None
+    assert not finder.result.applied and finder.result.applied_lr is None
+    assert not any(k.startswith("lr_finder/") for k in csv_logger.experiment.hparams)
+
+
+class _Slow(Net):
+    """Slow enough (10 ms a step) that tqdm redraws its bar during the sweep."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        time.sleep(0.01)
+        return super().training_step(batch, batch_idx)
+
+
+def test_progress_is_a_tqdm_bar_of_its_own_and_the_summary_one_log_line(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+    import lightning_gradguard.callbacks.lr_finder as module
+
+    bars: list[dict[str, Any]] = []
+
+    class Spy(Tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            bars.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(module, "Tqdm", Spy, raising=False)
+    runs = [(True, False), (True, True), (False, True)]  # (progress, the trainer's own progress bar)
+    errs = []
+    for progress, main_bar in runs:
+        pl.seed_everything(0)
+        finder = _finder(progress=progress, max_lr=1.0, num_training=30, divergence_threshold=None)
+        with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
+            _fit(_Slow(), [finder], max_steps=1, enable_progress_bar=main_bar)
+        errs.append(capsys.readouterr().err)
+        assert finder.result is not None and finder.result.applied
+    # the bar: tqdm's own format on stderr, with the LR and the loss, and no bare progress lines
+    err = errs[0]
+    assert "LRFinderPlus [epoch 0]" in err and "/30 [" in err
+    assert re.search(r"lr=\d\.\d\de-\d\d", err) and "loss=" in err
+    assert not re.search(r"step \d+/\d+", err) and "points, stopped" not in err
+    # placed like Lightning's validation bar: under the training bar when there is one; gone at the end
+    assert [(b["position"], b["leave"]) for b in bars] == [(0, False), (1, False)]
+    assert "LRFinderPlus" not in errs[2]  # progress=False: no bar
+    # the result: one INFO line per sweep on the "lightning_gradguard" logger, saying it was applied
+    summaries = [
+        r for r in caplog.records if r.name == "lightning_gradguard" and "suggestion (steep)" in r.message
+    ]
+    assert len(summaries) == 3 and all(r.levelno == logging.INFO for r in summaries)
+    assert all(" applied; " in r.message and "30 points, stopped: completed" in r.message for r in summaries)
+
+
 def test_without_a_logger_no_files_are_written(tmp_path: Path) -> None:
     pl.seed_everything(0)
     finder = _finder(plot=True)
     _fit(Net(), [finder], max_steps=1, default_root_dir=str(tmp_path))
     assert finder.result is not None and finder.result.suggestion is not None
     assert not list(tmp_path.rglob("lr_finder*"))
+
+
+class _Recorder(Callback):
+    """A user's callback passed in ``trainer_kwargs``: records how the throwaway fit ended."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.events.append("train_batch")
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self.events.append(f"exception {type(exception).__name__}")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.events.append("train_end")
+
+
+def test_lr_find_ends_its_fit_cleanly_before_any_training_batch() -> None:
+    pl.seed_everything(0)
+    model = Net(lr=0.05)
+    before = copy.deepcopy(model.state_dict())
+    recorder = _Recorder()
+    kwargs = {"accelerator": "cpu", "callbacks": [recorder], "min_epochs": 3, "min_steps": 10}
+    result = lr_find(
+        model, _loader(), min_lr=1e-4, max_lr=10.0, num_training=40, progress=False, trainer_kwargs=kwargs
+    )
+    assert result is not None and result.suggestion is not None
+    assert recorder.events == ["train_end"]  # a finished fit: no exception, no training batch (min_* too)
+    assert model.calls == len(result.lrs) + (result.stop_reason == "non-finite loss")  # the sweep only
+    _unchanged(model, before)
+
+
+def test_lr_find_skips_under_fast_dev_run_like_lightnings_tuner(caplog: pytest.LogCaptureFixture) -> None:
+    pl.seed_everything(0)
+    model = Net(lr=0.05)
+    before = copy.deepcopy(model.state_dict())
+    with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
+        result = lr_find(
+            model, _loader(), progress=False, trainer_kwargs={"accelerator": "cpu", "fast_dev_run": True}
+        )
+    assert result is None and model.lr == 0.05 and model.calls == 0  # nothing ran, nothing trained
+    _unchanged(model, before)
+    lines = [r for r in caplog.records if r.name == "lightning_gradguard"]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO and "fast_dev_run" in lines[0].message
 
 
 def test_lr_find_function_writes_the_attribute_and_leaves_the_model_unchanged() -> None:
@@ -605,32 +770,13 @@ def test_lr_find_function_writes_the_attribute_and_leaves_the_model_unchanged() 
 
 
 # ---------------------------------------------------------------------------------------------- arguments
-@pytest.mark.parametrize(
-    "kwargs,name",
-    [
-        ({"min_lr": 0.0}, "min_lr"),
-        ({"min_lr": 1.0, "max_lr": 0.5}, "max_lr"),
-        ({"num_training": 2}, "num_training"),
-        ({"mode": "log"}, "mode"),
-        ({"method": "best"}, "method"),
-        ({"beta": 1.0}, "beta"),
-        ({"divergence_threshold": 0.0}, "divergence_threshold"),
-        ({"milestones": [-1]}, "milestones"),
-        ({"apply": "yes"}, "apply"),
-        ({"min_points": 1}, "min_points"),
-    ],
-)
-def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
-    with pytest.raises(ValueError, match=f"`{name}`"):
-        LRFinderPlus(**kwargs)
-
-
 # ---------------------------------------------------------------------------------------------- DDP
 def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     proc = run_ddp_script("ddp_lr_finder.py", tmp_path, timeout=180)  # a hang would time out here
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    keys = ("lrs", "losses", "suggestions", "stop_reason", "applied_lr", "global_step", "epochs", "later")
+    keys = ["lrs", "losses", "suggestions", "stop_reason", "applied_lr", "applied_lrs", "global_step"]
+    keys += ["epochs", "later"]
     for key in keys:
         assert ranks[0][key] == ranks[1][key], key
     assert ranks[0]["epochs"] == [0, 1] and ranks[0]["global_step"] == 8  # the sweeps did not count
@@ -643,6 +789,11 @@ def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     )
     assert ranks[0]["first_loss"] != ranks[1]["first_loss"]
     assert (tmp_path / "csv" / "version_0" / "lr_finder.csv").exists()
+    # the applied LRs are the run's hyperparameters (written once, by rank 0)
+    hparams = load_hparams_from_yaml(str(tmp_path / "csv" / "version_0" / "hparams.yaml"))
+    assert ranks[0]["applied_lrs"] == [ranks[0]["first_applied"], ranks[0]["applied_lr"]]
+    assert hparams["lr_finder/applied_lr"] == ranks[0]["first_applied"]
+    assert hparams["lr_finder/applied_lr_epoch1"] == ranks[0]["applied_lr"]
 
 
 class _SeesBatches(Net):

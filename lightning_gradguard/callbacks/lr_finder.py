@@ -25,17 +25,21 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, TQDMProgressBar
+from lightning.pytorch.core.saving import save_hparams_to_yaml
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, loss_of, quiet_logging, warn_once
-from lightning_gradguard._validate import check_choice, check_float, check_int
+from lightning_gradguard._shared import log_step, loss_of, quiet_logging, skipped_for_fast_dev_run, warn_once
+from lightning_gradguard._validate import check_bool, check_choice, check_float, check_int, check_int_list
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks._snapshot import TrainingSnapshot
 from lightning_gradguard.functional.lr_suggest import (
@@ -66,11 +70,17 @@ class LRFinderResult:
         method: the method that picks ``suggestion``.
         suggestion: the suggested learning rate for parameter group 0, or ``None`` (see ``reason``).
         epoch: the epoch at whose start the test ran.
-        stop_reason: why the sweep ended: ``"completed"``, ``"diverged"``, ``"non-finite loss"`` or
-            ``"no loss"``.
+        stop_reason: why the sweep ended: ``"completed"`` (all ``num_training`` steps), ``"diverged"``
+            (the stop rule fired), ``"non-finite loss"``, ``"no loss"`` (``training_step`` returned no
+            loss), ``"no data"`` (the training dataloader yielded no batch), or ``"not run"`` (an
+            unsupported setup: see ``reason``).
         reason: why there is no suggestion (empty when there is one).
         skipped_steps: optimizer steps the GradScaler skipped (their points are dropped).
         seconds: wall time of the sweep.
+        applied: whether the suggestion was set on the optimizer (``apply=True`` and a suggestion).
+        applied_lr: the learning rate group 0 is configured with after applying, read back from the
+            optimizer (the LR a scheduler scales from, e.g. OneCycleLR's peak): the suggestion. ``None``
+            when nothing was applied. It is also written to the loggers' hyperparameters.
     """
 
     lrs: list[float]
@@ -86,7 +96,7 @@ class LRFinderResult:
     skipped_steps: int = 0
     seconds: float = 0.0
     applied: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    applied_lr: float | None = None
 
     def plot(self, ax: Any = None) -> Any:
         """Draw the raw and smoothed curves against log-LR, every suggestion marked; returns the figure."""
@@ -118,10 +128,6 @@ class LRFinderResult:
             ax.set_ylim(lo - pad, max(finite[0], hi) + pad)
         ax.legend(fontsize=8)
         return fig
-
-
-class _FinderDone(Exception):
-    """Ends the throwaway fit of :func:`lr_find` right after the sweep."""
 
 
 def _batches(loader: Any) -> Iterator[tuple[Any, int]]:
@@ -160,13 +166,19 @@ class LRFinderPlus(GradGuardCallback):
     Under DDP every rank runs the same sweep on its own shard; the loss of each step is averaged
     across ranks, so all ranks see the same curve and stop at the same step; rank 0's result is
     broadcast. When no suggestion is possible the LR is left alone and an ``lr_finder_failed`` alert
-    says why.
+    says why. The sweep needs automatic optimization with one optimizer, on a single device or under
+    DDP: in any other setup (manual optimization, for one) no sweep runs, and the alert says that the
+    setup is not supported and what to do instead.
 
     Output (rank 0): scalars ``lr_finder/loss``, ``lr_finder/smoothed_loss`` and ``lr_finder/lr``
     against the sweep step, ``lr_finder/suggested_lr`` at the trainer's step; a CSV
     ``lr_finder.csv`` and (with matplotlib) a figure ``lr_finder.png`` in the log directory (when the
-    trainer has a logger), the figure also sent to TensorBoard. Later milestones get an ``_epoch<N>``
-    suffix. Progress lines go to stderr.
+    trainer has a logger), the figure also sent to TensorBoard. An applied LR is written to every
+    logger's hyperparameters (``lr_finder/applied_lr`` and ``lr_finder/method``; in ``hparams.yaml`` for
+    TensorBoard and CSV) and to ``result.applied_lr``. Later milestones get an ``_epoch<N>`` suffix.
+    While the sweep runs, a tqdm bar of its own (stderr, below Lightning's training bar, gone when the
+    sweep ends) shows the LR and loss; the result is one INFO line on the ``lightning_gradguard`` logger.
+    Under ``fast_dev_run`` the test is skipped, like Lightning's tuner.
 
     Args:
         min_lr: first learning rate of the sweep.
@@ -181,7 +193,7 @@ class LRFinderPlus(GradGuardCallback):
         milestones: epochs at whose start the test runs (default ``[0]``: fit start).
         apply: set the suggested LR on the optimizer and schedulers.
         plot: save a figure (needs matplotlib; skipped quietly without it).
-        progress: print progress lines on rank 0.
+        progress: show the sweep's progress bar on rank 0.
         min_points: fewest recorded points for a suggestion (default: a tenth of ``num_training``, >= 5).
 
     Example::
@@ -195,13 +207,15 @@ class LRFinderPlus(GradGuardCallback):
         print(finder.result.suggestion, finder.result.suggestions)
     """
 
+    state_key_args = ("min_lr", "max_lr", "num_training", "mode", "method", "milestones")
+
     def __init__(
         self,
         min_lr: float = 1e-7,
         max_lr: float = 1.0,
         num_training: int = 100,
-        mode: str = "exponential",
-        method: str = "steep",
+        mode: Literal["exponential", "linear"] = "exponential",
+        method: Literal["steep", "valley", "minimum", "slide"] = "steep",
         beta: float = 0.9,
         divergence_threshold: float | None = 1.0,
         milestones: list[int] | None = None,
@@ -209,41 +223,28 @@ class LRFinderPlus(GradGuardCallback):
         plot: bool = True,
         progress: bool = True,
         min_points: int | None = None,
-        action: str = "warn",
+        action: Literal["warn", "stop", "raise"] = "warn",
     ) -> None:
         super().__init__(action=action, cooldown_steps=0)
-        check_float("min_lr", min_lr, 0.0, low_open=True)
-        check_float("max_lr", max_lr, 0.0, low_open=True)
-        if max_lr <= min_lr:
+        self.min_lr: float = check_float("min_lr", min_lr, 0.0, low_open=True)
+        self.max_lr: float = check_float("max_lr", max_lr, 0.0, low_open=True)
+        if self.max_lr <= self.min_lr:
             raise ValueError(f"`max_lr` must be greater than `min_lr` ({min_lr!r}); got {max_lr!r}")
-        check_int("num_training", num_training, 5)
-        check_choice("mode", mode, ("exponential", "linear"))
-        check_choice("method", method, SUGGESTION_METHODS)
-        check_float("beta", beta, 0.0, 0.999)
-        if divergence_threshold is not None:
-            check_float("divergence_threshold", divergence_threshold, 0.0, low_open=True)
-        if milestones is None:
-            milestones = [0]
-        if not isinstance(milestones, (list, tuple)) or not all(
-            isinstance(m, int) and not isinstance(m, bool) and m >= 0 for m in milestones
-        ):
-            raise ValueError(f"`milestones` must be a list of epoch numbers >= 0; got {milestones!r}")
-        check_int("min_points", min_points, 2, allow_none=True)
-        for name, value in (("apply", apply), ("plot", plot), ("progress", progress)):
-            if not isinstance(value, bool):
-                raise ValueError(f"`{name}` must be True or False; got {value!r}")
-        self.min_lr = float(min_lr)
-        self.max_lr = float(max_lr)
-        self.num_training = num_training
-        self.mode = mode
-        self.method = method
-        self.beta = float(beta)
-        self.divergence_threshold = None if divergence_threshold is None else float(divergence_threshold)
-        self.milestones = sorted(set(milestones))
-        self.apply = apply
-        self.plot = plot
-        self.progress = progress
-        self.min_points = min_points if min_points is not None else max(5, num_training // 10)
+        self.num_training: int = check_int("num_training", num_training, 5)
+        self.mode: str = check_choice("mode", mode, ("exponential", "linear"))
+        self.method: str = check_choice("method", method, SUGGESTION_METHODS)
+        self.beta: float = check_float("beta", beta, 0.0, 0.999)
+        self.divergence_threshold: float | None = check_float(
+            "divergence_threshold", divergence_threshold, 0.0, low_open=True, allow_none=True
+        )
+        self.milestones = sorted(
+            set(check_int_list("milestones", [0] if milestones is None else milestones, 0))
+        )
+        min_points = check_int("min_points", min_points, 2, allow_none=True)
+        self.apply = check_bool("apply", apply)
+        self.plot = check_bool("plot", plot)
+        self.progress = check_bool("progress", progress)
+        self.min_points: int = min_points if min_points is not None else max(5, self.num_training // 10)
         self.results: list[LRFinderResult] = []
         self._done_epochs: set[int] = set()
         self._stop_after = False  # set by lr_find: end the fit once the sweep is done
@@ -277,18 +278,34 @@ class LRFinderPlus(GradGuardCallback):
         if epoch not in self.milestones or epoch in self._done_epochs:
             return
         self._done_epochs.add(epoch)
-        self.find(trainer, pl_module)
+        if not skipped_for_fast_dev_run(trainer, "LRFinderPlus", "the learning-rate range test"):
+            self.find(trainer, pl_module)
         if self._stop_after:
-            raise _FinderDone
+            _end_fit_before_training(trainer)
 
     # ------------------------------------------------------------------ the test
     def find(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LRFinderResult | None:
         """Run one range test now (inside a fit, where the optimizer and dataloader exist)."""
         epoch = int(trainer.current_epoch)
         problem = self._unsupported(trainer, pl_module)
-        if problem:
-            warn_once(trainer, f"lr_finder_unsupported:{problem}", f"LRFinderPlus: {problem}; no range test.")
-            self._fail(trainer, epoch, problem)
+        if problem is not None:
+            message, hint = problem
+            warn_once(trainer, f"lr_finder_unsupported:{message}", f"{message}; no range test ran.")
+            self.results.append(
+                LRFinderResult(
+                    lrs=[],
+                    losses=[],
+                    smoothed=[],
+                    curve=[],
+                    suggestions=dict.fromkeys(SUGGESTION_METHODS),
+                    method=self.method,
+                    suggestion=None,
+                    epoch=epoch,
+                    stop_reason="not run",
+                    reason=message,
+                )
+            )
+            self._alert(trainer, epoch, f"No LR range test: {message}.", hint, points=0)
             return None
         optimizer = trainer.optimizers[0]
         started = time.perf_counter()
@@ -304,27 +321,53 @@ class LRFinderPlus(GradGuardCallback):
             result = trainer.strategy.broadcast(result, src=0)
         self.results.append(result)
         if result.suggestion is None:
-            self._fail(trainer, epoch, result.reason, result)
+            self._alert(
+                trainer,
+                epoch,
+                f"LR range test gave no suggestion: {result.reason}.",
+                "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
+                "raise num_training, or check that the loss depends on the learning rate at all.",
+                points=len(result.lrs),
+            )
         elif self.apply:
             _apply_lr(trainer, optimizer, base, result.suggestion)
             result.applied = True
+            result.applied_lr = _configured(optimizer.param_groups[0])
         self._output(trainer, result)
         return result
 
-    def _unsupported(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+    def _unsupported(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[str, str] | None:
+        """``(message, hint)`` when the sweep cannot run in this setup, else ``None``."""
         if not pl_module.automatic_optimization:
-            return "manual optimization is not supported"
+            return (
+                "LRFinderPlus needs automatic optimization (training_step returning the loss): the range "
+                "test drives the optimizer itself, and this module uses manual optimization",
+                "Set the learning rate by hand, or run lr_find() on an automatic-optimization version of "
+                "the model and use its suggestion.",
+            )
         if len(trainer.optimizers) != 1:
-            return f"exactly one optimizer is needed, found {len(trainer.optimizers)}"
+            return (
+                f"LRFinderPlus needs exactly one optimizer, found {len(trainer.optimizers)}",
+                "Set the learning rate by hand, or run lr_find() on a version of the model with one "
+                "optimizer and use its suggestion.",
+            )
         from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
         strategy = trainer.strategy
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or isinstance(
             strategy, DeepSpeedStrategy
         ):
-            return f"the {type(strategy).__name__} strategy is not supported (single device or DDP only)"
+            return (
+                f"LRFinderPlus runs on a single device or under DDP, not under {type(strategy).__name__}",
+                "Run lr_find() on the model with one device (trainer_kwargs={'devices': 1}) or under DDP, "
+                "and set its suggestion as this run's learning rate.",
+            )
         if trainer.train_dataloader is None:
-            return "the trainer has no training dataloader"
+            return (
+                "LRFinderPlus found no training dataloader to sweep over",
+                "Give Trainer.fit the training data (train_dataloaders or a datamodule with "
+                "train_dataloader) and keep limit_train_batches above 0.",
+            )
         loaders = trainer.train_dataloader
         flat = loaders.flattened if isinstance(loaders, CombinedLoader) else [loaders]
         if isinstance(loaders, (list, tuple)):
@@ -339,7 +382,7 @@ class LRFinderPlus(GradGuardCallback):
                     "LRFinderPlus: a dataloader with persistent_workers=True restarts its shared iterator "
                     "for the sweep; the first epoch's batch order may differ from a run without the finder.",
                 )
-        return ""
+        return None
 
     def _sweep(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, base: list[float]
@@ -354,8 +397,6 @@ class LRFinderPlus(GradGuardCallback):
         clip_val = trainer.gradient_clip_val
         clip_algo = GradClipAlgorithmType(trainer.gradient_clip_algorithm or "norm")
         strategy = trainer.strategy
-        show = self.progress and trainer.is_global_zero
-        every = max(1, self.num_training // 10)
         lrs: list[float] = []
         losses: list[float] = []
         skipped = 0
@@ -363,9 +404,9 @@ class LRFinderPlus(GradGuardCallback):
         quiet = contextlib.ExitStack()
         quiet.enter_context(quiet_logging(pl_module))  # the sweep's losses are not the run's metrics
         batches = _batches(trainer.train_dataloader)
-        prefix = f"LRFinderPlus [epoch {trainer.current_epoch}]"
+        bar = _progress_bar(trainer, len(schedule)) if self.progress and trainer.is_global_zero else None
         try:
-            for step, lr in enumerate(schedule):
+            for lr in schedule:
                 for group, ratio in zip(optimizer.param_groups, ratios, strict=True):
                     group["lr"] = lr * ratio
                 optimizer.zero_grad(set_to_none=True)
@@ -413,27 +454,22 @@ class LRFinderPlus(GradGuardCallback):
                     if clip_val:
                         trainer.precision_plugin.clip_gradients(optimizer, clip_val, clip_algo)
                     optimizer.step()
+                if bar is not None:
+                    bar.set_postfix({"lr": f"{lr:.2e}", "loss": f"{value_f:.4g}"}, refresh=False)
+                    bar.update(1)
                 if step_skipped:
                     skipped += 1
                     continue
                 lrs.append(lr)
                 losses.append(value_f)
-                stop = monitor.update(value_f)
-                if show and (step % every == 0 or stop or step == len(schedule) - 1):
-                    print(
-                        f"{prefix}: step {step + 1}/{len(schedule)}  lr {lr:.3e}  "
-                        f"loss {value_f:.4g}  smoothed {monitor.smoothed[-1]:.4g}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                if stop:
+                if monitor.update(value_f):
                     stop_reason = monitor.reason
                     break
         finally:
+            if bar is not None:
+                bar.close()
             quiet.close()
             optimizer.zero_grad(set_to_none=True)
-        if show:
-            print(f"{prefix}: {len(lrs)} points, stopped: {stop_reason}", file=sys.stderr, flush=True)
         return lrs, losses, list(monitor.smoothed), stop_reason, skipped
 
     def _decide(
@@ -474,24 +510,16 @@ class LRFinderPlus(GradGuardCallback):
             skipped_steps=skipped,
         )
 
-    def _fail(
-        self, trainer: pl.Trainer, epoch: int, reason: str, result: LRFinderResult | None = None
-    ) -> None:
-        if result is None:
-            self.results.append(
-                LRFinderResult(
-                    [], [], [], [], dict.fromkeys(SUGGESTION_METHODS), self.method, None, epoch, "", reason
-                )
-            )
+    def _alert(self, trainer: pl.Trainer, epoch: int, message: str, hint: str, points: int) -> None:
+        """The ``lr_finder_failed`` alert: no LR was applied (an unsupported setup, or no suggestion)."""
         alert = self.report(
             trainer,
             "lr_finder_failed",
             "warning",
             f"epoch {epoch}",
-            f"LR range test gave no suggestion: {reason}. The learning rate was left unchanged.",
-            "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
-            "raise num_training, or check that the loss depends on the learning rate at all.",
-            data={"points": float(len(result.lrs)) if result else 0.0},
+            f"{message} The learning rate was left unchanged.",
+            hint,
+            data={"points": float(points)},
         )
         self.act(trainer, [alert] if alert else [])
 
@@ -500,7 +528,9 @@ class LRFinderPlus(GradGuardCallback):
         if not trainer.is_global_zero:
             return
         suffix = "" if result.epoch == 0 else f"_epoch{result.epoch}"
-        for i, (lr, loss, smooth) in enumerate(zip(result.lrs, result.losses, result.smoothed, strict=True)):
+        # lr_find's throwaway fit has no logger on purpose: no "the trainer has no logger" line for it
+        curve = [] if self._stop_after and not trainer.loggers else result.lrs
+        for i, (lr, loss, smooth) in enumerate(zip(curve, result.losses, result.smoothed, strict=False)):
             _emit.log_scalars(
                 trainer,
                 {
@@ -510,18 +540,26 @@ class LRFinderPlus(GradGuardCallback):
                 },
                 i,
             )
-        if result.suggestion is not None:
+        if result.suggestion is not None and trainer.loggers:
             _emit.log_scalars(trainer, {"lr_finder/suggested_lr": result.suggestion}, log_step(trainer))
+        if result.applied_lr is not None:
+            hparams: dict[str, Any] = {f"lr_finder/applied_lr{suffix}": result.applied_lr}
+            hparams[f"lr_finder/method{suffix}"] = result.method
+            _log_hparams(trainer, hparams)
         chosen = f"{result.suggestion:.3e}" if result.suggestion is not None else "none"
+        if result.applied:  # only then: with apply=False (and in lr_find) the optimizer is not touched
+            chosen += " applied"
         others = ", ".join(f"{k} {v:.2e}" for k, v in result.suggestions.items() if v is not None)
-        summary = (
-            f"LRFinderPlus [epoch {result.epoch}]: suggestion ({result.method}) {chosen}"
-            f"{' applied' if result.applied else ''}; all: {others or 'none'}; {result.seconds:.1f}s"
+        log.info(
+            "LRFinderPlus [epoch %d]: suggestion (%s) %s; all: %s; %d points, stopped: %s; %.1fs",
+            result.epoch,
+            result.method,
+            chosen,
+            others or "none",
+            len(result.lrs),
+            result.stop_reason,
+            result.seconds,
         )
-        if self.progress:
-            print(summary, file=sys.stderr, flush=True)
-        else:
-            log.info(summary)
         if not trainer.loggers:  # no log directory: the curve stays in ``self.results``
             return
         folder = _emit.log_dir(trainer)
@@ -561,6 +599,63 @@ class LRFinderPlus(GradGuardCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._done_epochs = set(state_dict.get("done_epochs", []))
+
+
+def _progress_bar(trainer: pl.Trainer, total: int) -> Tqdm:
+    """The sweep's own bar: placed like Lightning's validation bar, under the training bar when there is one.
+
+    ``leave=False``: it disappears when the sweep ends and leaves Lightning's bars as they were. It writes
+    to stderr (tqdm's default), so the program's own output on stdout stays clean.
+    """
+    main = trainer.progress_bar_callback
+    position = 0
+    if main is not None and getattr(main, "is_enabled", True):
+        offset = main.process_position if isinstance(main, TQDMProgressBar) else 0
+        position = 2 * offset + 1
+    return Tqdm(
+        total=total,
+        desc=f"LRFinderPlus [epoch {trainer.current_epoch}]",
+        position=position,
+        leave=False,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        bar_format=TQDMProgressBar.BAR_FORMAT,
+    )
+
+
+def _log_hparams(trainer: pl.Trainer, params: dict[str, Any]) -> None:
+    """Add ``params`` to the hyperparameters of every logger (rank zero), as Lightning's own hparams are.
+
+    TensorBoard: ``metrics={}`` records them in ``logger.hparams`` without the ``hp_metric = -1`` placeholder
+    and without a second hparams session in the event file (TensorBoard shows only a run's first one);
+    ``hparams.yaml``, which the logger writes once at fit start, is brought up to date. Other loggers
+    (CSV, MLflow, W&B, ...) get a plain ``log_hyperparams`` call.
+    """
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.log_hyperparams(params, metrics={})
+            path = os.path.join(logger.log_dir, logger.NAME_HPARAMS_FILE)
+            try:
+                if get_filesystem(path).isfile(path):  # later saves do not rewrite it
+                    save_hparams_to_yaml(path, logger.hparams)
+            except OSError as err:  # pragma: no cover - read-only log dirs
+                log.warning("LRFinderPlus: could not update %s: %s", path, err)
+        else:
+            logger.log_hyperparams(params)
+
+
+def _end_fit_before_training(trainer: pl.Trainer) -> None:
+    """End the running fit cleanly before its first training batch (the throwaway fit of :func:`lr_find`).
+
+    Called from ``on_train_epoch_start``. ``should_stop`` alone would wait for ``min_epochs`` /
+    ``min_steps``; a step limit already reached does not: Lightning's epoch loop then runs no batch, the fit
+    loop ends as at ``max_steps``, and every callback gets ``on_train_epoch_end`` and ``on_train_end`` as in
+    any finished fit, never ``on_exception``.
+    """
+    trainer.should_stop = True
+    trainer.fit_loop.epoch_loop.max_steps = trainer.global_step
 
 
 def _configured(group: dict[str, Any]) -> float:
@@ -617,7 +712,13 @@ def lr_find(
     ``trainer_kwargs`` to the throwaway ``Trainer`` (default: CPU/GPU auto, one device, no logger,
     checkpointing, progress bar or validation).
 
-    Returns the :class:`LRFinderResult` (its ``suggestion`` is ``None`` when none was possible).
+    The throwaway fit ends cleanly right after the sweep, before its first training batch (also with
+    ``min_epochs`` / ``min_steps`` in ``trainer_kwargs``): callbacks passed there see a finished fit
+    (``on_train_end``), never ``on_exception``. With ``fast_dev_run`` in ``trainer_kwargs`` the test is
+    skipped, like Lightning's tuner does: one INFO line, no fit, ``None`` returned.
+
+    Returns the :class:`LRFinderResult` (its ``suggestion`` is ``None`` when none was possible), or
+    ``None`` when skipped.
     """
     finder_kwargs.setdefault("apply", False)
     finder_kwargs.setdefault("plot", False)
@@ -636,8 +737,9 @@ def lr_find(
     kwargs.update(trainer_kwargs or {})
     kwargs["callbacks"] = [*kwargs.get("callbacks", []), finder]
     trainer = pl.Trainer(**kwargs)
-    with contextlib.suppress(_FinderDone):
-        trainer.fit(model, train_dataloaders=train_dataloaders, datamodule=datamodule)
+    if skipped_for_fast_dev_run(trainer, "lr_find", "the learning-rate range test"):
+        return None  # its fit would train a batch on the model, which lr_find must leave unchanged
+    trainer.fit(model, train_dataloaders=train_dataloaders, datamodule=datamodule)
     result = finder.result
     if result is not None and result.suggestion is not None and attr_name is not None:
         _set_lr_attr(model, attr_name, result.suggestion)

@@ -68,6 +68,7 @@ def main(out: Path) -> None:
                 "stop_reason": result.stop_reason,
                 "applied_lr": trainer.optimizers[0].param_groups[0]["lr"],
                 "first_applied": result.suggestion if result.applied else None,
+                "applied_lrs": [r.applied_lr for r in finder.results],
                 "global_step": trainer.global_step,
                 "first_loss": model.first_loss,
             }

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
 from lightning_gradguard._shared import quiet_logging, reduce_any, warn_once
-from lightning_gradguard._validate import check_float, check_int
+from lightning_gradguard._validate import check_float, check_int, check_str_list
 from lightning_gradguard.alerts import Alert, SanityCheckError
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks._snapshot import RNGState, train_loader_generators
@@ -43,7 +43,7 @@ from lightning_gradguard.callbacks.overfit_batch import (
 from lightning_gradguard.functional.gradcheck import (
     finite_difference_check,
     sample_coordinates,
-    taylor_test,
+    taylor_check,
 )
 
 __all__ = [
@@ -59,6 +59,11 @@ log = logging.getLogger("lightning_gradguard")
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 _TAYLOR_STEPS = 6
+#: After a Taylor miss: the evaluations of the directional finite difference that arbitrates it (reserved
+#: for every tensor), then up to this many Taylor tests with 100x smaller steps (from what is left over).
+_ARBITER_COST = 2
+_TAYLOR_RETRIES = 2
+_TAYLOR_SHRINK = 1e-2
 
 _HINT = (
     "The backward pass of this parameter disagrees with the loss it differentiates. In a custom "
@@ -226,11 +231,21 @@ class ParameterCheck:
         analytic: autograd's gradient at ``worst_index``.
         numeric: the finite-difference gradient at ``worst_index``.
         taylor_order: observed order of the Taylor remainder along a random direction in this tensor
-            (about 2 when right, about 1 when wrong, NaN when the remainder is at rounding level).
-        taylor_remainders: the remainders, for ``h = 1e-2 * 0.5**k``.
+            (about 2 when right, about 1 when wrong, NaN when the remainder is at rounding level), from
+            the Taylor test that decided (the last one run when it was repeated with smaller steps).
+        taylor_remainders: the remainders of that test, for ``h = taylor_h0[-1] * 0.5**k``.
         taylor_linear_error: the part of the remainder linear in ``h``, relative to the directional
             derivative (see :class:`~lightning_gradguard.functional.gradcheck.TaylorResult`).
-        passed: ``max_rel_error <= tolerance`` and the Taylor test passed.
+        passed: ``max_rel_error <= tolerance`` and either the Taylor test passed or the directional
+            finite difference along its direction agreed (``directional_error <= tolerance``). A Taylor
+            miss alone never fails a parameter: kinks (ReLU, max-pooling) cause it on correct gradients.
+        taylor_h0: the largest step of every Taylor test run: ``[1e-2]``, or after a miss
+            ``[1e-2, 1e-4, ...]`` (repeated with 100x smaller steps, below the distance to the kinks).
+        directional_error: relative error of the symmetric finite difference along the Taylor
+            direction, ``(L(θ + εv) - L(θ - εv)) / (2ε)`` against ``<g, v>``; computed only after a
+            Taylor miss (NaN otherwise). It covers every coordinate, not just the sampled ones.
+        taylor_inconclusive: the Taylor test missed at every step size tried while finite differences
+            agreed: passed, but the Taylor test showed nothing (the steps kept crossing kinks).
     """
 
     name: str
@@ -244,6 +259,9 @@ class ParameterCheck:
     taylor_remainders: list[float]
     taylor_linear_error: float
     passed: bool
+    taylor_h0: list[float] = field(default_factory=list)
+    directional_error: float = math.nan
+    taylor_inconclusive: bool = False
 
 
 @dataclass
@@ -282,6 +300,11 @@ class GradientCheckResult:
     def failures(self) -> list[ParameterCheck]:
         """The parameters whose gradient did not pass."""
         return [p for p in self.parameters if not p.passed]
+
+    @property
+    def inconclusive(self) -> list[ParameterCheck]:
+        """The parameters that passed on finite differences alone: their Taylor test was inconclusive."""
+        return [p for p in self.parameters if p.passed and p.taylor_inconclusive]
 
 
 # --------------------------------------------------------------------------------------------- function
@@ -336,14 +359,25 @@ def gradient_check(
     (functional dropout, noise) is the same in every evaluation and the finite differences see one
     deterministic function.
 
-    For each checked parameter tensor: (a) a Taylor test along a random unit direction in that tensor,
-    tilted toward the claimed gradient (``h = 1e-2 * 0.5**k``, k = 0..5): the remainder must shrink
-    with an observed order of at least ``min_order``, or else its part linear in ``h`` must stay within
-    ``taylor_tolerance`` of the directional derivative (a ReLU kink a step happens to cross lowers the
-    order without any gradient error); (b) symmetric finite differences (step
+    For each checked parameter tensor: (a) a Taylor test along a random unit direction ``v`` in that
+    tensor, tilted toward the claimed gradient (``h = 1e-2 * 0.5**k``, k = 0..5): the remainder should
+    shrink with an observed order of at least ``min_order``, or else its part linear in ``h`` stay
+    within ``taylor_tolerance`` of the directional derivative; (b) symmetric finite differences (step
     ``eps * max(1, |θ_i|)``) on up to ``samples_per_tensor`` coordinates (half the largest ``|grad|``,
     half random), with relative error ``|a - n| / max(|a|, |n|, tiny)`` that must stay at or below
     ``tolerance``.
+
+    A Taylor miss is not a verdict: steps that cross ReLU kinks (many of them where BatchNorm centres
+    the pre-activations on 0 and couples the samples) miss on correct gradients. After a miss, the
+    symmetric finite difference along the same ``v``, ``(L(θ + εv) - L(θ - εv)) / (2ε)``, is compared
+    with ``<g, v>``: above ``tolerance`` the parameter fails. Otherwise the Taylor test is repeated with
+    100x smaller steps (twice at most, budget permitting) until the remainder behaves; if it never does,
+    the Taylor test is *inconclusive* and the parameter passes on finite differences
+    (``ParameterCheck.taylor_inconclusive``). See
+    :func:`~lightning_gradguard.functional.gradcheck.taylor_check`.
+
+    A parameter fails when finite differences disagree with autograd: on a sampled coordinate, or along
+    the Taylor direction after a Taylor miss.
 
     Which parameters: the target modules are ``modules`` when given (qualified names, ``""`` = the whole
     model); otherwise the modules whose forward applies a custom ``autograd.Function`` (see
@@ -363,14 +397,18 @@ def gradient_check(
         max_samples: cut the batch to this many samples (``None``: keep it whole).
         samples_per_tensor: coordinates compared with finite differences per parameter tensor.
         max_evaluations: bound on loss evaluations; when the budget is short, fewer coordinates per
-            tensor are checked, then tensors are left out (listed in ``skipped``).
+            tensor are checked, then tensors are left out (listed in ``skipped``). Each tensor is planned
+            at 7 (Taylor test) + 2 (the directional finite difference after a miss) + 2k + 1 (k
+            coordinates); a Taylor test repeated after a miss costs 6 and runs only on what is left over.
         tolerance: the largest relative error accepted (seed texts: < 1e-5 correct, > 1e-3 a bug).
         min_order: the smallest observed Taylor order accepted.
         eps: the relative finite-difference step.
         seed: the seed for the batch-independent randomness (directions, coordinates, the model's RNG).
         taylor_tolerance: when the observed order is below ``min_order``, the largest part of the Taylor
-            remainder linear in ``h`` (relative to the directional derivative) still blamed on kinks.
-            Healthy ReLU MLPs measured up to 8e-4, wrong backwards 0.5 and more.
+            remainder linear in ``h`` (relative to the directional derivative) still blamed on kinks;
+            above it the Taylor test missed and finite differences arbitrate. Healthy ReLU MLPs
+            measured up to 8e-4, healthy Conv + BatchNorm + ReLU networks up to 0.12, wrong backwards
+            0.5 and more.
 
     Returns:
         A :class:`GradientCheckResult`.
@@ -386,10 +424,7 @@ def gradient_check(
     _validate(
         max_samples, samples_per_tensor, max_evaluations, tolerance, min_order, eps, seed, taylor_tolerance
     )
-    if modules is not None and not (
-        isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules)
-    ):
-        raise ValueError(f"`modules` must be a list of module names or None; got {modules!r}")
+    modules = check_str_list("modules", modules)
     if loss_fn is None and not isinstance(module, pl.LightningModule):
         raise ValueError(
             "`loss_fn` is required unless `module` is a LightningModule (then training_step is used)"
@@ -528,36 +563,43 @@ def _check(
     check_list = [(n, p) for n, p in named if id(p) in chosen and grad_of[id(p)] is not None]
     result.targets = targets
 
-    # Evaluation budget: (num_steps + 1) for the Taylor test, 2k + 1 for k finite-difference coordinates.
-    taylor_cost = _TAYLOR_STEPS + 1
+    # Evaluation budget: (num_steps + 1) for the Taylor test and 2 for the directional finite difference
+    # that arbitrates a miss, 2k + 1 for k finite-difference coordinates. Repeating a missed Taylor test
+    # with smaller steps (num_steps each) is paid from what the other tensors leave over.
+    taylor_cost = _TAYLOR_STEPS + 1 + _ARBITER_COST
     budget = max_evaluations - 1
     per_tensor = budget // max(len(check_list), 1)
     k = max(1, min(samples_per_tensor, (per_tensor - taylor_cost - 1) // 2))
+    costs = [taylor_cost + 2 * min(k, p.numel()) + 1 for _, p in check_list]
 
     def closure() -> Tensor:
         with torch.no_grad():
             return raw_loss()
 
     gen = torch.Generator().manual_seed(seed)
-    for name, p in check_list:
+    for i, (name, p) in enumerate(check_list):
         g = grad_of[id(p)]
         kk = min(k, p.numel())
-        cost = taylor_cost + 2 * kk + 1
-        if budget < cost:
+        if budget < costs[i]:
             result.skipped.append(name)
             continue
-        budget -= cost
-        taylor = taylor_test(
+        spare = budget - costs[i] - sum(costs[i + 1 :])
+        taylor = taylor_check(
             closure,
             [p],
             [g],
             num_steps=_TAYLOR_STEPS,
             min_order=min_order,
-            tolerance=taylor_tolerance,
+            taylor_tolerance=taylor_tolerance,
+            eps=eps,
+            tolerance=tolerance,
+            retries=max(0, min(_TAYLOR_RETRIES, spare // _TAYLOR_STEPS)),
+            shrink=_TAYLOR_SHRINK,
             generator=gen,
         )
         idx = sample_coordinates(g, p.numel(), kk, gen)
         fd = finite_difference_check(closure, p, g, idx, eps=eps)
+        budget -= taylor.evaluations + fd.evaluations
         result.evaluations += taylor.evaluations + fd.evaluations
         worst = fd.indices[fd.worst] if fd.worst >= 0 else None
         check = ParameterCheck(
@@ -568,10 +610,13 @@ def _check(
             worst_index=None if worst is None else _unravel(worst, tuple(p.shape)),
             analytic=fd.analytic[fd.worst] if fd.worst >= 0 else math.nan,
             numeric=fd.numeric[fd.worst] if fd.worst >= 0 else math.nan,
-            taylor_order=taylor.order,
-            taylor_remainders=taylor.remainders,
-            taylor_linear_error=taylor.linear_error,
+            taylor_order=taylor.taylor.order,
+            taylor_remainders=taylor.taylor.remainders,
+            taylor_linear_error=taylor.taylor.linear_error,
             passed=fd.max_error <= tolerance and taylor.passed,
+            taylor_h0=taylor.h0s,
+            directional_error=math.nan if taylor.directional is None else taylor.directional.error,
+            taylor_inconclusive=taylor.inconclusive,
         )
         result.parameters.append(check)
     result.passed = all(c.passed for c in result.parameters)
@@ -587,15 +632,44 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def describe(check: ParameterCheck) -> str:
-    """One line: the parameter, its largest relative error with the two values, the Taylor order."""
+    """One line: the parameter, its largest relative error with the two values, the Taylor order and,
+    when a Taylor miss was arbitrated, the finite difference along the Taylor direction."""
     at = f"[{', '.join(map(str, check.worst_index))}]" if check.worst_index else ""
     order = "n/a" if math.isnan(check.taylor_order) else f"{check.taylor_order:.2f}"
+    along = (
+        ""
+        if math.isnan(check.directional_error)
+        else f"; along the Taylor direction finite differences give a relative error of "
+        f"{check.directional_error:.2e}"
+    )
     return (
         f"`{check.name}`{at}: relative error {check.max_rel_error:.2e} (autograd {check.analytic:.6g}, "
         f"finite differences {check.numeric:.6g}; {len(check.checked)} coordinates checked), Taylor order "
         f"{order} (2 expected), linear Taylor remainder {check.taylor_linear_error:.2e} of the directional "
-        "derivative"
+        f"derivative{along}"
     )
+
+
+def _passed_line(result: GradientCheckResult) -> str:
+    """One line on a check that passed: how many tensors, of what, the largest relative error, the time."""
+    n = len(result.parameters)
+    whole = result.targets in ([""], [])
+    where = "of the whole model" if whole else f"(targets {', '.join(repr(t) for t in result.targets)})"
+    if n == 0:
+        return f"GradientCheck: passed - no parameter tensor {where} to check ({result.seconds:.1f} s)."
+    worst = max(p.max_rel_error for p in result.parameters)
+    line = (
+        f"GradientCheck: passed - {n} parameter tensor{'s' if n != 1 else ''} {where} checked against "
+        f"finite differences in float64, largest relative error {worst:.1e} ({result.seconds:.1f} s)"
+    )
+    unsure = result.inconclusive
+    if unsure:
+        names = ", ".join(f"`{p.name}`" for p in unsure[:3]) + (", ..." if len(unsure) > 3 else "")
+        line += (
+            f"; Taylor test inconclusive for {len(unsure)} ({names}): its steps kept crossing kinks, "
+            "finite differences along its direction agree"
+        )
+    return line + "."
 
 
 def pattern(check: ParameterCheck) -> str:
@@ -644,10 +718,15 @@ class GradientCheck(GradGuardCallback):
     touched (the check works on a float64 deep copy) and the RNG states, including the dataloader
     sampler's, are restored, so the real run is the one it would have been without the check.
 
-    Each failing parameter gives an alert ``gradient_mismatch`` (severity error) naming the parameter,
-    the relative error, the two gradient values and the observed Taylor order. With ``action="raise"``
-    (default) every rank raises :class:`~lightning_gradguard.SanityCheckError`
-    after the verdict was reduced across ranks; ``"warn"`` reports and trains on.
+    A parameter fails when finite differences disagree with autograd (on a sampled coordinate, or along
+    the Taylor direction after a Taylor miss); a Taylor miss alone, which ReLU kinks cause on correct
+    gradients, is arbitrated and at worst *inconclusive* (see :func:`gradient_check`). Each failing
+    parameter gives an alert ``gradient_mismatch`` (severity error) naming the parameter, the relative
+    error, the two gradient values and the observed Taylor order. With ``action="raise"`` (default)
+    every rank raises :class:`~lightning_gradguard.SanityCheckError` after the verdict was reduced
+    across ranks; ``"warn"`` reports and trains on. A check that passed says so in one INFO line on
+    the ``lightning_gradguard`` logger (global rank zero): how many tensors, the largest relative
+    error, the time, and any inconclusive Taylor tests.
 
     Args:
         modules: qualified names of the modules to check (default: the modules with a custom
@@ -656,7 +735,7 @@ class GradientCheck(GradGuardCallback):
         samples_per_tensor: coordinates checked with finite differences per parameter tensor.
         max_evaluations: bound on the number of loss evaluations.
         tolerance: largest relative error accepted.
-        min_order: smallest observed Taylor order accepted.
+        min_order: smallest observed Taylor order accepted before finite differences arbitrate.
         eps: relative finite-difference step.
         seed: seed of the check's own randomness.
         taylor_tolerance: see :func:`gradient_check`.
@@ -673,6 +752,7 @@ class GradientCheck(GradGuardCallback):
     """
 
     error_type = SanityCheckError
+    state_key_args = ("modules", "max_samples", "tolerance", "min_order", "seed")
 
     def __init__(
         self,
@@ -685,7 +765,7 @@ class GradientCheck(GradGuardCallback):
         eps: float = 1e-6,
         seed: int = 0,
         taylor_tolerance: float = 1e-2,
-        action: str = "raise",
+        action: Literal["raise", "warn", "stop"] = "raise",
     ) -> None:
         super().__init__(action=action, cooldown_steps=0)
         _validate(
@@ -698,18 +778,14 @@ class GradientCheck(GradGuardCallback):
             seed,
             taylor_tolerance,
         )
-        if modules is not None and not (
-            isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules)
-        ):
-            raise ValueError(f"`modules` must be a list of module names or None; got {modules!r}")
-        self.modules = None if modules is None else list(modules)
-        self.max_samples = max_samples
-        self.samples_per_tensor = samples_per_tensor
-        self.max_evaluations = max_evaluations
+        self.modules: list[str] | None = check_str_list("modules", modules)
+        self.max_samples: int | None = None if max_samples is None else int(max_samples)
+        self.samples_per_tensor = int(samples_per_tensor)
+        self.max_evaluations = int(max_evaluations)
         self.tolerance = float(tolerance)
         self.min_order = float(min_order)
         self.eps = float(eps)
-        self.seed = seed
+        self.seed = int(seed)
         self.taylor_tolerance = float(taylor_tolerance)
         self.result: GradientCheckResult | None = None
         self._in_checkpoint = False  # set by load_state_dict: the resumed run had this check
@@ -754,6 +830,7 @@ class GradientCheck(GradGuardCallback):
 
     def _conclude(self, trainer: pl.Trainer, result: GradientCheckResult | None) -> None:
         alerts: list[Alert] = []
+        ran = result is not None
         if result is None:
             result = GradientCheckResult(passed=True)
         if result.skipped:
@@ -777,11 +854,13 @@ class GradientCheck(GradGuardCallback):
                     "numeric": check.numeric,
                     "taylor_order": check.taylor_order,
                     "taylor_linear_error": check.taylor_linear_error,
+                    "directional_error": check.directional_error,
                 },
             )
             if alert is not None:
                 alerts.append(alert)
-        if reduce_any(trainer, not result.passed) and result.passed:
+        failed_anywhere = reduce_any(trainer, not result.passed)
+        if failed_anywhere and result.passed:
             alert = self.report(
                 trainer,
                 "gradient_mismatch",
@@ -792,6 +871,8 @@ class GradientCheck(GradGuardCallback):
             )
             if alert is not None:
                 alerts.append(alert)
+        if ran and not failed_anywhere and trainer.is_global_zero:
+            log.info(_passed_line(result))  # silence after success reads as "did it run?"
         self.act(trainer, alerts)
 
     # ------------------------------------------------------------------ state

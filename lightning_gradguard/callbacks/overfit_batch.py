@@ -17,7 +17,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import numpy as np
@@ -28,8 +28,14 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import loss_of, quiet_logging, reduce_any, warn_once
-from lightning_gradguard._validate import check_choice, check_float, check_int
+from lightning_gradguard._shared import (
+    loss_of,
+    quiet_logging,
+    reduce_any,
+    skipped_for_fast_dev_run,
+    warn_once,
+)
+from lightning_gradguard._validate import check_bool, check_choice, check_float, check_int, check_str_list
 from lightning_gradguard.alerts import Alert, SanityCheckError, Severity
 from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks._snapshot import (
@@ -94,9 +100,12 @@ def slice_batch(batch: Any, max_samples: int | None) -> Any:
 def preflight_applies(
     check: GradGuardCallback, trainer: pl.Trainer, pl_module: pl.LightningModule, checked_before: bool
 ) -> bool:
-    """Whether a pre-flight check runs in this fit: not on a resume of a run it already checked, and
-    only under automatic optimization (else a one-time warning; the run goes on)."""
+    """Whether a pre-flight check runs in this fit: not under ``fast_dev_run`` (a smoke test), not on a
+    resume of a run it already checked, and only under automatic optimization (else a one-time warning;
+    the run goes on)."""
     name = type(check).__name__
+    if skipped_for_fast_dev_run(trainer, name, "the pre-flight check"):
+        return False
     if not check.fresh_run(trainer) and checked_before:
         log.info("%s: fit resumes from a checkpoint; the check is not repeated", name)
         return False
@@ -398,6 +407,23 @@ _HINTS = {
 }
 
 
+def _passed_line(result: OverfitResult) -> str:
+    """The one line that says the check ran and passed, with the numbers behind the verdict."""
+    if result.reached_target:
+        how = f"reached the target {result.target_loss:.4g}"
+    elif result.memorised:
+        how = "memorised the batch (every sample classified right)"
+    elif result.converged:
+        how = "converged to a loss floor above the target"
+    else:
+        how = "missed the target but kept learning"
+    return (
+        f"OverfitBatchSanity: passed - loss {result.initial_loss:.4g} -> {result.final_loss:.4g} in "
+        f"{result.steps} steps on {result.num_samples} samples with {result.optimizer} ({how}; "
+        f"{result.seconds:.1f} s)."
+    )
+
+
 def _label_stability(first: Any, second: Any) -> list[Finding]:
     """Compare two draws of the same samples: identical inputs with different labels is a pipeline bug.
 
@@ -530,12 +556,13 @@ class OverfitBatchSanity(GradGuardCallback):
     """
 
     error_type = SanityCheckError
+    state_key_args = ("max_steps", "target", "target_mode", "max_samples")
 
     def __init__(
         self,
         max_steps: int = 200,
         target: float = 0.1,
-        target_mode: str = "relative",
+        target_mode: Literal["relative", "absolute"] = "relative",
         max_samples: int | None = 16,
         num_classes: int | None = None,
         check_initial_loss: bool = True,
@@ -544,42 +571,25 @@ class OverfitBatchSanity(GradGuardCallback):
         check_label_stability: bool = True,
         ignore_parameters: list[str] | None = None,
         fallback_lr: float = 1e-3,
-        action: str = "raise",
+        action: Literal["raise", "warn", "stop"] = "raise",
     ) -> None:
         super().__init__(action=action, cooldown_steps=0)
-        check_int("max_steps", max_steps, 1)
-        check_choice("target_mode", target_mode, ("relative", "absolute"))
+        self.max_steps: int = check_int("max_steps", max_steps, 1)
+        self.target_mode: str = check_choice("target_mode", target_mode, ("relative", "absolute"))
         if target_mode == "relative":
-            check_float("target", target, 0.0, 1.0, low_open=True)
+            self.target: float = check_float("target", target, 0.0, 1.0, low_open=True)
         else:
-            check_float("target", target, -math.inf)
-        check_int("max_samples", max_samples, 1, allow_none=True)
-        check_int("num_classes", num_classes, 2, allow_none=True)
-        check_float("initial_loss_tolerance", initial_loss_tolerance, 0.0, low_open=True)
-        check_float("fallback_lr", fallback_lr, 0.0, low_open=True)
-        if ignore_parameters is not None and not (
-            isinstance(ignore_parameters, (list, tuple))
-            and all(isinstance(p, str) for p in ignore_parameters)
-        ):
-            raise ValueError(f"`ignore_parameters` must be a list of str or None; got {ignore_parameters!r}")
-        for name, flag in (
-            ("check_initial_loss", check_initial_loss),
-            ("check_batch_mixing", check_batch_mixing),
-            ("check_label_stability", check_label_stability),
-        ):
-            if not isinstance(flag, bool):
-                raise ValueError(f"`{name}` must be True or False; got {flag!r}")
-        self.max_steps = max_steps
-        self.target = float(target)
-        self.target_mode = target_mode
-        self.max_samples = max_samples
-        self.num_classes = num_classes
-        self.check_initial_loss = check_initial_loss
-        self.initial_loss_tolerance = float(initial_loss_tolerance)
-        self.check_batch_mixing = check_batch_mixing
-        self.check_label_stability = check_label_stability
-        self.ignore_parameters = list(ignore_parameters or [])
-        self.fallback_lr = float(fallback_lr)
+            self.target = check_float("target", target, -math.inf)
+        self.max_samples: int | None = check_int("max_samples", max_samples, 1, allow_none=True)
+        self.num_classes: int | None = check_int("num_classes", num_classes, 2, allow_none=True)
+        self.check_initial_loss = check_bool("check_initial_loss", check_initial_loss)
+        self.initial_loss_tolerance: float = check_float(
+            "initial_loss_tolerance", initial_loss_tolerance, 0.0, low_open=True
+        )
+        self.check_batch_mixing = check_bool("check_batch_mixing", check_batch_mixing)
+        self.check_label_stability = check_bool("check_label_stability", check_label_stability)
+        self.ignore_parameters: list[str] = check_str_list("ignore_parameters", ignore_parameters) or []
+        self.fallback_lr: float = check_float("fallback_lr", fallback_lr, 0.0, low_open=True)
         self.result: OverfitResult | None = None
         self._in_checkpoint = False  # set by load_state_dict: the resumed run had this check
 
@@ -1284,6 +1294,8 @@ class OverfitBatchSanity(GradGuardCallback):
                 self.report(
                     trainer, summary.kind, "warning", None, summary.message, summary.hint, summary.data
                 )
+            if trainer.is_global_zero:
+                log.info(_passed_line(result))
             return
         if summary is not None:
             kinds = sorted(

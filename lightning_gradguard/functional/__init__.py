@@ -15,12 +15,16 @@ Example::
 """
 
 from lightning_gradguard.functional.gradcheck import (
+    DirectionalResult,
     FiniteDifferenceResult,
+    TaylorCheckResult,
     TaylorResult,
+    directional_difference,
     finite_difference_check,
     observed_order,
     relative_error,
     sample_coordinates,
+    taylor_check,
     taylor_test,
 )
 from lightning_gradguard.functional.health import (
@@ -68,9 +72,11 @@ from lightning_gradguard.functional.stats import (
 __all__ = [
     "SATURATION_BOUNDS",
     "SUGGESTION_METHODS",
+    "DirectionalResult",
     "DivergenceMonitor",
     "FiniteDifferenceResult",
     "HistogramSpec",
+    "TaylorCheckResult",
     "TaylorResult",
     "activity_counts",
     "centered_smooth",
@@ -78,6 +84,7 @@ __all__ = [
     "dense_values",
     "depth_ratio",
     "device_histograms",
+    "directional_difference",
     "ema",
     "ema_smooth",
     "finite_difference_check",
@@ -105,6 +112,7 @@ __all__ = [
     "suggest_steep",
     "suggest_valley",
     "sweep_lrs",
+    "taylor_check",
     "taylor_test",
     "total_norm",
     "unit_dim",

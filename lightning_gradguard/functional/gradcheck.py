@@ -12,6 +12,14 @@ accurate enough to be compared with autograd. No Trainer, no Lightning: usable o
 * :func:`finite_difference_check` compares ``g`` with ``(L(θ + ε e_i) - L(θ - ε e_i)) / (2 ε)`` on a
   bounded sample of coordinates ``i`` per tensor, with the relative error
   ``|a - n| / max(|a|, |n|, tiny)``.
+* :func:`directional_difference` compares ``<g, v>`` with ``(L(θ + ε v) - L(θ - ε v)) / (2 ε)``: one
+  finite difference that covers every coordinate the direction touches.
+* :func:`taylor_check` is the Taylor test made safe for piecewise-linear models (ReLU, max-pooling):
+  a step that crosses a kink adds a remainder linear in ``h`` although the gradient is right. When the
+  Taylor test misses, the directional finite difference along the same ``v`` decides (a wrong gradient
+  disagrees, a kink does not), and the Taylor test is repeated with smaller steps, below the distance
+  to the nearest kink. A miss that finite differences do not confirm is at worst *inconclusive*, never
+  a failure.
 """
 
 from __future__ import annotations
@@ -24,12 +32,16 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DirectionalResult",
     "FiniteDifferenceResult",
+    "TaylorCheckResult",
     "TaylorResult",
+    "directional_difference",
     "finite_difference_check",
     "observed_order",
     "relative_error",
     "sample_coordinates",
+    "taylor_check",
     "taylor_test",
 ]
 
@@ -99,6 +111,9 @@ class TaylorResult:
         passed: ``order >= min_order``, or every remainder at rounding level, or ``linear_error <=
             tolerance`` (an order below 2 that comes from a kink, not from the gradient).
         evaluations: loss evaluations spent.
+        direction: the unit direction ``v`` used, one tensor per parameter (to repeat the test, or to
+            check ``<g, v>`` with :func:`directional_difference`, along the same line).
+        loss: ``L(θ)``, the loss at the unperturbed point.
     """
 
     hs: list[float]
@@ -109,6 +124,8 @@ class TaylorResult:
     linear_error: float
     passed: bool
     evaluations: int
+    direction: list[Tensor] = field(default_factory=list, repr=False, compare=False)
+    loss: float = math.nan
 
 
 def _unit(tensors: Sequence[Tensor]) -> list[Tensor] | None:
@@ -150,6 +167,9 @@ def taylor_test(
 
     Returns:
         A :class:`TaylorResult`.
+
+    On a piecewise-linear model (ReLU, max-pooling) a miss does not prove a wrong gradient: the steps
+    may have crossed kinks. :func:`taylor_check` arbitrates a miss with finite differences.
     """
     if num_steps < 2:
         raise ValueError(f"`num_steps` must be >= 2; got {num_steps!r}")
@@ -160,24 +180,53 @@ def taylor_test(
     if len(params) != len(grads):
         raise ValueError("`params` and `grads` must have the same length")
     if direction is None:
-        noise = [
-            torch.randn(p.shape, generator=generator, dtype=torch.float64).to(device=p.device, dtype=p.dtype)
-            for p in params
-        ]
-        rand = _unit(noise) or noise
-        tilt = _unit(
-            [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads, strict=True)]
-        )
-        direction = _unit([r + t for r, t in zip(rand, tilt, strict=True)]) if tilt is not None else rand
-        direction = direction or rand
-    directional = sum(
+        direction = _default_direction(params, grads, generator)
+    return _taylor(loss_fn, params, grads, list(direction), None, h0, num_steps, factor, min_order, tolerance)
+
+
+def _default_direction(
+    params: Sequence[Tensor], grads: Sequence[Tensor | None], generator: torch.Generator | None
+) -> list[Tensor]:
+    noise = [
+        torch.randn(p.shape, generator=generator, dtype=torch.float64).to(device=p.device, dtype=p.dtype)
+        for p in params
+    ]
+    rand = _unit(noise) or noise
+    tilt = _unit(
+        [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads, strict=True)]
+    )
+    direction = _unit([r + t for r, t in zip(rand, tilt, strict=True)]) if tilt is not None else rand
+    return direction or rand
+
+
+def _dot(grads: Sequence[Tensor | None], direction: Sequence[Tensor]) -> float:
+    return sum(
         float((g.double() * d.double()).sum()) for g, d in zip(grads, direction, strict=True) if g is not None
     )
+
+
+def _taylor(
+    loss_fn: LossFn,
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    direction: list[Tensor],
+    base: float | None,
+    h0: float,
+    num_steps: int,
+    factor: float,
+    min_order: float,
+    tolerance: float,
+) -> TaylorResult:
+    """One Taylor test along ``direction``; ``base`` is ``L(θ)`` when already known (saves an evaluation)."""
+    directional = _dot(grads, direction)
     saved = [p.detach().clone() for p in params]
     hs = [h0 * factor**k for k in range(num_steps)]
     remainders: list[float] = []
+    evaluations = num_steps
     try:
-        base = _loss_value(loss_fn)
+        if base is None:
+            base = _loss_value(loss_fn)
+            evaluations += 1
         for h in hs:
             with torch.no_grad():
                 for p, s, d in zip(params, saved, direction, strict=True):
@@ -193,7 +242,217 @@ def taylor_test(
     linear_error = remainders[-1] / hs[-1] / max(abs(directional), floor / hs[-1], 1e-30)
     finite = all(math.isfinite(r) for r in remainders)
     passed = finite and (math.isnan(order) or order >= min_order or linear_error <= tolerance)
-    return TaylorResult(hs, remainders, order, floor, directional, linear_error, passed, num_steps + 1)
+    return TaylorResult(
+        hs, remainders, order, floor, directional, linear_error, passed, evaluations, direction, base
+    )
+
+
+@dataclass
+class DirectionalResult:
+    """Outcome of :func:`directional_difference`.
+
+    Attributes:
+        analytic: ``<g, d> / (2 ε)``, the directional derivative autograd claims, over the displacement
+            ``d = θ₊ - θ₋`` actually applied (``2 ε v`` up to the rounding of ``θ ± ε v``).
+        numeric: ``(L(θ₊) - L(θ₋)) / (2 ε)``.
+        error: ``|analytic - numeric| / max(|analytic|, |numeric|, tiny)``.
+        step: ``ε``.
+        tiny: the denominator floor of the relative error.
+        evaluations: loss evaluations spent.
+    """
+
+    analytic: float
+    numeric: float
+    error: float
+    step: float
+    tiny: float
+    evaluations: int
+
+
+def directional_difference(
+    loss_fn: LossFn,
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    direction: Sequence[Tensor],
+    *,
+    eps: float = 1e-6,
+    tiny: float | None = None,
+    base: float | None = None,
+) -> DirectionalResult:
+    """Compare ``<g, v>`` with the symmetric difference ``(L(θ + ε v) - L(θ - ε v)) / (2 ε)``.
+
+    Unlike :func:`finite_difference_check`, which samples a few coordinates, this covers every
+    coordinate ``v`` touches: a gradient wrong on coordinates the sample missed still moves ``<g, v>``
+    (with the default direction of :func:`taylor_test`, tilted toward ``g``, by about the share of
+    ``|g|²`` that is wrong). Its error is ``O(ε²)`` on a smooth loss, and a kink matters only if it lies
+    within ``ε`` of ``θ`` along ``v``, whereas a Taylor step crosses every kink within ``h``.
+
+    Args:
+        loss_fn: recomputes the scalar loss from the current values of ``params``.
+        params: the tensors to move (in place; restored exactly).
+        grads: autograd's gradient for each tensor of ``params`` (``None`` = zero).
+        direction: one tensor per parameter, usually of unit norm (e.g. ``TaylorResult.direction``).
+        eps: the step, relative: ``ε = eps * max(1, max |θ|)``.
+        tiny: the denominator floor of the relative error. Default: as in
+            :func:`finite_difference_check`, the larger of ``1e-8`` and ``1e4 * eps64 * |L| / ε``.
+        base: ``L(θ)`` when already known (only used for the default ``tiny``; saves an evaluation).
+
+    Returns:
+        A :class:`DirectionalResult`.
+    """
+    if eps <= 0:
+        raise ValueError(f"`eps` must be > 0; got {eps!r}")
+    if len(params) != len(grads) or len(params) != len(direction):
+        raise ValueError("`params`, `grads` and `direction` must have the same length")
+    scale = max([1.0] + [float(p.detach().abs().max()) for p in params if p.numel()])
+    step = eps * scale
+    saved = [p.detach().clone() for p in params]
+    evaluations = 2
+    try:
+        if base is None and tiny is None:
+            base = _loss_value(loss_fn)
+            evaluations += 1
+        with torch.no_grad():
+            for p, s, d in zip(params, saved, direction, strict=True):
+                p.copy_(s + step * d)
+        plus_at = [p.detach().clone() for p in params]
+        plus = _loss_value(loss_fn)
+        with torch.no_grad():
+            for p, s, d in zip(params, saved, direction, strict=True):
+                p.copy_(s - step * d)
+        # the displacement actually applied, after rounding θ ± ε v to the parameter's precision
+        moved = [a - p.detach() for a, p in zip(plus_at, params, strict=True)]
+        minus = _loss_value(loss_fn)
+    finally:
+        with torch.no_grad():
+            for p, s in zip(params, saved, strict=True):
+                p.copy_(s)
+    analytic = _dot(grads, moved) / (2 * step)
+    numeric = (plus - minus) / (2 * step)
+    if tiny is None:
+        tiny = max(1e-8, 1e4 * _EPS64 * max(abs(float(base or 0.0)), 1.0) / step)
+    return DirectionalResult(
+        analytic, numeric, relative_error(analytic, numeric, tiny), step, tiny, evaluations
+    )
+
+
+@dataclass
+class TaylorCheckResult:
+    """Outcome of :func:`taylor_check`.
+
+    Attributes:
+        taylor: the Taylor test that decided: the first one when it passed, else the last one run
+            (the one that passed at smaller steps, or the one with the smallest steps).
+        h0s: the largest step of every Taylor test run, in order (``[h0]`` when the first passed).
+        directional: the directional finite difference that arbitrated a Taylor miss, or ``None`` when
+            the first Taylor test passed.
+        passed: the first Taylor test passed, or it missed and the directional finite difference
+            agreed with ``<g, v>`` within ``tolerance``.
+        inconclusive: the Taylor test missed at every step size tried while the directional finite
+            difference agreed: passed, but the Taylor test itself showed nothing (kinks crossed even by
+            the smallest steps, or rounding noise above the floor).
+        evaluations: loss evaluations spent.
+    """
+
+    taylor: TaylorResult
+    h0s: list[float]
+    directional: DirectionalResult | None
+    passed: bool
+    inconclusive: bool
+    evaluations: int
+
+
+def taylor_check(
+    loss_fn: LossFn,
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    *,
+    direction: Sequence[Tensor] | None = None,
+    h0: float = 1e-2,
+    num_steps: int = 6,
+    factor: float = 0.5,
+    min_order: float = 1.5,
+    taylor_tolerance: float = 1e-2,
+    eps: float = 1e-6,
+    tolerance: float = 1e-3,
+    retries: int = 2,
+    shrink: float = 1e-2,
+    generator: torch.Generator | None = None,
+) -> TaylorCheckResult:
+    """A Taylor test that a kink cannot fail: finite differences arbitrate a miss.
+
+    1. :func:`taylor_test` along ``v`` (default: random, tilted toward ``g``). If it passes, done
+       (``num_steps + 1`` evaluations).
+    2. It missed: either ``g`` is wrong along ``v``, or the steps crossed kinks (ReLU, max-pooling,
+       absolute values; batch statistics couple every sample, so one kink moves the whole batch's
+       loss). :func:`directional_difference` along the same ``v`` decides: if it disagrees with
+       ``<g, v>`` by more than ``tolerance``, the check fails (2 more evaluations).
+    3. It agreed: the Taylor test is repeated ``retries`` times along the same ``v``, each time with the
+       largest step ``shrink`` times the previous one, until the steps stay clear of the kinks and the
+       remainder behaves (``num_steps`` evaluations each). If none passes, the check passes as
+       *inconclusive*.
+
+    A gradient wrong along ``v`` by more than ``tolerance`` cannot pass a miss: step 2 measures
+    ``<g, v>`` to ``O(ε²)`` and runs before any retry (smaller Taylor steps would only sharpen the
+    ``h``-linear part of the remainder a wrong gradient leaves).
+
+    Args:
+        loss_fn, params, grads, direction, h0, num_steps, factor, min_order, generator: as for
+            :func:`taylor_test`.
+        taylor_tolerance: the ``tolerance`` of :func:`taylor_test` (the linear remainder blamed on kinks).
+        eps: the relative step of the directional finite difference.
+        tolerance: the largest relative error of the directional finite difference accepted.
+        retries: how many Taylor tests with smaller steps to try after a miss (0: none).
+        shrink: the ratio between the largest steps of successive tries, in (0, 1).
+
+    Returns:
+        A :class:`TaylorCheckResult`.
+    """
+    if retries < 0:
+        raise ValueError(f"`retries` must be >= 0; got {retries!r}")
+    if not 0 < shrink < 1:
+        raise ValueError(f"`shrink` must be in (0, 1); got {shrink!r}")
+    if tolerance <= 0:
+        raise ValueError(f"`tolerance` must be > 0; got {tolerance!r}")
+    first = taylor_test(
+        loss_fn,
+        params,
+        grads,
+        direction=direction,
+        h0=h0,
+        num_steps=num_steps,
+        factor=factor,
+        min_order=min_order,
+        tolerance=taylor_tolerance,
+        generator=generator,
+    )
+    if first.passed:
+        return TaylorCheckResult(first, [h0], None, True, False, first.evaluations)
+    evaluations = first.evaluations
+    base = first.loss
+    arbiter = directional_difference(loss_fn, params, grads, first.direction, eps=eps, base=base)
+    evaluations += arbiter.evaluations
+    if arbiter.error > tolerance:
+        return TaylorCheckResult(first, [h0], arbiter, False, False, evaluations)
+    last, h0s = first, [h0]
+    for _ in range(retries):
+        h0s.append(h0s[-1] * shrink)
+        last = _taylor(
+            loss_fn,
+            params,
+            grads,
+            first.direction,
+            base,
+            h0s[-1],
+            num_steps,
+            factor,
+            min_order,
+            taylor_tolerance,
+        )
+        evaluations += last.evaluations
+        if last.passed:
+            return TaylorCheckResult(last, h0s, arbiter, True, False, evaluations)
+    return TaylorCheckResult(last, h0s, arbiter, True, True, evaluations)
 
 
 def sample_coordinates(

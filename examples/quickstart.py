@@ -162,7 +162,9 @@ def health_summary(trainer: pl.Trainer, callbacks: list[GradGuardCallback], seco
         elif isinstance(cb, LRFinderPlus) and cb.result is not None:
             f = cb.result
             picked = f"{f.suggestion:.3g}" if f.suggestion is not None else "none"
-            print(f"LR range test           suggested lr {picked} ({f.method}), {len(f.lrs)} points; applied")
+            applied = "applied" if f.applied else "not applied (the configured LR was kept)"
+            points = f"{len(f.lrs)} points"
+            print(f"LR range test           suggested lr {picked} ({f.method}), {points}; {applied}")
         elif isinstance(cb, DeadReLUMonitor):
             dead = ", ".join(f"{k} {v:.0%}" for k, v in cb.dead_fractions.items()) or "no ReLU seen"
             print(f"dead ReLU units         {dead}")

@@ -1,0 +1,176 @@
+"""The docs say what the code does: argument tables against signatures, alert kinds, functions and tags."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import RecordingMLP, make_trainer, random_loader
+from lightning.pytorch.loggers import TensorBoardLogger
+
+import lightning_gradguard
+from lightning_gradguard import (
+    ALERT_KINDS,
+    DeadReLUMonitor,
+    GradientCheck,
+    GradientNormLogger,
+    LRFinderPlus,
+    NaNSentinel,
+    OverfitBatchSanity,
+    VanishingExplodingDetector,
+    functional,
+    gradient_check,
+    lr_find,
+)
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+ALL = [
+    GradientNormLogger,
+    NaNSentinel,
+    VanishingExplodingDetector,
+    DeadReLUMonitor,
+    LRFinderPlus,
+    OverfitBatchSanity,
+    GradientCheck,
+]
+
+# what is documented where: (object, page, the heading the table follows, arguments the table leaves out,
+# arguments of the table the object does not take)
+TABLES: list[tuple[Any, str, str, set[str], set[str]]] = [
+    (GradientNormLogger, "tags.md", "## GradientNormLogger arguments", set(), set()),
+    (NaNSentinel, "nan_sentinel.md", "## Arguments", set(), set()),
+    (VanishingExplodingDetector, "detectors.md", "## VanishingExplodingDetector", set(), set()),
+    (DeadReLUMonitor, "detectors.md", "## DeadReLUMonitor", set(), set()),
+    (LRFinderPlus, "lr_finder.md", "## Arguments", set(), set()),
+    (
+        lr_find,
+        "lr_finder.md",
+        "### `lr_find()` arguments",
+        {"model", "train_dataloaders", "datamodule"},
+        set(),
+    ),
+    (OverfitBatchSanity, "preflight.md", "## OverfitBatchSanity", set(), set()),
+    (GradientCheck, "preflight.md", "## GradientCheck", set(), set()),
+    (gradient_check, "preflight.md", "## GradientCheck", {"module", "batch", "loss_fn"}, {"action"}),
+]
+
+
+def _table_after(page: str, heading: str) -> list[list[str]]:
+    """The rows of the first "| argument | default | ... |" table after ``heading`` on ``page``."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    start = text.index(heading + "\n")
+    match = re.search(r"^\| argument \| default \|.*\n\|[-| ]+\|\n((?:\|.*\n)+)", text[start:], re.M)
+    assert match, f"no argument table after {heading!r} in {page}"
+    return [
+        [cell.strip() for cell in row.strip().strip("|").split("|")] for row in match.group(1).splitlines()
+    ]
+
+
+def _literal(token: str) -> Any:
+    try:
+        return ast.literal_eval(token)
+    except (ValueError, SyntaxError):
+        return token
+
+
+def _same(doc: Any, code: Any) -> bool:
+    if isinstance(doc, (int, float)) and isinstance(code, (int, float)) and not isinstance(code, bool):
+        return math.isclose(float(doc), float(code), rel_tol=1e-9)
+    return bool(doc == code)
+
+
+@pytest.mark.parametrize(
+    ("obj", "page", "heading", "left_out", "extra"), TABLES, ids=lambda v: getattr(v, "__name__", None)
+)
+def test_every_argument_table_matches_the_signature(
+    obj: Any, page: str, heading: str, left_out: set[str], extra: set[str]
+) -> None:
+    params = {
+        name: p
+        for name, p in inspect.signature(obj).parameters.items()
+        if name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
+    documented: dict[str, str] = {}
+    for row in _table_after(page, heading):
+        names = re.findall(r"`([a-z_0-9]+)`", row[0])
+        defaults = re.findall(r"`([^`]+)`", row[1]) or [row[1].split()[0]]
+        assert names, f"{page}: a row without an argument name: {row}"
+        for i, name in enumerate(names):
+            documented[name] = defaults[min(i, len(defaults) - 1)]
+    assert set(documented) - extra == set(params) - left_out, f"{page} {heading}"
+    for name, shown in documented.items():
+        if name in extra:
+            continue
+        default = params[name].default
+        assert _same(_literal(shown), default), (
+            f"{page}: `{name}` is documented as {shown}, the code has {default!r}"
+        )
+
+
+def test_every_alert_kind_is_in_the_alert_table() -> None:
+    text = (DOCS / "alerts.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| `([a-z_]+)` \|", text, re.M))
+    assert set(ALERT_KINDS) <= rows
+
+
+def _mentioned(name: str, text: str) -> bool:
+    """``name`` appears as code: in backticks on one line (``x``, ``pkg.x``, ``x(...)``)."""
+    return re.search(rf"`[^`\n]*\b{re.escape(name)}\b[^`\n]*`", text) is not None
+
+
+def test_every_functional_name_is_documented() -> None:
+    text = "".join(p.read_text(encoding="utf-8") for p in DOCS.glob("*.md"))
+    assert not [name for name in functional.__all__ if not _mentioned(name, text)]
+
+
+def test_every_public_name_is_documented() -> None:
+    text = "".join(p.read_text(encoding="utf-8") for p in DOCS.glob("*.md"))
+    public = [name for name in lightning_gradguard.__all__ if name != "__version__"]
+    assert not [name for name in public if not _mentioned(name, text)]
+
+
+def test_every_chart_title_is_in_the_layout_table() -> None:
+    text = (DOCS / "tags.md").read_text(encoding="utf-8")
+    rows = set(re.findall(r"^\| ([^|`]+?) \|", text, re.M))
+    charts = {title for cls in ALL for title in cls().layout_charts()}
+    charts.add("Alerts (cumulative count per kind)")
+    assert charts <= rows
+
+
+def test_every_tag_family_a_run_writes_is_in_the_tag_reference(tmp_path: Path) -> None:
+    """Every callback on one real run; every tag family in its event file must be on docs/tags.md."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    logger = TensorBoardLogger(str(tmp_path), name="docs", default_hp_metric=False)
+    callbacks = [
+        OverfitBatchSanity(),
+        LRFinderPlus(num_training=20, progress=False),
+        GradientNormLogger(histogram_every_n_steps=4),
+        VanishingExplodingDetector(),
+        DeadReLUMonitor(),
+        NaNSentinel(),
+    ]
+    model = RecordingMLP()
+    model.net[1] = torch.nn.ReLU()
+    make_trainer(callbacks, logger, gradient_clip_val=1e-4, max_steps=24, log_every_n_steps=2).fit(
+        model, random_loader(n=400)
+    )
+    events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    events.Reload()
+    tags = events.Tags()
+    written = {*tags["scalars"], *tags["histograms"], *tags["images"], *tags["tensors"]}
+    ours = {t for t in written if not t.startswith(("train_loss", "epoch"))}
+    families = {t.split("/")[0] + "/" for t in ours if "/" in t}
+    text = (DOCS / "tags.md").read_text(encoding="utf-8")
+    assert families >= {"grad_norm/", "grad_clip/", "grad_flow/", "dead_relu/", "lr_finder/", "preflight/"}
+    undocumented = sorted(f for f in families if f"`{f}" not in text)
+    assert not undocumented
+    for tag in ("grad_clip/fraction_clipped", "lr_finder/suggested_lr", "preflight/overfit_loss"):
+        assert tag in ours and f"`{tag}`" in text

@@ -240,6 +240,21 @@ VARIANTS: dict[str, Variant] = {
         "NaNSentinel() + GradientNormLogger(): the gradient statistics are computed once for both",
         lambda: Setup([NaNSentinel(), GradientNormLogger()], {}, {}),
     ),
+    "bare_accumulate4": Variant(
+        "bare Lightning, accumulate_grad_batches=4 (times are per micro-batch)",
+        lambda: Setup([], {"accumulate_grad_batches": 4}, {}),
+        default=False,
+    ),
+    "nan_sentinel_accumulate4": Variant(
+        "NaNSentinel() with accumulate_grad_batches=4: each micro-batch's loss, the gradients at the step",
+        lambda: Setup([NaNSentinel()], {"accumulate_grad_batches": 4}, {}),
+        default=False,
+    ),
+    "nan_sentinel_accumulate4_micro": Variant(
+        "NaNSentinel(check_micro_batches=True), accumulate_grad_batches=4: gradients after every micro-batch",
+        lambda: Setup([NaNSentinel(check_micro_batches=True)], {"accumulate_grad_batches": 4}, {}),
+        default=False,
+    ),
     "vanishing_exploding": Variant(
         "VanishingExplodingDetector() (every step for 20 steps, then every 5th)",
         lambda: Setup([VanishingExplodingDetector()], {}, {}),

@@ -339,9 +339,10 @@ def test_accumulation_gradient_finding_names_the_micro_batch_that_poisoned_the_g
     tmp_path: Path,
 ) -> None:
     """An inf input saturates the tanh: every loss stays finite but micro-batch 7's backward makes NaN
-    gradients. The finding must name batch 7 (its batch, its replay), not the clean last micro-batch 8."""
+    gradients. With ``check_micro_batches`` the finding names batch 7 (its batch, its replay), not the
+    clean last micro-batch 8."""
     loader = _loader_poisoned_at(7, float("inf"))
-    sentinel, snaps, grads = NaNSentinel(action="skip"), Snapshots(), GradsAtStep()
+    sentinel, snaps, grads = NaNSentinel(action="skip", check_micro_batches=True), Snapshots(), GradsAtStep()
     trainer = make_trainer(
         [sentinel, grads, snaps],
         MemoryLogger(str(tmp_path)),
@@ -359,6 +360,30 @@ def test_accumulation_gradient_finding_names_the_micro_batch_that_poisoned_the_g
     assert grads.all_none[2] is True
     _assert_same_weights(snaps.after[2], snaps.after[1])
     assert all(torch.isfinite(t).all() for t in snaps.after[5].values())
+
+
+def test_accumulation_gradient_finding_by_default_lists_the_step_and_blames_no_clean_micro_batch(
+    tmp_path: Path,
+) -> None:
+    """The default judges gradients once per optimizer step (no extra pass per micro-batch): the report
+    lists the step's micro-batches instead of blaming the clean last one, and saves no batch of its own."""
+    loader = _loader_poisoned_at(7, float("inf"))
+    sentinel, grads = NaNSentinel(action="skip"), GradsAtStep()
+    trainer = make_trainer(
+        [sentinel, grads],
+        MemoryLogger(str(tmp_path)),
+        default_root_dir=str(tmp_path),
+        accumulate_grad_batches=3,
+    )
+    trainer.fit(RecordingMLP(), loader)
+    (alert,) = sentinel.alerts
+    assert (alert.kind, alert.step) == ("nonfinite_gradient", 2)
+    assert "micro-batches 6-8" in alert.message and "check_micro_batches=True" in alert.message
+    folder = Path(sentinel.last_report_dir or "")
+    report = json.loads((folder / "report.json").read_text())
+    assert report["batch_idx"] is None and report["micro_batches"] == [6, 7, 8] and report["loss"] is None
+    assert not (folder / "batch.pt").exists() and report["origin"] is None
+    assert grads.all_none[2] is True  # the update of the step was dropped all the same
 
 
 def test_stop_ends_the_run_with_the_weights_of_the_last_good_step(tmp_path: Path) -> None:

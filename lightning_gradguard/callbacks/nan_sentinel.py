@@ -61,8 +61,10 @@ class _MicroBatch:
     """One micro-batch as the sentinel saw it: what a report, ``batch.pt`` and the replay are made of."""
 
     batch: Any
-    batch_idx: int
+    batch_idx: int | None
     loss: Tensor | None
+    #: batch indices of an optimizer step's micro-batches when the finding cannot name one of them
+    among: tuple[int, ...] = ()
 
 
 class NaNSentinel(GradGuardCallback):
@@ -76,12 +78,15 @@ class NaNSentinel(GradGuardCallback):
     * optionally the parameters after the update, every ``check_parameters_every_n_steps``.
 
     The loss and gradient verdicts of one step are read from the device together, so a step costs one
-    sync. With ``accumulate_grad_batches > 1`` each micro-batch is judged as it comes (one read per
-    micro-batch): its loss, and, from the second micro-batch of an optimizer step on, the gradients
-    accumulated so far (one fused norm pass; non-finite values persist in a sum, so the first micro-batch
-    after which they are non-finite is the one that poisoned them). The report names that micro-batch,
-    and an optimizer step yields at most one finding: once a micro-batch is found poisoned, the rest of
-    the step is not judged again.
+    sync. With ``accumulate_grad_batches > 1`` the loss of each micro-batch is judged as it comes (one
+    read per micro-batch), so a non-finite loss names its own micro-batch (report, ``batch.pt``, replay);
+    the accumulated gradients are judged once, at the optimizer step, from the shared statistics. An
+    optimizer step yields at most one finding: once a micro-batch is found poisoned, the rest of the step
+    is not judged again. When every loss of the step was finite but its gradients are not, the report
+    lists the step's micro-batches; ``check_micro_batches=True`` names the one whose backward made the
+    first NaN/inf (it judges the gradients summed so far after every micro-batch: one extra pass over
+    the gradients per micro-batch; non-finite values persist in a sum, so the first micro-batch after
+    which they are non-finite is the one).
 
     On detection (alert ``nonfinite_loss``, ``nonfinite_gradient`` or ``nonfinite_parameter``, severity
     critical) every rank takes the same decision at the same point (one collective) and, with the
@@ -122,6 +127,9 @@ class NaNSentinel(GradGuardCallback):
         history_size: how many recent total gradient norms the report lists.
         loss_scale_floor: GradScaler scale below which the scale counts as collapsed.
         max_consecutive_skips: consecutive GradScaler skips that count as a collapse.
+        check_micro_batches: under ``accumulate_grad_batches > 1``, also judge the gradients after every
+            micro-batch, so a gradient finding names the micro-batch that poisoned them (one extra pass
+            over the gradients per micro-batch; off by default).
         cooldown_steps: minimum steps between two alerts of the same kind.
 
     Example::
@@ -139,7 +147,6 @@ class NaNSentinel(GradGuardCallback):
 
     error_type = NonFiniteError
     allowed_actions = ("warn", "stop", "raise", "skip")
-    state_key_args = ("check_loss", "check_gradients", "check_parameters_every_n_steps", "action")
 
     def __init__(
         self,
@@ -154,6 +161,7 @@ class NaNSentinel(GradGuardCallback):
         history_size: int = 50,
         loss_scale_floor: float = 1.0,
         max_consecutive_skips: int = 16,
+        check_micro_batches: bool = False,
         cooldown_steps: int = 100,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
@@ -169,6 +177,7 @@ class NaNSentinel(GradGuardCallback):
         self.history_size: int = check_int("history_size", history_size, 1)
         self.loss_scale_floor: float = check_float("loss_scale_floor", loss_scale_floor, 0.0, low_open=True)
         self.max_consecutive_skips: int = check_int("max_consecutive_skips", max_consecutive_skips, 1)
+        self.check_micro_batches = check_bool("check_micro_batches", check_micro_batches)
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.last_report_dir: str | None = None
@@ -181,6 +190,7 @@ class NaNSentinel(GradGuardCallback):
         self._in_step = 0
         self._poisoned: _MicroBatch | None = None
         self._stepped = False  # an optimizer step ran in the current batch
+        self._step_batches: list[int] = []  # batch indices of the current optimizer step's micro-batches
         self._history: Tensor | None = None
         self._history_steps: list[int] = []
         # the skip counters before the step being judged, and the state the last-good checkpoint holds
@@ -196,7 +206,7 @@ class NaNSentinel(GradGuardCallback):
             self._history, self._history_steps = None, []
         # a fit never starts inside an optimizer step (one stopped mid-accumulation leaves this behind)
         self._loss_bad = self._batch = self._current = self._poisoned = None
-        self._in_step, self._stepped = 0, False
+        self._in_step, self._stepped, self._step_batches = 0, False, []
 
     @override
     def on_train_batch_start(
@@ -218,15 +228,22 @@ class NaNSentinel(GradGuardCallback):
         # are its own), and at most once per optimizer step.
         first = self._in_step == 0
         self._in_step += 1
+        if first:
+            self._step_batches = []
+        self._step_batches.append(self._batch_idx)
         if self._poisoned is not None:  # this step has its finding; its update is dealt with at the step
             return
         loss_bad = ~torch.isfinite(loss).all() if self.check_loss else None
         earlier_bad = None
-        if self.check_gradients and not first and not _scaler_enabled(trainer):
-            # the gradients summed over the step's earlier micro-batches (local ones under DDP's no_sync)
+        if self.check_micro_batches and self.check_gradients and not first and not _scaler_enabled(trainer):
+            # the gradients summed over the step's earlier micro-batches (local ones under DDP's no_sync);
+            # a flag on every rank, even one without gradients, so that every rank joins the collective
             grads = [g for _, g in _named_grads(trainer, pl_module)]
-            if grads:
-                earlier_bad = ~torch.isfinite(foreach_norms(grads)).all()
+            earlier_bad = (
+                ~torch.isfinite(foreach_norms(grads)).all()
+                if grads
+                else torch.zeros((), dtype=torch.bool, device=loss.device)
+            )
         if loss_bad is None and earlier_bad is None:
             return
         self._decide(
@@ -247,6 +264,7 @@ class NaNSentinel(GradGuardCallback):
         loss_bad, self._loss_bad = self._loss_bad, None
         self._stepped = True
         poisoned, self._poisoned, self._in_step = self._poisoned, None, 0
+        step_batches, self._step_batches = self._step_batches, []
         if poisoned is not None:
             # Accumulation: a micro-batch of this step was found poisoned and reported already (on every
             # rank alike, so no rank waits in a collective here). No second finding; drop the update.
@@ -265,6 +283,10 @@ class NaNSentinel(GradGuardCallback):
             grad_bad = ~stats.grads_finite()
             self._remember_norm(stats.grad_total(2.0), int(trainer.global_step))
         current = self._current or _MicroBatch(batch=self._batch, batch_idx=self._batch_idx, loss=None)
+        if len(step_batches) > 1 and not self.check_micro_batches:
+            # every loss of the step was finite (judged as they came): which micro-batch's backward made
+            # the gradients non-finite is not known, and the last one is not to be blamed for it
+            current = _MicroBatch(batch=None, batch_idx=None, loss=None, among=tuple(step_batches))
         self._decide(trainer, pl_module, optimizer, current=current, loss_bad=loss_bad, grad_bad=grad_bad)
 
     @override
@@ -410,6 +432,8 @@ class NaNSentinel(GradGuardCallback):
             "step": step,
             "epoch": int(trainer.current_epoch),
             "batch_idx": mine["batch_idx"],
+            "micro_batches": list(micro.among),
+            "losses_checked": self.check_loss,
             "rank": culprit,
             "world_size": trainer.world_size,
             "precision": str(trainer.precision),
@@ -573,7 +597,16 @@ class NaNSentinel(GradGuardCallback):
             "nonfinite_parameter": "parameters hold NaN/inf after the update",
             "loss_scale_collapse": "the GradScaler keeps skipping steps",
         }[kind]
-        parts = [f"{kind} at step {step} (rank {report['rank']}, batch {report['batch_idx']}): {what}."]
+        among = report.get("micro_batches") or []
+        batch = f"batch {report['batch_idx']}" if not among else f"micro-batches {among[0]}-{among[-1]}"
+        parts = [f"{kind} at step {step} (rank {report['rank']}, {batch}): {what}."]
+        if among:
+            if report["losses_checked"]:
+                parts.append("Every loss of the step's micro-batches was finite.")
+            parts.append(
+                "Which micro-batch's backward made the gradients non-finite is not known "
+                "(NaNSentinel(check_micro_batches=True) names it)."
+            )
         bad = report["nonfinite_parameters"]
         if bad:
             listed = ", ".join(f"{b['name']} ({b['nonfinite']}/{b['numel']})" for b in bad[:_MAX_LISTED])

@@ -18,11 +18,29 @@ import lightning.pytorch as pl
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger as _FabricTensorBoardLogger
 from torch import Tensor
 
-from lightning_gradguard._shared import trainer_state
+from lightning_gradguard._shared import strict_mode, trainer_state, warn_once
 
 log = logging.getLogger("lightning_gradguard")
 
 LAYOUT_CATEGORY = "GradGuard"
+
+
+def safely(trainer: pl.Trainer, what: str, write: Any) -> None:
+    """Run one write to a logger; a failing logger (a full disk, a network error) costs that write only.
+
+    What we log is a copy of what we measured: losing it must never crash the run, nor skip the decision
+    that follows it (under DDP the other ranks take that decision too). One warning per kind of write.
+    """
+    try:
+        write()
+    except Exception as err:
+        if strict_mode():
+            raise
+        warn_once(
+            trainer,
+            f"emit:{what}",
+            f"lightning_gradguard could not write {what} ({type(err).__name__}: {err}); training goes on.",
+        )
 
 
 def is_rank_zero(trainer: pl.Trainer) -> bool:
@@ -45,7 +63,11 @@ def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) ->
         return
     trainer_state(trainer).logged_tags.update(metrics)
     for logger in trainer.loggers:
-        logger.log_metrics(dict(metrics), step=step)
+        safely(
+            trainer,
+            f"scalars to {type(logger).__name__}",
+            lambda lg=logger: lg.log_metrics(dict(metrics), step=step),
+        )
 
 
 def tensorboard_writers(trainer: pl.Trainer) -> list[Any]:
@@ -77,16 +99,20 @@ def log_histogram_raw(
     if hi <= lo:  # a constant tensor: one bucket
         limits, bucket_counts = [hi], [num]
     for writer in tensorboard_writers(trainer):
-        writer.add_histogram_raw(
-            tag,
-            min=lo,
-            max=hi,
-            num=int(num),
-            sum=total,
-            sum_squares=sumsq,
-            bucket_limits=limits,
-            bucket_counts=bucket_counts,
-            global_step=step,
+        safely(
+            trainer,
+            "a histogram to TensorBoard",
+            lambda w=writer: w.add_histogram_raw(
+                tag,
+                min=lo,
+                max=hi,
+                num=int(num),
+                sum=total,
+                sum_squares=sumsq,
+                bucket_limits=limits,
+                bucket_counts=bucket_counts,
+                global_step=step,
+            ),
         )
 
 
@@ -94,13 +120,16 @@ def log_text(trainer: pl.Trainer, tag: str, text: str, step: int) -> None:
     """Markdown text under exactly ``tag`` (``add_text`` would append ``/text_summary`` to it)."""
     from torch.utils.tensorboard.summary import text as text_summary
 
-    for writer in tensorboard_writers(trainer):
+    def write(writer: Any) -> None:
         try:
             summary = text_summary(tag, text)
             summary.value[0].tag = tag
             writer._get_file_writer().add_summary(summary, step)
         except (AttributeError, IndexError):  # a writer without the private file-writer API
             writer.add_text(tag, text, global_step=step)
+
+    for writer in tensorboard_writers(trainer):
+        safely(trainer, "text to TensorBoard", lambda w=writer: write(w))
 
 
 def write_layout(trainer: pl.Trainer, charts: Mapping[str, Sequence[str]], replace: bool = False) -> None:
@@ -115,7 +144,7 @@ def write_layout(trainer: pl.Trainer, charts: Mapping[str, Sequence[str]], repla
             continue
         state.layout_written.add(id(writer))
         layout = {LAYOUT_CATEGORY: {title: ["Multiline", list(tags)] for title, tags in charts.items()}}
-        writer.add_custom_scalars(layout)
+        safely(trainer, "the custom-scalars layout", lambda w=writer, lay=layout: w.add_custom_scalars(lay))
 
 
 def log_dir(trainer: pl.Trainer) -> str:

@@ -8,6 +8,7 @@ cached tensors. Nothing here moves data to the host: callers do that, once, when
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ __all__ = [
     "reduce_any",
     "skipped_for_fast_dev_run",
     "step_stats",
+    "strict_mode",
     "trainer_state",
 ]
 
@@ -275,6 +277,15 @@ def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: An
             del state.stats[old]
         stats = state.stats[key] = StepStats(trainer, pl_module, optimizer)
     return stats
+
+
+#: set to 1 (our test suite does) to let a monitor's own exceptions through instead of warning once
+STRICT_ENV = "GRADGUARD_STRICT"
+
+
+def strict_mode() -> bool:
+    """Whether a monitor's own exceptions are raised (``GRADGUARD_STRICT=1``) instead of warned about."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
 
 
 def warn_once(trainer: pl.Trainer, key: str, message: str) -> None:

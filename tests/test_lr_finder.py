@@ -720,6 +720,12 @@ class _Recorder(Callback):
     def on_train_batch_start(self, *args: Any) -> None:
         self.events.append("train_batch")
 
+    def on_train_epoch_start(self, *args: Any) -> None:
+        self.events.append("epoch_start")
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self.events.append("epoch_end")
+
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
@@ -739,9 +745,22 @@ def test_lr_find_ends_its_fit_cleanly_before_any_training_batch() -> None:
         model, _loader(), min_lr=1e-4, max_lr=10.0, num_training=40, progress=False, trainer_kwargs=kwargs
     )
     assert result is not None and result.suggestion is not None
-    assert recorder.events == ["train_end"]  # a finished fit: no exception, no training batch (min_* too)
+    # a finished fit: no exception, no epoch and no training batch (min_epochs/min_steps notwithstanding)
+    assert recorder.events == ["train_end"]
     assert model.calls == len(result.lrs) + (result.stop_reason == "non-finite loss")  # the sweep only
     _unchanged(model, before)
+
+
+def test_lr_find_runs_no_empty_epoch_that_a_users_early_stopping_would_fail_on() -> None:
+    """An EarlyStopping on a validation metric, passed to the throwaway fit: an epoch end without
+    validation (lr_find runs none) raises "Early stopping conditioned on metric ... not available"."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    pl.seed_everything(0)
+    stopper = EarlyStopping(monitor="val_loss", check_on_train_epoch_end=True)
+    kwargs = {"accelerator": "cpu", "callbacks": [stopper]}
+    result = lr_find(Net(lr=0.05), _loader(), num_training=20, progress=False, trainer_kwargs=kwargs)
+    assert result is not None and len(result.lrs) > 0
 
 
 def test_lr_find_skips_under_fast_dev_run_like_lightnings_tuner(caplog: pytest.LogCaptureFixture) -> None:

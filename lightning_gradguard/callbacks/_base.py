@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,21 +12,13 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import gradguard_callbacks, log_step, trainer_state, warn_once
+from lightning_gradguard._shared import gradguard_callbacks, log_step, strict_mode, trainer_state, warn_once
 from lightning_gradguard._validate import check_choice, check_int
 from lightning_gradguard.alerts import ACTIONS, Alert, GradGuardError, JsonlSink, LoggingSink, Severity
 
 ALERT_TEXT_TAG = "gradguard/alerts"
 
-#: set to 1 (our test suite does) to let a monitor's own exceptions through instead of warning once
-STRICT_ENV = "GRADGUARD_STRICT"
-
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
-
-
-def strict_mode() -> bool:
-    """Whether a monitor's own exceptions are raised (``GRADGUARD_STRICT=1``) instead of warned about."""
-    return os.environ.get(STRICT_ENV, "") not in ("", "0")
 
 
 def guarded(hook: _Hook) -> _Hook:
@@ -93,9 +84,28 @@ class GradGuardCallback(Callback):
         (two ``GradientNormLogger`` with other cadences, two ``LRFinderPlus`` with other milestones) are
         saved side by side and each resumes its own state. The identifying arguments are listed in
         ``state_key_args``; changing one of them between a run and its resume starts that callback's state
-        afresh. A checkpoint written before state keys existed (keyed by the class) still loads.
+        afresh. A checkpoint written before state keys existed (keyed by the class name) still loads
+        into the one instance of the class (see :meth:`on_load_checkpoint`).
         """
         return self._generate_state_key(**{name: getattr(self, name) for name in self.state_key_args})
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Read a checkpoint written before our callbacks had state keys (lightning_gradguard 0.1.0).
+
+        Such a checkpoint keeps this callback's state under the class name, which Lightning would not
+        find under :attr:`state_key`: a resume would silently start the callback afresh (a finished LR
+        sweep run again, the pre-flight checks repeated). When this is the trainer's only instance of the
+        class, the state is handed over under the new key before Lightning loads it.
+        """
+        states = checkpoint.get("callbacks")
+        legacy = type(self).__qualname__
+        if not isinstance(states, dict) or self.state_key in states or legacy not in states:
+            return
+        if sum(type(cb) is type(self) for cb in trainer.callbacks) == 1:  # type: ignore[attr-defined]
+            states[self.state_key] = states[legacy]
 
     # ------------------------------------------------------------------ layout
     def layout_charts(self) -> dict[str, list[str]]:
@@ -181,11 +191,30 @@ class GradGuardCallback(Callback):
         if trainer.is_global_zero:
             state = trainer_state(trainer)
             state.alert_counts[kind] = state.alert_counts.get(kind, 0) + 1
-            LoggingSink()(alert)
-            JsonlSink(_emit.alerts_path(trainer))(alert)
             at = log_step(trainer)
-            _emit.log_text(trainer, ALERT_TEXT_TAG, alert.markdown(), at)
-            _emit.log_scalars(trainer, {f"alerts/{kind}": float(state.alert_counts[kind])}, at)
+            count = {f"alerts/{kind}": float(state.alert_counts[kind])}
+            for name, sink in (
+                ("Python logging", lambda: LoggingSink()(alert)),
+                ("the JSON-lines file", lambda: JsonlSink(_emit.alerts_path(trainer))(alert)),
+                (
+                    "TensorBoard's text tab",
+                    lambda: _emit.log_text(trainer, ALERT_TEXT_TAG, alert.markdown(), at),
+                ),
+                ("the loggers", lambda: _emit.log_scalars(trainer, count, at)),
+            ):
+                # A sink that fails (a full disk, a logger's network error) loses that copy of the alert,
+                # never the alert itself nor the action after it: under DDP the other ranks act on it.
+                try:
+                    sink()
+                except Exception as err:
+                    if strict_mode():
+                        raise
+                    warn_once(
+                        trainer,
+                        f"alert_sink:{name}",
+                        f"lightning_gradguard could not write an alert to {name} "
+                        f"({type(err).__name__}: {err}).",
+                    )
         return alert
 
     def act(self, trainer: pl.Trainer, alerts: list[Alert]) -> None:

@@ -25,9 +25,9 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, logging_interval, warn_once
+from lightning_gradguard._shared import log_step, logging_interval, strict_mode, warn_once
 from lightning_gradguard._validate import check_bool, check_float, check_int
-from lightning_gradguard.callbacks._base import GradGuardCallback, guarded, strict_mode
+from lightning_gradguard.callbacks._base import GradGuardCallback, guarded
 from lightning_gradguard.functional.health import activity_counts, dead_units, saturation_counts, unit_dim
 from lightning_gradguard.functional.stats import device_histograms
 
@@ -165,7 +165,7 @@ class DeadReLUMonitor(GradGuardCallback):
         print(monitor.dead_fractions)   # {"net.1": 0.03, "net.3": 0.97, ...}
     """
 
-    state_key_args = ("every_n_steps", "window", "threshold", "patience", "check_saturation")
+    state_key_args = ("every_n_steps", "action")
 
     def __init__(
         self,
@@ -241,7 +241,7 @@ class DeadReLUMonitor(GradGuardCallback):
             self._windows, self._strikes = {}, {}
             self.dead_fractions, self.saturated_fractions = {}, {}
             self.sampled_batches, self._follow_left, self._following = 0, 0, False
-            self._step, self._stepped = {}, False
+            self._step, self._stepped, self._step_sampled = {}, False, False
 
     # ------------------------------------------------------------------ attach / detach
     @override
@@ -250,7 +250,7 @@ class DeadReLUMonitor(GradGuardCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         at = log_step(trainer)
-        if (self._step or self._following) and at != self._sampled_at[1]:
+        if (self._step_sampled or self._following) and at != self._sampled_at[1]:
             # a step ended without on_before_optimizer_step (an ``optimizer_step`` override that skipped
             # ``optimizer.step``): close it now, still at the same point on every rank
             self._end_step(trainer)
@@ -358,10 +358,10 @@ class DeadReLUMonitor(GradGuardCallback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._mode is not None:  # on_train_batch_start returned -1: that batch never ended
             self._detach(trainer)
-        if (self._step or self._following) and log_step(trainer) != self._sampled_at[1]:
+        if (self._step_sampled or self._following) and log_step(trainer) != self._sampled_at[1]:
             self._end_step(trainer)
         # what is left belongs to a step cut short with the epoch: Lightning drops its gradients too
-        self._step, self._following, self._stepped = {}, False, False
+        self._step, self._following, self._stepped, self._step_sampled = {}, False, False, False
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -752,7 +752,7 @@ class GradientCheck(GradGuardCallback):
     """
 
     error_type = SanityCheckError
-    state_key_args = ("modules", "max_samples", "tolerance", "min_order", "seed")
+    state_key_args = ("modules",)
 
     def __init__(
         self,

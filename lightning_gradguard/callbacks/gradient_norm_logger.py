@@ -123,14 +123,7 @@ class GradientNormLogger(GradGuardCallback):
         # tensorboard --logdir lightning_logs  ->  Custom Scalars tab, "GradGuard" section
     """
 
-    state_key_args = (
-        "log_every_n_steps",
-        "histogram_every_n_steps",
-        "norm_type",
-        "group_depth",
-        "per_parameter",
-        "clip_window",
-    )
+    state_key_args = ("log_every_n_steps", "norm_type", "group_depth", "per_parameter")
 
     def __init__(
         self,

@@ -207,7 +207,7 @@ class LRFinderPlus(GradGuardCallback):
         print(finder.result.suggestion, finder.result.suggestions)
     """
 
-    state_key_args = ("min_lr", "max_lr", "num_training", "mode", "method", "milestones")
+    state_key_args = ("milestones", "method")
 
     def __init__(
         self,
@@ -273,15 +273,23 @@ class LRFinderPlus(GradGuardCallback):
             self._done_epochs.clear()
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stop_after:  # lr_find's throwaway fit: sweep now, then end it before any epoch starts
+            self._at_milestone(trainer, pl_module)
+            _end_fit_before_training(trainer)
+
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._stop_after:
+            self._at_milestone(trainer, pl_module)
+
+    def _at_milestone(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epoch = int(trainer.current_epoch)
         if epoch not in self.milestones or epoch in self._done_epochs:
             return
         self._done_epochs.add(epoch)
         if not skipped_for_fast_dev_run(trainer, "LRFinderPlus", "the learning-rate range test"):
             self.find(trainer, pl_module)
-        if self._stop_after:
-            _end_fit_before_training(trainer)
 
     # ------------------------------------------------------------------ the test
     def find(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LRFinderResult | None:
@@ -629,30 +637,34 @@ def _log_hparams(trainer: pl.Trainer, params: dict[str, Any]) -> None:
     TensorBoard: ``metrics={}`` records them in ``logger.hparams`` without the ``hp_metric = -1`` placeholder
     and without a second hparams session in the event file (TensorBoard shows only a run's first one);
     ``hparams.yaml``, which the logger writes once at fit start, is brought up to date. Other loggers
-    (CSV, MLflow, W&B, ...) get a plain ``log_hyperparams`` call.
+    (CSV, MLflow, W&B, ...) get a plain ``log_hyperparams`` call. A logger that refuses (MLflow will not
+    change a parameter a reused run already has) costs that record only, with one warning.
     """
     if not trainer.is_global_zero:
         return
+
+    def tensorboard(logger: TensorBoardLogger) -> None:
+        logger.log_hyperparams(params, metrics={})
+        path = os.path.join(logger.log_dir, logger.NAME_HPARAMS_FILE)
+        if get_filesystem(path).isfile(path):  # later saves do not rewrite it
+            save_hparams_to_yaml(path, logger.hparams)
+
     for logger in trainer.loggers:
+        what = f"the applied LR to {type(logger).__name__}'s hyperparameters"
         if isinstance(logger, TensorBoardLogger):
-            logger.log_hyperparams(params, metrics={})
-            path = os.path.join(logger.log_dir, logger.NAME_HPARAMS_FILE)
-            try:
-                if get_filesystem(path).isfile(path):  # later saves do not rewrite it
-                    save_hparams_to_yaml(path, logger.hparams)
-            except OSError as err:  # pragma: no cover - read-only log dirs
-                log.warning("LRFinderPlus: could not update %s: %s", path, err)
+            _emit.safely(trainer, what, lambda lg=logger: tensorboard(lg))
         else:
-            logger.log_hyperparams(params)
+            _emit.safely(trainer, what, lambda lg=logger: lg.log_hyperparams(params))
 
 
 def _end_fit_before_training(trainer: pl.Trainer) -> None:
     """End the running fit cleanly before its first training batch (the throwaway fit of :func:`lr_find`).
 
-    Called from ``on_train_epoch_start``. ``should_stop`` alone would wait for ``min_epochs`` /
-    ``min_steps``; a step limit already reached does not: Lightning's epoch loop then runs no batch, the fit
-    loop ends as at ``max_steps``, and every callback gets ``on_train_epoch_end`` and ``on_train_end`` as in
-    any finished fit, never ``on_exception``.
+    Called from ``on_train_start``. ``should_stop`` alone would wait for ``min_epochs`` / ``min_steps``; a
+    step limit already reached does not: Lightning's fit loop is done before its first epoch, as at
+    ``max_steps``, so no epoch hook runs on an empty epoch (an ``EarlyStopping`` or a module's
+    ``on_train_epoch_end`` would meet missing metrics or no outputs there), and every callback gets
+    ``on_train_end`` as in any finished fit, never ``on_exception``.
     """
     trainer.should_stop = True
     trainer.fit_loop.epoch_loop.max_steps = trainer.global_step

@@ -107,7 +107,8 @@ def preflight_applies(
     if skipped_for_fast_dev_run(trainer, name, "the pre-flight check"):
         return False
     if not check.fresh_run(trainer) and checked_before:
-        log.info("%s: fit resumes from a checkpoint; the check is not repeated", name)
+        if trainer.is_global_zero:
+            log.info("%s: fit resumes from a checkpoint; the check is not repeated", name)
         return False
     if not pl_module.automatic_optimization:
         warn_once(
@@ -556,7 +557,6 @@ class OverfitBatchSanity(GradGuardCallback):
     """
 
     error_type = SanityCheckError
-    state_key_args = ("max_steps", "target", "target_mode", "max_samples")
 
     def __init__(
         self,

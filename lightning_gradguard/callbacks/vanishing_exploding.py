@@ -148,17 +148,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
     """
 
-    state_key_args = (
-        "check_every_n_steps",
-        "dense_steps",
-        "max_norm",
-        "spike_factor",
-        "growth_factor",
-        "depth_ratio_floor",
-        "min_rms",
-        "relative_floor",
-        "patience",
-    )
+    state_key_args = ("check_every_n_steps", "action")
 
     def __init__(
         self,

@@ -98,6 +98,19 @@ class RecordingMLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+def public_callbacks() -> list[type]:
+    """Every callback class the package exports (a new one is checked by the convention tests at once)."""
+    import lightning_gradguard
+    from lightning_gradguard import GradGuardCallback
+
+    exported = [getattr(lightning_gradguard, name) for name in lightning_gradguard.__all__]
+    return [
+        c
+        for c in exported
+        if isinstance(c, type) and issubclass(c, GradGuardCallback) and c is not GradGuardCallback
+    ]
+
+
 def make_trainer(callbacks: list[Any], logger: Any = None, **kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = dict(
         accelerator="cpu",

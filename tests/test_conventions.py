@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import typing
@@ -23,7 +24,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from conftest import MemoryLogger, RecordingMLP, make_trainer, random_loader
+from conftest import MemoryLogger, RecordingMLP, make_trainer, public_callbacks, random_loader
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
@@ -38,15 +39,7 @@ from lightning_gradguard import (
     gradient_check,
 )
 
-ALL = [
-    GradientNormLogger,
-    NaNSentinel,
-    VanishingExplodingDetector,
-    DeadReLUMonitor,
-    LRFinderPlus,
-    OverfitBatchSanity,
-    GradientCheck,
-]
+ALL = public_callbacks()
 INF, NAN = float("inf"), float("nan")
 
 # ------------------------------------------------------------------------------------------ validation
@@ -214,6 +207,15 @@ def test_options_with_fixed_choices_are_literal_types(cls: type, arg: str, choic
         assert set(cls.allowed_actions) == choices
 
 
+def test_every_callback_is_validated_and_every_action_is_a_literal() -> None:
+    assert {cls for cls, *_ in BAD} == set(ALL)
+    for cls in ALL:
+        if "action" in inspect.signature(cls).parameters:
+            hint = typing.get_type_hints(cls.__init__)["action"]
+            assert typing.get_origin(hint) is typing.Literal
+            assert set(typing.get_args(hint)) == set(cls.allowed_actions)
+
+
 def test_norm_type_shows_inf_as_a_choice() -> None:
     hint = typing.get_type_hints(GradientNormLogger.__init__)["norm_type"]
     assert typing.Literal["inf"] in typing.get_args(hint)
@@ -251,6 +253,7 @@ def test_every_callback_has_a_state_key_from_its_identifying_arguments() -> None
     # one per Trainer: resuming with other settings (NaNSentinel(action="skip") after a failure) keeps state
     for cls in (NaNSentinel, OverfitBatchSanity):
         assert cls().state_key == f"{cls.__name__}{{}}"
+    assert {type(a) for a, _ in pairs} | {NaNSentinel, OverfitBatchSanity} == set(ALL)  # every callback
     assert NaNSentinel(action="skip", max_consecutive_skips=3).state_key == NaNSentinel().state_key
     assert VanishingExplodingDetector(max_norm=10.0).state_key == VanishingExplodingDetector().state_key
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingMLP, make_trainer, random_loader
+from conftest import RecordingMLP, make_trainer, public_callbacks, random_loader
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_gradguard
@@ -30,15 +30,7 @@ from lightning_gradguard import (
 )
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-ALL = [
-    GradientNormLogger,
-    NaNSentinel,
-    VanishingExplodingDetector,
-    DeadReLUMonitor,
-    LRFinderPlus,
-    OverfitBatchSanity,
-    GradientCheck,
-]
+ALL = public_callbacks()
 
 # what is documented where: (object, page, the heading the table follows, arguments the table leaves out,
 # arguments of the table the object does not take)

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from torch import nn
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
-# A monitor's own exception is raised in tests, not turned into a warning (see callbacks._base.guarded).
+# A monitor's own exception is raised in tests, not turned into a warning (see core.base.guarded).
 os.environ.setdefault("GRADGUARD_STRICT", "1")
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")

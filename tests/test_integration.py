@@ -33,7 +33,6 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
 from lightning_gradguard.alerts import NonFiniteError
-from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
 from lightning_gradguard.callbacks.gradient_check import GradientCheck
 from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
@@ -41,6 +40,7 @@ from lightning_gradguard.callbacks.lr_finder import LRFinderPlus
 from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
 from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity
 from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+from lightning_gradguard.core.base import GradGuardCallback
 from tests.conftest import MemoryLogger
 from tests.test_ddp import run_ddp_script
 

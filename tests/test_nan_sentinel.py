@@ -506,7 +506,7 @@ def test_a_warn_run_that_keeps_meeting_nans_replays_once_per_cooldown(tmp_path: 
 
 def test_shares_the_statistics_pass_with_the_logger(tmp_path: Path) -> None:
     """With GradientNormLogger on the same trainer, the per-parameter norms are computed once per step."""
-    import lightning_gradguard._shared as shared
+    import lightning_gradguard.core.stats as shared
 
     calls: list[int] = []
     original = shared.foreach_norms

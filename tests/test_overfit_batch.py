@@ -409,7 +409,7 @@ def test_initial_loss_is_not_judged_when_resuming_a_trained_model(tmp_path: Path
 
 
 def test_training_snapshot_restores_model_optimizer_scheduler_rng_and_progress() -> None:
-    from lightning_gradguard.callbacks._snapshot import TrainingSnapshot
+    from lightning_gradguard.core.snapshot import TrainingSnapshot
 
     torch.manual_seed(0)
     model = Stochastic()
@@ -461,7 +461,7 @@ def test_training_snapshot_restores_model_optimizer_scheduler_rng_and_progress()
 def test_training_snapshot_restores_torchmetrics_states() -> None:
     import torchmetrics
 
-    from lightning_gradguard.callbacks._snapshot import TrainingSnapshot
+    from lightning_gradguard.core.snapshot import TrainingSnapshot
 
     holder = nn.Module()
     holder.metric = torchmetrics.MeanMetric()

@@ -303,7 +303,7 @@ def test_cadence_dense_then_lightning_logging_rule() -> None:
 
 
 def test_shares_the_gradient_pass_with_the_logger(tmp_path: Path) -> None:
-    import lightning_gradguard._shared as shared
+    import lightning_gradguard.core.stats as shared
 
     calls: list[int] = []
     original = shared.foreach_norms

@@ -1,6 +1,5 @@
 """The callbacks: one module each, thin policy on top of ``functional`` and the shared statistics."""
 
-from lightning_gradguard.callbacks._base import GradGuardCallback
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
 from lightning_gradguard.callbacks.gradient_check import GradientCheck, GradientCheckResult, gradient_check
 from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
@@ -8,6 +7,7 @@ from lightning_gradguard.callbacks.lr_finder import LRFinderPlus, LRFinderResult
 from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
 from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, OverfitResult
 from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+from lightning_gradguard.core.base import GradGuardCallback
 
 __all__ = [
     "DeadReLUMonitor",

@@ -24,10 +24,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, logging_interval, strict_mode, warn_once
-from lightning_gradguard._validate import check_bool, check_float, check_int
-from lightning_gradguard.callbacks._base import GradGuardCallback, guarded
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.cadence import log_step, logging_interval
+from lightning_gradguard.core.state import strict_mode, warn_once
+from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.health import activity_counts, dead_units, saturation_counts, unit_dim
 from lightning_gradguard.functional.stats import device_histograms
 
@@ -226,7 +227,7 @@ class DeadReLUMonitor(GradGuardCallback):
         return charts
 
     def due(self, step: int) -> bool:
-        """Whether logging step ``step`` (see :func:`~lightning_gradguard._shared.log_step`) is sampled.
+        """Whether logging step ``step`` (see :func:`~lightning_gradguard.core.cadence.log_step`) is sampled.
 
         Lightning's logging rule, ``(step + 1) % every_n_steps == 0``, so ``dead_relu/*`` points share the
         x of the loss and of the gradient histograms; every step at the start. Under

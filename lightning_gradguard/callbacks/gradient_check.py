@@ -26,20 +26,15 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from typing_extensions import override
 
-from lightning_gradguard._shared import quiet_logging, reduce_any, warn_once
-from lightning_gradguard._validate import check_float, check_int, check_str_list
 from lightning_gradguard.alerts import Alert, SanityCheckError
-from lightning_gradguard.callbacks._base import GradGuardCallback
-from lightning_gradguard.callbacks._snapshot import RNGState, train_loader_generators
-from lightning_gradguard.callbacks.overfit_batch import (
-    first_train_batch,
-    loss_of,
-    preflight_applies,
-    seed_all,
-    slice_batch,
-    tensors_in,
-    training_step_of,
-)
+from lightning_gradguard.callbacks.overfit_batch import preflight_applies
+from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.batch import first_train_batch, slice_batch, tensors_in
+from lightning_gradguard.core.collective import reduce_any
+from lightning_gradguard.core.snapshot import RNGState, train_loader_generators
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of
+from lightning_gradguard.core.validate import check_float, check_int, check_str_list
 from lightning_gradguard.functional.gradcheck import (
     finite_difference_check,
     sample_coordinates,

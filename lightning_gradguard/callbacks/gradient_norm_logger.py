@@ -19,10 +19,11 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradguard import _emit
-from lightning_gradguard._shared import StepStats, log_step, logging_interval, on_logging_step, step_stats
-from lightning_gradguard._validate import check_bool, check_int
-from lightning_gradguard.callbacks._base import GradGuardCallback, guarded
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step
+from lightning_gradguard.core.stats import StepStats, step_stats
+from lightning_gradguard.core.validate import check_bool, check_int
 from lightning_gradguard.functional.stats import (
     HistogramSpec,
     device_histograms,

@@ -37,11 +37,13 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from typing_extensions import override
 
-from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, loss_of, quiet_logging, skipped_for_fast_dev_run, warn_once
-from lightning_gradguard._validate import check_bool, check_choice, check_float, check_int, check_int_list
-from lightning_gradguard.callbacks._base import GradGuardCallback
-from lightning_gradguard.callbacks._snapshot import TrainingSnapshot
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.cadence import log_step
+from lightning_gradguard.core.snapshot import TrainingSnapshot
+from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
+from lightning_gradguard.core.trial import loss_of, quiet_logging
+from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_int_list
 from lightning_gradguard.functional.lr_suggest import (
     SUGGESTION_METHODS,
     DivergenceMonitor,

@@ -20,13 +20,14 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradguard import _emit
-from lightning_gradguard._shared import quiet_logging, step_stats
-from lightning_gradguard._validate import check_bool, check_float, check_int, check_path
 from lightning_gradguard.alerts import NonFiniteError
-from lightning_gradguard.callbacks._base import GradGuardCallback
-from lightning_gradguard.forensics import find_backward_origin, find_forward_origin
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.trial import quiet_logging
+from lightning_gradguard.core.validate import check_bool, check_float, check_int, check_path
 from lightning_gradguard.functional.stats import foreach_norms, nonfinite_counts
+from lightning_gradguard.hooks.forensics import find_backward_origin, find_forward_origin
 
 __all__ = ["NaNSentinel"]
 

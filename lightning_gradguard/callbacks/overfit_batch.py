@@ -12,37 +12,32 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import random
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_gradguard import _emit
-from lightning_gradguard._shared import (
-    loss_of,
-    quiet_logging,
-    reduce_any,
-    skipped_for_fast_dev_run,
-    warn_once,
-)
-from lightning_gradguard._validate import check_bool, check_choice, check_float, check_int, check_str_list
 from lightning_gradguard.alerts import Alert, SanityCheckError, Severity
-from lightning_gradguard.callbacks._base import GradGuardCallback
-from lightning_gradguard.callbacks._snapshot import (
-    TrainingSnapshot,
-    loader_generators,
-    tensors_free_iterables,
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.batch import (
+    batch_size_of,
+    first_train_batch,
+    redraw_first_samples,
+    slice_batch,
+    tensors_in,
 )
+from lightning_gradguard.core.collective import reduce_any
+from lightning_gradguard.core.snapshot import TrainingSnapshot
+from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
+from lightning_gradguard.core.trial import configured_lr, loss_of, quiet_logging, seed_all, training_step_of
+from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
 
 __all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
 
@@ -53,48 +48,6 @@ _MAX_LISTED = 8
 
 # --------------------------------------------------------------------------------------------- helpers
 # Shared with callbacks/gradient_check.py.
-
-
-def training_step_of(pl_module: nn.Module, batch: Any) -> Any:
-    """Call ``training_step`` as Lightning does: with ``batch_idx=0`` only when its signature takes one."""
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
-    step = pl_module.training_step
-    if is_param_in_hook_signature(step, "batch_idx", min_args=2):  # type: ignore[arg-type]
-        return step(batch, 0)  # type: ignore[operator]
-    return step(batch)  # type: ignore[operator]
-
-
-def tensors_in(obj: Any) -> Iterator[Tensor]:
-    """Every tensor inside nested lists, tuples and dicts, in order."""
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from tensors_in(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from tensors_in(x)
-
-
-def batch_size_of(batch: Any) -> int | None:
-    """The leading dimension of the first tensor in ``batch`` with at least one dimension."""
-    for t in tensors_in(batch):
-        if t.dim() >= 1:
-            return int(t.shape[0])
-    return None
-
-
-def slice_batch(batch: Any, max_samples: int | None) -> Any:
-    """Keep the first ``max_samples`` samples of every tensor whose leading dimension is the batch size."""
-    n = batch_size_of(batch)
-    if max_samples is None or n is None or n <= max_samples:
-        return batch
-
-    def cut(t: Tensor) -> Tensor:
-        return t[:max_samples] if t.dim() >= 1 and t.shape[0] == n else t
-
-    return apply_to_collection(batch, Tensor, cut)
 
 
 def preflight_applies(
@@ -120,62 +73,6 @@ def preflight_applies(
         )
         return False
     return True
-
-
-def first_train_batch(trainer: pl.Trainer) -> tuple[Any, list[torch.Generator]]:
-    """The first batch of a fresh pass over the train dataloader(s), prepared as the training loop does.
-
-    Also returns the ``torch.Generator`` objects of the samplers, whose state the caller must restore
-    (drawing a batch advances them, and the global RNG of a shuffling sampler).
-    """
-    combined = trainer.fit_loop._combined_loader
-    if combined is None:
-        raise RuntimeError("the train dataloader is not set up yet")
-    gens: list[torch.Generator] = []
-    for loader in tensors_free_iterables(combined.iterables):
-        gens.extend(loader_generators(loader))
-    fresh = CombinedLoader(combined.iterables, combined._mode)
-    iterator = iter(fresh)
-    try:
-        batch, _, dataloader_idx = next(iterator)
-    finally:
-        del iterator
-    # what the training loop does to every batch before training_step sees it
-    idx = dataloader_idx or 0
-    batch = trainer.precision_plugin.convert_input(batch)
-    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=idx)
-    return trainer.strategy.batch_to_device(batch, dataloader_idx=idx), gens
-
-
-def redraw_first_samples(trainer: pl.Trainer) -> Any:
-    """The samples of the first batch fetched once more, with the dataset's own randomness re-seeded.
-
-    Call it with the RNG state :func:`first_train_batch` started from: the sampler then yields the same
-    indices (a ``DataLoader`` iterator draws its base seed first, then the sampler draws its order). The
-    items are fetched with ``dataset[i]`` after every global RNG is re-seeded to other values, so a
-    dataset that draws labels at random on every access returns different ones. ``None`` for anything
-    but a single map-style ``DataLoader``.
-    """
-    from torch.utils.data import DataLoader, IterableDataset
-
-    combined = trainer.fit_loop._combined_loader
-    loaders = tensors_free_iterables(combined.iterables) if combined is not None else []
-    if len(loaders) != 1:
-        return None
-    dl = loaders[0]
-    if not isinstance(dl, DataLoader) or dl.batch_sampler is None or isinstance(dl.dataset, IterableDataset):
-        return None
-    order = iter(dl.batch_sampler)
-    torch.empty((), dtype=torch.int64).random_(generator=dl.generator)  # the iterator's base seed
-    indices = next(order)
-    seed = 0x5EED
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-    batch = dl.collate_fn([dl.dataset[i] for i in indices])
-    batch = trainer.precision_plugin.convert_input(batch)
-    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
-    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
 
 class LeafOutputs:
@@ -204,29 +101,7 @@ class LeafOutputs:
         self.handles = []
 
 
-def configured_lr(optimizer: torch.optim.Optimizer) -> None:
-    """Set every param group's ``lr`` to the one it was configured with, before a scheduler scaled it.
-
-    A PyTorch LR scheduler records each group's configured LR as ``initial_lr`` when it is built and then
-    multiplies it by its factor: a warm-up starts at ``0`` or ``1e-3 x`` the configured LR. A few trial
-    steps at that LR learn nothing (and ``lr=0`` would read as a parameter the optimizer ignores), so the
-    trial steps use ``initial_lr`` (for ``OneCycleLR``: ``max_lr / div_factor``, its own starting LR).
-    The caller restores the optimizer's state afterwards.
-    """
-    for group in optimizer.param_groups:
-        base = group.get("initial_lr")
-        if isinstance(base, (int, float)) and not isinstance(group.get("lr"), Tensor) and base > 0:
-            group["lr"] = float(base)
-
-
 _FROZEN_SEED = 0x5EED
-
-
-def seed_all(seed: int) -> None:
-    """Seed torch (CPU and every CUDA device), NumPy's global generator and Python's ``random``."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
 
 
 def at_floor(

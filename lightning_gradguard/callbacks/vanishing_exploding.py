@@ -19,10 +19,11 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_gradguard import _emit
-from lightning_gradguard._shared import log_step, logging_interval, on_logging_step, step_stats
-from lightning_gradguard._validate import check_bool, check_float, check_int
-from lightning_gradguard.callbacks._base import GradGuardCallback, guarded
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step
+from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
 from lightning_gradguard.functional.stats import suggest_clip_value
 
@@ -275,7 +276,7 @@ class VanishingExplodingDetector(GradGuardCallback):
 
     # ------------------------------------------------------------------ the check
     def due(self, step: int) -> bool:
-        """Whether logging step ``step`` (see :func:`~lightning_gradguard._shared.log_step`) is checked."""
+        """Whether logging step ``step`` (:func:`~lightning_gradguard.core.cadence.log_step`) is checked."""
         return step < self.dense_steps or (step + 1) % self.check_every_n_steps == 0
 
     @override

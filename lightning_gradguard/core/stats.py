@@ -1,131 +1,23 @@
-"""Per-trainer state shared by every gradguard callback on it.
+"""The statistics of one optimizer step, computed once on the device and shared by every callback.
 
-The heart is :class:`StepStats`: for one optimizer step it lists the trainable parameters the optimizer
-is about to update and computes gradient and weight statistics lazily, on the device, each at most once.
-The first callback that asks in ``on_before_optimizer_step`` pays for the pass; the others read the
-cached tensors. Nothing here moves data to the host: callers do that, once, when they need numbers.
+:class:`StepStats` lists the trainable parameters the optimizer is about to update and computes gradient
+and weight statistics lazily, on the device, each at most once. The first callback that asks in
+``on_before_optimizer_step`` pays for the pass; the others read the cached tensors. Nothing here moves
+data to the host: callers do that, once, through :mod:`lightning_gradguard.core.transfer`.
 """
 
 from __future__ import annotations
 
-import os
-import weakref
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from lightning_gradguard.core.state import TrainerState, trainer_state
 from lightning_gradguard.functional.stats import foreach_norms, group_index, layer_names, reduce_norms
 
-__all__ = [
-    "StepStats",
-    "TrainerState",
-    "info_once",
-    "log_step",
-    "logging_interval",
-    "loss_of",
-    "on_logging_step",
-    "quiet_logging",
-    "reduce_any",
-    "skipped_for_fast_dev_run",
-    "step_stats",
-    "strict_mode",
-    "trainer_state",
-]
-
-
-@dataclass
-class TrainerState:
-    """What the callbacks of one trainer share."""
-
-    stats: dict[tuple[int, int], StepStats] = field(default_factory=dict)
-    layout_written: set[int] = field(default_factory=set)
-    layout_pruned: bool = False
-    logged_tags: set[str] = field(default_factory=set)
-    alert_counts: dict[str, int] = field(default_factory=dict)
-    said_no_logger: bool = False
-    warned: set[str] = field(default_factory=set)
-    param_cache: dict[int, tuple[list[Tensor], list[str], list[Tensor], list[bool]]] = field(
-        default_factory=dict
-    )
-
-
-_STATES: weakref.WeakKeyDictionary[Any, TrainerState] = weakref.WeakKeyDictionary()
-
-
-def trainer_state(trainer: pl.Trainer) -> TrainerState:
-    state = _STATES.get(trainer)
-    if state is None:
-        state = _STATES[trainer] = TrainerState()
-    return state
-
-
-def log_step(trainer: pl.Trainer) -> int:
-    """The x-axis Lightning's own logger connector uses for training metrics.
-
-    It counts batches that stepped an optimizer: one per optimizer step in automatic optimization
-    (so it equals ``global_step`` there) and one per batch in manual optimization (where
-    ``global_step`` counts every ``opt.step()``). Using it keeps our charts aligned with the loss.
-    """
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    value = getattr(loop, "_batches_that_stepped", None)
-    return int(value) if value is not None else int(trainer.global_step)
-
-
-def logging_interval(trainer: pl.Trainer, override: int | None = None) -> int:
-    """How often a callback logs its periodic scalars, in logging steps; ``0`` means never.
-
-    ``override`` (the callback's own ``log_every_n_steps``) wins when given; otherwise the Trainer's
-    ``log_every_n_steps``, where Lightning reads ``0`` as "log nothing" and so do we: detection still runs,
-    only the periodic scalars and histograms stop.
-    """
-    if override is not None:
-        return int(override)
-    return max(int(getattr(trainer, "log_every_n_steps", 50) or 0), 0)
-
-
-def on_logging_step(at: int, every: int) -> bool:
-    """Lightning's logging rule (``(step + 1) % every == 0``) plus the very first step; never for ``every=0``.
-
-    Matching Lightning puts our points at the same x as the loss it logs from the same batch; the extra
-    first point shows whether the run starts in a healthy range.
-    """
-    return every > 0 and (at == 0 or (at + 1) % every == 0)
-
-
-def info_once(trainer: pl.Trainer, key: str, message: str) -> None:
-    """One INFO line per trainer on the ``lightning_gradguard`` logger, from global rank zero."""
-    state = trainer_state(trainer)
-    if key in state.warned:
-        return
-    state.warned.add(key)
-    if trainer.is_global_zero:
-        import logging
-
-        logging.getLogger("lightning_gradguard").info(message)
-
-
-def skipped_for_fast_dev_run(trainer: pl.Trainer, name: str, what: str) -> bool:
-    """True (after one INFO line) when ``fast_dev_run`` is on: a smoke test skips sweeps and trial runs.
-
-    Lightning's own tuner does the same: ``fast_dev_run`` runs a batch or two to prove the code path,
-    and a range test or a pre-flight trial of hundreds of steps would defeat it.
-    """
-    if not getattr(trainer, "fast_dev_run", False):
-        return False
-    info_once(trainer, f"fast_dev_run:{name}", f"{name}: skipping {what} since `fast_dev_run` is enabled.")
-    return True
-
-
-def reduce_any(trainer: pl.Trainer, flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any rank (one collective; a no-op on one process)."""
-    if trainer.world_size <= 1:
-        return bool(flag)
-    return bool(trainer.strategy.reduce_boolean_decision(bool(flag), all=False))
+__all__ = ["StepStats", "step_stats"]
 
 
 def _trainable(
@@ -277,59 +169,3 @@ def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: An
             del state.stats[old]
         stats = state.stats[key] = StepStats(trainer, pl_module, optimizer)
     return stats
-
-
-#: set to 1 (our test suite does) to let a monitor's own exceptions through instead of warning once
-STRICT_ENV = "GRADGUARD_STRICT"
-
-
-def strict_mode() -> bool:
-    """Whether a monitor's own exceptions are raised (``GRADGUARD_STRICT=1``) instead of warned about."""
-    return os.environ.get(STRICT_ENV, "") not in ("", "0")
-
-
-def warn_once(trainer: pl.Trainer, key: str, message: str) -> None:
-    """A one-time warning per trainer (a model shape we do not understand never crashes a run)."""
-    state = trainer_state(trainer)
-    if key in state.warned:
-        return
-    state.warned.add(key)
-    from lightning.pytorch.utilities import rank_zero_warn
-
-    rank_zero_warn(message, category=UserWarning)
-
-
-def gradguard_callbacks(trainer: pl.Trainer) -> Iterable[Any]:
-    from lightning_gradguard.callbacks._base import GradGuardCallback
-
-    return [cb for cb in trainer.callbacks if isinstance(cb, GradGuardCallback)]  # type: ignore[attr-defined]
-
-
-@contextmanager
-def quiet_logging(pl_module: nn.Module) -> Iterator[None]:
-    """Run ``training_step`` without its ``self.log`` / ``self.log_dict`` calls reaching the loggers.
-
-    For the trial steps of the pre-flight checks, the LR sweep and the NaN replay: their losses are
-    not the run's metrics.
-    """
-    had = {k: k in pl_module.__dict__ for k in ("log", "log_dict")}
-    saved = {k: pl_module.__dict__.get(k) for k in had}
-    pl_module.__dict__["log"] = lambda *a, **k: None
-    pl_module.__dict__["log_dict"] = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        for k, present in had.items():
-            if present:
-                pl_module.__dict__[k] = saved[k]
-            else:
-                del pl_module.__dict__[k]
-
-
-def loss_of(output: Any) -> Tensor | None:
-    """The loss in what ``training_step`` returned: the tensor itself or ``output["loss"]``."""
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None

@@ -1,4 +1,11 @@
-"""What every gradguard callback shares: the alert path, the action, the TensorBoard layout."""
+"""The base of every gradguard callback: the alert bus (report, cooldown, action), state, layout.
+
+:class:`GradGuardCallback` is what the monitors, the pre-flight checks and the LR finder stand on: it
+records an :class:`~lightning_gradguard.alerts.Alert`, de-duplicates it within a cooldown, fans it out to
+the sinks (Python logging, the JSON-lines file, TensorBoard's text tab, the loggers) and applies the
+callback's ``action``. It also gives every callback a ``state_key`` and writes the "GradGuard" custom
+scalars layout. :func:`guarded` keeps a monitor's own failure from crashing the run it watches.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +18,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_gradguard import _emit
-from lightning_gradguard._shared import gradguard_callbacks, log_step, strict_mode, trainer_state, warn_once
-from lightning_gradguard._validate import check_choice, check_int
 from lightning_gradguard.alerts import ACTIONS, Alert, GradGuardError, JsonlSink, LoggingSink, Severity
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.cadence import log_step
+from lightning_gradguard.core.state import strict_mode, trainer_state, warn_once
+from lightning_gradguard.core.validate import check_choice, check_int
+
+__all__ = ["ALERT_TEXT_TAG", "GradGuardCallback", "gradguard_callbacks", "guarded"]
 
 ALERT_TEXT_TAG = "gradguard/alerts"
 
@@ -235,3 +245,8 @@ class GradGuardCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_reported = dict(state_dict.get("last_reported", {}))
+
+
+def gradguard_callbacks(trainer: pl.Trainer) -> list[GradGuardCallback]:
+    """The gradguard callbacks on ``trainer``, in its order."""
+    return [cb for cb in trainer.callbacks if isinstance(cb, GradGuardCallback)]  # type: ignore[attr-defined]

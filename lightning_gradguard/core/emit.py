@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger as _FabricTensorBoardLogger
 from torch import Tensor
 
-from lightning_gradguard._shared import strict_mode, trainer_state, warn_once
+from lightning_gradguard.core.state import strict_mode, trainer_state, warn_once
 
 log = logging.getLogger("lightning_gradguard")
 

@@ -1,0 +1,14 @@
+"""What every gradguard callback stands on; never imports a callback.
+
+* ``validate``: argument checks that name the argument and what is allowed.
+* ``state``: what the callbacks of one Trainer share; one-time messages; strict mode.
+* ``cadence``: Lightning's logging axis and rule (when to measure and log).
+* ``stats``: the statistics of one optimizer step, computed once on the device for every callback.
+* ``transfer``: the one device -> host transfer of a step.
+* ``collective``: verdicts reduced across ranks, so every rank acts alike.
+* ``emit``: the one way out to the loggers (scalars, histograms, text, the custom-scalars layout).
+* ``base``: :class:`GradGuardCallback`, the alert bus (report, cooldown, action), ``state_key``.
+* ``batch``: finding tensors in batches, and preparing a batch exactly as Lightning's loop does.
+* ``trial``: calling ``training_step`` outside Lightning's loop (quietly, seeded).
+* ``snapshot``: an exact snapshot of everything trial steps can change, and its restore.
+"""

@@ -1,0 +1,119 @@
+"""Batches: finding tensors in them, cutting them, and preparing them exactly as Lightning's loop does.
+
+:func:`prepare_batch` is the one place a batch drawn outside Lightning's loop (a pre-flight check's first
+batch, an LR sweep's batches, a re-draw) goes through what Lightning does to every training batch, in
+Lightning's order: ``precision_plugin.convert_input``, then ``on_before_batch_transfer``, then the
+strategy's ``batch_to_device`` (which runs ``transfer_batch_to_device`` and ``on_after_batch_transfer``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from torch import Tensor
+
+from lightning_gradguard.core.snapshot import loader_generators, tensors_free_iterables
+
+__all__ = [
+    "batch_size_of",
+    "first_train_batch",
+    "prepare_batch",
+    "redraw_first_samples",
+    "slice_batch",
+    "tensors_in",
+]
+
+
+def prepare_batch(trainer: pl.Trainer, batch: Any, dataloader_idx: int = 0) -> Any:
+    """What Lightning's training loop does to a batch before ``training_step`` sees it, in its order."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
+
+
+def tensors_in(obj: Any) -> Iterator[Tensor]:
+    """Every tensor inside nested lists, tuples and dicts, in order."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x)
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The leading dimension of the first tensor in ``batch`` with at least one dimension."""
+    for t in tensors_in(batch):
+        if t.dim() >= 1:
+            return int(t.shape[0])
+    return None
+
+
+def slice_batch(batch: Any, max_samples: int | None) -> Any:
+    """Keep the first ``max_samples`` samples of every tensor whose leading dimension is the batch size."""
+    n = batch_size_of(batch)
+    if max_samples is None or n is None or n <= max_samples:
+        return batch
+
+    def cut(t: Tensor) -> Tensor:
+        return t[:max_samples] if t.dim() >= 1 and t.shape[0] == n else t
+
+    return apply_to_collection(batch, Tensor, cut)
+
+
+def first_train_batch(trainer: pl.Trainer) -> tuple[Any, list[torch.Generator]]:
+    """The first batch of a fresh pass over the train dataloader(s), prepared as the training loop does.
+
+    Also returns the ``torch.Generator`` objects of the samplers, whose state the caller must restore
+    (drawing a batch advances them, and the global RNG of a shuffling sampler).
+    """
+    combined = trainer.fit_loop._combined_loader
+    if combined is None:
+        raise RuntimeError("the train dataloader is not set up yet")
+    gens: list[torch.Generator] = []
+    for loader in tensors_free_iterables(combined.iterables):
+        gens.extend(loader_generators(loader))
+    fresh = CombinedLoader(combined.iterables, combined._mode)
+    iterator = iter(fresh)
+    try:
+        batch, _, dataloader_idx = next(iterator)
+    finally:
+        del iterator
+    return prepare_batch(trainer, batch, dataloader_idx or 0), gens
+
+
+def redraw_first_samples(trainer: pl.Trainer) -> Any:
+    """The samples of the first batch fetched once more, with the dataset's own randomness re-seeded.
+
+    Call it with the RNG state :func:`first_train_batch` started from: the sampler then yields the same
+    indices (a ``DataLoader`` iterator draws its base seed first, then the sampler draws its order). The
+    items are fetched with ``dataset[i]`` after every global RNG is re-seeded to other values, so a
+    dataset that draws labels at random on every access returns different ones. ``None`` for anything
+    but a single map-style ``DataLoader``.
+    """
+    from torch.utils.data import DataLoader, IterableDataset
+
+    combined = trainer.fit_loop._combined_loader
+    loaders = tensors_free_iterables(combined.iterables) if combined is not None else []
+    if len(loaders) != 1:
+        return None
+    dl = loaders[0]
+    if not isinstance(dl, DataLoader) or dl.batch_sampler is None or isinstance(dl.dataset, IterableDataset):
+        return None
+    order = iter(dl.batch_sampler)
+    torch.empty((), dtype=torch.int64).random_(generator=dl.generator)  # the iterator's base seed
+    indices = next(order)
+    seed = 0x5EED
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    return prepare_batch(trainer, dl.collate_fn([dl.dataset[i] for i in indices]))

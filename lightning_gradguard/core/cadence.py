@@ -1,0 +1,56 @@
+"""When a callback measures and logs: Lightning's logging axis and rule, in one place.
+
+Every gradguard chart is written at the step Lightning logs its own training metrics at
+(:func:`log_step`), on Lightning's rule ``(step + 1) % every == 0`` plus the first step
+(:func:`on_logging_step`), with ``every`` from :func:`logging_interval` (``0``: never, as in Lightning).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+__all__ = ["log_step", "logging_interval", "on_logging_step", "optimizer_index"]
+
+
+def log_step(trainer: pl.Trainer) -> int:
+    """The x-axis Lightning's own logger connector uses for training metrics.
+
+    It counts batches that stepped an optimizer: one per optimizer step in automatic optimization
+    (so it equals ``global_step`` there) and one per batch in manual optimization (where
+    ``global_step`` counts every ``opt.step()``). Using it keeps our charts aligned with the loss.
+    """
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    value = getattr(loop, "_batches_that_stepped", None)
+    return int(value) if value is not None else int(trainer.global_step)
+
+
+def logging_interval(trainer: pl.Trainer, override: int | None = None) -> int:
+    """How often a callback logs its periodic scalars, in logging steps; ``0`` means never.
+
+    ``override`` (the callback's own ``log_every_n_steps``) wins when given; otherwise the Trainer's
+    ``log_every_n_steps``, where Lightning reads ``0`` as "log nothing" and so do we: detection still runs,
+    only the periodic scalars and histograms stop.
+    """
+    if override is not None:
+        return int(override)
+    return max(int(getattr(trainer, "log_every_n_steps", 50) or 0), 0)
+
+
+def on_logging_step(at: int, every: int) -> bool:
+    """Lightning's logging rule (``(step + 1) % every == 0``) plus the very first step; never for ``every=0``.
+
+    Matching Lightning puts our points at the same x as the loss it logs from the same batch; the extra
+    first point shows whether the run starts in a healthy range.
+    """
+    return every > 0 and (at == 0 or (at + 1) % every == 0)
+
+
+def optimizer_index(trainer: pl.Trainer, optimizer: Any) -> int:
+    """The position of ``optimizer`` (or the one a ``LightningOptimizer`` wraps) in ``trainer.optimizers``."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    for i, candidate in enumerate(trainer.optimizers):
+        if candidate is opt or getattr(candidate, "optimizer", None) is opt:
+            return i
+    return 0

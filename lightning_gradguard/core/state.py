@@ -1,0 +1,101 @@
+"""What the gradguard callbacks of one Trainer share, and how they talk to the user about themselves.
+
+One :class:`TrainerState` per Trainer (held weakly: it goes with the Trainer) keeps the step statistics
+cache, what was logged, the layout, alert counts and the one-time messages. ``warn_once`` / ``info_once``
+say a thing once per Trainer; ``strict_mode`` decides whether a monitor's own failure is raised (tests)
+or turned into one warning (users' runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_gradguard.core.stats import StepStats
+
+__all__ = [
+    "STRICT_ENV",
+    "TrainerState",
+    "info_once",
+    "skipped_for_fast_dev_run",
+    "strict_mode",
+    "trainer_state",
+    "warn_once",
+]
+
+log = logging.getLogger("lightning_gradguard")
+
+
+@dataclass
+class TrainerState:
+    """What the callbacks of one trainer share."""
+
+    stats: dict[tuple[int, int], StepStats] = field(default_factory=dict)
+    layout_written: set[int] = field(default_factory=set)
+    layout_pruned: bool = False
+    logged_tags: set[str] = field(default_factory=set)
+    alert_counts: dict[str, int] = field(default_factory=dict)
+    said_no_logger: bool = False
+    warned: set[str] = field(default_factory=set)
+    param_cache: dict[int, tuple[list[Tensor], list[str], list[Tensor], list[bool]]] = field(
+        default_factory=dict
+    )
+
+
+_STATES: weakref.WeakKeyDictionary[Any, TrainerState] = weakref.WeakKeyDictionary()
+
+
+def trainer_state(trainer: pl.Trainer) -> TrainerState:
+    state = _STATES.get(trainer)
+    if state is None:
+        state = _STATES[trainer] = TrainerState()
+    return state
+
+
+#: set to 1 (our test suite does) to let a monitor's own exceptions through instead of warning once
+STRICT_ENV = "GRADGUARD_STRICT"
+
+
+def strict_mode() -> bool:
+    """Whether a monitor's own exceptions are raised (``GRADGUARD_STRICT=1``) instead of warned about."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def warn_once(trainer: pl.Trainer, key: str, message: str) -> None:
+    """A one-time warning per trainer (a model shape we do not understand never crashes a run)."""
+    state = trainer_state(trainer)
+    if key in state.warned:
+        return
+    state.warned.add(key)
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    rank_zero_warn(message, category=UserWarning)
+
+
+def info_once(trainer: pl.Trainer, key: str, message: str) -> None:
+    """One INFO line per trainer on the ``lightning_gradguard`` logger, from global rank zero."""
+    state = trainer_state(trainer)
+    if key in state.warned:
+        return
+    state.warned.add(key)
+    if trainer.is_global_zero:
+        log.info(message)
+
+
+def skipped_for_fast_dev_run(trainer: pl.Trainer, name: str, what: str) -> bool:
+    """True (after one INFO line) when ``fast_dev_run`` is on: a smoke test skips sweeps and trial runs.
+
+    Lightning's own tuner does the same: ``fast_dev_run`` runs a batch or two to prove the code path,
+    and a range test or a pre-flight trial of hundreds of steps would defeat it.
+    """
+    if not getattr(trainer, "fast_dev_run", False):
+        return False
+    info_once(trainer, f"fast_dev_run:{name}", f"{name}: skipping {what} since `fast_dev_run` is enabled.")
+    return True

@@ -1,4 +1,5 @@
-"""The callbacks: one module each, thin policy on top of ``functional`` and the shared statistics."""
+"""The callbacks: the monitors live here, one module each; the pre-flight checks and the LR finder are
+re-exported from ``preflight`` and ``tuner``."""
 
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
 from lightning_gradguard.callbacks.gradient_check import GradientCheck, GradientCheckResult, gradient_check

@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -55,8 +54,6 @@ if log.level == logging.NOTSET:  # INFO lines (a check passed, a sweep skipped) 
     log.setLevel(logging.INFO)
 
 Severity = Literal["info", "warning", "error", "critical"]
-#: what a finding of severity error or critical does (see ``GradGuardCallback``)
-Action = Literal["warn", "stop", "raise"]
 SEVERITIES: tuple[str, ...] = ("info", "warning", "error", "critical")
 ACTIONS: tuple[str, ...] = ("warn", "stop", "raise")
 
@@ -81,8 +78,6 @@ ALERT_KINDS: dict[str, str] = {
     "gradient_not_shrinking": "the batch was learned but the gradient norm did not shrink",
     "gradient_mismatch": "GradientCheck: autograd and finite differences disagree for a parameter",
     "lr_finder_failed": "the LR range test gave no suggestion; the learning rate was left unchanged",
-    "nonfinite_gradient_stats": "gradient statistics contained NaN/inf (counted in grad_nonfinite/*)",
-    "unsupported_model": "a parameter layout the callback cannot measure; that part is skipped",
 }
 
 _LEVELS = {
@@ -198,8 +193,3 @@ class JsonlSink:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(alert.to_dict(), sort_keys=True) + "\n")
-
-
-def alert_data(values: Mapping[str, float]) -> dict[str, float]:
-    """Plain-float copy of ``values`` for :attr:`Alert.data`."""
-    return {k: float(v) for k, v in values.items()}

@@ -58,7 +58,6 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_gradguard.callbacks.lr_finder import lr_find
 from lightning_gradguard.functional.lr_suggest import (
     SUGGESTION_METHODS,
     centered_smooth,
@@ -67,6 +66,7 @@ from lightning_gradguard.functional.lr_suggest import (
     suggest_steep,
     suggest_valley,
 )
+from lightning_gradguard.tuner import lr_find
 
 warnings.filterwarnings("ignore")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

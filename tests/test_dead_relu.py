@@ -1,4 +1,5 @@
-"""DeadReLUMonitor in real Trainer runs on networks with a known number of dead units."""
+"""DeadReLUMonitor in real Trainer runs on networks with a known number of dead units; its pieces on their own
+(the window math of ``functional.activations``, the ``hooks.capture`` context manager)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from conftest import MemoryLogger, make_trainer, random_loader
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.nn.modules import module as module_globals
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
 from lightning_gradguard.alerts import GradGuardError
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
+from lightning_gradguard.functional.activations import UnitCounts, UnitWindows, pool, window_summary
 from lightning_gradguard.functional.health import activity_counts, dead_units, saturation_counts, unit_dim
+from lightning_gradguard.hooks.capture import MODE_ORDER, OUTSIDE_MODULES, ActivationCapture, NextCall
 
 F = nn.functional
 DEAD, UNITS = 12, 16
@@ -53,6 +58,119 @@ def test_dead_means_never_active_in_the_window() -> None:
     window = [torch.tensor([0, 3, 0, 0]), torch.tensor([0, 0, 1, 0])]
     assert dead_units(window).tolist() == [True, False, False, True]
     assert dead_units(torch.stack(window)).tolist() == [True, False, False, True]
+
+
+def test_window_summary_and_pooling() -> None:
+    steps = [torch.tensor([0.0, 3.0, 0.0, 0.0]), torch.tensor([0.0, 0.0, 1.0, 0.0])]
+    relu = window_summary(steps, [4.0, 4.0], saturation=False)
+    assert (relu.fraction, relu.units, relu.steps) == (0.5, 4, 2)
+    assert relu.rates.tolist() == [0.0, 3 / 8, 1 / 8, 0.0]
+    sat = window_summary([torch.tensor([5.0, 1.0])], [8.0], saturation=True)
+    assert sat.fraction == 0.5  # saturated more than half of the time: the first unit only
+    step: dict[str, UnitCounts] = {}
+    pool(step, {"a": UnitCounts(saturation=False, counts=torch.tensor([1, 0]), samples=8)})
+    pool(step, {"a": UnitCounts(saturation=False, counts=torch.tensor([2, 0]), samples=8), "b": step["a"]})
+    assert list(step) == ["a", "b"] and step["a"].counts.tolist() == [3, 0] and step["a"].samples == 16
+    pool(step, {"a": UnitCounts(saturation=False, counts=torch.tensor([1, 1, 1]), samples=4)})  # resized
+    assert step["a"].counts.tolist() == [1, 1, 1] and step["a"].samples == 4
+
+
+def test_unit_windows_strikes_patience_and_state() -> None:
+    windows = UnitWindows(size=2)
+    dead = {"l": UnitCounts(saturation=False, counts=torch.tensor([0.0, 0.0, 5.0]), samples=8.0)}
+    first = windows.update(dead, 0.5, 0.5, 2)
+    assert first.checks[0].full is False and first.dead_fractions == {} and first.findings == []
+    assert first.scalars == {"dead_relu/l": pytest.approx(2 / 3)} and first.suspicious
+    assert list(first.rates) == ["activation_rate/l"]
+    second = windows.update(dead, 0.5, 0.5, 2)
+    assert second.dead_fractions == {"l": pytest.approx(2 / 3)} and second.findings == []
+    assert windows.strikes == {"dead_relu@l": 1}
+    (finding,) = windows.update(dead, 0.5, 0.5, 2).findings
+    assert (finding.kind, finding.severity, finding.where) == ("dead_relu", "error", "l")
+    assert finding.message.startswith("67% of the 3 units of l output 0") and "LeakyReLU" in finding.hint
+    assert finding.data == {"fraction": pytest.approx(2 / 3), "threshold": 0.5, "units": 3.0, "window": 2.0}
+    again = UnitWindows(size=2)
+    again.load_state_dict(windows.state_dict())
+    assert again.strikes == windows.strikes and [c.tolist() for c, _ in again["l"]] == [[0, 0, 5]] * 2
+
+
+# ---------------------------------------------------------------------------------------------- capture
+class Hidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden1, self.out = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(F.relu(self.hidden1(x)))
+        return self.out(torch.sigmoid(self.block(h)))  # the block twice: ``block.1#2``
+
+
+def nothing_attached() -> bool:
+    hooks = module_globals._global_forward_pre_hooks or module_globals._global_forward_hooks
+    return torch._C._len_torch_function_stack() == 0 and not hooks
+
+
+def test_capture_is_a_scope_that_names_pools_and_leaves_nothing_behind() -> None:
+    net, x = Hidden(), torch.randn(5, 8)
+    said: list[tuple[str, str]] = []
+    capture = ActivationCapture(net, warn=lambda key, text: said.append((key, text)))
+    with capture:
+        assert torch._C._len_torch_function_stack() == 1 and capture.active
+        net(x)
+        F.relu(x)  # outside every module's forward: not a layer
+    assert nothing_attached() and not capture.active
+    assert list(capture.records) == ["relu(hidden1)", "block.1", "block.1#2", "sigmoid(block)"]
+    assert capture.records["sigmoid(block)"].saturation and not capture.records["block.1"].saturation
+    assert capture.records["block.1"].samples == 5 and said == [("outside_modules", OUTSIDE_MODULES)]
+    net(x)  # outside the scope: nothing recorded
+    assert capture.records["block.1"].samples == 5
+    with capture:  # a second pass is pooled (names restart with each pass)
+        net(x)
+    assert capture.records["block.1"].samples == 10 and len(capture.records) == 4
+    with pytest.raises(RuntimeError, match="boom"), ActivationCapture(net, check_saturation=False) as other:
+        net(x)
+        raise RuntimeError("boom")
+    assert nothing_attached() and "sigmoid(block)" not in other.records
+
+
+class PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_mode_entered_above_the_capture_is_left_alone() -> None:
+    net, said = Hidden(), []
+    capture = ActivationCapture(net, warn=lambda key, text: said.append(key))
+    capture.__enter__()
+    theirs = PassThrough().__enter__()
+    try:
+        capture.close()
+        assert capture.left_inert and said == ["mode_order"] and "left inert" in MODE_ORDER
+        net(torch.randn(2, 8))  # our mode is still on the stack, inert
+        assert capture.records == {}
+    finally:
+        theirs.__exit__(None, None, None)
+        torch.overrides._get_current_function_mode().__exit__(None, None, None)  # ours, inert
+    assert nothing_attached()
+
+
+def test_next_call_wraps_exactly_one_call_and_keeps_the_signature() -> None:
+    import inspect
+
+    model = Module(Net("nn.ReLU"))
+    seen = []
+    call = NextCall(model, "training_step", ActivationCapture(model))
+    assert "training_step" in vars(model)
+    assert list(inspect.signature(model.training_step).parameters) == ["batch", "batch_idx"]
+    model._probe = lambda where: seen.append(torch._C._len_torch_function_stack())  # type: ignore[method-assign]
+    batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    model.training_step(batch, 0)
+    model.training_step(batch, 1)
+    assert seen == [1, 0] and "training_step" not in vars(model) and nothing_attached()
+    NextCall(model, "training_step", ActivationCapture(model)).remove()  # the call never came
+    assert "training_step" not in vars(model)
+    call.remove()  # idempotent
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -279,7 +397,7 @@ def test_cadence_and_state_dict() -> None:
     other = DeadReLUMonitor(every_n_steps=10, window=3, patience=2)
     other.load_state_dict(monitor.state_dict())
     assert other.sampled_batches == monitor.sampled_batches == 4  # steps 0..3 of 8
-    assert other._strikes == monitor._strikes
+    assert other._windows.strikes == monitor._windows.strikes
     assert [c.tolist() for c, _ in other._windows["net.act"]] == [
         c.tolist() for c, _ in monitor._windows["net.act"]
     ]
@@ -317,6 +435,42 @@ def test_an_exception_in_the_sampled_forward_leaves_nothing_behind() -> None:
         make_trainer([DeadReLUMonitor()], max_steps=4).fit(Exploding(Net("nn.ReLU")), random_loader())
     assert torch._C._len_torch_function_stack() == 0
     assert not module_globals._global_forward_pre_hooks and not module_globals._global_forward_hooks
+
+
+class ManualCheckpointed(Module):
+    """Manual optimization: one forward (activation checkpointing: recomputed during backward), the backward
+    and the step inside ``training_step``, then a second forward of another network for a second optimizer."""
+
+    def __init__(self, plain_backward: bool) -> None:
+        super().__init__(Net("nn.ReLU"))
+        self.automatic_optimization = False
+        self.other = Net("F.relu")
+        self.plain_backward = plain_backward
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        first = cast(list[torch.optim.Optimizer], self.optimizers())[0]
+        loss = F.cross_entropy(checkpoint(self.net, x, use_reentrant=False), y)
+        if self.plain_backward:  # not through Lightning: no on_before_backward, the scope is still open
+            loss.backward()
+        else:
+            self.manual_backward(loss)
+        first.step()
+        F.cross_entropy(self.other(x), y).sum()  # after the first backward
+
+    def configure_optimizers(self) -> Any:
+        sgd = torch.optim.SGD
+        return sgd(self.net.parameters(), lr=0.0), sgd(self.other.parameters(), lr=0.0)
+
+
+@pytest.mark.parametrize("plain_backward", [False, True])
+def test_manual_optimization_records_each_forward_once(plain_backward: bool) -> None:
+    monitor = DeadReLUMonitor()
+    make_trainer([monitor], max_steps=10).fit(ManualCheckpointed(plain_backward), random_loader(n=80))
+    # the scope ends at the first backward; the recompute during backward is never seen (no ``#2``)
+    expected = {"net.act", "other:relu(fc)"} if plain_backward else {"net.act"}
+    assert set(monitor.dead_fractions) == expected and monitor.dead_fractions["net.act"] == DEAD / UNITS
+    assert monitor.sampled_batches == 5 and nothing_attached()
 
 
 # --------------------------------------------------------------------------- gradient accumulation

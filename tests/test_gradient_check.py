@@ -12,12 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gradguard.callbacks.gradient_check import (
-    GradientCheck,
-    find_custom_functions,
-    gradient_check,
-)
-from lightning_gradguard.callbacks.overfit_batch import SanityCheckError
 from lightning_gradguard.functional import gradcheck
 from lightning_gradguard.functional.gradcheck import (
     finite_difference_check,
@@ -25,6 +19,12 @@ from lightning_gradguard.functional.gradcheck import (
     relative_error,
     sample_coordinates,
     taylor_test,
+)
+from lightning_gradguard.preflight import (
+    GradientCheck,
+    SanityCheckError,
+    find_custom_functions,
+    gradient_check,
 )
 from tests.conftest import make_trainer
 
@@ -414,7 +414,8 @@ def test_callback_says_in_one_info_line_that_it_passed(caplog: pytest.LogCapture
 
 
 def test_the_passed_line_names_inconclusive_taylor_tests() -> None:
-    from lightning_gradguard.callbacks.gradient_check import GradientCheckResult, ParameterCheck, _passed_line
+    from lightning_gradguard.functional.gradcheck_report import passed_line
+    from lightning_gradguard.preflight import GradientCheckResult, ParameterCheck
 
     def param(name: str, error: float, inconclusive: bool) -> ParameterCheck:
         return ParameterCheck(
@@ -423,7 +424,7 @@ def test_the_passed_line_names_inconclusive_taylor_tests() -> None:
 
     result = GradientCheckResult(True, [param("a.weight", 2e-7, True), param("b.bias", 3e-6, False)], [""])
     result.seconds = 1.25
-    line = _passed_line(result)
+    line = passed_line(result)
     assert line.startswith("GradientCheck: passed - 2 parameter tensors of the whole model checked")
     assert "largest relative error 3.0e-06 (1.2 s)" in line
     assert "Taylor test inconclusive for 1 (`a.weight`)" in line and "b.bias" not in line
@@ -523,7 +524,7 @@ def test_relu_kinks_lower_the_taylor_order_without_a_false_alarm() -> None:
 def test_lightning_cli_builds_both_preflight_callbacks_from_yaml(tmp_path: Any) -> None:
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity
+    from lightning_gradguard.preflight import OverfitBatchSanity
     from tests.conftest import RecordingMLP
 
     config = tmp_path / "config.yaml"
@@ -534,13 +535,13 @@ trainer:
   logger: false
   enable_checkpointing: false
   callbacks:
-    - class_path: lightning_gradguard.callbacks.gradient_check.GradientCheck
+    - class_path: lightning_gradguard.preflight.gradient_check.GradientCheck
       init_args:
         modules: [net.0, net.2]
         max_samples: 2
         tolerance: 1.0e-4
         action: warn
-    - class_path: lightning_gradguard.callbacks.overfit_batch.OverfitBatchSanity
+    - class_path: lightning_gradguard.preflight.overfit.OverfitBatchSanity
       init_args:
         max_steps: 50
         target: 0.3

@@ -15,6 +15,9 @@ from torch import nn
 from torch.amp.grad_scaler import OptState
 
 from lightning_gradguard import GradientNormLogger
+from lightning_gradguard.functional.clipping import clip_window_stats, clipping_norm_type, push_norm
+from lightning_gradguard.functional.stats import suggest_clip_value
+from lightning_gradguard.functional.updates import update_norms, update_ratio, weight_snapshot
 
 
 def _assert_matches(logged: dict[int, float], truth: dict[int, float], rel: float = 1e-5) -> None:
@@ -435,3 +438,41 @@ def test_a_layer_unfrozen_mid_run_is_measured_from_then_on(memory_logger: Memory
     for step, value in logged.items():
         assert value == pytest.approx(model.true_layers[step]["net.0"], rel=1e-5)
     assert memory_logger.series("grad_norm/total")[5] == pytest.approx(model.true_total[5], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- pure math
+def test_clip_window_statistics_skip_empty_slots() -> None:
+    window = torch.tensor([0.5, 2.0, float("nan"), 1.0, 4.0])  # NaN: a slot the ring has not filled yet
+    s = clip_window_stats(window, clip_val=1.5)
+    assert s is not None and s.steps == 4 and s.largest == 4.0
+    assert s.fraction_clipped == 0.5  # 2.0 and 4.0 of the four finite norms
+    finite = torch.tensor([0.5, 2.0, 1.0, 4.0], dtype=torch.float64)
+    for q in (50, 90, 99):
+        assert s.percentiles[q] == pytest.approx(float(torch.quantile(finite, q / 100)))
+    assert s.suggested == suggest_clip_value(finite)
+    names = ["fraction_clipped", "pre_clip_norm_p50", "pre_clip_norm_p90", "pre_clip_norm_p99"]
+    assert list(s.metrics()) == [*names, "suggested_clip_val"]
+    assert clip_window_stats(torch.full((3,), float("nan")), 1.0) is None
+    zeros = clip_window_stats(torch.zeros(4), 1.0)
+    assert zeros is not None and zeros.suggested is None and list(zeros.metrics()) == names
+
+
+def test_clipping_norm_type_and_the_ring_buffer() -> None:
+    assert clipping_norm_type("norm") == 2.0 and clipping_norm_type("value") == math.inf
+    with pytest.raises(ValueError, match="algorithm"):
+        clipping_norm_type("l1")
+    window = None
+    for seen, x in enumerate([1.0, 2.0, 3.0]):
+        window = push_norm(window, seen, torch.tensor(x), size=2)
+    assert window is not None and window.tolist() == [3.0, 2.0]
+
+
+def test_update_norms_measure_the_applied_change() -> None:
+    params = [torch.ones(3), torch.full((2,), 2.0)]
+    before = weight_snapshot(params)
+    params[0].add_(torch.tensor([3.0, 0.0, 4.0]))
+    params[1].sub_(1.0)
+    norms = update_norms(before, params, torch.tensor([0, 1]), 2)
+    assert norms.layers.tolist() == pytest.approx([5.0, math.sqrt(2.0)])
+    assert norms.total.tolist() == pytest.approx([math.sqrt(27.0)])
+    assert update_ratio(5.0, 10.0) == 0.5 and update_ratio(1.0, 0.0) == pytest.approx(1e30)

@@ -34,13 +34,13 @@ from torch import nn
 
 from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
-from lightning_gradguard.callbacks.gradient_check import GradientCheck
 from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
-from lightning_gradguard.callbacks.lr_finder import LRFinderPlus
 from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
-from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity
 from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
 from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.preflight.gradient_check import GradientCheck
+from lightning_gradguard.preflight.overfit import OverfitBatchSanity
+from lightning_gradguard.tuner import LRFinderPlus
 from tests.conftest import MemoryLogger
 from tests.test_ddp import run_ddp_script
 

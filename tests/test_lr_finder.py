@@ -25,7 +25,6 @@ from lightning.pytorch.core.saving import load_hparams_from_yaml
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
-from lightning_gradguard.callbacks.lr_finder import LRFinderPlus, lr_find
 from lightning_gradguard.functional.lr_suggest import (
     DivergenceMonitor,
     centered_smooth,
@@ -37,6 +36,7 @@ from lightning_gradguard.functional.lr_suggest import (
     suggest_valley,
     sweep_lrs,
 )
+from lightning_gradguard.tuner import LRFinderPlus, lr_find
 from tests.conftest import MemoryLogger, make_trainer
 from tests.test_ddp import run_ddp_script
 
@@ -668,7 +668,7 @@ def test_progress_is_a_tqdm_bar_of_its_own_and_the_summary_one_log_line(
 ) -> None:
     from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
-    import lightning_gradguard.callbacks.lr_finder as module
+    import lightning_gradguard.tuner.engine as module
 
     bars: list[dict[str, Any]] = []
 

@@ -16,8 +16,7 @@ import torchmetrics
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lightning_gradguard.callbacks.gradient_check import GradientCheck
-from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity
+from lightning_gradguard.preflight import GradientCheck, OverfitBatchSanity
 from tests.conftest import make_trainer
 
 FEATURES, CLASSES = 8, 5
@@ -738,7 +737,8 @@ def test_recurrent_attention_and_reparametrised_layers_pass(model: Callable[[], 
 
 
 def test_a_slow_steady_curve_is_not_called_oscillating() -> None:
-    from lightning_gradguard.callbacks.overfit_batch import OverfitResult
+    from lightning_gradguard.preflight import OverfitResult
+    from lightning_gradguard.preflight.diagnosis import failed_finding
 
     def shape(losses: list[float]) -> str:
         r = OverfitResult(
@@ -746,7 +746,7 @@ def test_a_slow_steady_curve_is_not_called_oscillating() -> None:
             initial_loss=losses[0], final_loss=losses[-1], target_loss=0.1 * losses[0], losses=losses,
             grad_norms=[], seconds=0.0, num_samples=16, optimizer="Adam",
         )  # fmt: skip
-        return OverfitBatchSanity()._failed_finding(r).message.split("curve ")[1]
+        return failed_finding(r).message.split("curve ")[1]
 
     steady = [1.6 * 0.993**k for k in range(200)]  # 1.6 -> 0.39: more than 1.5x between the halves
     assert shape(steady).startswith("slow")
@@ -862,7 +862,8 @@ class Apply(nn.Module):
 @pytest.mark.parametrize(("fn", "words"), [(RoundSTE, "straight-through"), (Reverse, "up to the sign")])
 def test_deliberate_surrogate_gradients_are_reported_with_a_hint_that_names_them(fn: Any, words: str) -> None:
     """A backward that differs from the derivative on purpose is a mismatch; the hint names its shape."""
-    from lightning_gradguard.callbacks.gradient_check import gradient_check, pattern
+    from lightning_gradguard.functional.gradcheck_report import pattern
+    from lightning_gradguard.preflight import gradient_check
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(FEATURES, 16), Apply(fn), nn.Tanh(), nn.Linear(16, CLASSES))

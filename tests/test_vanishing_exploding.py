@@ -15,6 +15,7 @@ from torch import nn
 from lightning_gradguard import GradientNormLogger
 from lightning_gradguard.alerts import GradGuardError
 from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+from lightning_gradguard.functional.gradient_verdict import VerdictRules, explain, judge, opening_layers
 from lightning_gradguard.functional.health import (
     depth_ratio,
     ema,
@@ -23,6 +24,7 @@ from lightning_gradguard.functional.health import (
     robust_baseline,
     spike_ratio,
 )
+from lightning_gradguard.hooks.order import ForwardOrder
 
 
 # ---------------------------------------------------------------------------------------------- pure math
@@ -437,3 +439,40 @@ def test_lightning_cli_builds_both_detectors_from_yaml(tmp_path: Path) -> None:
     (mon,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, DeadReLUMonitor)]
     assert (det.max_norm, det.spike_factor, det.check_every_n_steps, det.action) == (None, 20.0, 3, "stop")
     assert (mon.every_n_steps, mon.threshold, mon.check_saturation) == (25, 0.7, False)
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+def test_forward_order_is_a_scope_in_a_plain_loop() -> None:
+    model = ReversedNames()
+    with ForwardOrder(model) as watch:
+        assert watch.attached
+        model.a_out(torch.tanh(model.m_mid(torch.tanh(model.z_in(torch.randn(2, 8))))))
+        model.z_in(torch.randn(2, 8))  # a module that runs again keeps its first position
+    assert watch.order == {"z_in": 0, "m_mid": 1, "a_out": 2} and not watch.attached
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_judge_on_host_numbers() -> None:
+    rules = VerdictRules()
+    kwargs: dict[str, Any] = {"labels": ["a", "b"], "numels": [10, 10], "history": [], "rules": rules}
+    none = judge(values=[1.0, 2.0], total=math.inf, forward_order={}, **kwargs)
+    assert (none.exploding, none.vanishing, none.spike) == ([], [], False)
+    assert all(math.isnan(f) for f in none.flow) and none.data == {"total_norm": math.inf}
+    big = judge(values=[100.0, 150.0], total=180.0, forward_order={"a": 0, "b": 1}, **kwargs)
+    assert big.exploding == ["the total norm exceeds max_norm=100"] and big.vanishing == []
+    assert (big.top, big.top_values) == (["b", "a"], [150.0, 100.0])
+    said = explain("exploding_gradient", big, 2, [], rules)
+    assert said.where == "b" and said.data["suggested_clip_val"] == 1.0
+    assert "gradient_clip_val=1)" in said.hint and said.message.startswith("Gradient norm 180 for 2")
+    tiny = judge(values=[1e-12, 1.0], total=1.0, forward_order={"a": 0, "b": 1}, **kwargs)
+    assert tiny.vanishing_layers == ["a"] and explain("vanishing_gradient", tiny, 2, [], rules).where == "a"
+
+
+def test_opening_layers_returns_new_bookkeeping() -> None:
+    opening: dict[str, float] = {}
+    seen: set[str] = set()
+    found = opening_layers(["a", "b"], [0.0, 1.0], opening, seen)
+    assert found.positions == {0} and found.opening == {"a": 0.0} and found.seen == {"a", "b"}
+    assert opening == {} and seen == set()  # the inputs are left alone
+    later = opening_layers(["a", "b"], [1e-3, 1.0], found.opening, found.seen)
+    assert later.positions == {0} and later.opening == {"a": 1e-3}

@@ -2,13 +2,18 @@
 re-exported from ``preflight`` and ``tuner``."""
 
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
-from lightning_gradguard.callbacks.gradient_check import GradientCheck, GradientCheckResult, gradient_check
 from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
-from lightning_gradguard.callbacks.lr_finder import LRFinderPlus, LRFinderResult, lr_find
 from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
-from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, OverfitResult
 from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
 from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.preflight import (
+    GradientCheck,
+    GradientCheckResult,
+    OverfitBatchSanity,
+    OverfitResult,
+    gradient_check,
+)
+from lightning_gradguard.tuner import LRFinderPlus, LRFinderResult, lr_find
 
 __all__ = [
     "DeadReLUMonitor",

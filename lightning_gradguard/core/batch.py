@@ -9,7 +9,6 @@ strategy's ``batch_to_device`` (which runs ``transfer_batch_to_device`` and ``on
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +19,7 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch import Tensor
 
 from lightning_gradguard.core.snapshot import loader_generators, tensors_free_iterables
+from lightning_gradguard.functional.tree import tensors_in
 
 __all__ = [
     "batch_size_of",
@@ -36,18 +36,6 @@ def prepare_batch(trainer: pl.Trainer, batch: Any, dataloader_idx: int = 0) -> A
     batch = trainer.precision_plugin.convert_input(batch)
     batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
     return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
-
-
-def tensors_in(obj: Any) -> Iterator[Tensor]:
-    """Every tensor inside nested lists, tuples and dicts, in order."""
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from tensors_in(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from tensors_in(x)
 
 
 def batch_size_of(batch: Any) -> int | None:

@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_gradguard.core.state import TrainerState, trainer_state
 from lightning_gradguard.functional.stats import foreach_norms, group_index, layer_names, reduce_norms
 
-__all__ = ["StepStats", "step_stats"]
+__all__ = ["StepStats", "active_scaler", "step_stats"]
 
 
 def _trainable(
@@ -53,10 +53,16 @@ def _trainable(
     return names, params
 
 
+def active_scaler(trainer: pl.Trainer) -> Any:
+    """The GradScaler of the Trainer's precision plugin when it is enabled (16-mixed), else ``None``."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
 def _grad_scale(trainer: pl.Trainer, optimizer: Any) -> Tensor | None:
     """The GradScaler scale when the optimizer's gradients are still scaled (fused optimizers)."""
-    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+    scaler = active_scaler(trainer)
+    if scaler is None:
         return None
     opt = getattr(optimizer, "optimizer", optimizer)
     try:

@@ -27,6 +27,8 @@ import torch
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 
+from lightning_gradguard.core.stats import active_scaler
+
 __all__ = [
     "configured_lr",
     "loss_of",
@@ -101,11 +103,6 @@ def seed_all(seed: int) -> None:
     np.random.seed(seed)
 
 
-def _scaler(trainer: pl.Trainer) -> Any:
-    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-    return scaler if scaler is not None and scaler.is_enabled() else None
-
-
 def trial_loss(
     trainer: pl.Trainer,
     pl_module: nn.Module,
@@ -137,7 +134,7 @@ def trial_loss(
 def trial_backward(trainer: pl.Trainer, loss: Tensor, divide: int = 1) -> None:
     """Backward of ``loss / divide`` (accumulation), scaled by the GradScaler when one is active."""
     scaled = loss / divide if divide != 1 else loss
-    scaler = _scaler(trainer)
+    scaler = active_scaler(trainer)
     if scaler is not None:
         scaled = scaler.scale(scaled)
     scaled.backward()
@@ -151,7 +148,7 @@ def trial_optimizer_step(trainer: pl.Trainer, optimizer: Any, clip: bool = True)
     """
     clip_val = trainer.gradient_clip_val if clip else None
     algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or "norm")
-    scaler = _scaler(trainer)
+    scaler = active_scaler(trainer)
     if scaler is None:
         if clip_val:
             trainer.precision_plugin.clip_gradients(optimizer, clip_val, algorithm)

@@ -2,7 +2,13 @@
 
 * ``stats``: grouped gradient/weight norms, non-finite counts, on-device histograms, clip suggestions;
 * ``health``: robust baselines, spike and growth tests, gradient flow, dead-unit and saturation counts;
-* ``gradcheck``: the Taylor test and symmetric finite differences (float64);
+* ``gradcheck``: the Taylor test, and symmetric finite differences (``finite_difference``, re-exported),
+  in float64;
+* ``gradcheck_module``: the gradient check of an ``nn.Module`` on a float64 copy (the engine under
+  ``lightning_gradguard.gradient_check``), with ``gradcheck_graph`` (the float64 copy, custom
+  ``autograd.Function`` detection: ``find_custom_functions``) and ``gradcheck_report`` (its words);
+* ``overfit``: the overfit-one-batch check's reading of a loss curve;
+* ``tree``: the tensors in nested batches and outputs;
 * ``lr_suggest``: the LR range test's sweep, smoothing, divergence rule and suggestions.
 
 Example::
@@ -26,6 +32,12 @@ from lightning_gradguard.functional.gradcheck import (
     sample_coordinates,
     taylor_check,
     taylor_test,
+)
+from lightning_gradguard.functional.gradcheck_graph import find_custom_functions
+from lightning_gradguard.functional.gradcheck_module import (
+    GradientCheckResult,
+    ParameterCheck,
+    gradcheck_module,
 )
 from lightning_gradguard.functional.health import (
     SATURATION_BOUNDS,
@@ -75,7 +87,9 @@ __all__ = [
     "DirectionalResult",
     "DivergenceMonitor",
     "FiniteDifferenceResult",
+    "GradientCheckResult",
     "HistogramSpec",
+    "ParameterCheck",
     "TaylorCheckResult",
     "TaylorResult",
     "activity_counts",
@@ -87,8 +101,10 @@ __all__ = [
     "directional_difference",
     "ema",
     "ema_smooth",
+    "find_custom_functions",
     "finite_difference_check",
     "foreach_norms",
+    "gradcheck_module",
     "gradient_flow",
     "group_index",
     "grouped_norms",

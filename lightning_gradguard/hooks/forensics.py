@@ -3,7 +3,8 @@
 Both functions replay a computation (a closure returning the loss) on copies of the parameters, so the
 real parameters, their ``.grad`` and any DDP gradient hooks are untouched, and the caller's RNG state
 is restored afterwards. They are meant for the rare failing step, never for the happy path, and work
-on any ``nn.Module`` (no Trainer needed).
+on any ``nn.Module`` (no Trainer needed). :func:`replay_origin` runs them on a LightningModule's
+``training_step`` as the run called it.
 """
 
 from __future__ import annotations
@@ -15,27 +16,28 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BackwardOrigin", "ForwardOrigin", "find_backward_origin", "find_forward_origin", "replayed"]
+from lightning_gradguard.core.batch import tensors_in
+from lightning_gradguard.core.snapshot import RNGState
+from lightning_gradguard.core.trial import loss_of, quiet_logging, training_step_of
 
-
-def _tensors(obj: Any) -> Iterator[Tensor]:
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors(x)
+__all__ = [
+    "BackwardOrigin",
+    "ForwardOrigin",
+    "find_backward_origin",
+    "find_forward_origin",
+    "replay_origin",
+    "replayed",
+]
 
 
 def _nonfinite(obj: Any) -> int:
     """Number of NaN/inf entries in every floating tensor inside ``obj``."""
     total = 0
-    for t in _tensors(obj):
+    for t in tensors_in(obj):
         if t.is_floating_point() or t.is_complex():
             total += int((~torch.isfinite(t.detach())).sum())
     return total
@@ -90,17 +92,12 @@ def replayed(module: nn.Module, requires_grad: bool) -> Iterator[None]:
         n: p.detach().clone().requires_grad_(requires_grad and p.requires_grad)
         for n, p in module.named_parameters()
     }
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = (
-        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    )
+    rng = RNGState()
     try:
         with torch.nn.utils.stateless._reparametrize_module(module, params):
             yield
     finally:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        rng.restore()
 
 
 def find_forward_origin(module: nn.Module, run: Callable[[], Any]) -> ForwardOrigin | None:
@@ -172,6 +169,25 @@ def find_backward_origin(module: nn.Module, run: Callable[[], Any]) -> BackwardO
             for h in handles:
                 h.remove()
     return found[0] if found else None
+
+
+def replay_origin(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, backward: bool
+) -> ForwardOrigin | BackwardOrigin | None:
+    """Replay ``training_step`` on ``batch`` (the precision context, no logging): where NaN/inf was born.
+
+    The forward pass first; when it is clean and ``backward`` is set, the backward pass. ``None`` when
+    both stay finite.
+    """
+
+    def run() -> Any:
+        with trainer.precision_plugin.train_step_context(), quiet_logging(pl_module):
+            return loss_of(training_step_of(pl_module, batch, batch_idx))
+
+    forward = find_forward_origin(pl_module, run)
+    if forward is not None or not backward:
+        return forward
+    return find_backward_origin(pl_module, run)
 
 
 def _nonfinite_message(op: str) -> str:

@@ -26,12 +26,12 @@ from torch import nn
 
 from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
-from lightning_gradguard.callbacks.gradient_check import GradientCheck
 from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
-from lightning_gradguard.callbacks.lr_finder import LRFinderPlus
 from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
-from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity
 from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+from lightning_gradguard.preflight.gradient_check import GradientCheck
+from lightning_gradguard.preflight.overfit import OverfitBatchSanity
+from lightning_gradguard.tuner import LRFinderPlus
 
 NAN_AT = 3
 N_SAMPLES, BATCH = 192, 8  # 12 optimizer steps per rank and epoch

@@ -18,8 +18,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_gradguard.callbacks.gradient_check import GradientCheck
-from lightning_gradguard.callbacks.overfit_batch import OverfitBatchSanity, SanityCheckError
+from lightning_gradguard.preflight import GradientCheck, OverfitBatchSanity, SanityCheckError
 
 
 class ScaleFn(torch.autograd.Function):

@@ -1,0 +1,372 @@
+r"""The verdict on one check of per-layer gradient norms: exploding or vanishing, where, why, what to try.
+
+Pure functions on host numbers (a handful of per-layer norms already brought to the host), no Trainer.
+:func:`judge` applies the rules of :class:`VerdictRules` and returns a :class:`GradientVerdict`;
+:func:`explain` puts a verdict into words (message, hint, ``where``); :func:`opening_layers` tracks the
+layers behind zero-initialized weights. The rules:
+
+**Exploding** when at least one of:
+
+* the total norm exceeds ``max_norm`` (the usual red line is 100);
+* after ``warmup_checks`` checks, the total norm is more than ``spike_factor`` times this run's
+  current level and more than twice the largest of its last ``history_size`` checked norms (healthy
+  runs late in training are heavy-tailed: norms spread over two decades are normal). The level is the
+  larger of the median of those norms and the median of the last ``warmup_checks`` of them: the long
+  median alone lags a level that is still rising by design (a GAN's generator while its
+  discriminator learns), which would make every sample of the rise look like a jump. A spike is kept
+  out of the baseline until it has been reported (the caller's history);
+* over the last ``growth_window`` checks the norm rose steadily by more than ``growth_factor``.
+
+**Vanishing** when at least one of:
+
+* the first layer (in forward order) has less than ``depth_ratio_floor`` of the last layer's norm
+  *and* an absolute norm below ``first_layer_floor`` (AutoTrainer's rule: 1e-3 and 1e-4);
+* a layer's root-mean-square gradient is below ``min_rms`` (SageMaker's mean\|g\| < 1e-7; RMS is an
+  upper bound of mean\|g\|, so this fires only when mean\|g\| is even smaller). Embedding tables
+  (``nn.Embedding``, ``nn.EmbeddingBag``) are left out: the rows a batch did not touch have a gradient
+  of exactly 0, so their RMS measures the vocabulary size;
+* a layer's norm is below ``relative_floor`` times the largest layer norm of the same step.
+
+Layers without a gradient this step (frozen, unused, or exactly zero behind a dead path) are never
+called vanishing. A layer whose gradient is exactly 0 the first time it is checked, while other layers
+have one, sits behind a weight that starts at 0 (LoRA's ``B``, a zero-initialized residual gain or
+output layer, ReZero): its gradient grows from 0 by design. Until it has grown 100x past its first
+non-zero value such layers are compared only with each other (depth ratio, relative floor) and the
+absolute ``min_rms`` floor does not apply to them. A NaN/inf total norm gives no verdict (that is
+NaN detection's finding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
+from lightning_gradguard.functional.stats import suggest_clip_value
+
+__all__ = [
+    "EXPLODING_HINT",
+    "VANISHING_HINT",
+    "Explanation",
+    "GradientVerdict",
+    "Opening",
+    "VerdictRules",
+    "explain",
+    "judge",
+    "named",
+    "opening_layers",
+]
+
+_MAX_NAMED = 5
+#: a spike must also beat the largest recent norm by this factor (heavy-tailed healthy runs stay below)
+_SPIKE_OVER_MAX = 2.0
+#: a layer that started behind a zero-initialized weight is judged again once its gradient grew this much
+_OPENED_FACTOR = 100.0
+
+EXPLODING_HINT = (
+    "Clip gradients: Trainer(gradient_clip_val={clip:g}) ({clip_why}). Lower the learning rate (try 10x "
+    "lower). Check the initialization (He/Kaiming for ReLU, Xavier for tanh/sigmoid). In deep or recurrent "
+    "nets add normalization (BatchNorm/LayerNorm) and residual connections."
+)
+VANISHING_HINT = (
+    "Use non-saturating activations (ReLU/GELU instead of sigmoid/tanh), He/Xavier initialization, "
+    "BatchNorm/LayerNorm between layers and residual connections in deep nets; raise the learning rate "
+    "only after those fixes."
+)
+
+
+@dataclass(frozen=True)
+class VerdictRules:
+    """The thresholds of :func:`judge` (``None`` turns a rule off); see the module docstring."""
+
+    max_norm: float | None = 100.0
+    spike_factor: float | None = 10.0
+    growth_factor: float | None = 100.0
+    growth_window: int = 10
+    warmup_checks: int = 5
+    depth_ratio_floor: float | None = 1e-3
+    first_layer_floor: float = 1e-4
+    min_rms: float | None = 1e-7
+    relative_floor: float | None = 1e-5
+
+
+@dataclass(frozen=True)
+class GradientVerdict:
+    """The verdict of one check: the reasons each condition holds (empty: it does not), and the numbers.
+
+    ``flow`` is ``log10(layer norm / largest layer norm)`` per layer; ``top`` / ``top_values`` the
+    largest layers (at most five); ``data`` the numbers an alert carries (``total_norm``, ``spike_ratio``,
+    ``growth_factor``, ``first_last_ratio``, ``first_layer_norm``, ``opening_layers``, where computed).
+    """
+
+    labels: list[str]
+    values: list[float]
+    total: float
+    exploding: list[str] = field(default_factory=list)
+    vanishing: list[str] = field(default_factory=list)
+    vanishing_layers: list[str] = field(default_factory=list)
+    spike: bool = False
+    data: dict[str, float] = field(default_factory=dict)
+    flow: list[float] = field(default_factory=list)
+    top: list[str] = field(default_factory=list)
+    top_values: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """The layers still opening (``positions`` in this check), and the updated bookkeeping.
+
+    ``opening`` maps a layer behind a zero-initialized weight to its first non-zero norm (0.0 while it is
+    still 0); ``seen`` holds every layer checked so far.
+    """
+
+    positions: set[int]
+    opening: dict[str, float]
+    seen: set[str]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """A verdict in words, for an alert."""
+
+    where: str | None
+    message: str
+    hint: str
+    data: dict[str, float]
+
+
+def named(labels: Sequence[str], values: Sequence[float], fmt: str = "{:.3g}") -> str:
+    """``"a (1.2), b (3.4)"`` for the first five layers, ``" and N more"`` for the rest."""
+    shown = [f"{n} ({fmt.format(v)})" for n, v in zip(labels[:_MAX_NAMED], values[:_MAX_NAMED], strict=False)]
+    more = f" and {len(labels) - _MAX_NAMED} more" if len(labels) > _MAX_NAMED else ""
+    return ", ".join(shown) + more
+
+
+def _where(labels: Sequence[str]) -> str | None:
+    if not labels:
+        return None
+    more = f",+{len(labels) - 3}" if len(labels) > 3 else ""
+    return ",".join(labels[:3]) + more
+
+
+def opening_layers(
+    labels: Sequence[str], values: Sequence[float], opening: Mapping[str, float], seen: Collection[str]
+) -> Opening:
+    """Positions of layers behind a zero-initialized weight whose gradient is still growing from zero.
+
+    A layer whose gradient is exactly 0 the first time it is checked while other layers have one sits
+    behind a weight that starts at zero (LoRA's ``B``, a zero-initialized residual gain or output
+    layer, ReZero, ControlNet's zero convolutions): its gradient is proportional to that weight and
+    grows from 0 by design. It is left out of the vanishing rules until its norm has grown
+    ``_OPENED_FACTOR`` times past its first non-zero value; after that it is an ordinary layer.
+    ``opening`` and ``seen`` are the bookkeeping of the earlier checks (not modified).
+    """
+    opening, seen = dict(opening), set(seen)
+    finite = [v for v in values if math.isfinite(v)]
+    others_live = any(v > 0 for v in finite)
+    out: set[int] = set()
+    for i, (name, v) in enumerate(zip(labels, values, strict=True)):
+        if name not in seen:
+            seen.add(name)
+            if v == 0.0 and others_live:
+                opening[name] = 0.0
+        start = opening.get(name)
+        if start is None or not math.isfinite(v):
+            continue
+        if start == 0.0 and v > 0.0:
+            opening[name] = start = v
+        if start == 0.0 or v < _OPENED_FACTOR * start:
+            out.add(i)
+        else:
+            del opening[name]
+    return Opening(positions=out, opening=opening, seen=seen)
+
+
+def _exploding(
+    total: float, hist: list[float], rules: VerdictRules, data: dict[str, float]
+) -> tuple[list[str], bool]:
+    """The exploding rules: their reasons, and whether the spike rule fired (``data`` gets the numbers)."""
+    reasons: list[str] = []
+    spike = False
+    if rules.max_norm is not None and total > rules.max_norm:
+        reasons.append(f"the total norm exceeds max_norm={rules.max_norm:g}")
+    if rules.spike_factor is not None and len(hist) >= rules.warmup_checks:
+        ratio = spike_ratio(total, hist, recent=rules.warmup_checks)
+        record = total / max(hist)
+        data["spike_ratio"] = ratio
+        if ratio > rules.spike_factor and record > _SPIKE_OVER_MAX:
+            spike = True
+            reasons.append(
+                f"it is {ratio:.3g}x the run's level (the larger median of the last {len(hist)} and of "
+                f"the last {min(len(hist), rules.warmup_checks)} checked norms) and {record:.3g}x the "
+                f"largest of them (spike_factor={rules.spike_factor:g})"
+            )
+    if rules.growth_factor is not None and len(hist) + 1 >= rules.growth_window:
+        g = growth_factor([*hist[-(rules.growth_window - 1) :], total])
+        data["growth_factor"] = g
+        if g > rules.growth_factor:
+            reasons.append(
+                f"it grew steadily {g:.3g}x over the last {rules.growth_window} checks "
+                f"(growth_factor={rules.growth_factor:g})"
+            )
+    return reasons, spike
+
+
+def _vanishing(
+    labels: Sequence[str],
+    values: list[float],
+    flow: list[float],
+    numels: Sequence[int],
+    groups: list[list[int]],
+    rules: VerdictRules,
+    forward_order: Mapping[str, int],
+    embeddings: Collection[str],
+    data: dict[str, float],
+) -> tuple[list[str], set[int]]:
+    """The vanishing rules: their reasons and the positions of the low layers (``data`` gets the numbers).
+
+    ``groups`` holds the positions of the live ordinary layers and of the live opening layers.
+    """
+    reasons: list[str] = []
+    low: set[int] = set()
+    if rules.min_rms is not None:
+        # An absolute per-element floor: not for a gradient growing from 0 by design (opening), nor
+        # for an embedding table, whose RMS is dominated by the rows this batch never touched (their
+        # gradient is exactly 0): a 50k x 768 table has a 6000x lower RMS than the rows in use.
+        live = [i for i in groups[0] if labels[i] not in embeddings]
+        rms = {i: values[i] / math.sqrt(max(numels[i], 1)) for i in live}
+        under = [i for i in live if rms[i] < rules.min_rms]
+        if under:
+            low.update(under)
+            reasons.append(
+                f"RMS gradient below min_rms={rules.min_rms:g} in "
+                + named([labels[i] for i in under], [rms[i] for i in under], "RMS {:.2e}")
+            )
+    if rules.relative_floor is not None:
+        floor = math.log10(rules.relative_floor)
+        for live in groups:
+            if not live:
+                continue
+            top_of_group = max(flow[i] for i in live)
+            rel = {i: flow[i] - top_of_group for i in live}
+            under = [i for i in live if rel[i] < floor]
+            if under:
+                low.update(under)
+                reasons.append(
+                    f"norm below relative_floor={rules.relative_floor:g} of the largest layer's in "
+                    + named([labels[i] for i in under], [10 ** rel[i] for i in under], "{:.2e} of it")
+                )
+    if rules.depth_ratio_floor is not None:
+        for g, live in enumerate(groups):
+            idx = [
+                i
+                for _, i in sorted((forward_order[labels[i]], i) for i in live if labels[i] in forward_order)
+            ]
+            ratio, a, b = depth_ratio([values[i] for i in idx]) if len(idx) >= 2 else (math.nan, -1, -1)
+            if not math.isfinite(ratio):
+                continue
+            first, last = idx[a], idx[b]
+            if g == 0:
+                data["first_last_ratio"] = ratio
+                data["first_layer_norm"] = values[first]
+            if ratio < rules.depth_ratio_floor and values[first] < rules.first_layer_floor:
+                low.add(first)
+                among = " (among the layers behind zero-initialized weights)" if g else ""
+                reasons.append(
+                    f"the first layer {labels[first]} has {ratio:.2e} of the last layer "
+                    f"{labels[last]}'s norm{among} ({values[first]:.2e} vs {values[last]:.2e}; floors "
+                    f"{rules.depth_ratio_floor:g} and {rules.first_layer_floor:g})"
+                )
+    return reasons, low
+
+
+def judge(
+    *,
+    labels: Sequence[str],
+    values: Sequence[float],
+    total: float,
+    numels: Sequence[int],
+    history: Sequence[float],
+    rules: VerdictRules,
+    forward_order: Mapping[str, int],
+    opening: Collection[int] = (),
+    embeddings: Collection[str] = (),
+) -> GradientVerdict:
+    """The verdict of one check (pure Python on a handful of numbers).
+
+    Args:
+        labels: the layers, ``values`` their gradient norms and ``numels`` their element counts.
+        total: the total gradient norm; a NaN/inf total gives no verdict (empty reasons, NaN flow).
+        history: this run's recent finite total norms of checked steps (the spike and growth baseline).
+        rules: the thresholds.
+        forward_order: layer -> position in the forward pass (the first and last layer).
+        opening: positions of layers behind zero-initialized weights (:func:`opening_layers`).
+        embeddings: embedding layers (left out of the ``min_rms`` floor).
+    """
+    labels, values = list(labels), list(values)
+    data: dict[str, float] = {"total_norm": total}
+    if not math.isfinite(total):  # NaN/inf gradients are NaNSentinel's business
+        return GradientVerdict(
+            labels=labels, values=values, total=total, data=data, flow=[math.nan] * len(labels)
+        )
+    exploding, spike = _exploding(total, list(history), rules, data)
+    order = sorted(range(len(labels)), key=lambda i: -values[i] if math.isfinite(values[i]) else 0.0)
+    top = [i for i in order if values[i] > 0][:_MAX_NAMED]
+    flow = gradient_flow(values).tolist()
+    # Layers behind a zero-initialized weight ("opening") are compared with each other, never with
+    # the rest: their gradients are all scaled down by weights that start at 0 and grow together.
+    if opening:
+        data["opening_layers"] = float(len(opening))
+    positive = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
+    groups = [[i for i in positive if i not in opening], [i for i in positive if i in opening]]
+    vanishing, low = _vanishing(labels, values, flow, numels, groups, rules, forward_order, embeddings, data)
+    return GradientVerdict(
+        labels=labels,
+        values=values,
+        total=total,
+        exploding=exploding,
+        vanishing=vanishing,
+        vanishing_layers=[labels[i] for i in sorted(low)],
+        spike=spike,
+        data=data,
+        flow=flow,
+        top=[labels[i] for i in top],
+        top_values=[values[i] for i in top],
+    )
+
+
+def explain(
+    kind: str, verdict: GradientVerdict, patience: int, history: Sequence[float], rules: VerdictRules
+) -> Explanation:
+    """``exploding_gradient`` or ``vanishing_gradient`` in words: message, hint, ``where`` and data.
+
+    The exploding hint suggests a ``gradient_clip_val``: about the 90th percentile of this run's earlier
+    norms (``history``, those under ``max_norm``) once there are ``warmup_checks`` of them, else 1.0.
+    """
+    data = dict(verdict.data)
+    if kind == "exploding_gradient":
+        hist = [h for h in history if rules.max_norm is None or h <= rules.max_norm]
+        clip = suggest_clip_value(hist) if len(hist) >= rules.warmup_checks else None
+        clip_why = "about the 90th percentile of this run's earlier norms"
+        if clip is None:
+            clip, clip_why = 1.0, "the usual starting point; tune it from grad_norm/total"
+        data["suggested_clip_val"] = clip
+        reasons = "; ".join(verdict.exploding) or "the condition held on another rank"
+        message = (
+            f"Gradient norm {verdict.total:.3g} for {patience} consecutive checks: {reasons}. "
+            f"Largest layers: {named(verdict.top, verdict.top_values)}."
+        )
+        return Explanation(
+            where=_where(verdict.top[:1]),
+            message=message,
+            hint=EXPLODING_HINT.format(clip=clip, clip_why=clip_why),
+            data=data,
+        )
+    reasons = "; ".join(verdict.vanishing) or "the condition held on another rank"
+    return Explanation(
+        where=_where(verdict.vanishing_layers),
+        message=f"Gradients vanish ({patience} consecutive checks): {reasons}.",
+        hint=VANISHING_HINT,
+        data=data,
+    )

@@ -1,0 +1,82 @@
+"""The outcome of one learning-rate range test, and its figure."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LRFinderResult"]
+
+
+@dataclass
+class LRFinderResult:
+    """The outcome of one range test.
+
+    Attributes:
+        lrs: learning rate of parameter group 0 at each recorded optimizer step.
+        losses: the raw training loss of each recorded step (mean over micro-batches and ranks).
+        smoothed: the online bias-corrected EMA the stop rule used.
+        curve: the zero-lag smoothed curve the suggestions were computed on.
+        suggestions: every method's suggestion (``None`` where a method had none).
+        method: the method that picks ``suggestion``.
+        suggestion: the suggested learning rate for parameter group 0, or ``None`` (see ``reason``).
+        epoch: the epoch at whose start the test ran.
+        stop_reason: why the sweep ended: ``"completed"`` (all ``num_training`` steps), ``"diverged"``
+            (the stop rule fired), ``"non-finite loss"``, ``"no loss"`` (``training_step`` returned no
+            loss), ``"no data"`` (the training dataloader yielded no batch), or ``"not run"`` (an
+            unsupported setup: see ``reason``).
+        reason: why there is no suggestion (empty when there is one).
+        skipped_steps: optimizer steps the GradScaler skipped (their points are dropped).
+        seconds: wall time of the sweep.
+        applied: whether the suggestion was set on the optimizer (``apply=True`` and a suggestion).
+        applied_lr: the learning rate group 0 is configured with after applying, read back from the
+            optimizer (the LR a scheduler scales from, e.g. OneCycleLR's peak): the suggestion. ``None``
+            when nothing was applied. It is also written to the loggers' hyperparameters.
+    """
+
+    lrs: list[float]
+    losses: list[float]
+    smoothed: list[float]
+    curve: list[float]
+    suggestions: dict[str, float | None]
+    method: str
+    suggestion: float | None
+    epoch: int = 0
+    stop_reason: str = "completed"
+    reason: str = ""
+    skipped_steps: int = 0
+    seconds: float = 0.0
+    applied: bool = False
+    applied_lr: float | None = None
+
+    def plot(self, ax: Any = None) -> Any:
+        """Draw the raw and smoothed curves against log-LR, every suggestion marked; returns the figure."""
+        from matplotlib.figure import Figure
+
+        if ax is None:
+            fig = Figure(figsize=(6.4, 4.2))
+            ax = fig.add_subplot(1, 1, 1)
+        else:
+            fig = ax.figure
+        ax.plot(self.lrs, self.losses, color="0.75", lw=1, label="loss")
+        ax.plot(self.lrs, self.curve, color="C0", lw=2, label="smoothed")
+        colors = {"valley": "C1", "steep": "C2", "minimum": "C3", "slide": "C4"}
+        for name, lr in self.suggestions.items():
+            if lr is None:
+                continue
+            chosen = " (chosen)" if name == self.method else ""
+            style = "-" if chosen else "--"
+            label = "minimum/10" if name == "minimum" else name  # the rule is the lowest loss's LR / 10
+            ax.axvline(lr, color=colors.get(name, "k"), ls=style, lw=1.5, label=f"{label} {lr:.2e}{chosen}")
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel("training loss")
+        ax.set_title(f"LR range test (epoch {self.epoch})")
+        finite = [v for v in self.curve if math.isfinite(v)]
+        if finite:
+            lo, hi = min(finite), max([*finite[: max(1, len(finite) // 3)], min(finite)])
+            pad = 0.1 * (hi - lo if hi > lo else abs(lo) + 1.0)
+            ax.set_ylim(lo - pad, max(finite[0], hi) + pad)
+        ax.legend(fontsize=8)
+        return fig

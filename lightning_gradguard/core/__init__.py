@@ -4,6 +4,8 @@
 * ``state``: what the callbacks of one Trainer share; one-time messages; strict mode.
 * ``cadence``: Lightning's logging axis and rule (when to measure and log).
 * ``stats``: the statistics of one optimizer step, computed once on the device for every callback.
+* ``grad_norms``: the gradient/weight norms a logging step or a detector check reads, in one transfer.
+* ``activations``: activity counts of a sampled step summed across ranks and read in one transfer.
 * ``transfer``: the one device -> host transfer of a step.
 * ``collective``: verdicts reduced across ranks, so every rank acts alike.
 * ``emit``: the one way out to the loggers (scalars, histograms, text, the custom-scalars layout).

@@ -9,7 +9,10 @@
   ``autograd.Function`` detection: ``find_custom_functions``) and ``gradcheck_report`` (its words);
 * ``overfit``: the overfit-one-batch check's reading of a loss curve;
 * ``tree``: the tensors in nested batches and outputs;
-* ``lr_suggest``: the LR range test's sweep, smoothing, divergence rule and suggestions.
+* ``lr_suggest``: the LR range test's sweep, smoothing, divergence rule and suggestions;
+* ``clipping`` (clip-window statistics), ``updates`` (update/weight ratios), ``gradient_verdict`` (the
+  exploding/vanishing rules on host numbers) and ``activations`` (dead-unit windows and verdicts): the
+  rules under the monitors, importable by module; their names are not re-exported here.
 
 Example::
 

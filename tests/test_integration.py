@@ -244,9 +244,9 @@ def test_trial_steps_reach_no_monitor_and_charts_start_at_step_zero(config: str,
     assert trainer.global_step == n_steps
     # NaNSentinel: the sweep's divergence (max_lr=10) did not reach it; its norm history is the real steps'
     assert sentinel.alerts == []
-    assert sentinel._history_steps == list(range(n_steps))
-    history = sentinel._history[: len(sentinel._history_steps)].tolist()
-    for step, value in zip(sentinel._history_steps, history, strict=True):
+    assert sentinel.norm_history.steps == list(range(n_steps))
+    history = [r.total_grad_norm for r in sentinel.norm_history.records()]
+    for step, value in zip(sentinel.norm_history.steps, history, strict=True):
         if math.isfinite(model.norms[step]):
             assert value == pytest.approx(model.norms[step], rel=1e-4)  # unscaled, as the module saw it
     # VanishingExplodingDetector: its baseline holds the checked real steps' norms only
@@ -448,7 +448,7 @@ def test_resume_from_checkpoint_repeats_no_preflight_or_sweep_and_continues_exac
     assert trainer.optimizers[0].param_groups[0]["lr"] == suggested
     assert resumed.steps == list(range(STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH))
     sentinel = by_type(cbs, NaNSentinel)
-    assert sentinel.alerts == [] and sentinel._history_steps == resumed.steps
+    assert sentinel.alerts == [] and sentinel.norm_history.steps == resumed.steps
     assert sorted(memory.series("grad_norm/total")) == [
         s for s in resumed.steps if (s + 1) % LOG_EVERY == 0
     ]  # the step axis continues where the first run stopped
@@ -616,7 +616,7 @@ def test_resume_from_the_sentinels_last_good_checkpoint_with_all_callbacks(tmp_p
     assert trainer.optimizers[0].param_groups[0]["lr"] == suggested
     assert by_type(fixed, LRFinderPlus).results == []
     assert all(cb.alerts == [] for cb in fixed)
-    assert by_type(fixed, NaNSentinel)._history_steps == model.steps
+    assert by_type(fixed, NaNSentinel).norm_history.steps == model.steps
 
 
 def test_the_same_callbacks_serve_a_second_fresh_fit_as_a_new_run(tmp_path: Path) -> None:
@@ -653,7 +653,7 @@ def test_a_sweep_that_ends_in_nan_trips_no_monitor(tmp_path: Path) -> None:
     assert finder.result.stop_reason == "non-finite loss" and finder.result.suggestion is not None
     assert all(cb.alerts == [] for cb in callbacks)
     assert model.steps == list(range(STEPS_PER_EPOCH)) and all(math.isfinite(v) for v in model.losses)
-    assert by_type(callbacks, NaNSentinel)._history_steps == model.steps
+    assert by_type(callbacks, NaNSentinel).norm_history.steps == model.steps
     assert all(math.isfinite(v) for v in memory.series("grad_norm/total").values())
 
 

@@ -504,6 +504,19 @@ def test_a_warn_run_that_keeps_meeting_nans_replays_once_per_cooldown(tmp_path: 
     assert sorted(p.name for p in (tmp_path / "nan_report").iterdir()) == ["step_13", "step_3", "step_8"]
 
 
+def test_the_reports_recent_norms_are_the_latest_steps_after_the_ring_wrapped(tmp_path: Path) -> None:
+    """With history_size=3 and a NaN at step 7, the report lists steps 5, 6, 7 with their own norms
+    (the ring used to write every norm after the third into slot 0 and pair steps with the wrong slots)."""
+    model = PoisonedData(bad_step=7)
+    sentinel = NaNSentinel(history_size=3, save_checkpoint=False, save_batch=False)
+    err, _ = _fit_expecting_failure(model, tmp_path, sentinel=sentinel)
+    listed = err.report["recent_total_grad_norms"]
+    assert [r["step"] for r in listed] == [5, 6, 7]
+    for record in listed[:2]:  # the finite ones, against the module's own independent norms
+        assert record["total_grad_norm"] == pytest.approx(model.true_total[record["step"]], rel=1e-5)
+    assert math.isnan(listed[2]["total_grad_norm"])  # the poisoned step itself
+
+
 def test_shares_the_statistics_pass_with_the_logger(tmp_path: Path) -> None:
     """With GradientNormLogger on the same trainer, the per-parameter norms are computed once per step."""
     import lightning_gradguard.core.stats as shared

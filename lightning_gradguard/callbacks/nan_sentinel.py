@@ -142,8 +142,8 @@ class NaNSentinel(GradGuardCallback):
         self.consecutive_skips = 0
         self.last_report_dir: str | None = None
         self._step = _nan.StepTrack()
-        self._history: Tensor | None = None
-        self._history_steps: list[int] = []
+        #: the recent total gradient norms a report lists (on the device until a report reads them)
+        self.norm_history = _nan.NormRing(self.history_size)
         # the skip counters before the step being judged, and the state the last-good checkpoint holds
         self._counters_before = (0, 0)
         self._state_override: dict[str, Any] | None = None
@@ -154,7 +154,7 @@ class NaNSentinel(GradGuardCallback):
         super().on_fit_start(trainer, pl_module)
         if self.fresh_run(trainer):  # the report of this run lists this run's steps only
             self.skipped_steps = self.consecutive_skips = 0
-            self._history, self._history_steps = None, []
+            self.norm_history = _nan.NormRing(self.history_size)
         # a fit never starts inside an optimizer step (one stopped mid-accumulation leaves this behind)
         self._step = _nan.StepTrack()
 
@@ -193,8 +193,7 @@ class NaNSentinel(GradGuardCallback):
         closed = self._step.close()
         if self.check_gradients:  # the total norm, from the statistics every gradguard callback shares
             total, step = step_stats(trainer, pl_module, optimizer).grad_total(2.0), int(trainer.global_step)
-            ring = _nan.remember_norm(self._history, self._history_steps, self.history_size, total, step)
-            self._history, self._history_steps = ring
+            self.norm_history.push(total, step)
         if closed.poisoned is not None:
             # Accumulation: a micro-batch of this step was found poisoned and reported already (on every
             # rank alike, so no rank waits in a collective here). No second finding; drop the update.
@@ -269,7 +268,7 @@ class NaNSentinel(GradGuardCallback):
             # with the skip counters before this step.
             last_good = self.state_dict()
             last_good["skipped_steps"], last_good["consecutive_skips"] = self._counters_before
-            history = _nan.recent_norms(self._history, self._history_steps, self.history_size)
+            history = self.norm_history.records()
             self._state_override = last_good
             try:
                 filed = file_report(self, trainer, trainer.lightning_module, finding, history)

@@ -29,14 +29,13 @@ __all__ = [
     "Flags",
     "MicroBatch",
     "NormRecord",
+    "NormRing",
     "StepTrack",
     "drop_update",
     "grads_nonfinite",
     "named_grads",
     "params_nonfinite",
     "read_flags",
-    "recent_norms",
-    "remember_norm",
 ]
 
 
@@ -218,25 +217,37 @@ class NormRecord:
     total_grad_norm: float
 
 
-def remember_norm(
-    history: Tensor | None, steps: list[int], size: int, total: Tensor, step: int
-) -> tuple[Tensor, list[int]]:
-    """Write ``total`` (measured at ``step``) into the ring of ``size`` norms: the ring and its steps."""
-    if history is None or history.device != total.device:
-        history = torch.full((size,), float("nan"), device=total.device)
-        steps = []
-    history[len(steps) % size] = total.float()
-    steps.append(step)
-    del steps[:-size]
-    return history, steps
+class NormRing:
+    """The last ``size`` total gradient norms, kept on the device (no sync), with their steps.
 
+    Written every optimizer step; read only for a report (one host read then). The slot of a norm is its
+    position in the order of writes, so the ring keeps the latest ``size`` norms in order however long the
+    run is.
+    """
 
-def recent_norms(history: Tensor | None, steps: list[int], size: int) -> list[NormRecord]:
-    """The recent total gradient norms of a ring buffer of ``size`` slots, oldest first."""
-    if history is None or not steps:
-        return []
-    values = history.tolist()
-    n = len(steps)
-    return [
-        NormRecord(step=s, total_grad_norm=values[(n - len(steps) + i) % size]) for i, s in enumerate(steps)
-    ]
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.values: Tensor | None = None
+        self.steps: list[int] = []
+        self.written = 0
+
+    def push(self, total: Tensor, step: int) -> None:
+        """Keep ``total`` (a 0-dim device tensor) measured at ``step``."""
+        if self.values is None or self.values.device != total.device:
+            self.values = torch.full((self.size,), float("nan"), device=total.device)
+            self.steps, self.written = [], 0
+        self.values[self.written % self.size] = total.float()
+        self.written += 1
+        self.steps.append(step)
+        del self.steps[: -self.size]
+
+    def records(self) -> list[NormRecord]:
+        """The kept norms, oldest first."""
+        if self.values is None or not self.steps:
+            return []
+        values = self.values.tolist()
+        oldest = self.written - len(self.steps)
+        return [
+            NormRecord(step=s, total_grad_norm=values[(oldest + i) % self.size])
+            for i, s in enumerate(self.steps)
+        ]

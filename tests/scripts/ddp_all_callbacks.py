@@ -118,7 +118,7 @@ def main(out: Path) -> None:
         "overfit": [overfit.result.passed, overfit.result.steps, overfit.result.final_loss],
         "gradient_check": gcheck.result.passed,
         "finder": [finder.result.suggestion, finder.result.lrs, finder.result.losses],
-        "sentinel_history_steps": sentinel._history_steps,
+        "sentinel_history_steps": sentinel.norm_history.steps,
         "vx_history": vx.history.get(0, []),
         "relu_sampled": relu.sampled_batches,
         "relu_dead": relu.dead_fractions,

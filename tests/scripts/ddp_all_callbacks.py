@@ -1,4 +1,4 @@
-"""2-process CPU DDP run (gloo) with all seven callbacks, for tests/test_integration.py.
+"""2-process CPU DDP run (gloo) with all seven callbacks, for tests/integration/test_integration.py.
 
 ``python ddp_all_callbacks.py OUTDIR`` runs two fits in the same process group:
 

@@ -1,4 +1,4 @@
-"""2-process CPU DDP run (gloo) for tests/test_ddp.py: ``python ddp_grad_norm.py OUTDIR``.
+"""2-process CPU DDP run (gloo) for tests/integration/test_ddp.py: ``python ddp_grad_norm.py OUTDIR``.
 
 Every rank records the gradient norm it sees in ``on_before_optimizer_step`` (after DDP's all-reduce);
 rank 0's GradientNormLogger writes to a CSV and a TensorBoard logger in OUTDIR.

@@ -1,4 +1,4 @@
-"""2-process CPU DDP run for tests/test_ddp.py: NaN in rank 1's data only, at optimizer step 3.
+"""2-process CPU DDP run for tests/integration/test_ddp.py: NaN in rank 1's data only, at optimizer step 3.
 
 Every rank catches what ``trainer.fit`` raises and writes it to OUTDIR/rank<r>.json.
 """

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RecordingMLP, make_trainer, public_callbacks, random_loader
+from conftest import ROOT, RecordingMLP, make_trainer, public_callbacks, random_loader
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_gradguard
@@ -29,7 +29,7 @@ from lightning_gradguard import (
     lr_find,
 )
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = ROOT / "docs"
 ALL = public_callbacks()
 
 # what is documented where: (object, page, the heading the table follows, arguments the table leaves out,

@@ -11,8 +11,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-PACKAGE = Path(__file__).resolve().parent.parent / "lightning_gradguard"
+PACKAGE = ROOT / "lightning_gradguard"
 LAYERS = {"functional": 0, "alerts": 0, "core": 1, "hooks": 2, "callbacks": 3, "preflight": 3, "tuner": 3}
 FACADES = {"lightning_gradguard", "lightning_gradguard.callbacks"}  # re-export only
 MODULE_LIMIT, CALLBACK_LIMIT = 400, 300

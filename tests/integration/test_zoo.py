@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(ROOT / "examples"))
 
 from zoo import CASES, Case, detect
 

@@ -1,6 +1,6 @@
 """A demanding user's audit of the two detectors at their DEFAULT arguments.
 
-Real, small Lightning setups beyond the zoo (tests/test_zoo.py): longer runs with learning-rate
+Real, small Lightning setups beyond the zoo (tests/integration/test_zoo.py): longer runs with learning-rate
 schedules, gradient accumulation, 16-mixed with a GradScaler on CPU, bf16-mixed, a manually optimized
 GAN, sparse-ish and truly sparse embedding gradients, branches unused on some steps, frozen layers,
 weight tying, a model whose last layer is a LayerNorm, a learnable temperature on the LightningModule,

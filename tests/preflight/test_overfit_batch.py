@@ -13,13 +13,12 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from conftest import run_ddp_script, run_example
 from torch import nn
 
 from lightning_gradguard.alerts import GradGuardError
 from lightning_gradguard.preflight import OverfitBatchSanity, SanityCheckError
 from tests.conftest import MemoryLogger, make_trainer
-from tests.test_ddp import run_ddp_script
-from tests.test_examples import run_example
 
 
 @pytest.fixture(autouse=True)

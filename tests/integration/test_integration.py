@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
+from conftest import run_ddp_script
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -42,7 +43,6 @@ from lightning_gradguard.preflight.gradient_check import GradientCheck
 from lightning_gradguard.preflight.overfit import OverfitBatchSanity
 from lightning_gradguard.tuner import LRFinderPlus
 from tests.conftest import MemoryLogger
-from tests.test_ddp import run_ddp_script
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),

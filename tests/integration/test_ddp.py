@@ -4,37 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run a 2-process DDP script; a hang fails through ``timeout``.
-
-    One retry, only for gloo's known abort at interpreter exit (SIGABRT with "terminate called without
-    an active exception" after the run finished): that is a shutdown race in the C++ library, not in
-    the code under test, and the scripts already destroy their process group to make it rare.
-    """
-    env = dict(os.environ, PYTHONPATH=str(SCRIPTS.parent.parent), OMP_NUM_THREADS="1")
-    env.pop("PL_DISABLE_FORK", None)
-    for attempt in range(2):
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPTS / name), str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        abort = "terminate called without an active exception"
-        if proc.returncode != -6 or abort not in proc.stderr or attempt == 1:
-            return proc
-    return proc
+from conftest import run_ddp_script
 
 
 def test_ddp_two_processes_rank_zero_logs_all_reduced_norms(tmp_path: Path) -> None:

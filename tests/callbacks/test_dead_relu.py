@@ -10,7 +10,7 @@ from typing import Any, cast
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import MemoryLogger, make_trainer, random_loader
+from conftest import MemoryLogger, make_trainer, random_loader, run_ddp_script
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.nn.modules import module as module_globals
@@ -405,8 +405,6 @@ def test_cadence_and_state_dict() -> None:
 
 def test_ddp_both_detectors_reach_the_same_verdict_on_every_rank(tmp_path: Path) -> None:
     import json
-
-    from test_ddp import run_ddp_script
 
     proc = run_ddp_script("ddp_detectors.py", tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]

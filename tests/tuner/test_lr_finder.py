@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from conftest import run_ddp_script
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.saving import load_hparams_from_yaml
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -38,9 +39,6 @@ from lightning_gradguard.functional.lr_suggest import (
 )
 from lightning_gradguard.tuner import LRFinderPlus, lr_find
 from tests.conftest import MemoryLogger, make_trainer
-from tests.test_ddp import run_ddp_script
-
-SCRIPTS = Path(__file__).parent / "scripts"
 
 
 @pytest.fixture(autouse=True)

@@ -3,8 +3,8 @@
 Each :class:`Case` builds a LightningModule and its data (scikit-learn's 8x8 digits, shipped with
 scikit-learn, or small synthetic sequences), says which gradguard alerts it should raise and from which
 step the pathology is present. ``examples/broken_networks.py`` trains the gallery and prints what the
-detectors said; ``tests/integration/test_zoo.py`` asserts it (it puts this folder on ``sys.path``), so the catalogue
-lives here, beside the example, and not inside the package.
+detectors said; ``tests/integration/test_zoo.py`` asserts it (it puts this folder on ``sys.path``), so
+the catalogue lives here, beside the example, and not inside the package.
 
 The broken ones follow the classic deliberately-broken gallery: a learning rate of 10 with SGD, every
 ReLU killed by its initialization (weights -1, biases -5), a deep sigmoid stack, a deep ReLU stack with

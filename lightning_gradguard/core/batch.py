@@ -8,17 +8,16 @@ strategy's ``batch_to_device`` (which runs ``transfer_batch_to_device`` and ``on
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch import Tensor
 
 from lightning_gradguard.core.snapshot import loader_generators, tensors_free_iterables
+from lightning_gradguard.core.trial import seed_all
 from lightning_gradguard.functional.tree import tensors_in
 
 __all__ = [
@@ -100,8 +99,5 @@ def redraw_first_samples(trainer: pl.Trainer) -> Any:
     order = iter(dl.batch_sampler)
     torch.empty((), dtype=torch.int64).random_(generator=dl.generator)  # the iterator's base seed
     indices = next(order)
-    seed = 0x5EED
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
+    seed_all(0x5EED)
     return prepare_batch(trainer, dl.collate_fn([dl.dataset[i] for i in indices]))

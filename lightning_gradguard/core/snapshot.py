@@ -13,7 +13,7 @@ real run starts. Afterwards the run must be the one it would have been without t
   ``random``, and the ``generator`` of a dataloader's sampler when given;
 * the trainer's progress counters (global step, batches that stepped, epoch and batch progress) and
   the GradScaler of its precision plugin (16-mixed), if any;
-* torchmetrics states (duck-typed: modules with ``_defaults``, ``_update_count``, ``_computed``).
+* torchmetrics states (duck-typed on the public ``metric_state`` and ``update_count``).
 
 Values are copied into the *same* tensor objects (``copy_``), so optimizers, DDP hooks and anything else
 that holds a reference to a parameter keep pointing at the live tensor.
@@ -221,21 +221,22 @@ class TrainingSnapshot:
 
 
 def _is_metric(m: nn.Module) -> bool:
-    return hasattr(m, "_defaults") and hasattr(m, "_update_count") and isinstance(m._defaults, dict)
+    """A torchmetrics ``Metric``, duck-typed on its public API (torchmetrics is not imported here)."""
+    return isinstance(getattr(m, "metric_state", None), dict) and isinstance(
+        getattr(m, "update_count", None), int
+    )
 
 
 def _metric_state(m: Any) -> dict[str, Any]:
-    state = {name: copy.deepcopy(getattr(m, name)) for name in m._defaults}
-    state["__update_count"] = m._update_count
-    state["__computed"] = copy.deepcopy(getattr(m, "_computed", None))
-    return state
+    """The metric's states and update count, read through torchmetrics' public properties."""
+    return {"states": copy.deepcopy(m.metric_state), "update_count": m.update_count}
 
 
-def _set_metric_state(m: Any, state: dict[str, Any]) -> None:
-    for name, value in state.items():
-        if name == "__update_count":
-            m._update_count = value
-        elif name == "__computed":
-            m._computed = copy.deepcopy(value)
-        else:
-            setattr(m, name, copy.deepcopy(value))
+def _set_metric_state(m: Any, saved: dict[str, Any]) -> None:
+    """Write the states back. Each state is a public attribute of the metric; the update count and the
+    cached ``compute()`` result have no public setter, so they are the two private fields written: the
+    count as it was, the cache emptied (``compute()`` then recomputes the same value from the states)."""
+    for name, value in saved["states"].items():
+        setattr(m, name, copy.deepcopy(value))
+    m._update_count = saved["update_count"]
+    m._computed = None

@@ -442,6 +442,7 @@ def main() -> None:
     parser.add_argument("--out", default="lr_finder_benchmark.json")
     parser.add_argument("--timing-only", action="store_true", help="only the wall-time comparison")
     args = parser.parse_args()
+    logging.getLogger("lightning_gradguard").setLevel(logging.WARNING)  # no per-sweep summary lines
     torch.set_num_threads(1)
     if args.timing_only:
         ours(tasks()[0], 0)  # untimed warm-up of both finders

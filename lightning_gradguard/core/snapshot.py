@@ -228,15 +228,20 @@ def _is_metric(m: nn.Module) -> bool:
 
 
 def _metric_state(m: Any) -> dict[str, Any]:
-    """The metric's states and update count, read through torchmetrics' public properties."""
-    return {"states": copy.deepcopy(m.metric_state), "update_count": m.update_count}
+    """The metric's states and update count (public properties) and its cached ``compute()`` result."""
+    return {
+        "states": copy.deepcopy(m.metric_state),
+        "update_count": m.update_count,
+        # no public reader: restored as it was, so a compute() after the restore is the cached one, as
+        # before the trial (under DDP an emptied cache would make compute() sync again)
+        "computed": copy.deepcopy(getattr(m, "_computed", None)),
+    }
 
 
 def _set_metric_state(m: Any, saved: dict[str, Any]) -> None:
-    """Write the states back. Each state is a public attribute of the metric; the update count and the
-    cached ``compute()`` result have no public setter, so they are the two private fields written: the
-    count as it was, the cache emptied (``compute()`` then recomputes the same value from the states)."""
+    """Write the states back (each a public attribute of the metric); the update count and the cached
+    ``compute()`` result have no public setter, so they are the two private fields written."""
     for name, value in saved["states"].items():
         setattr(m, name, copy.deepcopy(value))
     m._update_count = saved["update_count"]
-    m._computed = None
+    m._computed = copy.deepcopy(saved["computed"])

@@ -294,10 +294,15 @@ class NextCall:
 
         @functools.wraps(original)
         def once(*args: Any, **kwargs: Any) -> Any:
+            if self._wrapper is None:  # a reference someone kept past its one call: a plain call now
+                return original(*args, **kwargs)
             self.remove()
             with scope:
                 return original(*args, **kwargs)
 
+        # Lightning unwraps one ``__wrapped__`` level to read the signature: let it land where it would
+        # without us (a compiled or decorated ``training_step`` has ``(*args, **kwargs)`` one level up)
+        once.__wrapped__ = getattr(original, "__wrapped__", original)
         self._wrapper: Any = once
         setattr(owner, name, once)
 

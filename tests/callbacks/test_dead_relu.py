@@ -173,6 +173,21 @@ def test_next_call_wraps_exactly_one_call_and_keeps_the_signature() -> None:
     call.remove()  # idempotent
 
 
+def test_a_wrapper_kept_past_its_one_call_runs_plain() -> None:
+    """Someone (a module's own on_train_batch_start, a profiler) kept a reference to the wrapper and calls
+    it again later: only the first call is captured, the later ones are plain calls."""
+    model = Module(Net("nn.ReLU"))
+    seen: list[int] = []
+    NextCall(model, "training_step", ActivationCapture(model))
+    kept = model.training_step
+    model._probe = lambda where: seen.append(torch._C._len_torch_function_stack())  # type: ignore[method-assign]
+    batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    kept(batch, 0)
+    kept(batch, 1)
+    kept(batch, 2)
+    assert seen == [1, 0, 0] and nothing_attached()
+
+
 # ---------------------------------------------------------------------------------------------- modules
 class Net(nn.Module):
     """16 hidden units; units 0..11 have bias -100 (dead for any input), units 12..15 bias +100."""
@@ -234,6 +249,34 @@ class Module(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _passthrough(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A user's decorator (or Lightning's compile wrapper): ``(*args, **kwargs)`` one level up."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class DecoratedNoBatchIdx(Module):
+    @_passthrough
+    def training_step(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+
+def test_a_decorated_training_step_without_batch_idx_is_called_as_lightning_would() -> None:
+    """Lightning reads one ``__wrapped__`` level to decide whether to pass ``batch_idx``: our wrapper must
+    not make a decorated ``training_step(self, batch)`` look like it takes one (TypeError on step 0)."""
+    monitor = DeadReLUMonitor()
+    trainer = make_trainer([monitor], max_steps=6)
+    trainer.fit(DecoratedNoBatchIdx(Net("nn.ReLU")), random_loader())
+    assert trainer.global_step == 6 and monitor.sampled_batches == 5  # steps 0-4 sampled, all captured
+    assert nothing_attached()
 
 
 def run(kind: str, monitor: DeadReLUMonitor, logger: Any = None, steps: int = 8, **kw: Any) -> Module:

@@ -15,7 +15,15 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "lightning_gradguard"
 LAYERS = {"functional": 0, "alerts": 0, "core": 1, "hooks": 2, "callbacks": 3, "preflight": 3, "tuner": 3}
-FACADES = {"lightning_gradguard", "lightning_gradguard.callbacks"}  # re-export only
+# re-export only: the package root, and the module paths of before 0.2 kept for imports, CLI configs, pickles
+FACADES = {
+    "lightning_gradguard",
+    "lightning_gradguard.callbacks",
+    "lightning_gradguard.callbacks.gradient_check",
+    "lightning_gradguard.callbacks.lr_finder",
+    "lightning_gradguard.callbacks.overfit_batch",
+    "lightning_gradguard.forensics",
+}
 MODULE_LIMIT, CALLBACK_LIMIT = 400, 300
 
 

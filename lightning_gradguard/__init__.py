@@ -1,12 +1,20 @@
 """lightning_gradguard: PyTorch Lightning callbacks that watch the health of a training run."""
 
-from lightning_gradguard.alerts import ALERT_KINDS, Alert, GradGuardError, NonFiniteError, SanityCheckError
+from lightning_gradguard.alerts import (
+    ALERT_KINDS,
+    Alert,
+    GradGuardError,
+    LossSpikeError,
+    NonFiniteError,
+    SanityCheckError,
+)
 from lightning_gradguard.callbacks import (
     DeadReLUMonitor,
     GradGuardCallback,
     GradientCheck,
     GradientCheckResult,
     GradientNormLogger,
+    LossSpikeGuard,
     LRFinderPlus,
     LRFinderResult,
     NaNSentinel,
@@ -30,6 +38,8 @@ __all__ = [
     "GradientNormLogger",
     "LRFinderPlus",
     "LRFinderResult",
+    "LossSpikeError",
+    "LossSpikeGuard",
     "NaNSentinel",
     "NonFiniteError",
     "OverfitBatchSanity",

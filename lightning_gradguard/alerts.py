@@ -25,6 +25,7 @@ __all__ = [
     "GradGuardError",
     "JsonlSink",
     "LoggingSink",
+    "LossSpikeError",
     "NonFiniteError",
     "SanityCheckError",
     "Severity",
@@ -77,6 +78,7 @@ ALERT_KINDS: dict[str, str] = {
     "labels_unstable": "the same samples fetched again came back with other labels",
     "gradient_not_shrinking": "the batch was learned but the gradient norm did not shrink",
     "gradient_mismatch": "GradientCheck: autograd and finite differences disagree for a parameter",
+    "loss_spike": "LossSpikeGuard: a step's loss or gradient norm spiked far above the recent steps",
     "lr_finder_failed": "the LR range test gave no suggestion; the learning rate was left unchanged",
 }
 
@@ -167,6 +169,10 @@ class NonFiniteError(GradGuardError):
         super().__init__(message, alerts)
         self.report: dict[str, Any] = dict(report or {})
         self.report_dir = report_dir
+
+
+class LossSpikeError(GradGuardError):
+    """Spikes kept coming past every recovery (``LossSpikeGuard``): raised on every rank at the same step."""
 
 
 class SanityCheckError(GradGuardError):

@@ -3,6 +3,7 @@ re-exported from ``preflight`` and ``tuner``."""
 
 from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
 from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
+from lightning_gradguard.callbacks.loss_spike import LossSpikeGuard
 from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
 from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
 from lightning_gradguard.core.base import GradGuardCallback
@@ -23,6 +24,7 @@ __all__ = [
     "GradientNormLogger",
     "LRFinderPlus",
     "LRFinderResult",
+    "LossSpikeGuard",
     "NaNSentinel",
     "OverfitBatchSanity",
     "OverfitResult",

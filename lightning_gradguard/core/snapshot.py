@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 __all__ = [
@@ -129,6 +130,10 @@ class TrainingSnapshot:
             batches must not change the run's batch order).
         generators: extra ``torch.Generator`` objects whose state is kept (e.g. from
             :func:`loader_generators`).
+        keep_progress: with a ``trainer``, also keep its progress counters and its samplers' generators
+            (``False``: the run's position in the data moves on after a restore, as for a rollback).
+        store: where the copies are kept (``"cpu"``: spare the accelerator's memory; default: beside the
+            originals, which is exact to the bit and fastest).
 
     Example::
 
@@ -146,10 +151,12 @@ class TrainingSnapshot:
         schedulers: Sequence[Any] | None = None,
         trainer: Any = None,
         generators: Iterable[torch.Generator] = (),
+        keep_progress: bool = True,
+        store: str | torch.device | None = None,
     ) -> None:
         self.module = module
         gens = list(generators)
-        if trainer is not None:
+        if trainer is not None and keep_progress:
             gens += [g for g in train_loader_generators(trainer) if all(g is not h for h in gens)]
         self.rng = RNGState(gens)
         if trainer is not None:
@@ -162,17 +169,28 @@ class TrainingSnapshot:
             *(q for o in optimizers or [] for g in o.param_groups for q in g["params"]),
         ]:
             tensors.setdefault(id(p), p)
+
+        def keep(t: Tensor) -> Tensor:
+            return t.detach().clone() if store is None else t.detach().to(store, copy=True)
+
         self.params: list[tuple[Tensor, Tensor, Tensor | None, bool]] = [
-            (p, p.detach().clone(), None if p.grad is None else p.grad.detach().clone(), p.requires_grad)
-            for p in tensors.values()
+            (p, keep(p), None if p.grad is None else keep(p.grad), p.requires_grad) for p in tensors.values()
         ]
         self.buffers: list[tuple[nn.Module, str, Tensor | None]] = []
         for mod in module.modules():
             for name, buf in mod._buffers.items():
-                self.buffers.append((mod, name, None if buf is None else buf.detach().clone()))
+                self.buffers.append((mod, name, None if buf is None else keep(buf)))
         self.modes = [(m, m.training) for m in module.modules()]
         self.metrics = [(m, _metric_state(m)) for m in module.modules() if _is_metric(m)]
-        self.optimizers = [(o, copy.deepcopy(o.state_dict())) for o in (optimizers or [])]
+        self.optimizers = [
+            (
+                o,
+                copy.deepcopy(o.state_dict())
+                if store is None
+                else apply_to_collection(o.state_dict(), Tensor, keep),
+            )
+            for o in (optimizers or [])
+        ]
         self.schedulers = [(s, copy.deepcopy(s.state_dict())) for s in (schedulers or [])]
         self.progress: list[tuple[Any, dict[str, Any]]] = []
         self.batches_that_stepped: int | None = None
@@ -182,11 +200,12 @@ class TrainingSnapshot:
             scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
             if scaler is not None:
                 self.scaler, self.scaler_state = scaler, copy.deepcopy(scaler.state_dict())
-            for path in _PROGRESS_PATHS:
+            for path in _PROGRESS_PATHS if keep_progress else ():
                 obj = _resolve(trainer, path)
                 if obj is not None and hasattr(obj, "state_dict"):
                     self.progress.append((obj, copy.deepcopy(obj.state_dict())))
-            self.batches_that_stepped = _resolve(trainer, "fit_loop.epoch_loop._batches_that_stepped")
+            if keep_progress:
+                self.batches_that_stepped = _resolve(trainer, "fit_loop.epoch_loop._batches_that_stepped")
         self.trainer = trainer
 
     @torch.no_grad()
@@ -194,12 +213,13 @@ class TrainingSnapshot:
         """Write every recorded value back (idempotent: can be called more than once)."""
         for p, value, grad, requires_grad in self.params:
             p.copy_(value)
-            p.grad = None if grad is None else grad.clone()
+            p.grad = None if grad is None else grad.to(device=p.device, copy=True)
             p.requires_grad_(requires_grad)
         for mod, name, buf in self.buffers:
             current: Tensor | None = mod._buffers.get(name)
             if buf is None or current is None or current.shape != buf.shape:
-                mod._buffers[name] = None if buf is None else buf.clone()
+                device = current.device if current is not None else None
+                mod._buffers[name] = None if buf is None else buf.to(device=device, copy=True)
             else:
                 current.copy_(buf)
         for m, training in self.modes:

@@ -24,6 +24,7 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, TQDMProgres
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
 from lightning_gradguard.core.batch import prepare_batch
+from lightning_gradguard.core.lr import rescale_learning_rates
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import quiet_logging, trial_backward, trial_loss, trial_optimizer_step
@@ -44,8 +45,6 @@ __all__ = [
     "set_lr_attr",
     "unsupported_setup",
 ]
-
-_SCALED_GROUP_KEYS = ("initial_lr", "max_lr", "min_lr")  # scheduler bookkeeping kept in param groups
 
 
 @dataclass(frozen=True)
@@ -326,19 +325,7 @@ def _apply_lr(trainer: pl.Trainer, optimizer: Any, base: list[float], suggestion
             return suggestion
         return value * (suggestion / ref)
 
-    for group in optimizer.param_groups:
-        group["lr"] = scaled(float(group["lr"]))
-        for key in _SCALED_GROUP_KEYS:
-            if isinstance(group.get(key), (int, float)) and not isinstance(group.get(key), bool):
-                group[key] = scaled(float(group[key]))
-    todo = [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
-    while todo:  # SequentialLR / ChainedScheduler: their children keep base LRs of their own
-        scheduler = todo.pop()
-        todo.extend(getattr(scheduler, "_schedulers", []))
-        if hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs = [scaled(float(b)) for b in scheduler.base_lrs]
-        if hasattr(scheduler, "_last_lr"):
-            scheduler._last_lr = [float(g["lr"]) for g in optimizer.param_groups]
+    rescale_learning_rates(trainer, optimizer, scaled)
 
 
 def end_fit_before_training(trainer: pl.Trainer) -> None:

@@ -1,0 +1,106 @@
+"""``spikes.json``: every batch LossSpikeGuard kept out of the run, in a form a resumed run reads back.
+
+The file holds one entry per spike: the optimizer step, the epoch, the batch indices of the step's
+micro-batches, the loss and gradient norm with their z-scores, and what was done. A later run (a restart
+from an earlier checkpoint, or the same run resumed) given the file as ``skip_batches_path`` drops the
+updates of the steps that contain those batches again, so the batches that spiked never reach the
+weights. Batches are named by ``(epoch, batch index)``: the data order must be the same (a seeded
+sampler), as for Lightning's ``exclude_batches_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import lightning.pytorch as pl
+
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.functional.spikes import SpikeScore
+
+__all__ = ["FORMAT", "SpikeRecord", "read_skip_batches", "record_spike", "write_spikes"]
+
+#: the ``format`` field of the file
+FORMAT = "lightning_gradguard.spikes/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpikeRecord:
+    """One spike: where it happened, how large it was, and what was done about it.
+
+    Attributes:
+        step: ``trainer.global_step`` of the optimizer step.
+        epoch: the epoch.
+        batch_idx: the batch indices of the step's micro-batches (one without accumulation).
+        loss: the step's training loss (mean over its micro-batches and ranks), ``None`` when not judged.
+        loss_zscore: its robust z-score against the recent steps.
+        grad_norm: the total gradient norm before clipping, ``None`` when not judged.
+        grad_norm_zscore: its robust z-score.
+        action: ``"warn"``, ``"skip"``, ``"rollback"``, ``"raise"`` or ``"replayed"`` (a batch a former
+            run recorded, skipped again).
+    """
+
+    step: int
+    epoch: int
+    batch_idx: list[int] = field(default_factory=list)
+    loss: float | None = None
+    loss_zscore: float | None = None
+    grad_norm: float | None = None
+    grad_norm_zscore: float | None = None
+    action: str = "skip"
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready: non-finite numbers become ``None``."""
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                out[key] = None
+        return out
+
+
+def write_spikes(path: str, records: list[SpikeRecord]) -> None:
+    """Write every record to ``path`` (the whole list: the file is always complete)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"format": FORMAT, "spikes": [r.to_dict() for r in records]}, fh, indent=2)
+
+
+def read_skip_batches(path: str) -> set[tuple[int, int]]:
+    """The ``(epoch, batch index)`` pairs a ``spikes.json`` names (its ``"replayed"`` entries too)."""
+    with open(path, encoding="utf-8") as fh:
+        content = json.load(fh)
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise ValueError(f"`skip_batches_path` must be a spikes.json written by LossSpikeGuard; got {path!r}")
+    return {(int(s["epoch"]), int(i)) for s in content["spikes"] for i in s["batch_idx"]}
+
+
+def record_spike(
+    trainer: pl.Trainer,
+    records: list[SpikeRecord],
+    *,
+    batches: list[int],
+    values: dict[str, float],
+    scores: dict[str, SpikeScore],
+    action: str,
+) -> None:
+    """Append this step's record and rewrite ``<log_dir>/spikes.json`` (global rank zero)."""
+    records.append(
+        SpikeRecord(
+            step=int(trainer.global_step),
+            epoch=int(trainer.current_epoch),
+            batch_idx=list(batches),
+            loss=values.get("loss"),
+            loss_zscore=scores["loss"].zscore if "loss" in scores else None,
+            grad_norm=values.get("grad_norm"),
+            grad_norm_zscore=scores["grad_norm"].zscore if "grad_norm" in scores else None,
+            action=action,
+        )
+    )
+    if trainer.is_global_zero:
+        try:
+            write_spikes(os.path.join(_emit.log_dir(trainer), "spikes.json"), records)
+        except OSError as err:  # a read-only log dir loses the file, never the run
+            warn_once(trainer, "spikes_json", f"LossSpikeGuard could not write spikes.json: {err}")

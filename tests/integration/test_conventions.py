@@ -32,6 +32,7 @@ from lightning_gradguard import (
     DeadReLUMonitor,
     GradientCheck,
     GradientNormLogger,
+    LossSpikeGuard,
     LRFinderPlus,
     NaNSentinel,
     OverfitBatchSanity,
@@ -135,6 +136,19 @@ BAD: list[tuple[type, dict[str, Any], type[Exception], str]] = [
     (GradientCheck, {"taylor_tolerance": 0.0}, ValueError, "taylor_tolerance"),
     (GradientCheck, {"modules": "2"}, TypeError, "modules"),
     (GradientCheck, {"action": "explode"}, ValueError, "action"),
+    (LossSpikeGuard, {"action": "stop"}, ValueError, "action"),
+    (LossSpikeGuard, {"loss_threshold": 0.0}, ValueError, "loss_threshold"),
+    (LossSpikeGuard, {"grad_norm_threshold": INF}, ValueError, "grad_norm_threshold"),
+    (LossSpikeGuard, {"min_ratio": 0.5}, ValueError, "min_ratio"),
+    (LossSpikeGuard, {"window": 4}, ValueError, "window"),
+    (LossSpikeGuard, {"window": 128.0}, TypeError, "window"),
+    (LossSpikeGuard, {"warmup_steps": 2}, ValueError, "warmup_steps"),
+    (LossSpikeGuard, {"patience": 0}, ValueError, "patience"),
+    (LossSpikeGuard, {"snapshot_every_n_steps": -1}, ValueError, "snapshot_every_n_steps"),
+    (LossSpikeGuard, {"snapshot_device": "gpu"}, ValueError, "snapshot_device"),
+    (LossSpikeGuard, {"lr_cooldown_factor": 2.0}, ValueError, "lr_cooldown_factor"),
+    (LossSpikeGuard, {"lr_cooldown_steps": 0}, ValueError, "lr_cooldown_steps"),
+    (LossSpikeGuard, {"skip_batches_path": 3}, TypeError, "skip_batches_path"),
 ]
 
 
@@ -193,6 +207,8 @@ CHOICES = [
     (OverfitBatchSanity, "action", {"raise", "warn", "stop"}),
     (OverfitBatchSanity, "target_mode", {"relative", "absolute"}),
     (GradientCheck, "action", {"raise", "warn", "stop"}),
+    (LossSpikeGuard, "action", {"skip", "rollback", "warn", "raise"}),
+    (LossSpikeGuard, "snapshot_device", {"cpu", "same"}),
 ]
 
 
@@ -293,9 +309,10 @@ def test_every_callback_has_a_state_key_from_its_identifying_arguments() -> None
             a.state_key == type(a)().state_key
         )  # the same settings: the same key (and Lightning refuses it)
     # one per Trainer: resuming with other settings (NaNSentinel(action="skip") after a failure) keeps state
-    for cls in (NaNSentinel, OverfitBatchSanity):
+    one_per_trainer = {NaNSentinel, OverfitBatchSanity, LossSpikeGuard}
+    for cls in one_per_trainer:
         assert cls().state_key == f"{cls.__name__}{{}}"
-    assert {type(a) for a, _ in pairs} | {NaNSentinel, OverfitBatchSanity} == set(ALL)  # every callback
+    assert {type(a) for a, _ in pairs} | one_per_trainer == set(ALL)  # every callback
     assert NaNSentinel(action="skip", max_consecutive_skips=3).state_key == NaNSentinel().state_key
     assert VanishingExplodingDetector(max_norm=10.0).state_key == VanishingExplodingDetector().state_key
 

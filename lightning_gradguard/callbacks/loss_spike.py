@@ -26,6 +26,7 @@ from lightning_gradguard.core.lr import rescale_learning_rates
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
+from lightning_gradguard.core.trial import drop_update
 from lightning_gradguard.core.validate import check_choice, check_float, check_int, check_path
 from lightning_gradguard.functional.spikes import (
     SpikeScore,
@@ -140,6 +141,7 @@ class LossSpikeGuard(GradGuardCallback):
         self._loss: Tensor | None = None
         self._batches: list[int] = []
         self._stepped = self._replay = False
+        self._micro = 0
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -163,14 +165,19 @@ class LossSpikeGuard(GradGuardCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         value = loss.detach().float().reshape(())  # Lightning divides it by accumulate_grad_batches
         self._loss = value if self._loss is None else self._loss + value
+        self._micro += 1
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         manual = not pl_module.automatic_optimization
-        loss, self._loss = self._loss, None
-        batches, self._batches, replay, self._replay = self._batches, [], self._replay, False
+        loss, micro, self._loss, self._micro = self._loss, self._micro, None, 0
+        if loss is not None and micro:  # the mean, also over a last accumulation window cut short
+            loss = loss * (trainer.accumulate_grad_batches / micro)
+        batches, replay = list(self._batches), self._replay
+        if not manual:  # manual optimization: a batch's optimizers share its batch, cleared at its end
+            self._batches, self._replay = [], False
         self._stepped = True
         transfer = HostTransfer()
         transfer.add("grad_norm", step_stats(trainer, pl_module, optimizer).grad_total(2.0))
@@ -179,7 +186,7 @@ class LossSpikeGuard(GradGuardCallback):
         host = transfer.fetch(trainer, reduce_op="mean")  # the one transfer (and collective) of the step
         values = {k: float(v) for k, v in host.items()}
         if replay:  # a batch an earlier run recorded: its update is dropped again, unjudged
-            self._drop(optimizer)
+            drop_update(optimizer)
             self._record(trainer, batches, values, {}, "replayed")
             return
         if not all(math.isfinite(v) for v in values.values()):
@@ -216,13 +223,15 @@ class LossSpikeGuard(GradGuardCallback):
                 rescale_learning_rates(trainer, optimizer, lambda v: v * factor)
                 self.cooldown_left = self.lr_cooldown_steps
         if action in ("skip", "rollback"):
-            self._drop(optimizer)
+            drop_update(optimizer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         stepped, self._stepped = self._stepped, False
+        if not pl_module.automatic_optimization:
+            self._batches, self._replay = [], False
         if not stepped or not pl_module.automatic_optimization:
             return
         if self.cooldown_left and self.lr_cooldown_factor is not None:
@@ -236,12 +245,6 @@ class LossSpikeGuard(GradGuardCallback):
             self._snapshot = TrainingSnapshot(pl_module, trainer=trainer, keep_progress=False, store=store)
 
     # ------------------------------------------------------------------ helpers
-    @staticmethod
-    def _drop(optimizer: Any) -> None:
-        for group in getattr(optimizer, "optimizer", optimizer).param_groups:
-            for p in group["params"]:
-                p.grad = None
-
     def _record(
         self,
         trainer: pl.Trainer,

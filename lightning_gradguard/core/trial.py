@@ -31,6 +31,7 @@ from lightning_gradguard.core.stats import active_scaler
 
 __all__ = [
     "configured_lr",
+    "drop_update",
     "loss_of",
     "quiet_logging",
     "seed_all",
@@ -161,3 +162,15 @@ def trial_optimizer_step(trainer: pl.Trainer, optimizer: Any, clip: bool = True)
     scaler.step(optimizer)
     scaler.update()
     return float(scaler.get_scale()) < before
+
+
+def drop_update(optimizer: Any) -> None:
+    """Set every gradient of ``optimizer`` to ``None``: ``torch.optim`` optimizers then skip the update.
+
+    Adam's moments and step count, SGD's momentum buffers: all stay as they were, as when the GradScaler
+    skips a step.
+    """
+    opt = getattr(optimizer, "optimizer", optimizer)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.grad = None

@@ -31,7 +31,6 @@ __all__ = [
     "NormRecord",
     "NormRing",
     "StepTrack",
-    "drop_update",
     "grads_nonfinite",
     "named_grads",
     "params_nonfinite",
@@ -199,14 +198,6 @@ def named_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tupl
         for name, p in pl_module.named_parameters()
         if id(p) in wanted and p.requires_grad and p.grad is not None
     ]
-
-
-def drop_update(optimizer: Any) -> None:
-    """Set every gradient of ``optimizer`` to ``None``: ``torch.optim`` optimizers then skip the update."""
-    opt = getattr(optimizer, "optimizer", optimizer)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            p.grad = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.lr import rescale_learning_rates
 from lightning_gradguard.core.snapshot import TrainingSnapshot
-from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.trial import drop_update
 from lightning_gradguard.core.validate import check_choice, check_float, check_int, check_path
@@ -173,8 +173,9 @@ class LossSpikeGuard(GradGuardCallback):
     ) -> None:
         manual = not pl_module.automatic_optimization
         loss, micro, self._loss, self._micro = self._loss, self._micro, None, 0
+        scale = getattr(active_scaler(trainer), "_scale", None)  # 16-mixed: backward got the loss x scale
         if loss is not None and micro:  # the mean, also over a last accumulation window cut short
-            loss = loss * (trainer.accumulate_grad_batches / micro)
+            loss = loss * (trainer.accumulate_grad_batches / micro) / (1.0 if scale is None else scale)
         batches, replay = list(self._batches), self._replay
         if not manual:  # manual optimization: a batch's optimizers share its batch, cleared at its end
             self._batches, self._replay = [], False
@@ -216,12 +217,16 @@ class LossSpikeGuard(GradGuardCallback):
         if action == "raise":
             raise LossSpikeError(self.alerts[-1].format() if self.alerts else "loss spike", self.alerts[-1:])
         if action == "rollback" and self._snapshot is not None:
+            # this step's unscale_ is done and scaler.step() follows: keep the GradScaler's bookkeeping of it
+            pending = dict(getattr(active_scaler(trainer), "_per_optimizer_states", {}))
             self._snapshot.restore()  # taken outside any cool-down: the schedule's own learning rates
+            if pending:
+                active_scaler(trainer)._per_optimizer_states.update(pending)
             self.rollbacks += 1
             if self.lr_cooldown_factor is not None:
                 factor = self.lr_cooldown_factor
                 rescale_learning_rates(trainer, optimizer, lambda v: v * factor)
-                self.cooldown_left = self.lr_cooldown_steps
+                self.cooldown_left = self.lr_cooldown_steps + 1  # + this step, whose update is dropped
         if action in ("skip", "rollback"):
             drop_update(optimizer)
 
@@ -279,20 +284,14 @@ class LossSpikeGuard(GradGuardCallback):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state.update(
-            windows={k: list(v) for k, v in self.windows.items()},
-            records=[r.to_dict() for r in self.records],
-            counters=[self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left],
-        )
-        return state
+        windows, records = {k: list(v) for k, v in self.windows.items()}, [r.to_dict() for r in self.records]
+        counters = [self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left]
+        return super().state_dict() | {"windows": windows, "records": records, "counters": counters}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.windows = {k: deque(v, maxlen=self.window) for k, v in state_dict.get("windows", {}).items()}
         self.records = [SpikeRecord(**r) for r in state_dict.get("records", [])]
-        counters = state_dict.get("counters", [0, 0, 0, 0, 0])
-        self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left = (
-            int(c) for c in counters
-        )
+        counters = [int(c) for c in state_dict.get("counters", [0, 0, 0, 0, 0])]
+        self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left = counters

@@ -70,11 +70,18 @@ def write_spikes(path: str, records: list[SpikeRecord]) -> None:
 
 def read_skip_batches(path: str) -> set[tuple[int, int]]:
     """The ``(epoch, batch index)`` pairs a ``spikes.json`` names (its ``"replayed"`` entries too)."""
-    with open(path, encoding="utf-8") as fh:
-        content = json.load(fh)
+    wrong = f"`skip_batches_path` must be a spikes.json written by LossSpikeGuard; got {path!r}"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            content = json.load(fh)
+    except ValueError as err:  # not JSON (or not text)
+        raise ValueError(f"{wrong} (not JSON: {err})") from None
     if not isinstance(content, dict) or content.get("format") != FORMAT:
-        raise ValueError(f"`skip_batches_path` must be a spikes.json written by LossSpikeGuard; got {path!r}")
-    return {(int(s["epoch"]), int(i)) for s in content["spikes"] for i in s["batch_idx"]}
+        raise ValueError(wrong)
+    try:
+        return {(int(s["epoch"]), int(i)) for s in content["spikes"] for i in s["batch_idx"]}
+    except (KeyError, TypeError, ValueError) as err:  # an entry without its fields
+        raise ValueError(f"{wrong} (malformed entry: {type(err).__name__}: {err})") from None
 
 
 def record_spike(

@@ -40,7 +40,13 @@ from lightning.pytorch.utilities import grad_norm
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradguard import DeadReLUMonitor, GradientNormLogger, NaNSentinel, VanishingExplodingDetector
+from lightning_gradguard import (
+    DeadReLUMonitor,
+    GradientNormLogger,
+    LossSpikeGuard,
+    NaNSentinel,
+    VanishingExplodingDetector,
+)
 
 SEED = 0
 TRAINER_LOG_EVERY_N_STEPS = 50  # Lightning's default; GradientNormLogger() follows it
@@ -268,6 +274,24 @@ VARIANTS: dict[str, Variant] = {
         "DeadReLUMonitor() (steps 0-4, then every 50th; hooks only on those steps)",
         lambda: Setup([DeadReLUMonitor()], {}, {}),
     ),
+    "loss_spike": Variant(
+        "LossSpikeGuard() (judged every step; a CPU snapshot every 100 healthy steps)",
+        lambda: Setup([LossSpikeGuard()], {}, {}),
+    ),
+    "loss_spike_no_snapshot": Variant(
+        "LossSpikeGuard(snapshot_every_n_steps=0): the judgement alone",
+        lambda: Setup([LossSpikeGuard(snapshot_every_n_steps=0)], {}, {}),
+    ),
+    "loss_spike_with_nan_sentinel": Variant(
+        "LossSpikeGuard() + NaNSentinel(): the per-parameter gradient norms are computed once for both",
+        lambda: Setup([LossSpikeGuard(), NaNSentinel()], {}, {}),
+        default=False,
+    ),
+    "loss_spike_loss_only": Variant(
+        "LossSpikeGuard(grad_norm_threshold=None): the loss alone, the gradients are not read",
+        lambda: Setup([LossSpikeGuard(grad_norm_threshold=None)], {}, {}),
+        default=False,
+    ),
     "all_monitors": Variant(
         "GradientNormLogger() + NaNSentinel() + VanishingExplodingDetector() + DeadReLUMonitor()",
         lambda: Setup(
@@ -463,6 +487,25 @@ def target_lines(summaries: list[Summary]) -> list[str]:
                 f"NaNSentinel overhead {max(ours, by['nan_sentinel'].hook_ms):.2f} ms/step vs detect_anomaly "
                 f"{theirs:+.2f} ms/step: {factor:.0f}x smaller (target >= 50x) -> {verdict}"
             )
+    for name, label in (
+        ("loss_spike", "LossSpikeGuard()"),
+        ("loss_spike_no_snapshot", "LossSpikeGuard(snapshot_every_n_steps=0)"),
+        ("loss_spike_loss_only", "LossSpikeGuard(grad_norm_threshold=None)"),
+    ):
+        if name in by:
+            s = by[name]
+            lines.append(
+                f"{label}: {s.ratio:.3f}x bare; its own hooks {s.hook_ms:.3f} ms/step = {s.hook_share:.2%} "
+                "of a bare step"
+            )
+    if "loss_spike_with_nan_sentinel" in by and "nan_sentinel" in by:
+        # the gradient pass is the sentinel's anyway: what the guard adds on top of it
+        extra = by["loss_spike_with_nan_sentinel"].hook_share - by["nan_sentinel"].hook_share
+        verdict = "MET" if extra <= 0.005 else "NOT MET"
+        lines.append(
+            f"LossSpikeGuard() beside NaNSentinel() adds {extra:.2%} of a bare step in hooks "
+            f"(target <= 0.5 %) -> {verdict}"
+        )
     return lines
 
 

@@ -18,10 +18,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradguard.alerts import LossSpikeError
-from lightning_gradguard.callbacks.spike_records import SpikeRecord, read_skip_batches, record_spike
-from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.callbacks.spike_records import (
+    SpikeRecord,
+    StepInputs,
+    log_spike_scalars,
+    read_skip_batches,
+    record_spike,
+)
 from lightning_gradguard.core.base import GradGuardCallback
-from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
+from lightning_gradguard.core.cadence import optimizer_index
 from lightning_gradguard.core.lr import rescale_learning_rates
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.stats import active_scaler, step_stats
@@ -33,6 +38,7 @@ from lightning_gradguard.functional.spikes import (
     escalated_action,
     explain_spike,
     is_spike,
+    snapshot_due,
     spike_score,
 )
 
@@ -47,21 +53,24 @@ class LossSpikeGuard(GradGuardCallback):
     the last ``window`` accepted steps: a robust z-score (median and MAD, log space for positive values,
     :mod:`lightning_gradguard.functional.spikes`) that reaches its threshold, with the value also
     ``min_ratio`` times the recent median. ``warmup_steps`` steps fill the window first; a spike never
-    enters it. One small transfer (one all-reduce under DDP) per step: every rank decides alike. GradScaler
-    skips and NaN/inf are the scaler's and :class:`~lightning_gradguard.NaNSentinel`'s business.
+    enters it, nor does a partial last batch of an epoch under half the usual size (its noise is larger by
+    the square root of the ratio). One small transfer (one all-reduce under DDP) per step: every rank
+    decides alike. GradScaler skips and NaN/inf are the scaler's and
+    :class:`~lightning_gradguard.NaNSentinel`'s business.
 
     A spike gets ``action``, escalating every ``patience`` consecutive spikes along ``skip -> rollback ->
     raise`` (``"warn"`` never escalates): ``"warn"`` only alerts; ``"skip"`` drops the update (every
     gradient set to ``None``: Adam's moments and step count untouched); ``"rollback"`` restores weights,
-    optimizer, scheduler, GradScaler and RNG from the last snapshot (every ``snapshot_every_n_steps``
-    healthy steps, on the CPU by default), drops the update and lets the data move on (``global_step``
-    keeps counting), optionally multiplying the LR by ``lr_cooldown_factor`` for ``lr_cooldown_steps``
-    steps; ``"raise"`` raises :class:`~lightning_gradguard.LossSpikeError` on every rank.
+    optimizer, scheduler, GradScaler and RNG from the last snapshot (taken at the end of the warm-up, then
+    every ``snapshot_every_n_steps`` healthy steps, on the CPU by default), drops the update and lets the
+    data move on (``global_step`` keeps counting), optionally multiplying the LR by ``lr_cooldown_factor``
+    for the next ``lr_cooldown_steps`` applied updates; ``"raise"`` raises
+    :class:`~lightning_gradguard.LossSpikeError` on every rank. A rollback holds once the run has had
+    ``snapshot_every_n_steps`` healthy steps since (a new snapshot): until then a spike continues the
+    streak, so rollbacks that do not hold end in a raise.
 
-    Each spike is an alert ``loss_spike`` and a record in ``spikes.json`` beside the logs; a later run given
-    it as ``skip_batches_path`` drops the updates holding those batches. Logged: ``spike/loss_zscore``,
-    ``spike/grad_norm_zscore``, ``spike/skipped_steps``, ``spike/rollbacks``. Manual optimization: the
-    gradient norm is judged per optimizer, the loss is not, and a rollback is done as a skip.
+    Each spike is an alert ``loss_spike`` and a record in ``spikes.json`` beside the logs (a later run given
+    it as ``skip_batches_path`` drops those batches' updates); ``spike/*`` scalars; docs/loss_spike.md.
 
     Args:
         action: ``"skip"`` (default), ``"rollback"``, ``"warn"`` or ``"raise"``.
@@ -69,13 +78,14 @@ class LossSpikeGuard(GradGuardCallback):
         grad_norm_threshold: the same for the total gradient norm (``None``: not judged).
         min_ratio: a spike must also be this many times the recent median.
         window: how many recent accepted steps the statistics cover.
-        warmup_steps: steps that only fill the window at the start of a run.
+        warmup_steps: steps that only fill the window at the start of a run (the MAD's standard error is
+            about 16 % of the spread from 50 values, 26 % from 20).
         patience: consecutive spikes before the action escalates one rung.
         snapshot_every_n_steps: take a rollback snapshot after every this many healthy steps (``None``:
             100 when a rollback can happen, else never; ``0``: never, and rollbacks become skips).
         snapshot_device: ``"cpu"`` (default: spares the accelerator's memory) or ``"same"``.
         lr_cooldown_factor: after a rollback, multiply the learning rate by this (``None``: unchanged).
-        lr_cooldown_steps: how many steps the lower learning rate lasts.
+        lr_cooldown_steps: how many applied updates the lower learning rate lasts.
         skip_batches_path: a ``spikes.json`` of an earlier run whose batches are skipped again.
         cooldown_steps: minimum steps between two alerts of the same kind and place.
 
@@ -99,7 +109,7 @@ class LossSpikeGuard(GradGuardCallback):
         grad_norm_threshold: float | None = 6.0,
         min_ratio: float = 2.0,
         window: int = 128,
-        warmup_steps: int = 20,
+        warmup_steps: int = 50,
         patience: int = 3,
         snapshot_every_n_steps: int | None = None,
         snapshot_device: Literal["cpu", "same"] = "cpu",
@@ -136,12 +146,12 @@ class LossSpikeGuard(GradGuardCallback):
         self.windows: dict[str, deque[float]] = {}
         self.records: list[SpikeRecord] = []
         self.skipped_steps = self.rollbacks = self.streak = self.judged = self.cooldown_left = 0
+        self.calm = 0  # healthy judged steps since the last spike
+        self.probation = False  # a rollback was made and the run has not yet earned a new snapshot
         self.last_scores: dict[str, SpikeScore] = {}
         self._snapshot: TrainingSnapshot | None = None
-        self._loss: Tensor | None = None
-        self._batches: list[int] = []
-        self._stepped = self._replay = False
-        self._micro = 0
+        self._step = StepInputs()
+        self._stepped = False
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -158,39 +168,35 @@ class LossSpikeGuard(GradGuardCallback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._batches.append(batch_idx)
-        self._replay |= (int(trainer.current_epoch), batch_idx) in self._skip
+        self._step.add_batch(trainer, batch, batch_idx, self._skip)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        value = loss.detach().float().reshape(())  # Lightning divides it by accumulate_grad_batches
-        self._loss = value if self._loss is None else self._loss + value
-        self._micro += 1
+        self._step.add_loss(loss)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         manual = not pl_module.automatic_optimization
-        loss, micro, self._loss, self._micro = self._loss, self._micro, None, 0
         scale = getattr(active_scaler(trainer), "_scale", None)  # 16-mixed: backward got the loss x scale
-        if loss is not None and micro:  # the mean, also over a last accumulation window cut short
-            loss = loss * (trainer.accumulate_grad_batches / micro) / (1.0 if scale is None else scale)
-        batches, replay = list(self._batches), self._replay
-        if not manual:  # manual optimization: a batch's optimizers share its batch, cleared at its end
-            self._batches, self._replay = [], False
+        loss, batches, replay, short = self._step.take(trainer.accumulate_grad_batches, scale, manual)
         self._stepped = True
         transfer = HostTransfer()
-        transfer.add("grad_norm", step_stats(trainer, pl_module, optimizer).grad_total(2.0))
-        if loss is not None and not manual:
-            transfer.add("loss", loss)
+        judged_loss = loss if loss is not None and not manual else None
+        if self.grad_norm_threshold is not None or judged_loss is None:  # the shared statistics pass
+            transfer.add("grad_norm", anchor := step_stats(trainer, pl_module, optimizer).grad_total(2.0))
+        if judged_loss is not None:
+            transfer.add("loss", anchor := judged_loss)
+        transfer.add("short", anchor.new_full((1,), float(short)))  # any rank's: every rank passes alike
         host = transfer.fetch(trainer, reduce_op="mean")  # the one transfer (and collective) of the step
-        values = {k: float(v) for k, v in host.items()}
+        values = {k: float(v) for k, v in host.items() if k != "short"}
         if replay:  # a batch an earlier run recorded: its update is dropped again, unjudged
             drop_update(optimizer)
-            self._record(trainer, batches, values, {}, "replayed")
+            self.skipped_steps += 1
+            record_spike(trainer, self.records, batches=batches, values=values, scores={}, action="replayed")
             return
-        if not all(math.isfinite(v) for v in values.values()):
+        if float(host["short"]) > 0 or not all(math.isfinite(v) for v in values.values()):
             return  # NaN/inf: the GradScaler's skip (16-mixed) or NaNSentinel's finding, not a spike
         suffix = f"@{optimizer_index(trainer, optimizer)}" if manual else ""
         thresholds = {"loss": self.loss_threshold, "grad_norm": self.grad_norm_threshold}
@@ -205,14 +211,18 @@ class LossSpikeGuard(GradGuardCallback):
         if not spike:
             for k, v in judged.items():
                 windows[k].append(v)
-            self.streak = 0
-            self._log(trainer, scores, force=False)
+            self.calm += 1
+            if not self.probation:  # after a rollback the streak lasts until the run earns a new snapshot
+                self.streak = 0
+            log_spike_scalars(trainer, scores, self.skipped_steps, self.rollbacks, force=False)
             return
         self.streak += 1
+        self.calm = 0
         can_roll_back = self._snapshot is not None and not manual
         action = escalated_action(self.action, self.streak, self.patience, can_roll_back)
-        self._record(trainer, batches, values, scores, action)
-        self._log(trainer, scores, force=True)
+        self.skipped_steps += action != "warn"
+        record_spike(trainer, self.records, batches=batches, values=values, scores=scores, action=action)
+        log_spike_scalars(trainer, scores, self.skipped_steps, self.rollbacks, force=True)
         self._alert(trainer, action, values, scores)
         if action == "raise":
             raise LossSpikeError(self.alerts[-1].format() if self.alerts else "loss spike", self.alerts[-1:])
@@ -223,6 +233,7 @@ class LossSpikeGuard(GradGuardCallback):
             if pending:
                 active_scaler(trainer)._per_optimizer_states.update(pending)
             self.rollbacks += 1
+            self.probation = True
             if self.lr_cooldown_factor is not None:
                 factor = self.lr_cooldown_factor
                 rescale_learning_rates(trainer, optimizer, lambda v: v * factor)
@@ -236,7 +247,7 @@ class LossSpikeGuard(GradGuardCallback):
     ) -> None:
         stepped, self._stepped = self._stepped, False
         if not pl_module.automatic_optimization:
-            self._batches, self._replay = [], False
+            self._step.clear()
         if not stepped or not pl_module.automatic_optimization:
             return
         if self.cooldown_left and self.lr_cooldown_factor is not None:
@@ -245,33 +256,16 @@ class LossSpikeGuard(GradGuardCallback):
                 factor = self.lr_cooldown_factor
                 rescale_learning_rates(trainer, trainer.optimizers[0], lambda v: v / factor)
         every = self.snapshot_every_n_steps
-        if every and not self.streak and not self.cooldown_left and self.judged and self.judged % every == 0:
+        if not self.cooldown_left and snapshot_due(
+            self.judged, self.warmup_steps, every, self.streak, self.calm, self.probation
+        ):
             store = "cpu" if self.snapshot_device == "cpu" else None
-            self._snapshot = TrainingSnapshot(pl_module, trainer=trainer, keep_progress=False, store=store)
+            self._snapshot = TrainingSnapshot(
+                pl_module, trainer=trainer, keep_progress=False, store=store, keep_grads=False
+            )
+            self.streak, self.probation = 0, False
 
     # ------------------------------------------------------------------ helpers
-    def _record(
-        self,
-        trainer: pl.Trainer,
-        batches: list[int],
-        values: dict[str, float],
-        scores: dict[str, SpikeScore],
-        action: str,
-    ) -> None:
-        self.skipped_steps += action != "warn"
-        record_spike(trainer, self.records, batches=batches, values=values, scores=scores, action=action)
-
-    def _log(self, trainer: pl.Trainer, scores: dict[str, SpikeScore], force: bool) -> None:
-        at = log_step(trainer)
-        if not (force or on_logging_step(at, logging_interval(trainer))):
-            return
-        metrics = {f"spike/{k}_zscore": s.zscore for k, s in scores.items() if math.isfinite(s.zscore)}
-        metrics |= {
-            "spike/skipped_steps": float(self.skipped_steps),
-            "spike/rollbacks": float(self.rollbacks),
-        }
-        _emit.log_scalars(trainer, metrics, at)
-
     def _alert(
         self, trainer: pl.Trainer, action: str, values: dict[str, float], scores: dict[str, SpikeScore]
     ) -> None:
@@ -286,6 +280,7 @@ class LossSpikeGuard(GradGuardCallback):
     def state_dict(self) -> dict[str, Any]:
         windows, records = {k: list(v) for k, v in self.windows.items()}, [r.to_dict() for r in self.records]
         counters = [self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left]
+        counters += [self.calm, int(self.probation), self._step.full]
         return super().state_dict() | {"windows": windows, "records": records, "counters": counters}
 
     @override
@@ -293,5 +288,6 @@ class LossSpikeGuard(GradGuardCallback):
         super().load_state_dict(state_dict)
         self.windows = {k: deque(v, maxlen=self.window) for k, v in state_dict.get("windows", {}).items()}
         self.records = [SpikeRecord(**r) for r in state_dict.get("records", [])]
-        counters = [int(c) for c in state_dict.get("counters", [0, 0, 0, 0, 0])]
-        self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left = counters
+        counters = [int(c) for c in state_dict.get("counters", [])] + [0] * 8  # an older state: fewer
+        self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left = counters[:5]
+        self.calm, self.probation, self._step.full = counters[5], bool(counters[6]), counters[7]

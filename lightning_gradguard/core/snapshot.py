@@ -134,6 +134,9 @@ class TrainingSnapshot:
             (``False``: the run's position in the data moves on after a restore, as for a rollback).
         store: where the copies are kept (``"cpu"``: spare the accelerator's memory; default: beside the
             originals, which is exact to the bit and fastest).
+        keep_grads: also keep the ``.grad`` tensors (``False``: a restore leaves every ``.grad`` ``None``,
+            as for a rollback point whose update is dropped anyway; half the copying of a weights-only
+            snapshot).
 
     Example::
 
@@ -153,6 +156,7 @@ class TrainingSnapshot:
         generators: Iterable[torch.Generator] = (),
         keep_progress: bool = True,
         store: str | torch.device | None = None,
+        keep_grads: bool = True,
     ) -> None:
         self.module = module
         gens = list(generators)
@@ -174,7 +178,8 @@ class TrainingSnapshot:
             return t.detach().clone() if store is None else t.detach().to(store, copy=True)
 
         self.params: list[tuple[Tensor, Tensor, Tensor | None, bool]] = [
-            (p, keep(p), None if p.grad is None else keep(p.grad), p.requires_grad) for p in tensors.values()
+            (p, keep(p), None if p.grad is None or not keep_grads else keep(p.grad), p.requires_grad)
+            for p in tensors.values()
         ]
         self.buffers: list[tuple[nn.Module, str, Tensor | None]] = []
         for mod in module.modules():

@@ -28,6 +28,7 @@ __all__ = [
     "escalated_action",
     "explain_spike",
     "is_spike",
+    "snapshot_due",
     "spike_score",
 ]
 
@@ -98,6 +99,20 @@ def escalated_action(action: str, streak: int, patience: int, can_roll_back: boo
     ladder = [a for a in ESCALATION if can_roll_back or a != "rollback"]
     start = ladder.index(action) if action in ladder else ladder.index("skip")
     return ladder[min(start + (max(streak, 1) - 1) // patience, len(ladder) - 1)]
+
+
+def snapshot_due(judged: int, warmup: int, every: int, streak: int, calm: int, probation: bool) -> bool:
+    """Whether a rollback point is taken after the ``judged``-th judged step.
+
+    At the end of the warm-up, then every ``every`` judged steps while no spike streak runs. After a
+    rollback (``probation``) the old point is kept until the run has had ``every`` healthy steps in a
+    row (``calm``): the rollback held, and the streak of spikes behind it ends with the new point.
+    """
+    if not every or not judged:
+        return False
+    if probation:
+        return calm >= every
+    return not streak and (judged == warmup or judged % every == 0)
 
 
 SPIKE_HINTS = {

@@ -248,6 +248,59 @@ def test_a_lasting_spike_escalates_skip_rollback_raise(tmp_path: Path) -> None:
     assert [s["action"] for s in spikes] == ["skip", "skip", "rollback", "rollback", "raise"]
 
 
+@pytest.mark.parametrize(
+    ("spikes", "expected"),
+    [
+        ({12, 15, 18}, [(12, "rollback"), (15, "rollback"), (18, "raise")]),
+        ({12, 20, 28}, [(12, "rollback"), (20, "rollback"), (28, "rollback")]),
+    ],
+)
+def test_a_rollback_that_does_not_hold_escalates(
+    spikes: set[int], expected: list[tuple[int, str]], tmp_path: Path
+) -> None:
+    """action="rollback", patience=2, a snapshot every 4 steps. A spike within 4 healthy steps of a
+    rollback means the rollback did not hold: the streak goes on (12, 15) and the third spike (18) raises.
+    Spikes 8 steps apart are each recovered from (a new snapshot after 4 calm steps) and never escalate."""
+    torch.manual_seed(0)
+    model = SpikeModel(spikes)
+    guard = LossSpikeGuard(action="rollback", patience=2, snapshot_every_n_steps=4, **THRESHOLDS)
+    trainer = make_trainer([guard], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path))
+    if expected[-1][1] == "raise":
+        with pytest.raises(LossSpikeError):
+            trainer.fit(model, random_loader(n=256))
+    else:
+        trainer.fit(model, random_loader(n=320))
+        assert (guard.streak, guard.probation) == (0, False)  # the last rollback held: a new snapshot
+    assert [(r.step, r.action) for r in guard.records] == expected
+
+
+def test_the_first_snapshot_is_taken_at_the_end_of_the_warmup(tmp_path: Path) -> None:
+    """Snapshots every 100 steps, warm-up 8: the first one is taken after step 7, not step 99, so spikes
+    right after the warm-up can be rolled back (patience=1: 9 is skipped, 10 goes back to step 7) instead
+    of escalating straight to a raise."""
+    torch.manual_seed(0)
+    model = SpikeModel({9, 10})
+    guard = LossSpikeGuard(action="skip", patience=1, snapshot_every_n_steps=100, **THRESHOLDS)
+    _, rec, _ = _fit(model, guard, tmp_path)
+    assert [(r.step, r.action) for r in guard.records] == [(9, "skip"), (10, "rollback")]
+    _same(rec.after[10], rec.after[7])
+
+
+def test_loss_only_guard_skips_the_gradient_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """grad_norm_threshold=None: the loss alone is judged (its jump is 1.8x: min_ratio 1.5) and the
+    gradients are never read."""
+    import lightning_gradguard.callbacks.loss_spike as module
+
+    calls: list[int] = []
+    real = module.step_stats
+    monkeypatch.setattr(module, "step_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    guard = LossSpikeGuard(action="skip", **{**THRESHOLDS, "grad_norm_threshold": None, "min_ratio": 1.5})
+    _, rec, _ = _fit(SpikeModel({12}), guard, tmp_path)
+    assert [(r.step, r.grad_norm, r.grad_norm_zscore) for r in guard.records] == [(12, None, None)]
+    assert rec.dropped() == {12} and set(guard.windows) == {"loss"} and calls == []
+
+
 def test_warmup_only_fills_the_window(tmp_path: Path) -> None:
     """warmup_steps=8: the spikes at steps 4 and 7 are not judged (they enter the window), step 8 is."""
     torch.manual_seed(0)
@@ -338,26 +391,45 @@ def test_16_mixed_scaler_skip_is_no_spike_and_a_rollback_works(tmp_path: Path) -
 
 
 def test_accumulation_judges_the_mean_micro_batch_loss(tmp_path: Path) -> None:
-    """accumulate_grad_batches=3 over 49 batches: step 12 is batches 36-38 (batch 37 spikes), the last
-    step (16) holds batch 48 alone. The loss judged is the mean of the step's micro-batch losses."""
+    """accumulate_grad_batches=4 over 51 batches: step 9 is batches 36-39 (batch 37 spikes), the last
+    step (12) holds batches 48-50 only. The loss judged is the mean of the step's micro-batch losses."""
     torch.manual_seed(0)
     model = SpikeModel(spike_batches={37})
     guard = LossSpikeGuard(action="skip", **{**THRESHOLDS, "window": 32})
-    trainer, rec, _ = _fit(model, guard, tmp_path, n=8 * 49, accumulate_grad_batches=3)
-    assert trainer.global_step == 17
+    trainer, rec, _ = _fit(model, guard, tmp_path, n=8 * 51, accumulate_grad_batches=4)
+    assert trainer.global_step == 13
     (record,) = guard.records
-    assert (record.step, record.batch_idx, record.action) == (12, [36, 37, 38], "skip")
+    assert (record.step, record.batch_idx, record.action) == (9, [36, 37, 38, 39], "skip")
 
     def mean_loss(step: int) -> float:
-        return float(np.mean([model.losses[(0, b)] for b in range(3 * step, min(3 * step + 3, 49))]))
+        return float(np.mean([model.losses[(0, b)] for b in range(4 * step, min(4 * step + 4, 51))]))
 
-    assert record.loss == pytest.approx(mean_loss(12), rel=1e-5)
-    assert record.grad_norm == pytest.approx(model.grad_norms[12], rel=1e-5)
-    expected = [mean_loss(s) for s in range(17) if s != 12]
+    assert record.loss == pytest.approx(mean_loss(9), rel=1e-5)
+    assert record.grad_norm == pytest.approx(model.grad_norms[9], rel=1e-5)
+    expected = [mean_loss(s) for s in range(13) if s != 9]
     assert list(guard.windows["loss"]) == pytest.approx(expected, rel=1e-5)
-    assert expected[-1] == model.losses[(0, 48)]  # the window cut short: its one loss, not a third of it
-    assert rec.dropped() == {12}
-    _same(rec.after[12], rec.before[12])
+    # the window cut short: the mean of its three losses, not three quarters of it
+    assert expected[-1] == pytest.approx(np.mean([model.losses[(0, b)] for b in (48, 49, 50)]), rel=1e-6)
+    assert rec.dropped() == {9}
+    _same(rec.after[9], rec.before[9])
+
+
+@pytest.mark.parametrize(("last", "judged"), [(2, False), (6, True)])
+def test_a_partial_last_batch_under_half_the_size_is_not_judged(
+    last: int, judged: bool, tmp_path: Path
+) -> None:
+    """20 batches of 8 and a last one of ``last`` samples, which spikes. A batch of 2 has a gradient ~2x
+    noisier than one of 8 (sqrt(8/2)): it is neither judged nor remembered, its update is applied. A batch
+    of 6 (over half) is judged like any other: the spike is skipped."""
+    torch.manual_seed(0)
+    model = SpikeModel(spike_batches={20})
+    guard = LossSpikeGuard(action="skip", **THRESHOLDS)
+    trainer, rec, _ = _fit(model, guard, tmp_path, n=8 * 20 + last, max_epochs=1)
+    assert trainer.global_step == 21
+    assert [(r.step, r.batch_idx) for r in guard.records] == ([(20, [20])] if judged else [])
+    assert rec.dropped() == ({20} if judged else set())
+    assert guard.judged == (21 if judged else 20) and len(guard.windows["loss"]) == 16  # full: 16 of 20
+    assert guard.windows["loss"][-1] == pytest.approx(model.losses[(0, 19)], rel=1e-6)
 
 
 class GuardState(pl.Callback):

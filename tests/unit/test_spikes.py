@@ -15,7 +15,13 @@ from lightning_gradguard.callbacks.spike_records import (
     read_skip_batches,
     write_spikes,
 )
-from lightning_gradguard.functional.spikes import SpikeScore, escalated_action, is_spike, spike_score
+from lightning_gradguard.functional.spikes import (
+    SpikeScore,
+    escalated_action,
+    is_spike,
+    snapshot_due,
+    spike_score,
+)
 
 
 def _hand_score(value: float, window: list[float], log: bool) -> tuple[float, float]:
@@ -146,3 +152,18 @@ def test_a_wrong_skip_batches_file_raises_value_error_naming_the_argument(text: 
     path.write_text(text)
     with pytest.raises(ValueError, match="skip_batches_path"):
         read_skip_batches(str(path))
+
+
+def test_snapshot_due_at_warmup_end_then_every_n_and_after_a_held_rollback() -> None:
+    due = [j for j in range(1, 400) if snapshot_due(j, 50, 100, streak=0, calm=0, probation=False)]
+    assert due == [50, 100, 200, 300]
+    assert not snapshot_due(100, 50, 100, streak=1, calm=0, probation=False)  # never mid-streak
+    assert not snapshot_due(100, 50, 0, streak=0, calm=0, probation=False)  # snapshots off
+    # after a rollback: only once `every` healthy steps followed it, whatever the judged count
+    assert [c for c in range(0, 150, 10) if snapshot_due(137, 50, 100, 4, c, True)] == [
+        100,
+        110,
+        120,
+        130,
+        140,
+    ]

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck unit bench bench-lr bench-dead-relu clean
+.PHONY: setup demo test lint typecheck unit bench bench-lr bench-dead-relu bench-spike clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,10 @@ bench-lr: $(STAMP)
 # A DeadReLUMonitor sampled step against a plain step.
 bench-dead-relu: $(STAMP)
 	$(PY) benchmarks/dead_relu_step.py
+
+# LossSpikeGuard on injected spikes and healthy runs (detection, false alarms, final loss; about 3 minutes).
+bench-spike: $(STAMP)
+	$(PY) benchmarks/loss_spike.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

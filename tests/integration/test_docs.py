@@ -20,6 +20,7 @@ from lightning_gradguard import (
     DeadReLUMonitor,
     GradientCheck,
     GradientNormLogger,
+    LossSpikeGuard,
     LRFinderPlus,
     NaNSentinel,
     OverfitBatchSanity,
@@ -37,6 +38,7 @@ ALL = public_callbacks()
 TABLES: list[tuple[Any, str, str, set[str], set[str]]] = [
     (GradientNormLogger, "tags.md", "## GradientNormLogger arguments", set(), set()),
     (NaNSentinel, "nan_sentinel.md", "## Arguments", set(), set()),
+    (LossSpikeGuard, "loss_spike.md", "## Arguments", set(), set()),
     (VanishingExplodingDetector, "detectors.md", "## VanishingExplodingDetector", set(), set()),
     (DeadReLUMonitor, "detectors.md", "## DeadReLUMonitor", set(), set()),
     (LRFinderPlus, "lr_finder.md", "## Arguments", set(), set()),

@@ -50,7 +50,6 @@ import json
 import logging
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -61,7 +60,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lightning
 import lightning.pytorch as pl
 import numpy as np
 import torch
@@ -76,6 +74,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_gradguard import LossSpikeError, LossSpikeGuard
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import adam, adamw, sgd
+from common import digits_cnn as cnn
+from common import digits_mlp as mlp
+from common import environment as common_environment
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 Data = tuple[Tensor, Tensor, Tensor, Tensor]
 
@@ -86,25 +90,6 @@ def digits() -> Data:
     x = d.data.astype(np.float32) / 16.0
     xtr, xva, ytr, yva = train_test_split(x, d.target, test_size=0.25, random_state=0, stratify=d.target)
     return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
-
-
-def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
-def cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Unflatten(1, (1, 8, 8)),
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(2),
-        nn.Flatten(),
-        nn.Linear(128, 10),
-    )
 
 
 class Rows(nn.Module):
@@ -121,18 +106,6 @@ class Rows(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = self.embed(x.view(-1, 8, 8)) + self.pos
         return self.head(self.encoder(h).mean(1))
-
-
-def sgd(params: Any, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr, momentum=0.9)
-
-
-def adam(params: Any, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=lr)
-
-
-def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
 
 
 Schedule = Callable[[torch.optim.Optimizer, int], Any]
@@ -588,16 +561,8 @@ def scenario_by_name(name: str) -> Scenario:
 
 # ---------------------------------------------------------------------------------------------- main
 def environment() -> dict[str, Any]:
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-    }
+    when = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    return {"date": when, **common_environment()}
 
 
 def quiet() -> None:

@@ -68,6 +68,9 @@ from lightning_gradguard.functional.lr_suggest import (
 )
 from lightning_gradguard.tuner import lr_find
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import adam, adamw, digits_cnn, digits_mlp, sgd
+
 warnings.filterwarnings("ignore")
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
@@ -146,31 +149,7 @@ def tasks() -> list[Task]:
     diabetes = _diabetes()
     ce = nn.functional.cross_entropy
 
-    def sgd(p: Any, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.SGD(p, lr=lr, momentum=0.9)
-
-    def adam(p: Any, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.Adam(p, lr=lr)
-
-    def adamw(p: Any, lr: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(p, lr=lr, weight_decay=0.01)
-
-    def mlp() -> nn.Module:
-        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
-
-    def cnn() -> nn.Module:
-        return nn.Sequential(
-            nn.Unflatten(1, (1, 8, 8)),
-            nn.Conv2d(1, 16, 3, padding=1),
-            nn.BatchNorm2d(16),
-            nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1),
-            nn.BatchNorm2d(32),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(2),
-            nn.Flatten(),
-            nn.Linear(128, 10),
-        )
+    mlp, cnn = digits_mlp, digits_cnn
 
     def reg() -> nn.Module:
         return nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))

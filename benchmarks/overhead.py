@@ -19,8 +19,6 @@ import argparse
 import gc
 import json
 import logging
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,6 +32,7 @@ from typing import Any, NamedTuple
 import lightning
 import lightning.pytorch as pl
 import torch
+from common import environment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import grad_norm
@@ -507,18 +506,6 @@ def target_lines(summaries: list[Summary]) -> list[str]:
             f"(target <= 0.5 %) -> {verdict}"
         )
     return lines
-
-
-def environment(threads: int) -> dict[str, Any]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": threads,
-    }
 
 
 def quiet() -> None:

@@ -24,11 +24,12 @@ from lightning_gradguard.callbacks.spike_records import (
     log_spike_scalars,
     read_skip_batches,
     record_spike,
+    spike_alert,
 )
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.cadence import optimizer_index
 from lightning_gradguard.core.lr import rescale_learning_rates
-from lightning_gradguard.core.snapshot import TrainingSnapshot
+from lightning_gradguard.core.snapshot import TrainingSnapshot, rollback_point
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.trial import drop_update
@@ -36,7 +37,6 @@ from lightning_gradguard.core.validate import check_choice, check_float, check_i
 from lightning_gradguard.functional.spikes import (
     SpikeScore,
     escalated_action,
-    explain_spike,
     is_spike,
     snapshot_due,
     spike_score,
@@ -48,29 +48,14 @@ __all__ = ["LossSpikeGuard"]
 class LossSpikeGuard(GradGuardCallback):
     r"""Detect loss and gradient-norm spikes before the update; skip, roll back or raise.
 
-    In ``on_before_optimizer_step`` it judges the step's loss (what ``training_step`` returned, averaged
-    over micro-batches and ranks) and total gradient norm (the shared statistics: no second pass) against
-    the last ``window`` accepted steps: a robust z-score (median and MAD, log space for positive values,
-    :mod:`lightning_gradguard.functional.spikes`) that reaches its threshold, with the value also
-    ``min_ratio`` times the recent median. ``warmup_steps`` steps fill the window first; a spike never
-    enters it, nor does a partial last batch of an epoch under half the usual size (its noise is larger by
-    the square root of the ratio). One small transfer (one all-reduce under DDP) per step: every rank
-    decides alike. GradScaler skips and NaN/inf are the scaler's and
-    :class:`~lightning_gradguard.NaNSentinel`'s business.
-
-    A spike gets ``action``, escalating every ``patience`` consecutive spikes along ``skip -> rollback ->
-    raise`` (``"warn"`` never escalates): ``"warn"`` only alerts; ``"skip"`` drops the update (every
-    gradient set to ``None``: Adam's moments and step count untouched); ``"rollback"`` restores weights,
-    optimizer, scheduler, GradScaler and RNG from the last snapshot (taken at the end of the warm-up, then
-    every ``snapshot_every_n_steps`` healthy steps, on the CPU by default), drops the update and lets the
-    data move on (``global_step`` keeps counting), optionally multiplying the LR by ``lr_cooldown_factor``
-    for the next ``lr_cooldown_steps`` applied updates; ``"raise"`` raises
-    :class:`~lightning_gradguard.LossSpikeError` on every rank. A rollback holds once the run has had
-    ``snapshot_every_n_steps`` healthy steps since (a new snapshot): until then a spike continues the
-    streak, so rollbacks that do not hold end in a raise.
-
-    Each spike is an alert ``loss_spike`` and a record in ``spikes.json`` beside the logs (a later run given
-    it as ``skip_batches_path`` drops those batches' updates); ``spike/*`` scalars; docs/loss_spike.md.
+    Before each update it scores the step's loss (the mean over micro-batches and ranks) and total gradient
+    norm (the shared statistics pass) against the last ``window`` accepted steps: a robust z-score
+    (median/MAD, log space; :mod:`lightning_gradguard.functional.spikes`) at its threshold, and at least
+    ``min_ratio`` times the median, is a spike. It gets ``action``, escalating every ``patience``
+    consecutive spikes along ``skip -> rollback -> raise``: a skip drops the update (optimizer state
+    untouched), a rollback restores the last CPU snapshot (weights, optimizer, scheduler, GradScaler, RNG)
+    and drops the update while the data moves on. Every rank decides alike (one all-reduce). Each spike is
+    an alert ``loss_spike`` and a record in ``spikes.json``. The rules, in full: docs/loss_spike.md.
 
     Args:
         action: ``"skip"`` (default), ``"rollback"``, ``"warn"`` or ``"raise"``.
@@ -149,9 +134,14 @@ class LossSpikeGuard(GradGuardCallback):
         self.calm = 0  # healthy judged steps since the last spike
         self.probation = False  # a rollback was made and the run has not yet earned a new snapshot
         self.last_scores: dict[str, SpikeScore] = {}
+        self.manual_streaks: dict[str, int] = {}  # manual optimization: a streak per optimizer
+        self._forget()
+
+    def _forget(self) -> None:
+        """What lives within one fit only: the rollback point and the step being gathered."""
         self._snapshot: TrainingSnapshot | None = None
-        self._step = StepInputs()
-        self._stepped = False
+        self._step = StepInputs(getattr(getattr(self, "_step", None), "full", 0))
+        self._outcome: str | None = None  # this step: "calm", "applied" (a warned spike) or "dropped"
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -164,7 +154,18 @@ class LossSpikeGuard(GradGuardCallback):
         super().on_fit_start(trainer, pl_module)
         if self.fresh_run(trainer):
             self._reset()
+        self._forget()  # a snapshot of an earlier fit holds another fit's objects
         self._skip = read_skip_batches(self.skip_batches_path) if self.skip_batches_path else set()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._snapshot = None  # a copy of the weights and optimizer: not kept past the fit
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._snapshot = None
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -181,7 +182,7 @@ class LossSpikeGuard(GradGuardCallback):
         manual = not pl_module.automatic_optimization
         scale = getattr(active_scaler(trainer), "_scale", None)  # 16-mixed: backward got the loss x scale
         loss, batches, replay, short = self._step.take(trainer.accumulate_grad_batches, scale, manual)
-        self._stepped = True
+        self._outcome = "applied"
         transfer = HostTransfer()
         judged_loss = loss if loss is not None and not manual else None
         if self.grad_norm_threshold is not None or judged_loss is None:  # the shared statistics pass
@@ -193,11 +194,15 @@ class LossSpikeGuard(GradGuardCallback):
         values = {k: float(v) for k, v in host.items() if k != "short"}
         if replay:  # a batch an earlier run recorded: its update is dropped again, unjudged
             drop_update(optimizer)
+            self._outcome = "dropped"
             self.skipped_steps += 1
             record_spike(trainer, self.records, batches=batches, values=values, scores={}, action="replayed")
             return
-        if float(host["short"]) > 0 or not all(math.isfinite(v) for v in values.values()):
-            return  # NaN/inf: the GradScaler's skip (16-mixed) or NaNSentinel's finding, not a spike
+        if not all(math.isfinite(v) for v in values.values()):
+            self._outcome = "dropped"  # NaN/inf: the GradScaler's skip or NaNSentinel's finding, no spike
+            return
+        if float(host["short"]) > 0:
+            return
         suffix = f"@{optimizer_index(trainer, optimizer)}" if manual else ""
         thresholds = {"loss": self.loss_threshold, "grad_norm": self.grad_norm_threshold}
         judged = {k: v for k, v in values.items() if thresholds[k] is not None}
@@ -205,83 +210,78 @@ class LossSpikeGuard(GradGuardCallback):
         scores = {k: spike_score(v, windows[k]) for k, v in judged.items()}
         self.last_scores = scores
         self.judged += 1
-        spike = self.judged > self.warmup_steps and any(
-            is_spike(scores[k], thresholds[k] or 0.0, self.min_ratio) for k in judged
-        )
+        warm = all(len(w) >= min(self.warmup_steps, self.window) for w in windows.values())
+        spike = warm and any(is_spike(scores[k], thresholds[k] or 0.0, self.min_ratio) for k in judged)
         if not spike:
             for k, v in judged.items():
                 windows[k].append(v)
             self.calm += 1
-            if not self.probation:  # after a rollback the streak lasts until the run earns a new snapshot
+            if manual:
+                self.manual_streaks[suffix] = 0
+            elif not self.probation:  # after a rollback the streak lasts until the run earns a new snapshot
                 self.streak = 0
+            self._outcome = "calm"
             log_spike_scalars(trainer, scores, self.skipped_steps, self.rollbacks, force=False)
             return
-        self.streak += 1
-        self.calm = 0
+        if manual:
+            streak = self.manual_streaks[suffix] = self.manual_streaks.get(suffix, 0) + 1
+        else:
+            self.streak, self.calm = self.streak + 1, 0
+            streak = self.streak
         can_roll_back = self._snapshot is not None and not manual
-        action = escalated_action(self.action, self.streak, self.patience, can_roll_back)
+        action = escalated_action(self.action, streak, self.patience, can_roll_back)
         self.skipped_steps += action != "warn"
         record_spike(trainer, self.records, batches=batches, values=values, scores=scores, action=action)
         log_spike_scalars(trainer, scores, self.skipped_steps, self.rollbacks, force=True)
-        self._alert(trainer, action, values, scores)
+        self.report(
+            trainer, "loss_spike", *spike_alert(int(trainer.global_step), action, values, scores, streak)
+        )
         if action == "raise":
             raise LossSpikeError(self.alerts[-1].format() if self.alerts else "loss spike", self.alerts[-1:])
         if action == "rollback" and self._snapshot is not None:
-            # this step's unscale_ is done and scaler.step() follows: keep the GradScaler's bookkeeping of it
-            pending = dict(getattr(active_scaler(trainer), "_per_optimizer_states", {}))
-            self._snapshot.restore()  # taken outside any cool-down: the schedule's own learning rates
-            if pending:
-                active_scaler(trainer)._per_optimizer_states.update(pending)
+            self._snapshot.restore(mid_step=True)  # taken outside any cool-down: the schedule's own LRs
             self.rollbacks += 1
             self.probation = True
             if self.lr_cooldown_factor is not None:
                 factor = self.lr_cooldown_factor
                 rescale_learning_rates(trainer, optimizer, lambda v: v * factor)
-                self.cooldown_left = self.lr_cooldown_steps + 1  # + this step, whose update is dropped
+                self.cooldown_left = self.lr_cooldown_steps
         if action in ("skip", "rollback"):
             drop_update(optimizer)
+            self._outcome = "dropped"
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        stepped, self._stepped = self._stepped, False
+        outcome, self._outcome = self._outcome, None
         if not pl_module.automatic_optimization:
             self._step.clear()
-        if not stepped or not pl_module.automatic_optimization:
+        if outcome is None or not pl_module.automatic_optimization:
             return
-        if self.cooldown_left and self.lr_cooldown_factor is not None:
+        if self.cooldown_left and self.lr_cooldown_factor is not None and outcome != "dropped":
             self.cooldown_left -= 1
             if self.cooldown_left == 0:  # the cool-down is over: the schedule's own learning rate again
                 factor = self.lr_cooldown_factor
                 rescale_learning_rates(trainer, trainer.optimizers[0], lambda v: v / factor)
         every = self.snapshot_every_n_steps
-        if not self.cooldown_left and snapshot_due(
-            self.judged, self.warmup_steps, every, self.streak, self.calm, self.probation
-        ):
-            store = "cpu" if self.snapshot_device == "cpu" else None
-            self._snapshot = TrainingSnapshot(
-                pl_module, trainer=trainer, keep_progress=False, store=store, keep_grads=False
-            )
+        have = self._snapshot is not None  # not in a checkpoint: a resumed run takes one at once
+        due = snapshot_due(
+            self.judged, self.warmup_steps, every, self.streak, self.calm, self.probation, have
+        )
+        if outcome == "calm" and not self.cooldown_left and due:
+            self._snapshot = rollback_point(pl_module, trainer, self.snapshot_device)
             self.streak, self.probation = 0, False
 
     # ------------------------------------------------------------------ helpers
-    def _alert(
-        self, trainer: pl.Trainer, action: str, values: dict[str, float], scores: dict[str, SpikeScore]
-    ) -> None:
-        message, hint = explain_spike(int(trainer.global_step), action, values, scores, self.streak)
-        data = {f"{k}_zscore": s.zscore for k, s in scores.items()} | {"streak": float(self.streak)}
-        self.report(
-            trainer, "loss_spike", "error" if action == "raise" else "warning", None, message, hint, data
-        )
-
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
         windows, records = {k: list(v) for k, v in self.windows.items()}, [r.to_dict() for r in self.records]
         counters = [self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left]
         counters += [self.calm, int(self.probation), self._step.full]
-        return super().state_dict() | {"windows": windows, "records": records, "counters": counters}
+        extra = {"manual_streaks": dict(self.manual_streaks)}
+        return super().state_dict() | {"windows": windows, "records": records, "counters": counters} | extra
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -291,3 +291,4 @@ class LossSpikeGuard(GradGuardCallback):
         counters = [int(c) for c in state_dict.get("counters", [])] + [0] * 8  # an older state: fewer
         self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left = counters[:5]
         self.calm, self.probation, self._step.full = counters[5], bool(counters[6]), counters[7]
+        self.manual_streaks = {k: int(v) for k, v in state_dict.get("manual_streaks", {}).items()}

@@ -18,11 +18,12 @@ from dataclasses import asdict, dataclass, field
 import lightning.pytorch as pl
 from torch import Tensor
 
+from lightning_gradguard.alerts import Severity
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.batch import batch_size_of
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step
 from lightning_gradguard.core.state import warn_once
-from lightning_gradguard.functional.spikes import SpikeScore
+from lightning_gradguard.functional.spikes import SpikeScore, explain_spike
 
 __all__ = [
     "FORMAT",
@@ -31,6 +32,7 @@ __all__ = [
     "log_spike_scalars",
     "read_skip_batches",
     "record_spike",
+    "spike_alert",
     "write_spikes",
 ]
 
@@ -80,7 +82,10 @@ def write_spikes(path: str, records: list[SpikeRecord]) -> None:
 
 
 def read_skip_batches(path: str) -> set[tuple[int, int]]:
-    """The ``(epoch, batch index)`` pairs a ``spikes.json`` names (its ``"replayed"`` entries too)."""
+    """The ``(epoch, batch index)`` pairs whose update a ``spikes.json`` says was kept out of the run.
+
+    Every entry but ``"warn"`` (a warned spike was applied): skipped, rolled back, raised and replayed.
+    """
     wrong = f"`skip_batches_path` must be a spikes.json written by LossSpikeGuard; got {path!r}"
     try:
         with open(path, encoding="utf-8") as fh:
@@ -90,7 +95,8 @@ def read_skip_batches(path: str) -> set[tuple[int, int]]:
     if not isinstance(content, dict) or content.get("format") != FORMAT:
         raise ValueError(wrong)
     try:
-        return {(int(s["epoch"]), int(i)) for s in content["spikes"] for i in s["batch_idx"]}
+        spikes = [s for s in content["spikes"] if s.get("action") != "warn"]
+        return {(int(s["epoch"]), int(i)) for s in spikes for i in s["batch_idx"]}
     except (KeyError, TypeError, ValueError) as err:  # an entry without its fields
         raise ValueError(f"{wrong} (malformed entry: {type(err).__name__}: {err})") from None
 
@@ -144,8 +150,8 @@ class StepInputs:
     ``on_before_backward`` (divided by ``accumulate_grad_batches``, times the GradScaler's scale).
     """
 
-    def __init__(self) -> None:
-        self.full = 0  # the most samples a step has had (a partial last batch has fewer)
+    def __init__(self, full: int = 0) -> None:
+        self.full = full  # the most samples a step has had (a partial last batch has fewer)
         self.clear()
 
     def clear(self) -> None:
@@ -182,7 +188,17 @@ class StepInputs:
         short = self.last and 0 < self.samples < self.full / 2
         self.full = max(self.full, self.samples)
         out = (loss, [*self.batches], self.replay, short)
-        self.loss, self.micro, self.samples = None, 0, 0
+        self.loss, self.micro = None, 0
         if not manual:
             self.clear()
         return out
+
+
+def spike_alert(
+    step: int, action: str, values: dict[str, float], scores: dict[str, SpikeScore], streak: int
+) -> tuple[Severity, None, str, str, dict[str, float]]:
+    """The ``loss_spike`` alert's severity, place (none), message, hint and data."""
+    message, hint = explain_spike(step, action, values, scores, streak)
+    data = {f"{k}_zscore": s.zscore for k, s in scores.items()} | {"streak": float(streak)}
+    severity: Severity = "error" if action == "raise" else "warning"
+    return severity, None, message, hint, data

@@ -34,6 +34,7 @@ __all__ = [
     "RNGState",
     "TrainingSnapshot",
     "loader_generators",
+    "rollback_point",
     "tensors_free_iterables",
     "train_loader_generators",
 ]
@@ -137,6 +138,8 @@ class TrainingSnapshot:
         keep_grads: also keep the ``.grad`` tensors (``False``: a restore leaves every ``.grad`` ``None``,
             as for a rollback point whose update is dropped anyway; half the copying of a weights-only
             snapshot).
+        keep_metrics: also keep torchmetrics states (``False``: a restore leaves them as they are, as for a
+            rollback point: the data moves on, so what the metrics accumulated since stays counted).
 
     Example::
 
@@ -157,6 +160,7 @@ class TrainingSnapshot:
         keep_progress: bool = True,
         store: str | torch.device | None = None,
         keep_grads: bool = True,
+        keep_metrics: bool = True,
     ) -> None:
         self.module = module
         gens = list(generators)
@@ -186,7 +190,7 @@ class TrainingSnapshot:
             for name, buf in mod._buffers.items():
                 self.buffers.append((mod, name, None if buf is None else keep(buf)))
         self.modes = [(m, m.training) for m in module.modules()]
-        self.metrics = [(m, _metric_state(m)) for m in module.modules() if _is_metric(m)]
+        self.metrics = [(m, _metric_state(m)) for m in module.modules() if keep_metrics and _is_metric(m)]
         self.optimizers = [
             (
                 o,
@@ -214,8 +218,13 @@ class TrainingSnapshot:
         self.trainer = trainer
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """Write every recorded value back (idempotent: can be called more than once)."""
+    def restore(self, mid_step: bool = False) -> None:
+        """Write every recorded value back (idempotent: can be called more than once).
+
+        ``mid_step``: inside an optimizer step whose ``unscale_`` is done and whose ``scaler.step()``
+        follows (a rollback in ``on_before_optimizer_step``): the GradScaler keeps its bookkeeping of it.
+        """
+        scaler_pending = dict(getattr(self.scaler, "_per_optimizer_states", {})) if mid_step else {}
         for p, value, grad, requires_grad in self.params:
             p.copy_(value)
             p.grad = None if grad is None else grad.to(device=p.device, copy=True)
@@ -240,6 +249,7 @@ class TrainingSnapshot:
         if self.scaler is not None and self.scaler_state is not None:
             self.scaler.load_state_dict(copy.deepcopy(self.scaler_state))
             self.scaler._per_optimizer_states.clear()  # no half-finished unscale_/step bookkeeping
+            self.scaler._per_optimizer_states.update(scaler_pending)
         if self.batches_that_stepped is not None and self.trainer is not None:
             self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.batches_that_stepped
         self.rng.restore()
@@ -270,3 +280,16 @@ def _set_metric_state(m: Any, saved: dict[str, Any]) -> None:
         setattr(m, name, copy.deepcopy(value))
     m._update_count = saved["update_count"]
     m._computed = copy.deepcopy(saved["computed"])
+
+
+def rollback_point(module: nn.Module, trainer: Any, device: str = "cpu") -> TrainingSnapshot:
+    """A snapshot to roll a run back to: weights, buffers, optimizers, schedulers, GradScaler and RNG.
+
+    Not the run's position in the data (it moves on), not the gradients (the update of the step that
+    rolls back is dropped), not torchmetrics states (what they counted since stays counted). ``device``:
+    ``"cpu"`` spares the accelerator's memory, ``"same"`` keeps the copies beside the originals.
+    """
+    store = "cpu" if device == "cpu" else None
+    return TrainingSnapshot(
+        module, trainer=trainer, keep_progress=False, store=store, keep_grads=False, keep_metrics=False
+    )

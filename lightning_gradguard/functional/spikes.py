@@ -101,10 +101,13 @@ def escalated_action(action: str, streak: int, patience: int, can_roll_back: boo
     return ladder[min(start + (max(streak, 1) - 1) // patience, len(ladder) - 1)]
 
 
-def snapshot_due(judged: int, warmup: int, every: int, streak: int, calm: int, probation: bool) -> bool:
-    """Whether a rollback point is taken after the ``judged``-th judged step.
+def snapshot_due(
+    judged: int, warmup: int, every: int, streak: int, calm: int, probation: bool, have: bool = True
+) -> bool:
+    """Whether a rollback point is taken after the ``judged``-th judged step (a calm one).
 
-    At the end of the warm-up, then every ``every`` judged steps while no spike streak runs. After a
+    At the end of the warm-up, then every ``every`` judged steps while no spike streak runs; at once when
+    there is none (``have=False``: a resumed run, whose snapshot was not in the checkpoint). After a
     rollback (``probation``) the old point is kept until the run has had ``every`` healthy steps in a
     row (``calm``): the rollback held, and the streak of spikes behind it ends with the new point.
     """
@@ -112,7 +115,7 @@ def snapshot_due(judged: int, warmup: int, every: int, streak: int, calm: int, p
         return False
     if probation:
         return calm >= every
-    return not streak and (judged == warmup or judged % every == 0)
+    return not streak and (judged == warmup or judged % every == 0 or (not have and judged >= warmup))
 
 
 SPIKE_HINTS = {

@@ -479,6 +479,50 @@ def test_resume_restores_windows_counters_and_records(tmp_path: Path) -> None:
     assert [s["step"] for s in spikes] == [12, 20]
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_a_resumed_fit_rolls_back_its_own_model_to_a_point_taken_after_the_resume(tmp_path: Path) -> None:
+    """The same guard fits 20 steps, then resumes from the checkpoint in a new Trainer with a new model.
+    The snapshot of the first fit (another model and optimizer) is dropped at fit start; a snapshot is not
+    in a checkpoint, so the resumed fit takes one at its first calm step (20), then after steps 23 and 27
+    (every 4 judged steps); the spike at 30 goes back to the live model's state after step 27."""
+    torch.manual_seed(0)
+    guard = LossSpikeGuard(action="rollback", snapshot_every_n_steps=4, **THRESHOLDS)
+    ckpts = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    _fit(SpikeModel(), guard, tmp_path / "run1", max_steps=20, enable_checkpointing=True, callbacks=[ckpts])
+    assert guard._snapshot is None  # not kept past the fit
+    model, rec = SpikeModel({30}), Recorder()
+    trainer = make_trainer([guard, rec], default_root_dir=str(tmp_path / "run2"), max_steps=32, max_epochs=3)
+    trainer.fit(model, random_loader(n=256), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert [(r.step, r.action) for r in guard.records] == [(30, "rollback")]
+    _same(rec.after[30], rec.after[27])
+
+
+def test_a_rollback_leaves_torchmetrics_state_alone(tmp_path: Path) -> None:
+    """A metric updated every step keeps counting through a rollback (the data moves on: its updates
+    happened), where restoring the snapshot's copy would rewind it to the step the snapshot was taken."""
+    import torchmetrics
+
+    class WithMetric(SpikeModel):
+        def __init__(self) -> None:
+            super().__init__({14})
+            self.metric = torchmetrics.MeanMetric()
+            self.counts: dict[int, int] = {}
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.metric.update(torch.tensor(1.0))
+            return super().training_step(batch, batch_idx)
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.counts[self.trainer.global_step - 1] = self.metric.update_count
+
+    torch.manual_seed(0)
+    model = WithMetric()
+    guard = LossSpikeGuard(action="rollback", snapshot_every_n_steps=4, **THRESHOLDS)
+    _fit(model, guard, tmp_path)
+    assert [(r.step, r.action) for r in guard.records] == [(14, "rollback")]
+    assert model.counts[14] == 15 and model.counts[20] == 21
+
+
 def test_skip_batches_path_replays_the_recorded_steps_without_the_spike(tmp_path: Path) -> None:
     torch.manual_seed(0)
     first, guard = SpikeModel({12, 20}, optimizer="adam"), LossSpikeGuard(action="skip", **THRESHOLDS)
@@ -511,7 +555,7 @@ class TwoOptimizers(pl.LightningModule):
     that order on every batch (global steps 2k and 2k+1 on batch k). On batch ``spike_batch`` the loss of
     ``b`` is scaled x1000: its gradient norm spikes, ``a``'s does not."""
 
-    def __init__(self, spike_batch: int | None) -> None:
+    def __init__(self, spike_batch: int | None | range) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.a = nn.Linear(8, 4)
@@ -527,7 +571,12 @@ class TwoOptimizers(pl.LightningModule):
         for name, opt in zip("ab", self.optimizers(), strict=True):
             net = getattr(self, name)
             loss = nn.functional.cross_entropy(net(x), y)
-            loss = loss * (1000.0 if name == "b" and batch_idx == self.spike_batch else 1.0)
+            spiking = (
+                batch_idx in self.spike_batch
+                if isinstance(self.spike_batch, range)
+                else (batch_idx == self.spike_batch)
+            )
+            loss = loss * (1000.0 if name == "b" and spiking else 1.0)
             opt.zero_grad()
             self.manual_backward(loss)
             self.norms[name][batch_idx] = float(
@@ -580,6 +629,19 @@ def test_manual_optimization_judges_each_optimizer_norm_and_rolls_back_as_a_skip
         (29, [14], "replayed"),
     ]
     assert not _moved(again, 14, "a.") and not _moved(again, 14, "b.") and _moved(again, 13, "a.")
+
+
+def test_manual_optimization_keeps_a_streak_per_optimizer(tmp_path: Path) -> None:
+    """``b`` spikes on every batch from 14 while ``a`` stays calm: ``a``'s calm steps between them do not
+    end ``b``'s streak (patience 2, no rollback under manual optimization: skip, skip, raise)."""
+    torch.manual_seed(0)
+    model = TwoOptimizers(spike_batch=range(14, 100))
+    guard = LossSpikeGuard(action="skip", patience=2, **{**THRESHOLDS, "window": 64})
+    trainer = make_trainer([guard], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path))
+    with pytest.raises(LossSpikeError):
+        trainer.fit(model, random_loader(n=256))
+    assert [(r.step, r.action) for r in guard.records] == [(29, "skip"), (31, "skip"), (33, "raise")]
+    assert guard.manual_streaks == {"@0": 0, "@1": 3}
 
 
 def test_ddp_a_spike_on_one_rank_is_judged_alike_on_both(tmp_path: Path) -> None:

@@ -47,10 +47,21 @@ def is_rank_zero(trainer: pl.Trainer) -> bool:
     return bool(trainer.is_global_zero)
 
 
+#: TensorBoard's Custom Scalars reads a line's run back from its label "tag (run)" with ``\((.*)\)$``: a
+#: "(" inside the tag ("dead_relu/relu(hidden1)") makes it take the wrong run and draw nothing
+_TAG_SAFE = str.maketrans("()", "[]")
+
+
+def safe_tag(tag: str) -> str:
+    """``tag`` as every chart can draw it: parentheses become brackets (``relu(h1)`` -> ``relu[h1]``)."""
+    return tag.translate(_TAG_SAFE)
+
+
 def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
-    """Send plain-float scalars to every attached logger at ``step`` (rank zero only)."""
+    """Send plain-float scalars to every attached logger at ``step`` (rank zero only; tags made safe)."""
     if not metrics or not is_rank_zero(trainer):
         return
+    metrics = {safe_tag(k): v for k, v in metrics.items()}
     if not trainer.loggers:
         state = trainer_state(trainer)
         if not state.said_no_logger:
@@ -103,7 +114,7 @@ def log_histogram_raw(
             trainer,
             "a histogram to TensorBoard",
             lambda w=writer: w.add_histogram_raw(
-                tag,
+                safe_tag(tag),
                 min=lo,
                 max=hi,
                 num=int(num),

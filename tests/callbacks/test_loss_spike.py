@@ -555,7 +555,7 @@ class TwoOptimizers(pl.LightningModule):
     that order on every batch (global steps 2k and 2k+1 on batch k). On batch ``spike_batch`` the loss of
     ``b`` is scaled x1000: its gradient norm spikes, ``a``'s does not."""
 
-    def __init__(self, spike_batch: int | None | range) -> None:
+    def __init__(self, spike_batch: int | range | None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.a = nn.Linear(8, 4)

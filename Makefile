@@ -4,8 +4,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup demo test lint typecheck unit bench bench-lr bench-dead-relu bench-spike clean
+.PHONY: setup demo test lint typecheck unit docs bench bench-lr bench-dead-relu bench-spike screenshots clean
 
 setup: $(STAMP)
 
@@ -20,6 +21,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
+# PNGs of the TensorBoard dashboard from a fresh demo run into docs/img/ (needs Debian's chromium and chromium-driver).
+screenshots: demo
+	$(PY) tests/scripts/screenshots.py --runs runs --out docs/img
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lightning_gradguard tests examples benchmarks
 	$(VENV)/bin/ruff format --check lightning_gradguard tests examples benchmarks
@@ -31,6 +36,15 @@ unit: $(STAMP)
 	$(PY) -m pytest -q
 
 test: lint typecheck unit
+
+# The docs extra (mkdocs, material, mkdocstrings) has its own stamp: `make test` does not need it.
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+# The site, into site/; strict: a broken link or anchor, a page outside the nav, a missing reference fails.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # Per-step overhead of every callback against bare Lightning (about 10 minutes on 2 idle cores).
 bench: $(STAMP)

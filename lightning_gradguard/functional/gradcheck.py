@@ -301,9 +301,9 @@ def taylor_check(
     ``<g, v>`` to ``O(ε²)`` and runs before any retry (smaller Taylor steps would only sharpen the
     ``h``-linear part of the remainder a wrong gradient leaves).
 
+    The arguments ``loss_fn`` to ``min_order`` and ``generator`` are those of :func:`taylor_test`.
+
     Args:
-        loss_fn, params, grads, direction, h0, num_steps, factor, min_order, generator: as for
-            :func:`taylor_test`.
         taylor_tolerance: the ``tolerance`` of :func:`taylor_test` (the linear remainder blamed on kinks).
         eps: the relative step of the directional finite difference.
         tolerance: the largest relative error of the directional finite difference accepted.

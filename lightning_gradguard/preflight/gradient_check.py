@@ -95,8 +95,6 @@ def gradient_check(
         loss_fn: ``loss_fn(module, batch) -> scalar loss``; default for a ``LightningModule``: its
             ``training_step(batch, 0)`` (``self.log`` calls are swallowed).
         max_samples: cut the batch to this many samples (``None``: keep it whole).
-        modules, samples_per_tensor, max_evaluations, tolerance, min_order, eps, seed, taylor_tolerance:
-            see :func:`~lightning_gradguard.functional.gradcheck_module.gradcheck_module`.
 
     Returns:
         A :class:`GradientCheckResult`.

@@ -42,6 +42,7 @@ from lightning_gradguard import (
     OverfitBatchSanity,
     VanishingExplodingDetector,
 )
+from lightning_gradguard.report import build_report
 
 SEED = 0
 MAX_EPOCHS = 15
@@ -231,6 +232,8 @@ def main() -> None:
     start = time.perf_counter()
     trainer.fit(DigitsMLP(), train, val)
     health_summary(trainer, callbacks, time.perf_counter() - start)
+    report = build_report(trainer.log_dir or RUNS_DIR)
+    print(f"health report (HTML)    {report}   (gradguard report {trainer.log_dir})")
 
 
 if __name__ == "__main__":

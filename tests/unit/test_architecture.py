@@ -14,7 +14,16 @@ import pytest
 from conftest import ROOT
 
 PACKAGE = ROOT / "lightning_gradguard"
-LAYERS = {"functional": 0, "alerts": 0, "core": 1, "hooks": 2, "callbacks": 3, "preflight": 3, "tuner": 3}
+LAYERS = {
+    "functional": 0,
+    "alerts": 0,
+    "core": 1,
+    "hooks": 2,
+    "callbacks": 3,
+    "preflight": 3,
+    "tuner": 3,
+    "report": 3,
+}
 # re-export only: the package root, and the module paths of before 0.2 kept for imports, CLI configs, pickles
 FACADES = {
     "lightning_gradguard",

@@ -1,0 +1,244 @@
+"""The report itself: a verdict per monitor, the pictures, the tables; one self-contained HTML page.
+
+Images are embedded as ``data:`` URIs and the style sheet is inline, so the file opens offline and can be
+mailed or attached to a ticket as it is.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_gradguard.report import figures
+from lightning_gradguard.report.read import RunData
+
+__all__ = ["MONITORS", "Verdict", "render_html", "summary_lines", "verdicts"]
+
+#: monitor -> the tag prefixes and files that show it was attached to the run
+MONITORS: dict[str, tuple[str, ...]] = {
+    "OverfitBatchSanity": ("preflight/",),
+    "GradientCheck": (),
+    "LRFinderPlus": ("lr_finder/",),
+    "GradientNormLogger": ("grad_norm/", "weight_norm/", "update_ratio/", "grad_clip/"),
+    "VanishingExplodingDetector": ("grad_flow/",),
+    "DeadReLUMonitor": ("dead_relu/", "saturated/"),
+    "NaNSentinel": (),
+    "LossSpikeGuard": ("spike/",),
+}
+_RANK = {"info": 0, "warning": 1, "error": 2, "critical": 3}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A monitor's verdict: ``"healthy"``, ``"warning"`` or ``"failed"``, and the alert that decided it."""
+
+    monitor: str
+    status: str
+    alerts: int
+    first: dict[str, Any] | None
+
+
+def _present(run: RunData, monitor: str, sources: set[str]) -> bool:
+    if monitor in sources:
+        return True
+    if monitor == "NaNSentinel":
+        return bool(run.nan_reports)
+    if monitor == "LossSpikeGuard" and run.spikes:
+        return True
+    if monitor == "LRFinderPlus" and run.lr_curves:
+        return True
+    return any(tag.startswith(MONITORS[monitor]) for tag in run.scalars) if MONITORS[monitor] else False
+
+
+def verdicts(run: RunData) -> list[Verdict]:
+    """One verdict per monitor that left a trace (tags, files or alerts), in the order of :data:`MONITORS`."""
+    sources = {str(a.get("source", "")) for a in run.alerts}
+    out = []
+    for monitor in MONITORS:
+        if not _present(run, monitor, sources):
+            continue
+        mine = [a for a in run.alerts if a.get("source") == monitor]
+        worst = max((_RANK.get(a.get("severity", "info"), 0) for a in mine), default=0)
+        if monitor == "NaNSentinel" and run.nan_reports:
+            worst = max(worst, 2)
+        status = "failed" if worst >= 2 else "warning" if worst == 1 else "healthy"
+        first = (
+            next((a for a in mine if _RANK.get(a.get("severity", "info"), 0) == worst), None)
+            if mine
+            else None
+        )
+        out.append(Verdict(monitor, status, len(mine), first))
+    return out
+
+
+def _steps(run: RunData) -> str:
+    steps = [s for series in run.scalars.values() for s in series.steps]
+    return f"steps {min(steps)}-{max(steps)}" if steps else "no scalars"
+
+
+def summary_lines(run: RunData, out_path: str | None = None) -> list[str]:
+    """The short terminal summary: one line per monitor, the NaN reports and spikes, where the page is."""
+    lines = [f"gradguard report: {run.path} ({_steps(run)}, {len(run.alerts)} alert(s))"]
+    for v in verdicts(run):
+        first = v.first
+        detail = (
+            f"  first: [{first.get('severity')}] {first.get('kind')} at step {first.get('step')}"
+            if first
+            else ""
+        )
+        lines.append(f"  {v.monitor:<28} {v.status:<8}{detail}")
+    for report in run.nan_reports:
+        lines.append(
+            f"  NaN report: {report.get('kind')} at step {report.get('step')} ({report.get('folder')})"
+        )
+    if run.spikes:
+        lines.append(f"  loss spikes recorded: {len(run.spikes)}")
+    if out_path:
+        lines.append(f"  HTML report: {out_path}")
+    return lines
+
+
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1100px;
+color:#222}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;
+vertical-align:top;font-size:0.9em}th{background:#f4f4f4}.healthy{color:#1a7f37;font-weight:600}
+.warning{color:#b35900;font-weight:600}.failed{color:#c0392b;font-weight:600}img{max-width:100%}
+.caption{color:#555;font-size:0.9em}code{background:#f4f4f4;padding:0 3px}
+"""
+
+
+def _img(png: bytes | None, alt: str, caption: str) -> str:
+    if png is None:
+        return ""
+    data = base64.b64encode(png).decode("ascii")
+    image = f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+    return f'<figure>{image}<figcaption class="caption">{html.escape(caption)}</figcaption></figure>'
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{cells}</tr>{body}</table>"
+
+
+#: (section title, figure, how to read it)
+_SECTIONS: list[tuple[str, Callable[[RunData], bytes | None], str]] = [
+    (
+        "Loss and alerts",
+        figures.alert_timeline,
+        "Each vertical line is an alert at its step, coloured by severity.",
+    ),
+    (
+        "Gradient flow",
+        figures.gradient_flow,
+        "Layers in model order, first at the top. A dark band in the first layers is vanishing gradients; a "
+        "bright band or bright columns are exploding ones. A healthy run is an even colour from top to "
+        "bottom.",
+    ),
+    (
+        "Update / weight ratio",
+        figures.update_ratios,
+        "How far each step moves each layer's weights, relative to their size. About 1e-3 (dashed) is "
+        "healthy; far below, the layer barely learns; far above, the step is too large.",
+    ),
+    (
+        "Dead and saturated units",
+        figures.unit_health,
+        "Fraction of units that never fire (ReLU) or sit in the flat tails (sigmoid/tanh).",
+    ),
+    (
+        "Gradient clipping",
+        figures.clipping,
+        "Put gradient_clip_val near the p90 of the pre-clip norm; the suggested value is dashed.",
+    ),
+    (
+        "Loss spikes",
+        figures.spikes,
+        "Robust z-scores of the loss and the gradient norm; orange lines are recorded spikes.",
+    ),
+]
+
+
+def render_html(run: RunData) -> str:
+    """The whole page."""
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>gradguard report: {html.escape(os.path.basename(run.path) or run.path)}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>gradguard health report</h1><p>Run <code>{html.escape(run.path)}</code>, {_steps(run)}, "
+        f"{len(run.alerts)} alert(s). Made {datetime.datetime.now():%Y-%m-%d %H:%M}.</p>",
+        "<h2>Verdict per monitor</h2>",
+    ]
+    rows = []
+    for v in verdicts(run):
+        first = v.first or {}
+        found = ""
+        if first:
+            where = f" ({first['where']})" if first.get("where") else ""
+            found = f"[{first.get('severity')}] {first.get('kind')}{where} at step {first.get('step')}: "
+            found += str(first.get("message"))
+        rows.append((v, found, first.get("hint", "")))
+    table = "".join(
+        f"<tr><td>{html.escape(v.monitor)}</td><td class='{v.status}'>{v.status}</td><td>{v.alerts}</td>"
+        f"<td>{html.escape(found)}</td><td>{html.escape(hint)}</td></tr>"
+        for v, found, hint in rows
+    )
+    parts.append(
+        "<table><tr><th>monitor</th><th>verdict</th><th>alerts</th><th>first alert</th><th>hint</th></tr>"
+        f"{table}</table>"
+        if rows
+        else "<p>No GradGuard monitor left a trace in this run.</p>"
+    )
+    for report in run.nan_reports:
+        origin = report.get("origin") or {}
+        parts.append("<h2>NaN report</h2>")
+        parts.append(
+            _table(
+                ["kind", "step", "epoch", "batch", "origin", "op", "folder"],
+                [
+                    [
+                        report.get("kind"),
+                        report.get("step"),
+                        report.get("epoch"),
+                        report.get("batch_idx"),
+                        origin.get("module", origin.get("where", "")),
+                        origin.get("op", ""),
+                        report.get("folder"),
+                    ]
+                ],
+            )
+        )
+    for title, draw, caption in _SECTIONS:
+        image = draw(run)
+        if image is not None:
+            parts.append(f"<h2>{html.escape(title)}</h2>{_img(image, title, caption)}")
+    for name in run.lr_curves:
+        image = figures.lr_range_test(run, name)
+        caption = "Dotted: every suggestion; green: the LR the run trained with."
+        parts.append(f"<h2>LR range test</h2>{_img(image, name, caption)}")
+    if run.spikes:
+        parts.append("<h2>Spikes recorded</h2>")
+        keys = [
+            "step",
+            "epoch",
+            "batch_idx",
+            "loss",
+            "loss_zscore",
+            "grad_norm",
+            "grad_norm_zscore",
+            "action",
+        ]
+        parts.append(_table(keys, [[s.get(k) for k in keys] for s in run.spikes[:200]]))
+    if run.alerts:
+        parts.append("<h2>Alerts</h2>")
+        keys = ["step", "severity", "kind", "source", "where", "message", "hint"]
+        parts.append(_table(keys, [[a.get(k) for k in keys] for a in run.alerts[:500]]))
+    parts.append("</body></html>")
+    return "\n".join(parts)

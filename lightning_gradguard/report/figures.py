@@ -66,6 +66,17 @@ def alert_timeline(run: RunData) -> bytes | None:
         if finite:
             ax.plot(*zip(*finite, strict=True), color="#333333", lw=1.2, label=run.loss_tag)
             ax.set_yscale("log")
+    else:
+        ax.set_yticks([])
+        ax.text(
+            0.5,
+            0.5,
+            "no training loss logged (self.log a tag with 'loss' in its name, or pass --loss-tag)",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            color="grey",
+        )
     seen: set[str] = set()
     for alert in run.alerts:
         sev = alert.get("severity", "info")
@@ -142,8 +153,8 @@ def _per_layer(
         ax.plot(series.steps, series.values, lw=width, label=name, color="black" if name == "total" else None)
     if guide is not None:
         ax.axhline(guide, color="#2ca02c", ls="--", lw=1.2, label=f"guide {guide:g}")
-    if log and all(v > 0 for s in layers.values() for v in s.values if math.isfinite(v)):
-        ax.set_yscale("log")
+    if log:  # a step the optimizer skipped logs 0: masked on the log axis
+        ax.set_yscale("log", nonpositive="mask")
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradguard import LRFinderPlus, lr_find
+from lightning_gradguard.report import build_report
 
 SEED = 0
 BATCH_SIZE = 64
@@ -126,6 +127,7 @@ def main() -> None:
     metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
     print("final metrics:", metrics)
     print("curves, CSV and figures in", trainer.log_dir, "(the applied LRs in hparams.yaml)")
+    print("health report (HTML):", build_report(trainer.log_dir or "runs"))
 
 
 if __name__ == "__main__":

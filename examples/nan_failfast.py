@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradguard import GradientNormLogger, NaNSentinel, NonFiniteError
+from lightning_gradguard.report import build_report
 
 SEED = 0
 RUNS_DIR = "runs"
@@ -133,6 +134,8 @@ def main() -> None:
     x, _ = torch.load(os.path.join(folder, "batch.pt"))
     blank = [i for i in range(len(x)) if float(x[i].abs().sum()) == 0.0]
     print(f"\nbatch.pt: sample(s) {blank} of the offending batch are blank images -> std 0 -> 0/0")
+    page = build_report(os.path.dirname(os.path.dirname(folder)))  # the failed run: version_<n>/nan_report/..
+    print(f"health report (HTML): {page}   (gradguard report <its folder>)")
 
     print("\n=== 3. fix the layer (eps=1e-5) and resume from last_good.ckpt ===")
     fixed = DigitsNet(eps=1e-5)

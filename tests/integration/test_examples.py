@@ -20,6 +20,11 @@ def test_quickstart_trains_and_prints_a_health_summary(tmp_path: Path) -> None:
     assert "overfit one batch       passed" in out and "gradient check          passed" in out
     assert "LR range test           suggested lr" in out and "; applied" in out
     assert list((tmp_path / "runs" / "quickstart").glob("version_0/events.out.tfevents.*"))
+    assert "health report (HTML)" in out
+    page = (tmp_path / "runs" / "quickstart" / "version_0" / "gradguard_report.html").read_text()
+    assert (
+        "<h2>Gradient flow</h2>" in page and "<h2>LR range test</h2>" in page and "class='failed'" not in page
+    )
 
 
 def test_nan_failfast_fails_reports_and_resumes(tmp_path: Path) -> None:
@@ -30,6 +35,8 @@ def test_nan_failfast_fails_reports_and_resumes(tmp_path: Path) -> None:
     report = json.loads((folder / "report.json").read_text())
     assert report["kind"] == "nonfinite_loss" and report["origin"]["module"] == "standardize"
     assert (folder / "batch.pt").exists() and (folder / "last_good.ckpt").exists()
+    page = (folder.parent.parent / "gradguard_report.html").read_text()
+    assert "<h2>NaN report</h2>" in page and "class='failed'" in page and "standardize" in page
     resumed = out.split("resumed at step 3 and finished at step ")[1]
     assert int(resumed.split()[0]) > 3
 
@@ -54,6 +61,8 @@ def test_lr_find_suggests_applies_and_trains(tmp_path: Path) -> None:
     assert acc > 0.9
     log_dir = tmp_path / "runs" / "lr_find" / "version_0"
     assert (log_dir / "lr_finder.csv").exists() and (log_dir / "lr_finder_epoch4.csv").exists()
+    page = (log_dir / "gradguard_report.html").read_text()
+    assert page.count("<h2>LR range test</h2>") == 2  # at fit start and at epoch 4
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "zoo.py"))

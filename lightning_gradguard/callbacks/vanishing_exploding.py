@@ -28,6 +28,7 @@ from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.gradient_verdict import VerdictRules, explain, judge, opening_layers
+from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.hooks.order import ForwardOrder
 
 __all__ = ["VanishingExplodingDetector"]
@@ -52,12 +53,9 @@ class VanishingExplodingDetector(GradGuardCallback):
     the first training forward pass. ``where`` names the layers, the hint says what to try (and a clip
     value, from the 90th percentile of this run's healthy norms).
 
-    A check whose total norm is NaN/inf gives no verdict: that is :class:`NaNSentinel`'s finding (under
-    16-mixed, a step the GradScaler skips), so it is not reported here, and it neither counts towards
-    ``patience`` nor resets it.
-
-    Every check also computes ``grad_flow/<layer>`` (log10 of the layer norm over the largest one), logged
-    on the checked steps Lightning logs on (``(step + 1) % log_every_n_steps == 0``, plus step 0).
+    A check whose total norm is NaN/inf gives no verdict (NaNSentinel's finding, or the GradScaler's skip)
+    and neither counts towards ``patience`` nor resets it. Every check also computes ``grad_flow/<layer>``,
+    logged on the checked steps Lightning logs on (``(step + 1) % log_every_n_steps == 0``, plus step 0).
 
     Args:
         check_every_n_steps: after the dense start, check the steps where ``(step + 1)`` is a multiple of
@@ -213,7 +211,9 @@ class VanishingExplodingDetector(GradGuardCallback):
             return
         if self._embedding_layers is None:
             tables = (nn.Embedding, nn.EmbeddingBag)
-            self._embedding_layers = {name for name, m in pl_module.named_modules() if isinstance(m, tables)}
+            self._embedding_layers = {
+                clean_name(name) for name, m in pl_module.named_modules() if isinstance(m, tables)
+            }
         opt_idx = optimizer_index(trainer, optimizer)
         rules = VerdictRules(**{f.name: getattr(self, f.name) for f in fields(VerdictRules)})
         verdict = judge(

@@ -15,7 +15,13 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.core.state import TrainerState, trainer_state
-from lightning_gradguard.functional.stats import foreach_norms, group_index, layer_names, reduce_norms
+from lightning_gradguard.functional.stats import (
+    clean_name,
+    foreach_norms,
+    group_index,
+    layer_names,
+    reduce_norms,
+)
 
 __all__ = ["StepStats", "active_scaler", "step_stats"]
 
@@ -42,7 +48,7 @@ def _trainable(
     for name, p in pl_module.named_parameters():
         if id(p) in wanted and id(p) not in seen:
             seen.add(id(p))
-            names.append(name)
+            names.append(clean_name(name))
             params.append(p)
     for i, p in enumerate(in_opt):  # tensors the optimizer holds that the module does not own
         if id(p) in wanted and id(p) not in seen:

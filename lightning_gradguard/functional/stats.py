@@ -15,7 +15,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "WRAPPER_PARTS",
     "HistogramSpec",
+    "clean_name",
     "dense_values",
     "device_histograms",
     "foreach_norms",
@@ -52,6 +54,19 @@ def layer_name(param_name: str, depth: int | None = None) -> str:
     if depth is None:
         return owner
     return ".".join(owner.split(".")[:depth])
+
+
+#: name parts that wrappers add and users never wrote: torch.compile's ``OptimizedModule``, FSDP1's and
+#: activation checkpointing's wrappers
+WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def clean_name(name: str) -> str:
+    """A module or parameter name as the user wrote it: wrapper parts left out
+    (``net._orig_mod.0.weight`` -> ``net.0.weight``)."""
+    if "_" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
 def layer_names(param_names: Sequence[str], depth: int | None = None) -> list[str]:

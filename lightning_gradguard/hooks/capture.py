@@ -44,6 +44,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_gradguard.core.state import strict_mode
 from lightning_gradguard.functional.activations import UnitCounts, pool
 from lightning_gradguard.functional.health import activity_counts, saturation_counts, unit_dim
+from lightning_gradguard.functional.stats import clean_name
 
 __all__ = ["MODE_ORDER", "OUTSIDE_MODULES", "ActivationCapture", "NextCall"]
 
@@ -173,7 +174,7 @@ class ActivationCapture(AbstractContextManager["ActivationCapture"]):
     def __enter__(self) -> ActivationCapture:
         if self._mode is not None:
             return self
-        self._names = {id(m): name for name, m in self.model.named_modules()}
+        self._names = {id(m): clean_name(name) for name, m in self.model.named_modules()}
         self._stack, self._calls, self._channel_first = [], {}, False  # names (``#2``) restart each pass
         self._handles = [
             register_module_forward_pre_hook(self._pre_hook),

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from lightning_gradguard.core.batch import tensors_in
 from lightning_gradguard.core.snapshot import RNGState
 from lightning_gradguard.core.trial import loss_of, quiet_logging, training_step_of
+from lightning_gradguard.functional.stats import clean_name
 
 __all__ = [
     "BackwardOrigin",
@@ -108,7 +109,7 @@ def find_forward_origin(module: nn.Module, run: Callable[[], Any]) -> ForwardOri
     when the forward pass stays finite.
     """
     found: list[ForwardOrigin] = []
-    names = {m: n for n, m in module.named_modules()}
+    names = {m: clean_name(n) for n, m in module.named_modules()}
 
     def pre(mod: nn.Module, args: Any) -> None:
         if not found:

@@ -14,6 +14,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_gradguard.functional.stats import clean_name
+
 __all__ = ["CalledModules", "LeafOutputs"]
 
 
@@ -25,7 +27,7 @@ class LeafOutputs:
         self.last: Tensor | None = None
         self.name: str | None = None
         self.handles = [
-            m.register_forward_hook(self._hook(name))
+            m.register_forward_hook(self._hook(clean_name(name)))
             for name, m in module.named_modules()
             if not any(True for _ in m.children())
         ]
@@ -48,7 +50,9 @@ class CalledModules:
 
     def __init__(self, module: nn.Module) -> None:
         self.called: set[str] = set()
-        self.handles = [m.register_forward_pre_hook(self._hook(name)) for name, m in module.named_modules()]
+        self.handles = [
+            m.register_forward_pre_hook(self._hook(clean_name(name))) for name, m in module.named_modules()
+        ]
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:

@@ -26,7 +26,7 @@ from lightning_gradguard.alerts import Alert, Severity
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.collective import gather
 from lightning_gradguard.core.stats import step_stats
-from lightning_gradguard.functional.stats import foreach_norms, nonfinite_counts
+from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonfinite_counts
 from lightning_gradguard.hooks.forensics import ForwardOrigin, replay_origin
 from lightning_gradguard.hooks.nan_step import Finding, MicroBatch, NormRecord, named_grads
 
@@ -318,7 +318,7 @@ def _local_findings(
     """What this rank knows: its loss, its non-finite tensors, and the replayed origin."""
     loss = None if micro.loss is None else float(micro.loss.float().mean())
     if kind == "nonfinite_parameter":
-        named = [(n, p.detach()) for n, p in pl_module.named_parameters()]
+        named = [(clean_name(n), p.detach()) for n, p in pl_module.named_parameters()]
     elif optimizer is not None:
         stats = step_stats(trainer, pl_module, optimizer)
         named = list(zip(stats.grad_names, stats.grads, strict=True))

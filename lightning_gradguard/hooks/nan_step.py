@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.functional.stats import foreach_norms
+from lightning_gradguard.functional.stats import clean_name, foreach_norms
 
 __all__ = [
     "Finding",
@@ -194,7 +194,7 @@ def named_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tupl
     """The gradients the optimizers hold now, by parameter name in model order (trainable ones only)."""
     wanted = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
     return [
-        (name, p.grad)
+        (clean_name(name), p.grad)
         for name, p in pl_module.named_parameters()
         if id(p) in wanted and p.requires_grad and p.grad is not None
     ]

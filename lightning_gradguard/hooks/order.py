@@ -19,6 +19,8 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_gradguard.functional.stats import clean_name
+
 __all__ = ["ForwardOrder"]
 
 
@@ -35,7 +37,7 @@ class ForwardOrder:
         self._handles: list[RemovableHandle] = []
         for name, sub in module.named_modules():
             if any(True for _ in sub.parameters(recurse=False)):
-                self._handles.append(sub.register_forward_pre_hook(self._hook(name)))
+                self._handles.append(sub.register_forward_pre_hook(self._hook(clean_name(name))))
 
     def _hook(self, name: str) -> Any:
         order = self.order

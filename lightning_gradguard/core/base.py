@@ -146,6 +146,12 @@ class GradGuardCallback(Callback):
         _emit.write_layout(trainer, self._layout(trainer))
 
     @override
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """The last step's shared statistics hold its gradients: drop them, so ``zero_grad(set_to_none)``
+        frees the gradients before the next backward allocates new ones (else the peak holds both)."""
+        trainer_state(trainer).stats.clear()
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Rewrite the layout without the charts that stayed empty (no sigmoid in the model, no alert)."""
         state = trainer_state(trainer)

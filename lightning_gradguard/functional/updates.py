@@ -4,6 +4,14 @@ Pure tensor math, no Trainer: take :func:`weight_snapshot` before ``optimizer.st
 :func:`update_norms` after it (both stay on the device), bring the norms to the host with the others and
 divide with :func:`update_ratio`. Healthy runs sit near ``1e-3`` (CS231n, Karpathy).
 
+A tensor with more than ``max_entries`` entries is not copied whole: the snapshot keeps an evenly strided
+sample of it (an odd stride, so the sample does not fall on a few columns of a power-of-two-wide
+matrix), and its update norm is the sample's scaled by ``(numel / sampled) ** (1 / p)``. With the default
+262 144 entries (1 MB per tensor) the estimate's relative error is about ``1 / sqrt(2 * 262144)`` = 0.14 %
+for dense updates; a sparse one (a few rows or columns, e.g. SGD on an embedding) is estimated from the
+fraction of it the sample meets, within ~10 %. A 124 M-parameter model's snapshot is ~50 MB instead of
+500 MB. (The infinity norm is not scaled: the sample's largest entry is at most the tensor's.)
+
 Example::
 
     before = weight_snapshot(params)
@@ -14,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +31,17 @@ from torch import Tensor
 
 from lightning_gradguard.functional.stats import foreach_norms, reduce_norms
 
-__all__ = ["UpdateNorms", "update_norms", "update_ratio", "weight_snapshot"]
+__all__ = [
+    "SAMPLE_ENTRIES",
+    "UpdateNorms",
+    "WeightSnapshot",
+    "update_norms",
+    "update_ratio",
+    "weight_snapshot",
+]
+
+#: a parameter with more entries than this is sampled for its update norm
+SAMPLE_ENTRIES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -33,20 +52,60 @@ class UpdateNorms:
     total: Tensor
 
 
-def weight_snapshot(params: Sequence[Tensor]) -> list[Tensor]:
-    """A copy of the parameters' values (one fused kernel), to diff against after the step."""
-    return list(torch._foreach_mul([p.detach() for p in params], 1.0))
+@dataclass
+class WeightSnapshot:
+    """The values to diff against after the step: each parameter whole, or a strided sample of it.
+
+    Attributes:
+        values: flat copies (the whole tensor when ``strides[i] == 1``).
+        strides: the stride of each sample.
+        scales: ``numel / sampled`` of each parameter (1.0 when copied whole).
+    """
+
+    values: list[Tensor]
+    strides: list[int]
+    scales: list[float]
+
+
+def _stride(numel: int, max_entries: int | None) -> int:
+    if max_entries is None or numel <= max_entries:
+        return 1
+    k = -(-numel // max_entries)
+    return k if k % 2 else k + 1
+
+
+def _sample(p: Tensor, stride: int) -> Tensor:
+    flat = p.detach().reshape(-1)
+    return flat if stride == 1 else flat[::stride]
+
+
+def weight_snapshot(params: Sequence[Tensor], max_entries: int | None = SAMPLE_ENTRIES) -> WeightSnapshot:
+    """A copy of the parameters' values (one fused kernel), sampled above ``max_entries`` entries
+    (``None``: every tensor whole)."""
+    strides = [_stride(p.numel(), max_entries) for p in params]
+    views = [_sample(p, k) for p, k in zip(params, strides, strict=True)]
+    values = list(torch._foreach_mul(views, 1.0))
+    scales = [p.numel() / max(1, v.numel()) for p, v in zip(params, values, strict=True)]
+    return WeightSnapshot(values, strides, scales)
 
 
 def update_norms(
-    snapshot: list[Tensor], params: Sequence[Tensor], index: Tensor, num_groups: int, norm_type: float = 2.0
+    snapshot: WeightSnapshot,
+    params: Sequence[Tensor],
+    index: Tensor,
+    num_groups: int,
+    norm_type: float = 2.0,
 ) -> UpdateNorms:
     """``||w_before - w_after||`` per group and in total; ``snapshot`` is overwritten with the difference.
 
     ``index[i]`` is the group of ``params[i]`` (a long tensor on the norms' device).
     """
-    torch._foreach_sub_(snapshot, [w.detach() for w in params])
-    upd = foreach_norms(snapshot, norm_type)
+    current = [_sample(p, k) for p, k in zip(params, snapshot.strides, strict=True)]
+    torch._foreach_sub_(snapshot.values, current)
+    upd = foreach_norms(snapshot.values, norm_type)
+    if math.isfinite(norm_type) and any(s != 1.0 for s in snapshot.scales):
+        factors = torch.tensor([s ** (1.0 / norm_type) for s in snapshot.scales], dtype=upd.dtype)
+        upd = upd * factors.to(upd.device)
     return UpdateNorms(
         layers=reduce_norms(upd, index, num_groups, norm_type),
         total=torch.linalg.vector_norm(upd, ord=norm_type).reshape(1),

@@ -173,6 +173,16 @@ class HookClock:
         return sum(d for t, d in self.events if start <= t < end)
 
 
+class Floor(Callback):
+    """The least an every-step check can do: one fused norm read of all gradients and one host read."""
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        torch.stack(torch._foreach_norm(grads)).cpu()
+
+
 class SeedStyleMonitor(Callback):
     """The naive monitor: one ``p.grad.norm().item()`` per parameter every step, logged through Lightning."""
 
@@ -232,6 +242,10 @@ VARIANTS: dict[str, Variant] = {
     "lightning_grad_norm": Variant(
         "self.log_dict(grad_norm(self, norm_type=2)) every step in on_before_optimizer_step",
         lambda: Setup([], {}, {"grad_norm_every_step": True}),
+    ),
+    "floor": Variant(
+        "the floor of an every-step check: one fused norm over all gradients and one host read",
+        lambda: Setup([Floor()], {}, {}),
     ),
     "seed_style": Variant(
         "per-parameter p.grad.norm().item() every step, self.log_dict",
@@ -497,6 +511,19 @@ def target_lines(summaries: list[Summary]) -> list[str]:
                 f"{label}: {s.ratio:.3f}x bare; its own hooks {s.hook_ms:.3f} ms/step = {s.hook_share:.2%} "
                 "of a bare step"
             )
+    if "floor" in by and by["floor"].hook_ms > 0:
+        floor = by["floor"].hook_ms
+        for name, label, target in (
+            ("nan_sentinel", "NaNSentinel()", 1.2),
+            ("all_monitors", "the four monitors", 1.5),
+        ):
+            if name in by:
+                x = by[name].hook_ms / floor
+                verdict = "MET" if x <= target else "NOT MET"
+                lines.append(
+                    f"{label}: {by[name].hook_ms:.2f} ms/step in hooks = {x:.2f}x the floor "
+                    f"({floor:.2f} ms; target <= {target}x) -> {verdict}"
+                )
     if "loss_spike_with_nan_sentinel" in by and "nan_sentinel" in by:
         # the gradient pass is the sentinel's anyway: what the guard adds on top of it
         extra = by["loss_spike_with_nan_sentinel"].hook_share - by["nan_sentinel"].hook_share

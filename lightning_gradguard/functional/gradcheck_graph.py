@@ -27,6 +27,8 @@ __all__ = [
     "find_custom_functions",
     "has_backward_hooks",
     "power_iterates",
+    "uncompiled",
+    "unwrapped_name",
 ]
 
 
@@ -176,9 +178,10 @@ class Float64Mode(TorchFunctionMode):
 def copy64(module: nn.Module) -> nn.Module:
     """A float64 deep copy in train mode, with dropout and spectral norm's power iteration switched off.
 
-    A deep copy drops a ``LightningModule``'s trainer: the loss closure of the caller puts it back.
+    A deep copy drops a ``LightningModule``'s trainer: the loss closure of the caller puts it back. The
+    copy is uncompiled (:func:`uncompiled`): the check never runs the user's compiled code.
     """
-    clone = copy.deepcopy(module)
+    clone = uncompiled(copy.deepcopy(module))
     clone.to(torch.float64)
     clone.train()
     for m in clone.modules():
@@ -187,6 +190,44 @@ def copy64(module: nn.Module) -> nn.Module:
         if power_iterates(m):
             m.eval()
     return clone
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """``module`` with what ``torch.compile`` added taken off, in place; the unwrapped root is returned.
+
+    An ``OptimizedModule`` (``torch.compile(net)``) is replaced by its ``_orig_mod`` (names lose their
+    ``_orig_mod.`` part), ``Module.compile()`` is undone, and a compiled method set on an instance (Lightning
+    compiles a LightningModule's ``forward`` and ``*_step`` that way) gives way to the class's. Meant for a
+    copy: a deep copy keeps the compiled callables of the *original* (functions are not copied), which
+    would run the original's weights, not the copy's.
+    """
+    while _compiled_wrapper(module):
+        module = module._orig_mod  # type: ignore[assignment]
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            inner = child
+            while _compiled_wrapper(inner):
+                inner = inner._orig_mod  # type: ignore[assignment]
+            if inner is not child:
+                setattr(parent, name, inner)
+        own = vars(parent)
+        if own.get("_compiled_call_impl") is not None:
+            own["_compiled_call_impl"] = None
+        for key in [k for k, v in own.items() if hasattr(v, "_torchdynamo_orig_callable")]:
+            del own[key]
+    return module
+
+
+def unwrapped_name(name: str) -> str:
+    """A module's name in :func:`uncompiled`'s result: without ``_orig_mod`` parts."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _compiled_wrapper(module: nn.Module) -> bool:
+    """``torch.compile(net)``'s ``OptimizedModule`` (not imported: importing dynamo is slow)."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(
+        module._modules.get("_orig_mod"), nn.Module
+    )
 
 
 def power_iterates(m: nn.Module) -> bool:

@@ -25,6 +25,7 @@ from lightning_gradguard.functional.gradcheck_graph import (
     GraphOwners,
     copy64,
     has_backward_hooks,
+    unwrapped_name,
 )
 
 __all__ = ["GradientCheckResult", "ModuleLossFn", "ParameterCheck", "gradcheck_module"]
@@ -214,7 +215,8 @@ def gradcheck_module(
     """
     model = copy64(module)
     names = dict(model.named_modules())
-    if modules is not None:
+    if modules is not None:  # the copy is uncompiled: ``net._orig_mod.0`` is ``net.0`` there
+        modules = [m if m in names else unwrapped_name(m) for m in modules]
         unknown = [m for m in modules if m not in names]
         if unknown:
             raise ValueError(f"`modules` names unknown modules {unknown}; known: {sorted(names)[:20]}")

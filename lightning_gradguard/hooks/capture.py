@@ -1,7 +1,9 @@
 """Activation capture: what every ReLU (and sigmoid/tanh) of one forward pass did, per unit, on the device.
 
 :class:`ActivationCapture` is a context manager: on entry it pushes a ``TorchFunctionMode`` and registers
-global module forward hooks, on exit it removes both, so they exist only inside its scope. Inside, it
+global module forward hooks, on exit it removes both, so they exist only inside its scope. The scope is
+also an :class:`~lightning_gradguard.hooks.modules.Uncompiled` one: ``torch.compile``'d code runs eagerly
+inside it, so dynamo never traces (nor recompiles for) the mode and the hooks. Inside, it
 watches each ReLU output (``nn.ReLU``, ``nn.ReLU6``, in-place ReLUs, and ``F.relu`` / ``torch.relu`` /
 ``Tensor.relu`` called inside any ``forward``) and, on request, each ``sigmoid`` / ``tanh`` input, and
 keeps one :class:`~lightning_gradguard.functional.activations.UnitCounts` per layer (counted by
@@ -45,6 +47,7 @@ from lightning_gradguard.core.state import strict_mode
 from lightning_gradguard.functional.activations import UnitCounts, pool
 from lightning_gradguard.functional.health import activity_counts, saturation_counts, unit_dim
 from lightning_gradguard.functional.stats import clean_name
+from lightning_gradguard.hooks.modules import Uncompiled
 
 __all__ = ["MODE_ORDER", "OUTSIDE_MODULES", "ActivationCapture", "NextCall"]
 
@@ -160,6 +163,7 @@ class ActivationCapture(AbstractContextManager["ActivationCapture"]):
         self._next_call: NextCall | None = None
         self._mode: _Mode | None = None
         self._handles: list[RemovableHandle] = []
+        self._eager = Uncompiled(model)
         self._names: dict[int, str] = {}
         # modules whose forward is running: [name, is an activation module, last child that finished]
         self._stack: list[list[Any]] = []
@@ -176,6 +180,7 @@ class ActivationCapture(AbstractContextManager["ActivationCapture"]):
             return self
         self._names = {id(m): clean_name(name) for name, m in self.model.named_modules()}
         self._stack, self._calls, self._channel_first = [], {}, False  # names (``#2``) restart each pass
+        self._eager.open()  # torch.compile'd code runs eagerly in the scope: dynamo never sees our hooks
         self._handles = [
             register_module_forward_pre_hook(self._pre_hook),
             register_module_forward_hook(self._post_hook, always_call=True),
@@ -201,6 +206,7 @@ class ActivationCapture(AbstractContextManager["ActivationCapture"]):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._eager.close()
         mode, self._mode = self._mode, None
         if mode is None:
             return

@@ -4,6 +4,8 @@ Names are no guide to depth (``a_out`` may run last, ``z_in`` first). :class:`Fo
 forward pre-hook on every module that owns parameters of its own and records the order in which they
 first run. It is meant to watch a single forward pass (in a Lightning callback: attached on the first
 training batch, removed before backward) and costs nothing once removed. Works on any ``nn.Module``.
+While attached, ``torch.compile``'d code runs uncompiled
+(:class:`~lightning_gradguard.hooks.modules.Uncompiled`): dynamo never traces the hooks.
 
 Example::
 
@@ -20,6 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gradguard.functional.stats import clean_name
+from lightning_gradguard.hooks.modules import Uncompiled
 
 __all__ = ["ForwardOrder"]
 
@@ -38,6 +41,7 @@ class ForwardOrder:
         for name, sub in module.named_modules():
             if any(True for _ in sub.parameters(recurse=False)):
                 self._handles.append(sub.register_forward_pre_hook(self._hook(clean_name(name))))
+        self._eager = Uncompiled(module).open()
 
     def _hook(self, name: str) -> Any:
         order = self.order
@@ -57,6 +61,7 @@ class ForwardOrder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._eager.close()
 
     def __enter__(self) -> ForwardOrder:
         return self

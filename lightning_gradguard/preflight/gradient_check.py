@@ -24,6 +24,7 @@ from lightning_gradguard.core.snapshot import RNGState, train_loader_generators
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of
 from lightning_gradguard.core.validate import check_float, check_int, check_str_list
+from lightning_gradguard.functional.gradcheck_graph import unwrapped_name
 from lightning_gradguard.functional.gradcheck_module import (
     GradientCheckResult,
     ModuleLossFn,
@@ -244,7 +245,8 @@ class GradientCheck(PreflightCheck):
             return
         rng = RNGState(train_loader_generators(trainer))  # the samplers' generators included
         if self.modules is not None:
-            unknown = [m for m in self.modules if m not in dict(pl_module.named_modules())]
+            known = {part for n, _ in pl_module.named_modules() for part in (n, unwrapped_name(n))}
+            unknown = [m for m in self.modules if m not in known]
             if unknown:
                 raise ValueError(f"`modules` names modules that {type(pl_module).__name__} lacks: {unknown}")
         self.result = None

@@ -22,6 +22,7 @@ from lightning_gradguard.core.batch import first_train_batch, redraw_first_sampl
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
+from lightning_gradguard.hooks.modules import Uncompiled
 from lightning_gradguard.preflight.diagnosis import passed_line
 from lightning_gradguard.preflight.findings import Finding, OverfitResult, label_stability
 from lightning_gradguard.preflight.overfit_check import OverfitSettings, run_overfit_check
@@ -178,7 +179,9 @@ class OverfitBatchSanity(PreflightCheck):
                 snapshot.rng.restore()
                 again = redraw_first_samples(trainer)
             batch = slice_batch(batch, self.max_samples)
-            result = run_overfit_check(trainer, pl_module, batch, self._settings())
+            # uncompiled: a cut batch, eval mode and hooks would each make dynamo recompile the user's model
+            with Uncompiled(pl_module):
+                result = run_overfit_check(trainer, pl_module, batch, self._settings())
             if again is not None:
                 result.findings[:0] = label_stability(batch, slice_batch(again, self.max_samples))
                 result.passed = result.passed and not any(f.severity == "error" for f in result.findings)

@@ -24,6 +24,7 @@ from lightning_gradguard.core.batch import tensors_in
 from lightning_gradguard.core.snapshot import RNGState
 from lightning_gradguard.core.trial import loss_of, quiet_logging, training_step_of
 from lightning_gradguard.functional.stats import clean_name
+from lightning_gradguard.hooks.modules import Uncompiled
 
 __all__ = [
     "BackwardOrigin",
@@ -128,7 +129,7 @@ def find_forward_origin(module: nn.Module, run: Callable[[], Any]) -> ForwardOri
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post))
     try:
-        with replayed(module, requires_grad=False), torch.no_grad():
+        with Uncompiled(module), replayed(module, requires_grad=False), torch.no_grad():
             run()
     finally:
         for h in handles:
@@ -155,7 +156,7 @@ def find_backward_origin(module: nn.Module, run: Callable[[], Any]) -> BackwardO
 
         return hook
 
-    with replayed(module, requires_grad=True), warnings.catch_warnings():
+    with Uncompiled(module), replayed(module, requires_grad=True), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.autograd.set_detect_anomaly(True, check_nan=False):
             loss = run()

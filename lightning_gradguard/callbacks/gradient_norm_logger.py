@@ -22,6 +22,7 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.grad_norms import (
+    ClipRing,
     ClipSetting,
     NormReading,
     NormSample,
@@ -29,10 +30,12 @@ from lightning_gradguard.core.grad_norms import (
     clip_setting,
     parse_norm_type,
 )
+from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
+from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_int
-from lightning_gradguard.functional.clipping import clip_window_stats, push_norm
+from lightning_gradguard.functional.clipping import clip_window_stats
 
 __all__ = ["GradientNormLogger"]
 
@@ -124,8 +127,7 @@ class GradientNormLogger(GradGuardCallback):
         self._pending: list[tuple[int, str, NormSample]] = []  # (log step, tag suffix, sample)
         self._clip_check_due = False
         self._clip_check_step = 0  # global_step of the latest step measured for the clipping verdict
-        self._clip_norms: Tensor | None = None
-        self._clip_seen = 0
+        self._clip = ClipRing(self.clip_window)  # the pre-clip norms of recent steps, on the device
         self.last_logged: dict[str, float] = {}
 
     # ------------------------------------------------------------------ cadence
@@ -158,16 +160,18 @@ class GradientNormLogger(GradGuardCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         if self.fresh_run(trainer):  # the clip window holds this run's steps only
-            self._clip_norms, self._clip_seen = None, 0
-            self._pending, self.last_logged = [], {}
-            self._clip_check_due = False
+            self._clip = ClipRing(self.clip_window)
+            self._pending, self.last_logged, self._clip_check_due = [], {}, False
+        if (reason := unsupported_reason(trainer)) is not None:  # DeepSpeed: no number, not a wrong one
+            warn_once(trainer, "sharding:unsupported", reason)
 
     @override
     @guarded
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not trainer.is_global_zero:  # loggers are rank-zero only; gradients agree across ranks
+        # loggers are rank-zero only and DDP's gradients agree across ranks; sharded norms need every rank
+        if not (trainer.is_global_zero or is_sharded(trainer)):
             return
         at = log_step(trainer)
         every = logging_interval(trainer, self.log_every_n_steps)  # 0: periodic logging is off
@@ -176,14 +180,12 @@ class GradientNormLogger(GradGuardCallback):
         if not sampled and clip is None:
             return
         stats = step_stats(trainer, pl_module, optimizer)
+        if stats.unsupported is not None:  # DeepSpeed (said at fit start)
+            return
         if clip is not None:
-            # the pre-clip norms of recent steps: a device ring buffer, filled every step without a sync
-            self._clip_norms = push_norm(
-                self._clip_norms, self._clip_seen, stats.grad_total(clip.norm_type), self.clip_window
-            )
-            self._clip_seen += 1
+            self._clip.push(stats.grad_total(clip.norm_type))
             # with logging off the verdict is still reached, on a cadence of its own
-            if sampled or (every == 0 and self._clip_seen % _CLIP_CHECK_EVERY == 0):
+            if sampled or (every == 0 and self._clip.seen % _CLIP_CHECK_EVERY == 0):
                 self._clip_check_due, self._clip_check_step = True, stats.step
         if not sampled:
             return
@@ -221,16 +223,16 @@ class GradientNormLogger(GradGuardCallback):
         for i, (_, _, sample) in enumerate(pending):
             sample.queue(transfer, i)
         clip = clip_setting(trainer)
-        if clip_due and clip is not None and self._clip_norms is not None and self._clip_seen:
-            transfer.add((-1, "clip_window"), self._clip_norms[: min(self._clip_seen, self.clip_window)])
+        if clip_due and clip is not None:
+            self._clip.queue(transfer, (-1, "clip_window"))
         if not len(transfer):
             return
-        host = transfer.fetch()  # the single device -> host transfer of this logging step
-        for i, (at, suffix, sample) in enumerate(pending):
+        host = transfer.fetch()  # the one device -> host transfer (and, sharded, collective) of this step
+        for i, (at, suffix, sample) in enumerate(pending):  # written from rank zero only
             self._emit_step(trainer, at, suffix, sample.read(host, i))
         if (-1, "clip_window") in host and clip is not None:
             last = (pending[-1][0], pending[-1][2].stats.step) if pending else None
-            self._emit_clip(trainer, last, clip, host[(-1, "clip_window")])
+            self._emit_clip(trainer, last, clip, self._clip.read(host[(-1, "clip_window")]))
 
     def _emit_step(self, trainer: pl.Trainer, at: int, suffix: str, reading: NormReading) -> None:
         metrics = reading.scalars(suffix)
@@ -280,18 +282,18 @@ class GradientNormLogger(GradGuardCallback):
             self.report(trainer, "clipping_never_active", "info", None, message, hint, data, step=step)
 
     # ------------------------------------------------------------------ state
+    _clip_norms = property(lambda self: self._clip.values)  # the ring as it is on the device
+    _clip_seen = property(lambda self: self._clip.seen)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        if self._clip_norms is not None:
-            state["clip_norms"] = self._clip_norms.detach().cpu()
-        state["clip_seen"] = self._clip_seen
+        if (norms := self._clip.state()) is not None:
+            state["clip_norms"] = norms
+        state["clip_seen"] = self._clip.seen
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        norms = state_dict.get("clip_norms")
-        if norms is not None and norms.numel() == self.clip_window:
-            self._clip_norms = norms.clone()
-        self._clip_seen = int(state_dict.get("clip_seen", 0))
+        self._clip.load(state_dict.get("clip_norms"), int(state_dict.get("clip_seen", 0)))

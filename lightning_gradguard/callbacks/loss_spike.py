@@ -186,7 +186,12 @@ class LossSpikeGuard(GradGuardCallback):
         transfer = HostTransfer()
         judged_loss = loss if loss is not None and not manual else None
         if self.grad_norm_threshold is not None or judged_loss is None:  # the shared statistics pass
-            transfer.add("grad_norm", anchor := step_stats(trainer, pl_module, optimizer).grad_total(2.0))
+            stats = step_stats(trainer, pl_module, optimizer)  # DeepSpeed: none (then the loss alone)
+            if stats.unsupported is None or judged_loss is None:
+                transfer.add_norms(
+                    "grad_norm", total := stats.grad_total(2.0)
+                )  # sharded: summed in the fetch
+                anchor = total.values
         if judged_loss is not None:
             transfer.add("loss", anchor := judged_loss)
         transfer.add("short", anchor.new_full((1,), float(short)))  # any rank's: every rank passes alike

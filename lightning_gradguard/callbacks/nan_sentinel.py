@@ -139,8 +139,7 @@ class NaNSentinel(GradGuardCallback):
         self.loss_scale_floor: float = check_float("loss_scale_floor", loss_scale_floor, 0.0, low_open=True)
         self.max_consecutive_skips: int = check_int("max_consecutive_skips", max_consecutive_skips, 1)
         self.check_micro_batches = check_bool("check_micro_batches", check_micro_batches)
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
+        self.skipped_steps = self.consecutive_skips = 0
         self.last_report_dir: str | None = None
         self._step = _nan.StepTrack()
         #: the recent total gradient norms a report lists (on the device until a report reads them)
@@ -191,10 +190,10 @@ class NaNSentinel(GradGuardCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        closed = self._step.close()
-        if self.check_gradients:  # the total norm, from the statistics every gradguard callback shares
-            total, step = step_stats(trainer, pl_module, optimizer).grad_total(2.0), int(trainer.global_step)
-            self.norm_history.push(total, step)
+        closed, stats = self._step.close(), step_stats(trainer, pl_module, optimizer)
+        total = stats.grad_total(2.0) if self.check_gradients and stats.unsupported is None else None
+        if total is not None and not total.sharded:  # the statistics every gradguard callback shares
+            self.norm_history.push(total.values, int(trainer.global_step))
         if closed.poisoned is not None:
             # Accumulation: a micro-batch of this step was found poisoned and reported already (on every
             # rank alike, so no rank waits in a collective here). No second finding; drop the update.
@@ -203,15 +202,17 @@ class NaNSentinel(GradGuardCallback):
             return
         if not self.check_gradients and closed.loss_bad is None:
             return
-        grad_bad = ~step_stats(trainer, pl_module, optimizer).grads_finite() if self.check_gradients else None
+        grad_bad = ~stats.grads_finite() if self.check_gradients else None
         current = closed.micro()
         if len(closed.step_batches) > 1 and not self.check_micro_batches:
             # every loss of the step was finite (judged as they came): which micro-batch's backward made
             # the gradients non-finite is not known, and the last one is not to be blamed for it
             current = MicroBatch(batch=None, batch_idx=None, loss=None, among=tuple(closed.step_batches))
         flags = _nan.read_flags(
-            trainer, loss_bad=closed.loss_bad, grad_bad=grad_bad, scaler=active_scaler(trainer)
+            trainer, loss_bad=closed.loss_bad, grad_bad=grad_bad, scaler=active_scaler(trainer), total=total
         )
+        if flags.total is not None:  # sharded: the ranks' shares were summed with the flags
+            self.norm_history.push(flags.total, int(trainer.global_step))
         self._decide(trainer, optimizer, flags, current, None)
 
     @override

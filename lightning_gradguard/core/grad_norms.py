@@ -23,13 +23,20 @@ import torch
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 
+from lightning_gradguard.core.sharding import PendingNorms, world_size
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.functional.clipping import clipping_norm_type
-from lightning_gradguard.functional.stats import device_histograms, group_index, layer_names, nonfinite_counts
+from lightning_gradguard.functional.clipping import clipping_norm_type, push_norm
+from lightning_gradguard.functional.stats import (
+    device_histograms,
+    group_index,
+    layer_names,
+    nonfinite_counts,
+)
 from lightning_gradguard.functional.updates import update_norms, update_ratio, weight_snapshot
 
 __all__ = [
+    "ClipRing",
     "ClipSetting",
     "HistogramRows",
     "LayerNorms",
@@ -77,6 +84,61 @@ def clip_setting(trainer: pl.Trainer) -> ClipSetting | None:
         return None
     algorithm = GradClipAlgorithmType(getattr(trainer, "gradient_clip_algorithm", None) or "norm")
     return ClipSetting(value=float(val), norm_type=clipping_norm_type(algorithm.value))
+
+
+class ClipRing:
+    """The pre-clip norms of the last ``size`` steps, on the device: a ring written every step, no sync.
+
+    Under sharding a slot holds this rank's share of the step's norm (see
+    :class:`~lightning_gradguard.core.sharding.PendingNorms`), combined across the ranks when the window
+    is read (:meth:`queue`, in the reader's one transfer); the last window read is kept on the host for
+    :meth:`state` (the steps since then are left out of a checkpoint). NaN marks an empty slot.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.values: Tensor | None = None
+        self.seen = 0
+        self.norm_type = 2.0
+        self.shares = False
+        self._read: Tensor | None = None  # under sharding: the whole norms of the last window read
+
+    def push(self, total: PendingNorms) -> None:
+        """Write one step's (pending) pre-clip norm."""
+        if self.values is not None and total.sharded and not self.shares:  # restored whole norms
+            whole = self.values.to(total.values.device)
+            self.values = whole if math.isinf(total.norm_type) else whole.pow(total.norm_type) / world_size()
+        elif self.values is not None:
+            self.values = self.values.to(total.values.device)
+        self.shares, self.norm_type = total.sharded, total.norm_type
+        self.values = push_norm(self.values, self.seen, total.values, self.size)
+        if self._read is not None:
+            self._read[self.seen % self.size] = float("nan")
+        self.seen += 1
+
+    def queue(self, transfer: HostTransfer, key: Hashable) -> None:
+        """Queue the window (the filled slots) on ``transfer``."""
+        if self.values is not None and self.seen:
+            window = self.values[: min(self.seen, self.size)]
+            transfer.add_norms(key, PendingNorms(window, self.norm_type, self.shares))
+
+    def read(self, window: Tensor) -> Tensor:
+        """Note the window as read back (whole norms, on the host) and return it."""
+        if self.shares:
+            self._read = torch.full((self.size,), float("nan"))
+            self._read[: window.numel()] = window
+        return window
+
+    def state(self) -> Tensor | None:
+        """The window for a checkpoint: whole norms on the CPU (under sharding, as last read)."""
+        if self.shares:
+            return None if self._read is None else self._read.clone()
+        return None if self.values is None else self.values.detach().cpu()
+
+    def load(self, norms: Tensor | None, seen: int) -> None:
+        if norms is not None and norms.numel() == self.size:
+            self.values = norms.clone()
+        self.seen, self.shares, self._read = seen, False, None
 
 
 @dataclass(frozen=True)
@@ -143,24 +205,26 @@ def _tagged(prefix: str, values: dict[str, float]) -> dict[str, float]:
 
 
 class NormSample:
-    """The norms of one optimizer step, on the device until :meth:`queue` and :meth:`read`."""
+    """The norms of one optimizer step, on the device until :meth:`queue` and :meth:`read`.
+
+    Under sharding every rank takes a sample, queues it and reads it (the fetch combines the ranks'
+    shares in its one collective); histograms are of this rank's pieces (rank 0 writes them).
+    """
 
     def __init__(self, stats: StepStats, spec: NormSpec) -> None:
         self.stats, self.spec = stats, spec
         nt, depth, per_param = spec.norm_type, spec.group_depth, spec.per_parameter
-        self.device: dict[str, Tensor] = {}
+        self.device: dict[str, PendingNorms] = {}
         self.grad_labels, self.device["grad_layers"] = stats.grad_groups(nt, depth, per_param)
         self.device["grad_params"] = stats.grad_norms(nt)
         self.device["grad_total"] = stats.grad_total(nt).reshape(1)
         self.weight_labels: list[str] = []
-        self.weight_index: Tensor | None = None
+        self.weight_index: list[int] = []
         if spec.weights or spec.update:
-            self.weight_labels, layer_w = stats.weight_groups(nt, depth, per_param)
-            self.device["weight_layers"] = layer_w
-            self.device["weight_total"] = torch.linalg.vector_norm(stats.weight_norms(nt), ord=nt).reshape(1)
-            _, index = stats.groups(stats.names, depth, per_param)
-            self.weight_index = torch.tensor(index, dtype=torch.long, device=layer_w.device)
-        self.snapshot = weight_snapshot(stats.params) if spec.update and stats.params else None
+            self.weight_labels, self.device["weight_layers"] = stats.weight_groups(nt, depth, per_param)
+            self.device["weight_total"] = stats.weight_total(nt).reshape(1)
+            _, self.weight_index = stats.groups(stats.names, depth, per_param)
+        self.snapshot = weight_snapshot(stats.local_params()) if spec.update and stats.params else None
         self.histograms = self._histograms() if spec.histogram_bins is not None else {}
 
     def _histograms(self) -> dict[str, Any]:
@@ -172,23 +236,29 @@ class NormSample:
         return {
             "grad": (stats.grad_names, device_histograms(grads, bins)),
             "grad_log10": (stats.grad_names, device_histograms(grads, bins, log10=True)),
-            "weight": (stats.names, device_histograms([p.detach() for p in stats.params], bins)),
+            "weight": (stats.names, device_histograms(stats.local_params(), bins)),
         }
 
     def queue(self, transfer: HostTransfer, key: Hashable) -> None:
         """Queue every value under ``(key, name)``; call after ``optimizer.step()`` applied the update."""
         for name, t in self.device.items():
-            transfer.add((key, name), t)
-        if self.snapshot is not None and self.weight_index is not None:
-            upd = update_norms(
-                self.snapshot,
-                self.stats.params,
-                self.weight_index,
-                len(self.weight_labels),
-                self.spec.norm_type,
-            )
-            transfer.add((key, "update_layers"), upd.layers)
-            transfer.add((key, "update_total"), upd.total)
+            transfer.add_norms((key, name), t)
+        if self.snapshot is not None:
+            nt, n, params = self.spec.norm_type, len(self.weight_labels), self.stats.local_params()
+            device = self.device["weight_layers"].values.device
+            if self.stats.sharding is None:
+                idx = torch.tensor(self.weight_index, dtype=torch.long, device=device)
+                upd = update_norms(self.snapshot, params, idx, n, nt)
+                layers, total = PendingNorms(upd.layers, nt), PendingNorms(upd.total, nt)
+            else:  # per piece (each its own group), then this rank's shares of the whole updates
+                own = torch.arange(len(params), device=device)
+                per = self.stats.pending(update_norms(self.snapshot, params, own, len(params), nt).layers, nt)
+                layers, total = (
+                    self.stats.grouped(per, self.weight_index, n),
+                    self.stats.total(per).reshape(1),
+                )
+            transfer.add_norms((key, "update_layers"), layers)
+            transfer.add_norms((key, "update_total"), total)
             self.snapshot = None
         for kind, (_, spec) in self.histograms.items():
             for part in _HIST_PARTS:
@@ -229,16 +299,19 @@ class NormSample:
         )
 
     def _nonfinite(self, grad_params: Tensor) -> dict[str, float]:
-        """NaN/inf gradient entries per layer: none unless some norm came out non-finite; only then count."""
+        """NaN/inf gradient entries per layer: none unless some norm came out non-finite; only then count
+        (summed over the ranks' pieces under sharding: every rank reads the same norms and counts alike)."""
         bad = [i for i, x in enumerate(grad_params.tolist()) if not math.isfinite(x)]
         if not bad:
             return {}
-        counts = nonfinite_counts([self.stats.grads[i] for i in bad]).cpu().tolist()
+        transfer = HostTransfer()
+        counts = nonfinite_counts([self.stats.grads[i] for i in bad]).float()
+        transfer.add("counts", counts, reduce="sum" if self.stats.sharding is not None else None)
         labels, index = self.stats.groups(
             self.stats.grad_names, self.spec.group_depth, self.spec.per_parameter
         )
         per_layer: dict[str, float] = {}
-        for i, c in zip(bad, counts, strict=True):
+        for i, c in zip(bad, transfer.fetch()["counts"].tolist(), strict=True):
             per_layer[labels[index[i]]] = per_layer.get(labels[index[i]], 0.0) + float(c)
         return per_layer
 
@@ -270,19 +343,20 @@ def _layer_numels(names: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[int, 
 def read_layer_norms(stats: StepStats) -> LayerNorms | None:
     """The step's per-layer gradient 2-norms and total on the host, in one transfer; ``None`` without any.
 
-    The norms are the shared ones of :class:`~lightning_gradguard.core.stats.StepStats` (no second pass).
+    The norms are the shared ones of :class:`~lightning_gradguard.core.stats.StepStats` (no second pass);
+    under sharding the transfer combines the ranks' shares (every rank must call this alike).
     """
     labels, norms = stats.grad_groups(2.0)
     if not labels:
         return None
     transfer = HostTransfer()
-    transfer.add("norms", norms)
-    transfer.add("total", stats.grad_total(2.0))
+    transfer.add_norms("norms", norms)
+    transfer.add_norms("total", stats.grad_total(2.0))
     host = transfer.fetch()  # the one device -> host transfer of this check
     return LayerNorms(
         labels=labels,
         values=host["norms"].tolist(),
         total=float(host["total"]),
-        numels=list(_layer_numels(tuple(stats.grad_names), tuple(g.numel() for g in stats.grads))),
-        device=norms.device,
+        numels=list(_layer_numels(tuple(stats.grad_names), tuple(stats.grad_numels()))),
+        device=norms.values.device,
     )

@@ -47,6 +47,10 @@ class TrainerState:
     param_cache: dict[int, tuple[list[Tensor], list[str], list[Tensor], list[bool]]] = field(
         default_factory=dict
     )
+    #: per optimizer: its trainable parameter list and their sharding (``core.sharding``)
+    sharding: dict[int, tuple[list[Tensor], Any]] = field(default_factory=dict)
+    #: whether the run shards its parameters (``core.sharding.is_sharded``), once known
+    sharded: bool | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, TrainerState] = weakref.WeakKeyDictionary()

@@ -4,6 +4,11 @@
 and weight statistics lazily, on the device, each at most once. The first callback that asks in
 ``on_before_optimizer_step`` pays for the pass; the others read the cached tensors. Nothing here moves
 data to the host: callers do that, once, through :mod:`lightning_gradguard.core.transfer`.
+
+Norms come as :class:`~lightning_gradguard.core.sharding.PendingNorms`: the norms themselves on one
+process and under DDP; under FSDP1 / FSDP2 this rank's shares of the whole tensors' norms, computed on
+its pieces, which the caller's one transfer combines across the ranks
+(:meth:`~lightning_gradguard.core.transfer.HostTransfer.add_norms`). Every rank must then ask alike.
 """
 
 from __future__ import annotations
@@ -14,13 +19,24 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_gradguard.core.state import TrainerState, trainer_state
+from lightning_gradguard.core.sharding import (
+    FLAT_PARAM_MESSAGE,
+    PendingNorms,
+    Sharding,
+    local_tensor,
+    sharding_of,
+    unsupported_reason,
+)
+from lightning_gradguard.core.state import TrainerState, trainer_state, warn_once
 from lightning_gradguard.functional.stats import (
     clean_name,
     foreach_norms,
     group_index,
+    group_shares,
     layer_names,
+    norm_shares,
     reduce_norms,
+    total_share,
 )
 
 __all__ = ["StepStats", "active_scaler", "step_stats"]
@@ -59,6 +75,18 @@ def _trainable(
     return names, params
 
 
+def _sharding(trainer: pl.Trainer, state: TrainerState, opt: Any, params: list[Tensor]) -> Sharding | None:
+    """The sharding of ``params`` (cached while the optimizer's trainable parameters are the same list)."""
+    cached = state.sharding.get(id(opt))
+    if cached is not None and cached[0] is params:
+        return cached[1]
+    sharding = sharding_of(trainer, params)
+    state.sharding[id(opt)] = (params, sharding)
+    if sharding is not None and sharding.flat:
+        warn_once(trainer, "sharding:flat_param", FLAT_PARAM_MESSAGE)
+    return sharding
+
+
 def active_scaler(trainer: pl.Trainer) -> Any:
     """The GradScaler of the Trainer's precision plugin when it is enabled (16-mixed), else ``None``."""
     scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
@@ -89,15 +117,35 @@ class StepStats:
     Gradient statistics cover the trainable parameters of ``optimizer`` that have a gradient; weight
     statistics cover all its trainable parameters. Gradients are read as the optimizer will see them:
     accumulated, all-reduced, unscaled (a still-scaled gradient is divided by the GradScaler scale).
+
+    Under sharding (``sharding`` set) ``grads`` and :meth:`local_params` are this rank's pieces, every
+    trainable parameter counts as having a gradient (a rank whose piece is empty has none: its share is
+    0, and every rank packs the same layout), and the norms are shares (see the module docstring).
+    Under DeepSpeed (``unsupported`` set) nothing is measured: no parameters, no gradients.
     """
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         state = trainer_state(trainer)
         self.step = int(trainer.global_step)
-        self.names, self.params = _trainable(pl_module, optimizer, state)
-        with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
-        self.grad_names = [self.names[i] for i in with_grad]
-        self.grads: list[Tensor] = [self.params[i].grad for i in with_grad]  # type: ignore[misc]
+        self.unsupported = unsupported_reason(trainer)
+        if self.unsupported is not None:
+            warn_once(trainer, "sharding:unsupported", self.unsupported)
+            self.names: list[str] = []
+            self.params: list[Tensor] = []
+        else:
+            self.names, self.params = _trainable(pl_module, optimizer, state)
+        opt = getattr(optimizer, "optimizer", optimizer)
+        self.sharding = _sharding(trainer, state, opt, self.params) if self.params else None
+        if self.sharding is None:
+            with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+            self.grad_names = [self.names[i] for i in with_grad]
+            self.grads: list[Tensor] = [self.params[i].grad for i in with_grad]  # type: ignore[misc]
+        else:
+            self.grad_names = list(self.names)
+            self.grads = [
+                local_tensor(p.grad) if p.grad is not None else local_tensor(p.detach()).new_zeros(0)
+                for p in self.params
+            ]
         self.grad_scale = _grad_scale(trainer, optimizer)
         self._cache: dict[tuple[Any, ...], Any] = {}
 
@@ -110,8 +158,49 @@ class StepStats:
         labels = list(names) if per_parameter else layer_names(names, depth)
         return group_index(labels)
 
-    def grad_norms(self, norm_type: float = 2.0) -> Tensor:
-        """Per-parameter gradient norms (parameters with a gradient, model order)."""
+    def local_params(self) -> list[Tensor]:
+        """The trainable parameters' values as this rank holds them (its pieces under sharding), detached."""
+        return [local_tensor(p.detach()) for p in self.params]
+
+    def grad_numels(self) -> list[int]:
+        """Elements of each gradient as a whole tensor (not of this rank's piece)."""
+        if self.sharding is not None:
+            return list(self.sharding.numels)
+        return [g.numel() for g in self.grads]
+
+    # ------------------------------------------------------------------ pending norms
+    def pending(self, norms: Tensor, norm_type: float) -> PendingNorms:
+        """Per-parameter norms of this rank's tensors (model order, one per parameter under sharding) as
+        :class:`PendingNorms`: the norms, or under sharding this rank's shares of the whole ones."""
+        if self.sharding is None:
+            return PendingNorms(norms, norm_type)
+        copies = self._memo(
+            ("copies", norms.device), lambda: torch.tensor(self.sharding.copies, device=norms.device)
+        )
+        return PendingNorms(norm_shares(norms, copies, norm_type), norm_type, sharded=True)
+
+    @staticmethod
+    def grouped(per: PendingNorms, index: list[int], num_groups: int) -> PendingNorms:
+        """Per-parameter pending norms combined per group (``index[i]``: the group of parameter ``i``)."""
+        idx = torch.tensor(index, dtype=torch.long, device=per.values.device)
+        if not per.sharded:
+            return PendingNorms(reduce_norms(per.values, idx, num_groups, per.norm_type), per.norm_type)
+        return PendingNorms(group_shares(per.values, idx, num_groups, per.norm_type), per.norm_type, True)
+
+    @staticmethod
+    def total(per: PendingNorms) -> PendingNorms:
+        """Per-parameter pending norms combined into one (0-dim)."""
+        if per.sharded:
+            return PendingNorms(total_share(per.values, per.norm_type), per.norm_type, True)
+        values = per.values
+        if not values.numel():
+            return PendingNorms(torch.zeros((), device=values.device), per.norm_type)
+        return PendingNorms(torch.linalg.vector_norm(values, ord=per.norm_type), per.norm_type)
+
+    # ------------------------------------------------------------------ gradients
+    def local_grad_norms(self, norm_type: float = 2.0) -> Tensor:
+        """Norms of this rank's gradients (of its pieces under sharding), unscaled; a NaN/inf gradient
+        entry gives a NaN/inf norm."""
 
         def compute() -> Tensor:
             norms = foreach_norms(self.grads, norm_type)
@@ -121,53 +210,56 @@ class StepStats:
 
         return self._memo(("grad", float(norm_type)), compute)
 
-    def grad_total(self, norm_type: float = 2.0) -> Tensor:
-        """Total gradient norm over every parameter of this optimizer (0-dim)."""
-        norms = self.grad_norms(norm_type)
+    def grad_norms(self, norm_type: float = 2.0) -> PendingNorms:
+        """Per-parameter gradient norms (parameters with a gradient, model order)."""
         return self._memo(
-            ("grad_total", float(norm_type)),
-            lambda: (
-                torch.linalg.vector_norm(norms, ord=norm_type)
-                if norms.numel()
-                else torch.zeros((), device=norms.device)
-            ),
+            ("grad_pending", float(norm_type)),
+            lambda: self.pending(self.local_grad_norms(norm_type), norm_type),
         )
+
+    def grad_total(self, norm_type: float = 2.0) -> PendingNorms:
+        """Total gradient norm over every parameter of this optimizer (0-dim)."""
+        return self._memo(("grad_total", float(norm_type)), lambda: self.total(self.grad_norms(norm_type)))
 
     def grad_groups(
         self, norm_type: float = 2.0, depth: int | None = None, per_parameter: bool = False
-    ) -> tuple[list[str], Tensor]:
+    ) -> tuple[list[str], PendingNorms]:
         """Gradient norms per layer (or per parameter) and the layer names."""
 
-        def compute() -> tuple[list[str], Tensor]:
+        def compute() -> tuple[list[str], PendingNorms]:
             labels, index = self.groups(self.grad_names, depth, per_parameter)
-            norms = self.grad_norms(norm_type)
-            idx = torch.tensor(index, dtype=torch.long, device=norms.device)
-            return labels, reduce_norms(norms, idx, len(labels), norm_type)
+            return labels, self.grouped(self.grad_norms(norm_type), index, len(labels))
 
         return self._memo(("grad_groups", float(norm_type), depth, per_parameter), compute)
 
-    def weight_norms(self, norm_type: float = 2.0) -> Tensor:
+    def grads_finite(self) -> Tensor:
+        """0-dim bool: every gradient element this rank holds is finite (derived from the cached norms: no
+        extra pass). Under sharding a verdict reduces it across the ranks."""
+        norm_type = next((k[1] for k in self._cache if k[0] == "grad"), 2.0)
+        return torch.isfinite(self.local_grad_norms(norm_type)).all()
+
+    # ------------------------------------------------------------------ weights
+    def weight_norms(self, norm_type: float = 2.0) -> PendingNorms:
         """Per-parameter weight norms (every trainable parameter of the optimizer)."""
         return self._memo(
             ("weight", float(norm_type)),
-            lambda: foreach_norms([p.detach() for p in self.params], norm_type),
+            lambda: self.pending(foreach_norms(self.local_params(), norm_type), norm_type),
+        )
+
+    def weight_total(self, norm_type: float = 2.0) -> PendingNorms:
+        """Total weight norm over every trainable parameter of this optimizer (0-dim)."""
+        return self._memo(
+            ("weight_total", float(norm_type)), lambda: self.total(self.weight_norms(norm_type))
         )
 
     def weight_groups(
         self, norm_type: float = 2.0, depth: int | None = None, per_parameter: bool = False
-    ) -> tuple[list[str], Tensor]:
-        def compute() -> tuple[list[str], Tensor]:
+    ) -> tuple[list[str], PendingNorms]:
+        def compute() -> tuple[list[str], PendingNorms]:
             labels, index = self.groups(self.names, depth, per_parameter)
-            norms = self.weight_norms(norm_type)
-            idx = torch.tensor(index, dtype=torch.long, device=norms.device)
-            return labels, reduce_norms(norms, idx, len(labels), norm_type)
+            return labels, self.grouped(self.weight_norms(norm_type), index, len(labels))
 
         return self._memo(("weight_groups", float(norm_type), depth, per_parameter), compute)
-
-    def grads_finite(self) -> Tensor:
-        """0-dim bool: every gradient element is finite (derived from the cached norms: no extra pass)."""
-        norm_type = next((k[1] for k in self._cache if k[0] == "grad"), 2.0)
-        return torch.isfinite(self.grad_norms(norm_type)).all()
 
 
 def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> StepStats:

@@ -22,14 +22,17 @@ __all__ = [
     "device_histograms",
     "foreach_norms",
     "group_index",
+    "group_shares",
     "grouped_norms",
     "layer_name",
     "layer_names",
     "nonfinite_counts",
+    "norm_shares",
     "percentile",
     "reduce_norms",
     "suggest_clip_value",
     "total_norm",
+    "total_share",
 ]
 
 
@@ -93,6 +96,8 @@ def foreach_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     if len(tensors) == 0:
         return torch.zeros(0)
     tensors = dense_values(tensors)
+    if math.isinf(norm_type) and any(t.numel() == 0 for t in tensors):  # a shard can be empty: norm 0
+        tensors = [t if t.numel() else t.new_zeros(1) for t in tensors]
     out_device = tensors[0].device
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -129,6 +134,36 @@ def reduce_norms(norms: Tensor, index: Tensor, num_groups: int, norm_type: float
     powered = norms.pow(norm_type)
     summed = torch.zeros(num_groups, dtype=norms.dtype, device=norms.device).index_add_(0, index, powered)
     return summed.pow(1.0 / norm_type)
+
+
+def norm_shares(norms: Tensor, copies: Tensor, norm_type: float = 2.0) -> Tensor:
+    """One rank's shares of whole-tensor norms, from the norms of its pieces (sharded training).
+
+    ``norms[i]`` is the norm of this rank's piece of tensor ``i``, ``copies[i]`` how many ranks hold each
+    of its entries. The share is ``norms ** p / copies``: summed over the ranks it is the p-th power of
+    the whole tensor's norm. For the infinity norm the share is the piece's norm (combined by a max).
+    """
+    norm_type = _check_norm_type(norm_type)
+    if math.isinf(norm_type):
+        return norms
+    return norms.pow(norm_type) / copies.to(norms.device, norms.dtype)
+
+
+def group_shares(shares: Tensor, index: Tensor, num_groups: int, norm_type: float = 2.0) -> Tensor:
+    """Per-group shares (group ``index[i]`` owns ``shares[i]``): sums, or maxima for the infinity norm."""
+    norm_type = _check_norm_type(norm_type)
+    out = torch.zeros(num_groups, dtype=shares.dtype, device=shares.device)
+    if math.isinf(norm_type):
+        return out.scatter_reduce(0, index, shares, reduce="amax", include_self=True)
+    return out.index_add_(0, index, shares)
+
+
+def total_share(shares: Tensor, norm_type: float = 2.0) -> Tensor:
+    """The share of all tensors together (0-dim): the sum, or the maximum for the infinity norm."""
+    norm_type = _check_norm_type(norm_type)
+    if shares.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=shares.device)
+    return shares.amax() if math.isinf(norm_type) else shares.sum()
 
 
 def total_norm(norms: Tensor, norm_type: float = 2.0) -> Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
@@ -24,11 +24,21 @@ from torch import Tensor
 
 from lightning_gradguard.alerts import Alert, Severity
 from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core import sharding as _sharding
 from lightning_gradguard.core.collective import gather
+from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonfinite_counts
 from lightning_gradguard.hooks.forensics import ForwardOrigin, replay_origin
-from lightning_gradguard.hooks.nan_step import Finding, MicroBatch, NormRecord, named_grads
+from lightning_gradguard.hooks.nan_step import (
+    NOT_REPLAYED,
+    Finding,
+    MicroBatch,
+    NonFiniteTensor,
+    NormRecord,
+    add_up_pieces,
+    named_grads,
+)
 
 __all__ = [
     "Filed",
@@ -66,15 +76,6 @@ _HINTS = {
         "clip gradients."
     ),
 }
-
-
-@dataclass(frozen=True)
-class NonFiniteTensor:
-    """A gradient (or parameter) holding NaN/inf: its name, how many entries, out of how many."""
-
-    name: str
-    nonfinite: int
-    numel: int
 
 
 @dataclass(frozen=True)
@@ -274,10 +275,13 @@ def build_report(
     history: list[NormRecord],
 ) -> NaNReport:
     """Gather every rank's findings (one object all-gather under DDP) into the report of the culprit."""
-    kind, micro = finding.kind, finding.micro
-    replay = sentinel.find_origin and finding.can_replay
-    local = _local_findings(trainer, pl_module, kind, finding.optimizer, micro, replay, history)
+    kind, micro, sharded = finding.kind, finding.micro, _sharding.is_sharded(trainer)
+    replay, opt = sentinel.find_origin and finding.can_replay, finding.optimizer
+    local = _local_findings(trainer, pl_module, kind, opt, micro, replay and not sharded, history)
     findings: list[RankFindings] = gather(trainer, local)
+    if sharded:  # no replay (its collectives would differ between ranks); add up the ranks' pieces
+        whole, note = add_up_pieces([f.nonfinite_parameters for f in findings], pl_module), NOT_REPLAYED
+        findings = [replace(f, nonfinite_parameters=whole, origin=note if replay else None) for f in findings]
     culprit = finding.culprit
     if culprit is None:  # gradients are all-reduced: the first rank whose replay found an origin
         culprit = next((r for r, f in enumerate(findings) if f.origin), 0)
@@ -317,11 +321,12 @@ def _local_findings(
 ) -> RankFindings:
     """What this rank knows: its loss, its non-finite tensors, and the replayed origin."""
     loss = None if micro.loss is None else float(micro.loss.float().mean())
+    numels: list[int] | None = None
     if kind == "nonfinite_parameter":
-        named = [(clean_name(n), p.detach()) for n, p in pl_module.named_parameters()]
-    elif optimizer is not None:
+        named = [(clean_name(n), _sharding.local_tensor(p.detach())) for n, p in pl_module.named_parameters()]
+    elif optimizer is not None:  # sizes of the whole tensors: under sharding a rank holds pieces
         stats = step_stats(trainer, pl_module, optimizer)
-        named = list(zip(stats.grad_names, stats.grads, strict=True))
+        named, numels = list(zip(stats.grad_names, stats.grads, strict=True)), stats.grad_numels()
     else:  # a micro-batch under accumulation: the gradients summed so far
         named = named_grads(trainer, pl_module)
     bad: list[NonFiniteTensor] = []
@@ -330,7 +335,9 @@ def _local_findings(
         idx = [i for i, x in enumerate(norms) if not math.isfinite(x)]
         counts = nonfinite_counts([named[i][1] for i in idx]).tolist() if idx else []
         bad = [
-            NonFiniteTensor(name=named[i][0], nonfinite=int(c), numel=int(named[i][1].numel()))
+            NonFiniteTensor(
+                name=named[i][0], nonfinite=int(c), numel=numels[i] if numels else named[i][1].numel()
+            )
             for i, c in zip(idx, counts, strict=True)
         ]
     origin: dict[str, Any] | None = None
@@ -368,7 +375,9 @@ def write_report(
         os.makedirs(folder, exist_ok=True)
         files["batch"] = os.path.join(folder, "batch.pt")
         torch.save(apply_to_collection(micro.batch, Tensor, lambda t: t.detach().cpu()), files["batch"])
-    if save_checkpoint and report.kind != "nonfinite_parameter":
+    if save_checkpoint and _sharding.fsdp_checkpoint_on_cpu(trainer):
+        warn_once(trainer, "nan:fsdp_cpu_checkpoint", _sharding.FSDP_CPU_CHECKPOINT)
+    elif save_checkpoint and report.kind != "nonfinite_parameter":
         files["checkpoint"] = os.path.join(folder, "last_good.ckpt")
         trainer.save_checkpoint(files["checkpoint"])  # every rank calls it (a barrier under DDP)
     if save_batch and micro.batch is not None:

@@ -21,16 +21,20 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_gradguard.core.sharding import PendingNorms, local_tensor
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.stats import clean_name, foreach_norms
 
 __all__ = [
+    "NOT_REPLAYED",
     "Finding",
     "Flags",
     "MicroBatch",
+    "NonFiniteTensor",
     "NormRecord",
     "NormRing",
     "StepTrack",
+    "add_up_pieces",
     "grads_nonfinite",
     "named_grads",
     "params_nonfinite",
@@ -119,6 +123,9 @@ class Flags:
     grads_bad: bool
     #: the GradScaler's scale, when one was read
     scale: float | None
+    #: under sharding: the step's total gradient norm, combined across the ranks in the same collective
+    #: (on the device, for the norm history; ``None`` otherwise)
+    total: Tensor | None = None
 
 
 def read_flags(
@@ -128,16 +135,24 @@ def read_flags(
     grad_bad: Tensor | None,
     earlier_bad: Tensor | None = None,
     scaler: Any = None,
+    total: PendingNorms | None = None,
 ) -> Flags:
-    """Reduce the flags across ranks and read them, with ``scaler``'s scale, in one host transfer."""
+    """Reduce the flags across ranks and read them, with ``scaler``'s scale, in one host transfer.
+
+    ``total`` (a 2-norm, when its shares are sharded) is summed in the same collective, and returned.
+    """
     world, rank = trainer.world_size, trainer.global_rank
     device = next(t for t in (loss_bad, earlier_bad, grad_bad) if t is not None).device
     # one slot per rank for the loss, one per rank for the earlier micro-batches' gradients (local
-    # under DDP's no_sync), one for the step's gradients (all-reduced: the same on every rank)
-    flags = torch.zeros(2 * world + 1, device=device)
+    # under DDP's no_sync), one for the step's gradients (a rank's flag: summed, any rank's counts),
+    # and under sharding one for this rank's share of the total gradient norm
+    shared = total is not None and total.sharded and world > 1
+    flags = torch.zeros(2 * world + 1 + int(shared), device=device)
     for slot, flag in ((rank, loss_bad), (world + rank, earlier_bad), (2 * world, grad_bad)):
         if flag is not None:
             flags[slot] = flag.float()
+    if shared and total is not None:
+        flags[-1] = total.values.to(device).float()
     if world > 1:  # the one collective; the scale is read beside the flags, never summed across ranks
         flags = trainer.strategy.reduce(flags, reduce_op="sum")
     transfer = HostTransfer()
@@ -151,7 +166,38 @@ def read_flags(
         earlier_ranks=[r for r in range(world) if bad[world + r] > 0],
         grads_bad=bad[2 * world] > 0,
         scale=float(host["scale"]) if "scale" in host else None,
+        total=total.finish(flags[-1]) if shared and total is not None else None,
     )
+
+
+@dataclass(frozen=True)
+class NonFiniteTensor:
+    """A gradient (or parameter) holding NaN/inf: its name, how many entries, out of how many."""
+
+    name: str
+    nonfinite: int
+    numel: int
+
+
+#: the origin a report gives under sharding (the replay would need every rank's collectives in step)
+NOT_REPLAYED = {
+    "phase": "unknown",
+    "description": "not replayed: the parameters are sharded (FSDP), and a replay on one rank would wait "
+    "on the others' collectives",
+}
+
+
+def add_up_pieces(ranks: list[list[NonFiniteTensor]], pl_module: pl.LightningModule) -> list[NonFiniteTensor]:
+    """Under sharding, every rank's non-finite pieces of each tensor as one (entries added up), in the
+    model's parameter order."""
+    whole: dict[str, NonFiniteTensor] = {}
+    for t in (t for pieces in ranks for t in pieces):
+        seen = whole.get(t.name)
+        whole[t.name] = (
+            t if seen is None else NonFiniteTensor(t.name, seen.nonfinite + t.nonfinite, seen.numel)
+        )
+    order = {clean_name(name): i for i, (name, _) in enumerate(pl_module.named_parameters())}
+    return sorted(whole.values(), key=lambda t: order.get(t.name, len(order)))
 
 
 @dataclass(frozen=True)
@@ -173,7 +219,7 @@ class Finding:
 
 def params_nonfinite(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
     """Whether any rank's parameters hold NaN/inf (one collective, one host read)."""
-    params = [p.detach() for p in pl_module.parameters()]
+    params = [local_tensor(p.detach()) for p in pl_module.parameters()]
     transfer = HostTransfer()
     transfer.add("bad", ~torch.isfinite(foreach_norms(params)).all() if params else torch.zeros(()))
     return float(transfer.fetch(trainer, reduce_op="sum")["bad"]) > 0
@@ -194,7 +240,7 @@ def named_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tupl
     """The gradients the optimizers hold now, by parameter name in model order (trainable ones only)."""
     wanted = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
     return [
-        (clean_name(name), p.grad)
+        (clean_name(name), local_tensor(p.grad))
         for name, p in pl_module.named_parameters()
         if id(p) in wanted and p.requires_grad and p.grad is not None
     ]

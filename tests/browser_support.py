@@ -387,12 +387,14 @@ def text_entries(driver: Any) -> list[dict[str, Any]] | None:
 
 
 @contextlib.contextmanager
-def tensorboard(logdir: Path, timeout: float = 60.0) -> Iterator[TensorBoardServer]:
-    """Start TensorBoard on ``logdir``, wait until it serves the run; always terminate it."""
+def tensorboard(logdir: Path, timeout: float = 60.0, wait: bool = True) -> Iterator[TensorBoardServer]:
+    """Start TensorBoard on ``logdir``, wait (``wait``) until it serves the GradGuard layout and the
+    histograms; always terminate it."""
     server = TensorBoardServer(logdir)
     try:
         server.start()
-        server.wait_loaded(timeout)
+        if wait:
+            server.wait_loaded(timeout)
         yield server
     finally:
         server.stop()

@@ -12,19 +12,12 @@ pre-clip gradients, the weights before and after every optimizer step. Then:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import re
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from browser_support import TensorBoardServer, tensorboard
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.backend.event_processing import event_file_loader
@@ -171,91 +165,6 @@ def _true_clip_quantile(model: _Probe, step: int, q: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- server
-class _TensorBoard:
-    """A real ``tensorboard`` subprocess bound to 127.0.0.1 on a port the OS picks (``--port 0``)."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.proc: subprocess.Popen[str] | None = None
-        self.output: list[str] = []
-        self.base_url: str | None = None
-        self._url_seen = threading.Event()
-        # never send loopback requests through an HTTP proxy from the environment
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def start(self) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "tensorboard.main",
-            "--logdir",
-            str(self.logdir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--load_fast=false",
-            "--reload_interval=1",
-        ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-            m = re.search(r"TensorBoard \S+ at (http://127\.0\.0\.1:\d+)/", line)
-            if m:
-                self.base_url = m.group(1)
-                self._url_seen.set()
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-    def log(self) -> str:
-        return "".join(self.output)[-4000:]
-
-    def wait_for_url(self, deadline: float) -> str:
-        assert self.proc is not None
-        while not self._url_seen.wait(timeout=0.2):
-            if self.proc.poll() is not None:
-                pytest.fail(f"tensorboard exited with {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"tensorboard did not report its address in time:\n{self.log()}")
-        assert self.base_url is not None
-        return self.base_url
-
-    def get(self, route: str, timeout: float = 10.0, **params: str) -> Any:
-        assert self.base_url is not None
-        url = self.base_url + route + ("?" + urllib.parse.urlencode(params) if params else "")
-        with self._opener.open(url, timeout=timeout) as resp:
-            assert resp.status == 200, url
-            return json.loads(resp.read().decode("utf-8"))
-
-
-@contextlib.contextmanager
-def _tensorboard(logdir: Path) -> Iterator[_TensorBoard]:
-    tb = _TensorBoard(logdir)
-    try:
-        tb.start()
-        yield tb
-    finally:
-        tb.stop()
-
-
 def _last_scalar_written(event_dir: Path) -> tuple[str, int]:
     """``(tag, step)`` of the last scalar point in the run's event file, read straight from disk."""
     (path,) = event_dir.glob("events.out.tfevents.*")
@@ -268,7 +177,7 @@ def _last_scalar_written(event_dir: Path) -> tuple[str, int]:
     return last
 
 
-def _wait_until_loaded(tb: _TensorBoard, event_dir: Path, deadline: float) -> None:
+def _wait_until_loaded(tb: TensorBoardServer, event_dir: Path, deadline: float) -> None:
     """Poll until the server serves the last scalar point of the file (TensorBoard reads it in order)."""
     last_tag, last_step = _last_scalar_written(event_dir)
     seen: Any = None
@@ -291,9 +200,8 @@ def _wait_until_loaded(tb: _TensorBoard, event_dir: Path, deadline: float) -> No
 # ---------------------------------------------------------------------------------------------- tests
 def test_tensorboard_server_serves_gradguard_data(run: _Run) -> None:
     model = run.model
-    with _tensorboard(run.logdir) as tb:
+    with tensorboard(run.logdir, wait=False) as tb:
         deadline = time.monotonic() + SERVER_TIMEOUT_S
-        tb.wait_for_url(deadline)
         _wait_until_loaded(tb, run.event_dir, deadline)
 
         assert RUN_NAME in tb.get("/data/runs")

@@ -67,4 +67,4 @@ bench-big: $(STAMP)
 	$(PY) benchmarks/big_model.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .mypy_cache .ruff_cache

@@ -15,7 +15,7 @@ happen in a short run. Per variant it reports:
 * the event file's growth per 1000 steps at the callbacks' default cadence: every 50th step a logging
   step, every 500th a histogram step. This is measured from the bytes of this run's logging steps.
 
-Run: ``python benchmarks/big_model.py`` (``make bench-big``; about 10 minutes on 2 cores). Writes
+Run: ``python benchmarks/big_model.py`` (``make bench-big``; about 7 minutes on 2 cores). Writes
 ``benchmarks/results/big_model-<time>.json``.
 """
 

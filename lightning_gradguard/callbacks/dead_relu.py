@@ -2,9 +2,8 @@ r"""
 DeadReLUMonitor
 ===============
 
-Finds ReLU units that never fire (and, optionally, sigmoid/tanh units stuck in saturation) by looking at
-activations on a few sampled training steps. Nothing is attached on the other steps, and nothing ever
-runs during validation.
+Finds ReLU units that never fire (and sigmoid/tanh units stuck in saturation) on a few sampled training
+steps; nothing is attached on the other steps or during validation.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.activations import sum_counts
 from lightning_gradguard.core.base import GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval
+from lightning_gradguard.core.layers import LayerSelection, cap_scalars
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.activations import UnitCounts, UnitWindows
@@ -32,28 +32,20 @@ __all__ = ["DeadReLUMonitor"]
 class DeadReLUMonitor(GradGuardCallback):
     r"""Alert when most units of a ReLU layer never fire.
 
-    On sampled training steps (every step while ``global_step < window + patience - 1``, so a network
-    that starts dead is caught at once; then every ``every_n_steps``, and when such a sample finds more
-    than ``threshold`` of a layer's units silent on that step, the next ``window + patience - 1``
-    steps as well, so a layer that dies mid-run is confirmed within ``every_n_steps + window +
-    patience - 1`` steps; follow-ups never start new follow-ups) it watches each ReLU output during
-    the forward pass: ``nn.ReLU``, ``nn.ReLU6``, in-place ReLUs, and ``F.relu`` / ``torch.relu`` /
-    ``Tensor.relu`` called inside any ``forward``. Watching uses a ``TorchFunctionMode`` and global module
-    hooks (:class:`~lightning_gradguard.hooks.capture.ActivationCapture`, which also names the layers:
-    ``"encoder.block3:relu(fc1)"``, ``"relu(hidden1)"``, ``"net.act#2"``) that exist only during the
-    sampled ``training_step``'s forward pass; other steps and validation cost nothing. Calls outside
-    every module's ``forward`` (loss code in ``training_step``, such as a hinge loss written with
-    ``F.relu``) and outputs with fewer than 2 dimensions are not layers and are not watched (a one-time
-    warning says so when the former were seen).
+    On sampled training steps it watches each ReLU output of the forward pass (``nn.ReLU``, ``nn.ReLU6``,
+    in-place ReLUs, ``F.relu`` / ``torch.relu`` / ``Tensor.relu`` inside any ``forward``), through a
+    ``TorchFunctionMode`` and global module hooks that exist only during the sampled ``training_step``
+    (:class:`~lightning_gradguard.hooks.capture.ActivationCapture`, which also names the layers:
+    ``"encoder.block3:relu(fc1)"``, ``"net.act#2"``). Sampled: every step while ``global_step < window +
+    patience - 1``, then every ``every_n_steps``; a sample that finds more than ``threshold`` of a layer
+    silent is followed up on the next ``window + patience - 1`` steps (follow-ups start none). Calls
+    outside every module's ``forward`` (loss code) and outputs of fewer than 2 dimensions are not layers.
 
     A *unit* is a feature of a ``Linear`` output (last dimension) or a channel of a ``ConvNd`` output
-    (dimension 1). One sample is one optimizer step (one batch in manual optimization): with
-    ``accumulate_grad_batches`` every micro-batch of a sampled step is watched and they are pooled into
-    one sample, so windows, ``patience``, follow-ups, rates and ``sampled_batches`` all count optimizer
-    steps. Per sampled step each unit is *active* if it output a non-zero value for at least one sample
-    of its batch (of any of its micro-batches); it is *dead* if it was inactive in every one of the last
-    ``window`` sampled steps. All reductions happen on the device; one vector per sampled step comes to
-    the host (all-reduced across ranks first, so every rank reaches the same verdict).
+    (dimension 1). One sample is one optimizer step (its micro-batches pooled; one batch in manual
+    optimization). A unit is *active* on a step if it output a non-zero value for some sample of the
+    step, *dead* if inactive in each of the last ``window`` sampled steps. Reductions stay on the device;
+    one vector per sampled step comes to the host (all-reduced first: every rank reaches one verdict).
 
     Logged per layer: ``dead_relu/<layer>`` (dead fraction) and, to TensorBoard, a histogram
     ``activation_rate/<layer>`` of per-unit activation rates over the window. Alert ``dead_relu``
@@ -75,6 +67,9 @@ class DeadReLUMonitor(GradGuardCallback):
         saturation_threshold: saturated fraction of a layer above which it is reported.
         log_histograms: write the ``activation_rate/*`` histograms to TensorBoard.
         histogram_bins: buckets of those histograms.
+        include, exclude: the activation layers watched (regular expressions on the names above: the others
+            are not measured); max_layers: a cap on the curves per chart, the most dead layers first (see
+            :class:`~lightning_gradguard.core.layers.LayerSelection`).
         action: ``"warn"`` (default), ``"stop"`` or ``"raise"``, applied to ``dead_relu``.
         cooldown_steps: minimum steps between two alerts for the same layer.
 
@@ -83,8 +78,7 @@ class DeadReLUMonitor(GradGuardCallback):
         from lightning.pytorch import Trainer
         from lightning_gradguard import DeadReLUMonitor
 
-        monitor = DeadReLUMonitor()
-        Trainer(callbacks=[monitor]).fit(model)
+        Trainer(callbacks=[monitor := DeadReLUMonitor()]).fit(model)
         print(monitor.dead_fractions)   # {"net.1": 0.03, "net.3": 0.97, ...}
     """
 
@@ -100,6 +94,9 @@ class DeadReLUMonitor(GradGuardCallback):
         saturation_threshold: float = 0.5,
         log_histograms: bool = True,
         histogram_bins: int = 20,
+        include: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
+        max_layers: int | None = None,
         action: Literal["warn", "stop", "raise"] = "warn",
         cooldown_steps: int = 1000,
     ) -> None:
@@ -112,9 +109,9 @@ class DeadReLUMonitor(GradGuardCallback):
         self.saturation_threshold: float = check_float("saturation_threshold", saturation_threshold, 0.0, 1.0)
         self.log_histograms = check_bool("log_histograms", log_histograms)
         self.histogram_bins: int = check_int("histogram_bins", histogram_bins, 2)
-        #: dead fraction per ReLU layer at the last full-window check
+        self.layers = LayerSelection(include, exclude, max_layers)
+        #: dead fraction per ReLU layer / saturated fraction per sigmoid/tanh layer, at the last check
         self.dead_fractions: dict[str, float] = {}
-        #: saturated fraction per sigmoid/tanh layer at the last full-window check
         self.saturated_fractions: dict[str, float] = {}
         #: how many optimizer steps were sampled (batches, in manual optimization); micro-batches pooled
         self.sampled_batches = 0
@@ -123,8 +120,7 @@ class DeadReLUMonitor(GradGuardCallback):
         self._stepped = False  # on_before_optimizer_step fired during this batch
         self._step_sampled = False  # the current optimizer step is a sampled one (on every rank alike)
         self._sampled_at = (0, 0)
-        #: sampled steps still to take right away because a layer looked dead on a sampled step
-        self._follow_left = 0
+        self._follow_left = 0  # sampled steps still to take at once: a layer looked dead on a sample
         self._following = False
 
     @override
@@ -173,7 +169,8 @@ class DeadReLUMonitor(GradGuardCallback):
         self._sampled_at = (int(trainer.global_step), at)
         if self._capture is None:  # what it missed is said once, as ours
             say = lambda key, text: warn_once(trainer, f"dead_relu_{key}", f"DeadReLUMonitor: {text}")  # noqa: E731
-            self._capture = ActivationCapture(pl_module, check_saturation=self.check_saturation, warn=say)
+            watch = self.layers.watches if self.layers.filters else None
+            self._capture = ActivationCapture(pl_module, self.check_saturation, warn=say, watch=watch)
         # One scope around this batch's forward pass: its ``training_step`` call (from Lightning's loop, or
         # through the DDP wrapper's forward) runs inside the capture; validation never does.
         self._capture.around_next_call(pl_module, "training_step")
@@ -269,11 +266,14 @@ class DeadReLUMonitor(GradGuardCallback):
             for f in verdict.findings
         ]
         logging_on = logging_interval(trainer) > 0  # Trainer(log_every_n_steps=0): detection only
+        scalars = cap_scalars(self.layers, verdict.scalars, "dead_relu")
+        shown = self.layers.last_shown  # histograms for the dead_relu curves shown
+        rates = {t: r for t, r in verdict.rates.items() if shown is None or t.split("/", 1)[1] in shown}
         if logging_on:
-            _emit.log_scalars(trainer, verdict.scalars, at)
-        if logging_on and self.log_histograms and verdict.rates and _emit.tensorboard_writers(trainer):
-            spec = device_histograms(list(verdict.rates.values()), bins=self.histogram_bins)
-            for i, tag in enumerate(verdict.rates):
+            _emit.log_scalars(trainer, cap_scalars(self.layers, scalars, "saturated"), at)
+        if logging_on and self.log_histograms and rates and _emit.tensorboard_writers(trainer):
+            spec = device_histograms(list(rates.values()), bins=self.histogram_bins)
+            for i, tag in enumerate(rates):
                 _emit.log_histogram_raw(trainer, tag, spec.stats[i], spec.edges[i], spec.counts[i], at)
         # A regular sample that looks dead (more than `threshold` of a layer's units silent on this very
         # step) is followed up at once: the next window + patience - 1 steps are sampled too, so a layer

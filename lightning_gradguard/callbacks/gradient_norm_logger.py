@@ -30,12 +30,13 @@ from lightning_gradguard.core.grad_norms import (
     clip_setting,
     parse_norm_type,
 )
+from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection, select_reading
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_int
-from lightning_gradguard.functional.clipping import clip_window_stats
+from lightning_gradguard.functional.clipping import clip_verdict, clip_window_stats
 
 __all__ = ["GradientNormLogger"]
 
@@ -83,6 +84,9 @@ class GradientNormLogger(GradGuardCallback):
         log_update_ratio: log ``update_ratio/*`` (keeps a copy of the weights during a logging step).
         histogram_bins: buckets per histogram.
         clip_window: how many recent steps the clipping statistics cover.
+        include, exclude, max_layers: which layers get per-layer tags and histograms (regular
+            expressions on layer names, a cap; totals cover every layer): see
+            :class:`~lightning_gradguard.core.layers.LayerSelection`.
         cooldown_steps: minimum steps between two alerts of the same kind.
 
     Example::
@@ -108,6 +112,9 @@ class GradientNormLogger(GradGuardCallback):
         log_update_ratio: bool = True,
         histogram_bins: int = 64,
         clip_window: int = 1000,
+        include: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
+        max_layers: int | None = None,
         cooldown_steps: int = 1000,
     ) -> None:
         super().__init__(action="warn", cooldown_steps=cooldown_steps)
@@ -124,6 +131,7 @@ class GradientNormLogger(GradGuardCallback):
         self.log_update_ratio = check_bool("log_update_ratio", log_update_ratio)
         self.histogram_bins: int = check_int("histogram_bins", histogram_bins, 2)
         self.clip_window: int = check_int("clip_window", clip_window, 10)
+        self.layers = LayerSelection(include, exclude, max_layers)
         self._pending: list[tuple[int, str, NormSample]] = []  # (log step, tag suffix, sample)
         self._clip_check_due = False
         self._clip_check_step = 0  # global_step of the latest step measured for the clipping verdict
@@ -139,8 +147,14 @@ class GradientNormLogger(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        not_total = r"(?!total(_opt\d+)?$)"  # the per-layer charts leave the total out of their y range
+        # the per-layer charts leave the total and the aggregates out of their y range
+        not_total = rf"(?!total(_opt\d+)?$|{ACROSS_LAYERS}/)"
+        across = {  # with a cap: what the layers not shown do
+            f"{title} across all layers: min / median / max": [f"{family}/{ACROSS_LAYERS}/.*"]
+            for title, family in (("Gradient norm", "grad_norm"), ("Update / weight ratio", "update_ratio"))
+        }
         return {
+            **(across if self.layers.max_layers is not None else {}),
             "Gradient norm: total": ["grad_norm/total.*"],
             "Gradient norm per layer": [f"grad_norm/{not_total}.*"],
             "Weight norm per layer": [f"weight_norm/{not_total}.*"],
@@ -198,6 +212,11 @@ class GradientNormLogger(GradGuardCallback):
             weights=self.log_weight_norms,
             update=self.log_update_ratio,
             histogram_bins=self.histogram_bins if histograms else None,
+            histogram_layers=self.layers.histogram_layers(
+                stats.grad_groups(self.norm_type, self.group_depth, self.per_parameter)[0]
+            )
+            if histograms
+            else None,
         )
         self._pending.append((at, suffix, NormSample(stats, spec)))
 
@@ -235,7 +254,7 @@ class GradientNormLogger(GradGuardCallback):
             self._emit_clip(trainer, last, clip, self._clip.read(host[(-1, "clip_window")]))
 
     def _emit_step(self, trainer: pl.Trainer, at: int, suffix: str, reading: NormReading) -> None:
-        metrics = reading.scalars(suffix)
+        metrics = select_reading(reading, self.layers, suffix)
         self.last_logged = dict(metrics)
         _emit.log_scalars(trainer, metrics, at)
         for h in reading.histograms:
@@ -255,31 +274,8 @@ class GradientNormLogger(GradGuardCallback):
         if last is not None:
             _emit.log_scalars(trainer, metrics, last[0])
         step = last[1] if last is not None else self._clip_check_step
-        n, fraction, suggested = s.steps, s.fraction_clipped, s.suggested
-        what, by = ("norm", "") if clip.norm_type == 2.0 else ("largest |g|", " (clipping by value)")
-        setting = f"gradient_clip_val={clip.value:g}{by}"
-        data = {"fraction_clipped": fraction, "clip_val": clip.value, "steps": float(n), **metrics}
-        if n >= min(100, self.clip_window) and fraction >= 0.95 and suggested is not None:
-            message = (
-                f"{setting} clipped {fraction:.0%} of the last {n} steps "
-                f"(median pre-clip {what} {s.percentiles[50]:.3g})."
-            )
-            hint = (
-                f"The threshold is below the typical gradient {what}, which slows learning. Clip only the "
-                f"outliers: try gradient_clip_val={suggested:g} (90th percentile of recent values)."
-            )
-            self.report(trainer, "clipping_always_active", "warning", None, message, hint, data, step=step)
-        elif n >= self.clip_window and fraction == 0.0 and s.largest < clip.value / 10:
-            message = f"{setting} never fired in {n} steps; the largest pre-clip {what} was {s.largest:.3g}."
-            if suggested is None:
-                hint = (
-                    f"Every pre-clip {what} of the window was exactly 0: no parameter of this optimizer got "
-                    "a gradient, so nothing learns. Check that the loss depends on the parameters (a "
-                    "`.detach()`, `torch.no_grad()`, a zero loss weight); OverfitBatchSanity names them."
-                )
-            else:
-                hint = f"Clipping guards nothing at this level. To catch spikes, use about {suggested:g}."
-            self.report(trainer, "clipping_never_active", "info", None, message, hint, data, step=step)
+        if (f := clip_verdict(s, clip.value, clip.norm_type, self.clip_window)) is not None:
+            self.report(trainer, f.kind, f.severity, None, f.message, f.hint, f.data, step=step)
 
     # ------------------------------------------------------------------ state
     _clip_norms = property(lambda self: self._clip.values)  # the ring as it is on the device

@@ -2,10 +2,8 @@ r"""
 VanishingExplodingDetector
 ==========================
 
-Watches the per-layer gradient norms every gradguard callback shares (no second pass over the
-gradients) and says when they explode or vanish, where, and what to do about it. It also logs a
-gradient-flow view, ``grad_flow/<layer>`` = ``log10(layer norm / largest layer norm)``, so a chart shows
-where along the network the gradient dies (the rules: :mod:`lightning_gradguard.functional.gradient_verdict`).
+Says when the shared per-layer gradient norms explode or vanish, where, and what to do about it, and
+logs ``grad_flow/<layer>`` = ``log10(layer norm / largest layer norm)``: where the gradient dies.
 """
 
 from __future__ import annotations
@@ -23,11 +21,13 @@ from lightning_gradguard.alerts import Alert
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
-from lightning_gradguard.core.grad_norms import read_layer_norms
+from lightning_gradguard.core.grad_norms import LayerNorms, read_layer_norms
+from lightning_gradguard.core.layers import LayerSelection, watched_norms
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.gradient_verdict import VerdictRules, explain, judge, opening_layers
+from lightning_gradguard.functional.layers import log_distance_scores
 from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.hooks.order import ForwardOrder
 
@@ -37,15 +37,11 @@ __all__ = ["VanishingExplodingDetector"]
 class VanishingExplodingDetector(GradGuardCallback):
     r"""Alert on exploding and vanishing gradients, measured where the numbers are true.
 
-    It reads the per-layer gradient norms of ``on_before_optimizer_step`` (accumulated, unscaled,
-    all-reduced, not yet clipped) from the statistics every gradguard callback shares, and brings them
-    to the host in one small transfer on the steps it checks: every step for the first ``dense_steps``
-    steps (pathologies of the initialization show at once), then on the steps where
-    ``(step + 1) % check_every_n_steps == 0``. Steps are counted the way Lightning counts them for
-    logging (batches that stepped an optimizer: ``global_step`` in automatic optimization, one per batch
-    in manual optimization), so with ``check_every_n_steps`` dividing the Trainer's ``log_every_n_steps``
-    every ``grad_flow/*`` point lies at the x of the loss and the ``grad_norm/*`` points of the same batch,
-    and with several optimizers each one is checked every ``check_every_n_steps`` of its own steps.
+    It reads the shared per-layer gradient norms of ``on_before_optimizer_step`` (accumulated, unscaled,
+    all-reduced, not yet clipped) in one small transfer on the steps it checks: every step for the first
+    ``dense_steps`` steps, then where ``(step + 1) % check_every_n_steps == 0``, counting steps as Lightning
+    does for logging (so ``grad_flow/*`` points share the x of the loss; with several optimizers, each one's
+    own steps).
 
     **Exploding** (alert ``exploding_gradient``, severity error) and **vanishing** (``vanishing_gradient``,
     severity error) when a rule of :mod:`lightning_gradguard.functional.gradient_verdict` holds on
@@ -54,8 +50,7 @@ class VanishingExplodingDetector(GradGuardCallback):
     value, from the 90th percentile of this run's healthy norms).
 
     A check whose total norm is NaN/inf gives no verdict (NaNSentinel's finding, or the GradScaler's skip)
-    and neither counts towards ``patience`` nor resets it. Every check also computes ``grad_flow/<layer>``,
-    logged on the checked steps Lightning logs on (``(step + 1) % log_every_n_steps == 0``, plus step 0).
+    and neither counts towards ``patience`` nor resets it.
 
     Args:
         check_every_n_steps: after the dense start, check the steps where ``(step + 1)`` is a multiple of
@@ -73,10 +68,12 @@ class VanishingExplodingDetector(GradGuardCallback):
         min_rms: RMS gradient floor per layer (``None``: off).
         relative_floor: per-layer floor relative to the largest layer norm (``None``: off).
         patience: consecutive checks a condition must hold before it is reported.
-        log_every_n_steps: ``grad_flow/*`` points at ``(step + 1) % log_every_n_steps == 0`` (and step 0)
-            when that step is checked (default: the Trainer's; ``0``, here or on the Trainer: no
-            ``grad_flow/*`` points, while the checks and alerts go on).
+        log_every_n_steps: ``grad_flow/*`` points on the checked steps Lightning logs on (default: the
+            Trainer's; ``0``, here or on the Trainer: none, while the checks and alerts go on).
         log_gradient_flow: log the ``grad_flow/*`` scalars.
+        include, exclude: the layers judged and charted (regular expressions on layer names; the total
+            norm rules see every layer); max_layers: a cap on the ``grad_flow/*`` curves (see
+            :class:`~lightning_gradguard.core.layers.LayerSelection`).
         action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; with ``"stop"``/``"raise"`` under DDP the
             flags are all-reduced before acting, so every rank acts at the same step.
         cooldown_steps: minimum steps between two alerts of the same kind.
@@ -86,8 +83,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         from lightning.pytorch import Trainer
         from lightning_gradguard import VanishingExplodingDetector
 
-        trainer = Trainer(callbacks=[VanishingExplodingDetector()])
-        trainer.fit(model)
+        Trainer(callbacks=[detector := VanishingExplodingDetector()]).fit(model)
         # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
     """
 
@@ -110,6 +106,9 @@ class VanishingExplodingDetector(GradGuardCallback):
         patience: int = 2,
         log_every_n_steps: int | None = None,
         log_gradient_flow: bool = True,
+        include: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
+        max_layers: int | None = None,
         action: Literal["warn", "stop", "raise"] = "warn",
         cooldown_steps: int = 100,
     ) -> None:
@@ -132,27 +131,23 @@ class VanishingExplodingDetector(GradGuardCallback):
             "log_every_n_steps", log_every_n_steps, 0, allow_none=True
         )
         self.log_gradient_flow = check_bool("log_gradient_flow", log_gradient_flow)
+        self.layers = LayerSelection(include, exclude, max_layers)
         self._watch: ForwardOrder | None = None
         self._new_run()
 
     def _new_run(self) -> None:
         """Forget the run: a new run (perhaps of a new model) is judged on its own numbers."""
-        #: per optimizer index: recent finite total norms of checked steps
-        self.history: dict[int, list[float]] = {}
-        #: per optimizer index and kind: consecutive checks with the condition
-        self.strikes: dict[str, int] = {}
-        #: forward order of the modules that own parameters (filled on the first training batch)
-        self.forward_order: dict[str, int] = {}
-        #: the last verdict, for inspection: step, reasons, gradient flow
-        self.last_check: dict[str, Any] = {}
+        self.history: dict[int, list[float]] = {}  # per optimizer: recent finite total norms of checks
+        self.strikes: dict[str, int] = {}  # per optimizer and kind: consecutive checks with the condition
+        self.forward_order: dict[str, int] = {}  # of the modules owning parameters (first training batch)
+        self.last_check: dict[str, Any] = {}  # the last verdict, for inspection
         #: layers whose gradient started at exactly 0 (behind a zero-initialized weight) and is still
         #: growing: layer -> its first non-zero norm (0.0 while it is still 0)
         self.opening: dict[str, float] = {}
         self._seen_layers: set[str] = set()
         self._order_seen = False
         self._last_flow_at: dict[int, int] = {}
-        #: embedding layers (their gradient has a row per token, most rows 0 on a batch)
-        self._embedding_layers: set[str] | None = None
+        self._embedding_layers: set[str] | None = None  # their gradient rows are mostly 0 on a batch
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -207,6 +202,8 @@ class VanishingExplodingDetector(GradGuardCallback):
         if not self.due(log_step(trainer)):
             return
         norms = read_layer_norms(step_stats(trainer, pl_module, optimizer))  # the one transfer of a check
+        if norms is not None and self.layers.filters:
+            norms = watched_norms(norms, self.layers)
         if norms is None:
             return
         if self._embedding_layers is None:
@@ -216,6 +213,9 @@ class VanishingExplodingDetector(GradGuardCallback):
             }
         opt_idx = optimizer_index(trainer, optimizer)
         rules = VerdictRules(**{f.name: getattr(self, f.name) for f in fields(VerdictRules)})
+        opening = opening_layers(norms.labels, norms.values, self.opening, self._seen_layers)  # from all-0
+        if finite := math.isfinite(norms.total):
+            self.opening, self._seen_layers = opening.opening, opening.seen
         verdict = judge(
             labels=norms.labels,
             values=norms.values,
@@ -224,7 +224,7 @@ class VanishingExplodingDetector(GradGuardCallback):
             history=self.history.get(opt_idx, []),
             rules=rules,
             forward_order=self.forward_order,
-            opening=self._opening(norms.labels, norms.values) if math.isfinite(norms.total) else set(),
+            opening=opening.positions if finite else set(),
             embeddings=self._embedding_layers,
         )
         flags = [bool(verdict.exploding), bool(verdict.vanishing)]
@@ -241,7 +241,7 @@ class VanishingExplodingDetector(GradGuardCallback):
             # both sides of a skipped step still adds up, and nothing is reported twice. (The gradients
             # are all-reduced, so every rank takes this branch together.)
             return
-        self._log_flow(trainer, norms.labels, verdict.flow, opt_idx)
+        self._log_flow(trainer, norms, verdict.flow, opt_idx)
         alerts: list[Alert] = []
         for kind, flag in zip(("exploding_gradient", "vanishing_gradient"), flags, strict=True):
             key = f"{opt_idx}:{kind}"
@@ -262,19 +262,19 @@ class VanishingExplodingDetector(GradGuardCallback):
             del hist[: -self.history_size]
         self.act(trainer, alerts)
 
-    def _opening(self, labels: list[str], values: list[float]) -> set[int]:
-        """Positions of the layers still opening (see :func:`~.gradient_verdict.opening_layers`)."""
-        found = opening_layers(labels, values, self.opening, self._seen_layers)
-        self.opening, self._seen_layers = found.opening, found.seen
-        return found.positions
-
-    def _log_flow(self, trainer: pl.Trainer, labels: list[str], flow: list[float], opt_idx: int) -> None:
+    def _log_flow(self, trainer: pl.Trainer, norms: LayerNorms, flow: list[float], opt_idx: int) -> None:
         at, every = log_step(trainer), logging_interval(trainer, self.log_every_n_steps)
         # Lightning's own rule (plus the first step, as GradientNormLogger): the loss of this batch is
         # logged at the same x. Once per optimizer and step (an optimizer may step twice in a batch).
         if self.log_gradient_flow and on_logging_step(at, every) and self._last_flow_at.get(opt_idx) != at:
             self._last_flow_at[opt_idx] = at
-            metrics = {f"grad_flow/{n}": v for n, v in zip(labels, flow, strict=True) if math.isfinite(v)}
+            shown = self.layers.show(norms.labels, log_distance_scores(norms.values))
+            metrics = {
+                f"grad_flow/{n}": v
+                for n, v in zip(norms.labels, flow, strict=True)
+                if math.isfinite(v) and n in shown
+            }
+            metrics.update(self.layers.aggregates("grad_flow", dict(zip(norms.labels, flow, strict=True))))
             _emit.log_scalars(trainer, metrics, at)
 
     # ------------------------------------------------------------------ state

@@ -151,6 +151,7 @@ class NormSpec:
     weights: bool = True
     update: bool = True
     histogram_bins: int | None = None  # None: no histograms
+    histogram_layers: frozenset[str] | None = None  # None: every layer gets histograms
 
 
 @dataclass(frozen=True)
@@ -233,11 +234,22 @@ class NormSample:
         if stats.grad_scale is not None:  # still-scaled (fused optimizer): show unscaled values
             inv = 1.0 / stats.grad_scale.float()
             grads = [g.float() * inv.to(g.device) for g in grads]
-        return {
-            "grad": (stats.grad_names, device_histograms(grads, bins)),
-            "grad_log10": (stats.grad_names, device_histograms(grads, bins, log10=True)),
-            "weight": (stats.names, device_histograms(stats.local_params(), bins)),
-        }
+        grad_names, weight_names, weights = stats.grad_names, stats.names, stats.local_params()
+        if (layers := self.spec.histogram_layers) is not None:  # the layers shown (include/exclude, cap)
+            g, w = self._in_layers(grad_names, layers), self._in_layers(weight_names, layers)
+            grad_names, grads = [grad_names[i] for i in g], [grads[i] for i in g]
+            weight_names, weights = [weight_names[i] for i in w], [weights[i] for i in w]
+        out: dict[str, Any] = {}
+        if grads:
+            out["grad"] = (grad_names, device_histograms(grads, bins))
+            out["grad_log10"] = (grad_names, device_histograms(grads, bins, log10=True))
+        if weights:
+            out["weight"] = (weight_names, device_histograms(weights, bins))
+        return out
+
+    def _in_layers(self, names: list[str], layers: frozenset[str]) -> list[int]:
+        labels, index = self.stats.groups(names, self.spec.group_depth, self.spec.per_parameter)
+        return [i for i, j in enumerate(index) if labels[j] in layers]
 
     def queue(self, transfer: HostTransfer, key: Hashable) -> None:
         """Queue every value under ``(key, name)``; call after ``optimizer.step()`` applied the update."""

@@ -139,6 +139,7 @@ class ActivationCapture(AbstractContextManager["ActivationCapture"]):
         check_saturation: also record ``sigmoid`` / ``tanh`` inputs.
         warn: called as ``warn(key, message)`` when a scope ends that missed something: ``"outside_modules"``
             (:data:`OUTSIDE_MODULES`) or ``"mode_order"`` (:data:`MODE_ORDER`); the caller says it once.
+        watch: which layers (by name) are measured; the others cost a name lookup (``None``: all).
 
     Attributes:
         records: per layer name, its :class:`~lightning_gradguard.functional.activations.UnitCounts`, in
@@ -150,9 +151,14 @@ class ActivationCapture(AbstractContextManager["ActivationCapture"]):
     """
 
     def __init__(
-        self, model: nn.Module, check_saturation: bool = True, warn: Callable[[str, str], None] | None = None
+        self,
+        model: nn.Module,
+        check_saturation: bool = True,
+        warn: Callable[[str, str], None] | None = None,
+        watch: Callable[[str], bool] | None = None,
     ) -> None:
         self.model = model
+        self.watch = watch  # which layer names are measured (None: all)
         self.check_saturation = check_saturation
         self.warn = warn
         self.records: dict[str, UnitCounts] = {}
@@ -276,6 +282,8 @@ class ActivationCapture(AbstractContextManager["ActivationCapture"]):
             base = f"{top}:{call}" if top else call
         n = self._calls[base] = self._calls.get(base, 0) + 1
         key = base if n == 1 else f"{base}#{n}"
+        if self.watch is not None and not self.watch(key):
+            return
         dim = unit_dim(x.dim(), self._channel_first and x.dim() >= 3)
         if saturation:
             counts, per_unit = saturation_counts(x, fn, dim)

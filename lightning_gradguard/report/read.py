@@ -20,6 +20,9 @@ from typing import Any
 
 __all__ = ["GRADGUARD_PREFIXES", "RunData", "Series", "find_run", "read_run"]
 
+#: the aggregates over all layers of a monitor with ``max_layers`` (``core.layers.ACROSS_LAYERS``)
+ACROSS_LAYERS = "across_layers/"
+
 #: the scalar tag families GradGuard writes (docs/tags.md)
 GRADGUARD_PREFIXES = (
     "grad_norm/",
@@ -71,11 +74,14 @@ class RunData:
 
     def family(self, prefix: str, total: bool = False) -> dict[str, Series]:
         """The tags under ``prefix`` (``"grad_norm/"``), keyed by the rest of the name, in model order;
-        ``total`` keeps ``<prefix>total``."""
+        ``total`` keeps ``<prefix>total``. The aggregates of a capped monitor (``across_layers/*``) are no
+        layer and are left out."""
         return {
             tag[len(prefix) :]: s
             for tag, s in self.scalars.items()
-            if tag.startswith(prefix) and (total or tag[len(prefix) :] != "total")
+            if tag.startswith(prefix)
+            and (total or tag[len(prefix) :] != "total")
+            and not tag[len(prefix) :].startswith(ACROSS_LAYERS)
         }
 
 

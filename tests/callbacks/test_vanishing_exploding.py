@@ -346,8 +346,10 @@ def test_layers_behind_zero_init_weights_are_opening_until_grown_and_resume() ->
     assert other.opening == det.opening and other._seen_layers == {"net.0", "net.2"}
     # grown 100x past its first value: an ordinary layer again
     labels, values = ["net.0", "net.2"], [100.0 * model_first, 1.0]
-    assert other._opening(labels, values) == set() and "net.0" not in other.opening
-    assert other._opening(labels, [1e-30, 1.0]) == set()  # and it stays ordinary
+    grown = opening_layers(labels, values, other.opening, other._seen_layers)
+    assert grown.positions == set() and "net.0" not in grown.opening
+    # and it stays ordinary
+    assert opening_layers(labels, [1e-30, 1.0], grown.opening, grown.seen).positions == set()
 
 
 def test_a_second_fresh_fit_is_a_new_run() -> None:

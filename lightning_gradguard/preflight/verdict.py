@@ -3,10 +3,10 @@
 :class:`PreflightCheck` is the base of :class:`~lightning_gradguard.OverfitBatchSanity` and
 :class:`~lightning_gradguard.GradientCheck`. A check runs once per ``fit``, in ``on_train_start``, where
 it applies (:meth:`PreflightCheck.applies`: not under ``fast_dev_run``, not on a resume of a run it
-already checked, automatic optimization only). It ends with :meth:`PreflightCheck.conclude` on every
-rank, even one that could not run it: the verdict is reduced across ranks (one collective), so when one
-rank fails every rank acts alike (the ranks that passed say "failed on another rank") and none is left
-waiting in a collective.
+already checked, automatic optimization only, not under a sharded strategy such as FSDP or DeepSpeed).
+It ends with :meth:`PreflightCheck.conclude` on every rank, even one that could not run it: the
+verdict is reduced across ranks (one collective), so when one rank fails every rank acts alike (the
+ranks that passed say "failed on another rank") and none is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -21,15 +21,31 @@ from typing_extensions import override
 from lightning_gradguard.alerts import Alert, SanityCheckError
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.collective import reduce_any
+from lightning_gradguard.core.sharding import is_sharded
 from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
 from lightning_gradguard.preflight.findings import MAX_LISTED, Finding
 
-__all__ = ["OTHER_RANKS", "PreflightCheck", "Summary"]
+__all__ = ["OTHER_RANKS", "PreflightCheck", "Summary", "sharded_message"]
 
 log = logging.getLogger("lightning_gradguard")
 
 #: the hint of an alert that says the check failed on another rank
 OTHER_RANKS = "See the alerts of the other ranks."
+
+
+def sharded_message(name: str, strategy: str) -> str:
+    """The one-time warning of a pre-flight check skipped under a sharded strategy (FSDP, DeepSpeed)."""
+    why = {
+        "OverfitBatchSanity": "its trial steps train this rank's first batch alone, for as many steps as "
+        "this rank needs, so the strategy's all-gathers would run out of step with the other ranks",
+        "GradientCheck": "it checks a float64 deep copy of the model, and a rank holds only pieces of the "
+        "sharded parameters (a sharded module cannot be copied whole)",
+    }.get(name, "a rank holds only pieces of the sharded parameters")
+    return (
+        f"{name} does not run under {strategy}: {why}. The check was skipped; training goes on untouched. "
+        "Run it on the same model with one device or under DDP (a short fit with devices=1), or call "
+        "lightning_gradguard.gradient_check(model, batch, loss_fn) on the unwrapped model."
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,8 +78,8 @@ class PreflightCheck(GradGuardCallback):
 
     def applies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         """Whether the check runs in this fit: not under ``fast_dev_run`` (a smoke test), not on a
-        resume of a run it already checked, and only under automatic optimization (else a one-time
-        warning; the run goes on)."""
+        resume of a run it already checked, only under automatic optimization and not under a sharded
+        strategy (FSDP, DeepSpeed) (else a one-time warning naming the strategy; the run goes on)."""
         checked_before, self._in_checkpoint = self._in_checkpoint, False
         name = type(self).__name__
         if skipped_for_fast_dev_run(trainer, name, "the pre-flight check"):
@@ -80,6 +96,9 @@ class PreflightCheck(GradGuardCallback):
                 "skipped. Under manual optimization, call lightning_gradguard.gradient_check(model, batch, "
                 "loss_fn) yourself.",
             )
+            return False
+        if is_sharded(trainer):  # before the model is touched: nothing to restore, no collective to match
+            warn_once(trainer, f"{name}_sharded", sharded_message(name, type(trainer.strategy).__name__))
             return False
         return True
 

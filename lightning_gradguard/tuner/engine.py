@@ -4,8 +4,8 @@ The sweep runs its own small loop over the training dataloader (the one Lightnin
 with its distributed sampler); it does not re-enter ``Trainer.fit`` and does not swap loggers, which is
 what makes Lightning's own finder fail after training has started. Each sweep step is built from the
 trial steps of :mod:`lightning_gradguard.core.trial` (through the strategy, so DDP all-reduces the
-gradients as in the run), on batches prepared in Lightning's order by
-:func:`~lightning_gradguard.core.batch.prepare_batch`; a
+gradients and FSDP gathers and reduce-scatters as in the run), on batches prepared in Lightning's
+order by :func:`~lightning_gradguard.core.batch.prepare_batch`; a
 :class:`~lightning_gradguard.core.snapshot.TrainingSnapshot` puts everything back afterwards. The math
 (schedule, stop rule, suggestions) is :mod:`lightning_gradguard.functional.lr_suggest`.
 """
@@ -234,14 +234,23 @@ def unsupported_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Uns
             hint="Set the learning rate by hand, or run lr_find() on a version of the model with one "
             "optimizer and use its suggestion.",
         )
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
 
+    # FSDP1 and FSDP2 (ModelParallelStrategy): the sweep's steps go through the strategy like the run's,
+    # every rank takes every step (the stop rule reads the loss averaged across ranks), and the snapshot
+    # copies each rank's pieces back into the live parameters: tested against DDP's curve
     strategy = trainer.strategy
-    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or isinstance(
-        strategy, DeepSpeedStrategy
-    ):
+    supported = (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy)
+    if not isinstance(strategy, supported) or isinstance(strategy, DeepSpeedStrategy):
         return Unsupported(
-            message=f"LRFinderPlus runs on a single device or under DDP, not under {type(strategy).__name__}",
+            message=f"LRFinderPlus runs on a single device, under DDP or under FSDP, not under "
+            f"{type(strategy).__name__}",
             hint="Run lr_find() on the model with one device (trainer_kwargs={'devices': 1}) or under DDP, "
             "and set its suggestion as this run's learning rate.",
         )

@@ -52,12 +52,13 @@ class LRFinderPlus(GradGuardCallback):
     that group 0 gets the suggestion (ratios kept) and the schedulers' ``base_lrs`` are scaled with it.
     Everything else is restored exactly, and training continues as if started with that LR.
 
-    Under DDP every rank runs the same sweep on its own shard; the loss of each step is averaged
+    Under DDP and FSDP every rank runs the same sweep on its own shard; the loss of each step is averaged
     across ranks, so all ranks see the same curve and stop at the same step; rank 0's result is
     broadcast. When no suggestion is possible the LR is left alone and an ``lr_finder_failed`` alert
-    says why. The sweep needs automatic optimization with one optimizer, on a single device or under
-    DDP: in any other setup (manual optimization, for one) no sweep runs, and the alert says that the
-    setup is not supported and what to do instead.
+    says why. The sweep needs automatic optimization with one optimizer, on a single device, under
+    DDP or under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``): in any other setup (manual
+    optimization, for one) no sweep runs, and the alert says that the setup is not supported and what
+    to do instead.
 
     Output (rank 0): scalars ``lr_finder/loss``, ``lr_finder/smoothed_loss`` and ``lr_finder/lr``
     against the sweep step, ``lr_finder/suggested_lr`` at the trainer's step; a CSV

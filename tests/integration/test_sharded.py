@@ -1,9 +1,11 @@
-"""Sharded training (FSDP1, FSDP2): the norms we log are those of the whole tensors, as under DDP.
+"""Sharded training (FSDP1, FSDP2): the norms we log are those of the whole tensors, as under DDP; the
+other callbacks act as under DDP (DeadReLUMonitor, LossSpikeGuard's skip and rollback, LRFinderPlus) or
+refuse with one clear warning (the pre-flight checks).
 
-Real 2-process CPU runs (gloo) of ``tests/scripts/sharded_norms.py``, one per strategy, on the same model,
-data and seed: DDP, FSDP1 (Lightning's FSDPStrategy through a CPU subclass, FULL_SHARD, every Linear
-wrapped) and FSDP2 (ModelParallelStrategy with ``fully_shard``: DTensor parameters). A hang fails
-through the timeout.
+Real 2-process CPU runs (gloo) of ``tests/scripts/sharded_norms.py`` and ``sharded_callbacks.py``, one
+per strategy, on the same model, data and seed: DDP, FSDP1 (Lightning's FSDPStrategy through a CPU
+subclass, FULL_SHARD, every Linear wrapped) and FSDP2 (ModelParallelStrategy with ``fully_shard``:
+DTensor parameters). A hang fails through the timeout.
 """
 
 from __future__ import annotations
@@ -120,6 +122,99 @@ def test_fsdp1_flat_parameters_warn_once_and_keep_the_totals(runs: dict[str, Pat
         for step, values in seen["logged"].items():
             for tag in ("grad_norm/total", "weight_norm/total", "grad_norm/net.0"):
                 assert values["2"][tag] == pytest.approx(ddp[step]["2"][tag], rel=REL), (step, tag)
+
+
+# ---------------------------------------------------------------- the other callbacks (sharded_callbacks.py)
+SPIKES, SNAPSHOT_AT, CB_STEPS = (10, 11), 7, 14
+STRATEGY_NAMES = {"fsdp1": "CPUFSDPStrategy", "fsdp2": "ModelParallelStrategy"}
+
+
+@pytest.fixture(scope="module")
+def callback_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """One 2-process run of ``sharded_callbacks.py`` per strategy; a crash is the tests' to report (the
+    fits write their files in turn, so one that crashes late leaves the earlier ones readable)."""
+    root = tmp_path_factory.mktemp("sharded_callbacks")
+    out: dict[str, tuple[Path, Any]] = {}
+    for kind in KINDS:
+        (root / kind).mkdir()
+        out[kind] = (root / kind, run_ddp_script("sharded_callbacks.py", root / kind, timeout=150))
+    return out
+
+
+def _fit(runs: dict[str, tuple[Path, Any]], kind: str, name: str) -> list[dict[str, Any]]:
+    folder, proc = runs[kind]
+    if not (folder / f"{name}1.json").exists():
+        pytest.fail(f"{kind}: no {name} result (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return _read(folder, name)
+
+
+def _close(got: dict[str, list[float]], want: dict[str, list[float]]) -> float:
+    """The largest relative difference between two sets of whole weights (same names, same sizes)."""
+    assert got.keys() == want.keys()
+    worst = 0.0
+    for name in want:
+        assert len(got[name]) == len(want[name]), name
+        for a, b in zip(got[name], want[name], strict=True):
+            worst = max(worst, abs(a - b) / max(abs(b), 1e-6))
+    return worst
+
+
+def test_dead_relu_monitor_counts_the_same_dead_units_as_ddp(callback_runs: Any) -> None:
+    ddp = _fit(callback_runs, "ddp", "guard")[0]
+    # the independent part: the first layer has 6 of 13 units with a bias of -50, which never fire
+    assert ddp["dead"][str(CB_STEPS - 1)]["net.1"] == pytest.approx(6 / 13)
+    assert ddp["sampled"] == CB_STEPS
+    for kind in ("fsdp1", "fsdp2"):
+        for rank, seen in enumerate(_fit(callback_runs, kind, "guard")):
+            assert seen["sampled"] == CB_STEPS and seen["warnings"] == [], (kind, rank, seen["warnings"])
+            for step, fractions in ddp["dead"].items():  # every check, every layer, from step 1 on
+                assert seen["dead"][step] == pytest.approx(fractions, rel=REL), (kind, rank, step)
+
+
+def test_loss_spike_guard_skips_and_rolls_back_on_every_rank_under_fsdp(callback_runs: Any) -> None:
+    ddp = _fit(callback_runs, "ddp", "guard")[0]
+    for kind in KINDS:
+        for rank, seen in enumerate(_fit(callback_runs, kind, "guard")):
+            # rank 1's loss spiked; both ranks judged it and acted at the same steps
+            assert seen["records"] == [[SPIKES[0], "skip"], [SPIKES[1], "rollback"]], (kind, rank)
+            assert seen["snapshots"] == [SNAPSHOT_AT] and seen["rollbacks"] == 1, (kind, rank)
+            w = seen["weights"]  # the whole (gathered) weights at the end of every step
+            assert w[str(SPIKES[0])] == w[str(SPIKES[0] - 1)], (kind, rank)  # skipped: no update at all
+            assert w[str(SPIKES[1])] == w[str(SNAPSHOT_AT)], (kind, rank)  # rolled back to the point
+            assert w[str(SPIKES[1])] != w[str(SPIKES[1] - 1)]
+            for step, want in ddp["weights"].items():  # and the whole run is DDP's
+                assert _close(w[step], want) <= REL, (kind, rank, step)
+
+
+def test_lr_finder_plus_sweeps_the_ddp_curve_under_fsdp(callback_runs: Any) -> None:
+    ddp = _fit(callback_runs, "ddp", "lr")[0]
+    assert ddp["suggestion"] is not None and len(ddp["lrs"]) >= 10
+    for kind in ("fsdp1", "fsdp2"):
+        for rank, seen in enumerate(_fit(callback_runs, kind, "lr")):
+            assert seen["alerts"] == [] and seen["warnings"] == [], (kind, rank, seen["warnings"])
+            assert seen["stop_reason"] == ddp["stop_reason"] and seen["lrs"] == ddp["lrs"], (kind, rank)
+            assert seen["losses"] == pytest.approx(ddp["losses"], rel=REL), (kind, rank)
+            assert seen["suggestion"] == pytest.approx(ddp["suggestion"], rel=REL)
+            assert seen["lr_now"] == pytest.approx(seen["suggestion"], rel=1e-12)  # applied on every rank
+            # the sweep was undone (restored into the live pieces), then the run trained as DDP's did
+            assert seen["steps"] == CB_STEPS and _close(seen["weights"], ddp["weights"]) <= REL, kind
+
+
+def test_preflight_checks_refuse_under_fsdp_with_one_clear_warning(callback_runs: Any) -> None:
+    ddp = _fit(callback_runs, "ddp", "preflight")
+    assert all(seen["overfit"] is True and seen["gradcheck"] is True for seen in ddp)  # they do run there
+    for kind in ("fsdp1", "fsdp2"):
+        assert callback_runs[kind][1].returncode == 0, callback_runs[kind][1].stderr[-3000:]
+        zero, one = _fit(callback_runs, kind, "preflight")
+        assert one["warnings"] == [], one["warnings"]  # rank zero warns
+        assert len(zero["warnings"]) == 2, zero["warnings"]
+        for check, message in zip(("OverfitBatchSanity", "GradientCheck"), zero["warnings"], strict=True):
+            assert message.startswith(f"{check} does not run under {STRATEGY_NAMES[kind]}"), message
+            assert "skipped" in message and "devices=1" in message
+        for seen in (zero, one):
+            assert seen["overfit"] is None and seen["gradcheck"] is None and seen["alerts"] == []
+            # untouched: the run trains exactly as DDP's did after its checks restored everything
+            assert seen["steps"] == CB_STEPS and _close(seen["weights"], ddp[0]["weights"]) <= REL, kind
 
 
 def test_shares_of_pieces_add_up_to_the_whole_norms() -> None:

@@ -45,6 +45,7 @@ VARIANTS = {
     "dead_relu": "DeadReLUMonitor()",
     "loss_spike": "LossSpikeGuard()",
     "suite": "the five monitors above together, at their defaults",
+    "suite_capped": "the five together, with max_layers=16 on the three with per-layer output",
 }
 
 
@@ -66,6 +67,9 @@ def _callbacks(variant: str) -> list[Any]:
     }
     if variant == "suite":
         return [f() for f in make.values()]
+    if variant == "suite_capped":
+        capped = (GradientNormLogger, VanishingExplodingDetector, DeadReLUMonitor)
+        return [f(max_layers=16) if f in capped else f() for f in make.values()]  # type: ignore[operator]
     return [make[variant]()] if variant in make else []
 
 

@@ -170,20 +170,20 @@ class NaNSentinel(GradGuardCallback):
         previous = step.backward(loss)
         if not (pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1):
             if self.check_loss:  # judged with the gradients, in on_before_optimizer_step
-                step.flag_loss(~torch.isfinite(loss).all())
+                step.flag_loss(loss)
             return
         # Accumulation: judge each micro-batch now, so the finding names it (and the replay and batch.pt
         # are its own), and at most once per optimizer step.
         first = step.open_micro()
         if step.poisoned is not None:  # this step has its finding; its update is dealt with at the step
             return
-        loss_bad = ~torch.isfinite(loss).all() if self.check_loss else None
-        earlier_bad = None
+        earlier = None
         if self.check_micro_batches and self.check_gradients and not first and active_scaler(trainer) is None:
             # the gradients summed over the step's earlier micro-batches (local ones under DDP's no_sync)
-            earlier_bad = _nan.grads_nonfinite(trainer, pl_module, loss.device)
-        if loss_bad is not None or earlier_bad is not None:
-            flags = _nan.read_flags(trainer, loss_bad=loss_bad, grad_bad=None, earlier_bad=earlier_bad)
+            earlier = _nan.earlier_check(trainer, pl_module, loss.device)
+        if self.check_loss or earlier is not None:
+            checked = _nan.loss_check([loss]) if self.check_loss else None
+            flags = _nan.read_flags(trainer, loss=checked, earlier=earlier)
             self._decide(trainer, None, flags, step.micro(), previous)
 
     @override
@@ -200,17 +200,16 @@ class NaNSentinel(GradGuardCallback):
             if self.action in ("skip", "stop"):
                 drop_update(optimizer)
             return
-        if not self.check_gradients and closed.loss_bad is None:
+        if total is None and not closed.losses:
             return
-        grad_bad = ~stats.grads_finite() if self.check_gradients else None
         current = closed.micro()
         if len(closed.step_batches) > 1 and not self.check_micro_batches:
             # every loss of the step was finite (judged as they came): which micro-batch's backward made
             # the gradients non-finite is not known, and the last one is not to be blamed for it
             current = MicroBatch(batch=None, batch_idx=None, loss=None, among=tuple(closed.step_batches))
-        flags = _nan.read_flags(
-            trainer, loss_bad=closed.loss_bad, grad_bad=grad_bad, scaler=active_scaler(trainer), total=total
-        )
+        grads = None if total is None else _nan.grads_check(total.values, stats.grads)
+        loss, scaler = _nan.loss_check(closed.losses), active_scaler(trainer)
+        flags = _nan.read_flags(trainer, loss=loss, grads=grads, scaler=scaler, total=total)
         if flags.total is not None:  # sharded: the ranks' shares were summed with the flags
             self.norm_history.push(flags.total, int(trainer.global_step))
         self._decide(trainer, optimizer, flags, current, None)

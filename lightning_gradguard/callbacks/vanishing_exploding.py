@@ -9,7 +9,7 @@ logs ``grad_flow/<layer>`` = ``log10(layer norm / largest layer norm)``: where t
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, fields
+from dataclasses import fields
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -234,7 +234,7 @@ class VanishingExplodingDetector(GradGuardCallback):
             packed = HostTransfer()
             packed.add("flags", torch.tensor([float(f) for f in flags], device=norms.device))
             flags = [bool(x > 0) for x in packed.fetch(trainer, reduce_op="sum")["flags"].tolist()]
-        self.last_check = {"step": step, **asdict(verdict)}
+        self.last_check = {"step": step, **{f.name: getattr(verdict, f.name) for f in fields(verdict)}}
         if not math.isfinite(verdict.total):
             # No verdict on a NaN/inf norm: that is NaNSentinel's finding (or, under 16-mixed, a step the
             # GradScaler skips). It neither counts towards patience nor resets it, so finite evidence on

@@ -13,6 +13,7 @@ its pieces, which the caller's one transfer combines across the ranks
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import lightning.pytorch as pl
@@ -155,8 +156,8 @@ class StepStats:
         return self._cache[key]
 
     def groups(self, names: tuple[str, ...] | list[str], depth: int | None, per_parameter: bool) -> Any:
-        labels = list(names) if per_parameter else layer_names(names, depth)
-        return group_index(labels)
+        labels, index = _groups(tuple(names), depth, per_parameter)
+        return list(labels), list(index)
 
     def local_params(self) -> list[Tensor]:
         """The trainable parameters' values as this rank holds them (its pieces under sharding), detached."""
@@ -182,7 +183,7 @@ class StepStats:
     @staticmethod
     def grouped(per: PendingNorms, index: list[int], num_groups: int) -> PendingNorms:
         """Per-parameter pending norms combined per group (``index[i]``: the group of parameter ``i``)."""
-        idx = torch.tensor(index, dtype=torch.long, device=per.values.device)
+        idx = _index_tensor(tuple(index), per.values.device)
         if not per.sharded:
             return PendingNorms(reduce_norms(per.values, idx, num_groups, per.norm_type), per.norm_type)
         return PendingNorms(group_shares(per.values, idx, num_groups, per.norm_type), per.norm_type, True)
@@ -260,6 +261,21 @@ class StepStats:
             return labels, self.grouped(self.weight_norms(norm_type), index, len(labels))
 
         return self._memo(("weight_groups", float(norm_type), depth, per_parameter), compute)
+
+
+@functools.lru_cache(maxsize=32)
+def _groups(
+    names: tuple[str, ...], depth: int | None, per_parameter: bool
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Labels and group of each name (made once per list of names, not once per step)."""
+    labels, index = group_index(list(names) if per_parameter else layer_names(names, depth))
+    return tuple(labels), tuple(index)
+
+
+@functools.lru_cache(maxsize=32)
+def _index_tensor(index: tuple[int, ...], device: torch.device) -> Tensor:
+    """``index`` as a device tensor, made once per grouping (not once per step); never written to."""
+    return torch.tensor(index, dtype=torch.long, device=device)
 
 
 def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> StepStats:

@@ -14,7 +14,9 @@ gradient norms on the device (a ring), :func:`recent_norms` reads them for a rep
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -23,10 +25,11 @@ from torch import Tensor
 
 from lightning_gradguard.core.sharding import PendingNorms, local_tensor
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.functional.stats import clean_name, foreach_norms
+from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonfinite_counts
 
 __all__ = [
     "NOT_REPLAYED",
+    "Check",
     "Finding",
     "Flags",
     "MicroBatch",
@@ -35,7 +38,9 @@ __all__ = [
     "NormRing",
     "StepTrack",
     "add_up_pieces",
-    "grads_nonfinite",
+    "earlier_check",
+    "grads_check",
+    "loss_check",
     "named_grads",
     "params_nonfinite",
     "read_flags",
@@ -60,8 +65,8 @@ class StepTrack:
     #: the batch Lightning started last, and its index
     batch: Any = None
     batch_idx: int = 0
-    #: without accumulation: the loss flags, judged with the gradients in on_before_optimizer_step
-    loss_bad: Tensor | None = None
+    #: without accumulation: the step's losses, judged with the gradients in on_before_optimizer_step
+    losses: list[Tensor] = field(default_factory=list)
     # the micro-batch whose backward ran last; under accumulation the micro-batches judged in the
     # current optimizer step, and the one its finding named (the step then yields no other finding)
     current: MicroBatch | None = None
@@ -76,9 +81,9 @@ class StepTrack:
         """The micro-batch whose backward ran last, else the batch started last (without a loss)."""
         return self.current or MicroBatch(batch=self.batch, batch_idx=self.batch_idx, loss=None)
 
-    def flag_loss(self, bad: Tensor) -> None:
-        """Add a micro-batch's loss flag to the step's (without accumulation: judged with the gradients)."""
-        self.loss_bad = bad if self.loss_bad is None else self.loss_bad | bad
+    def flag_loss(self, loss: Tensor) -> None:
+        """Keep a loss of the step (without accumulation: judged with the gradients)."""
+        self.losses.append(loss)
 
     def backward(self, loss: Tensor) -> MicroBatch | None:
         """The micro-batch of the batch started last runs its backward with ``loss``: the one before it."""
@@ -98,7 +103,7 @@ class StepTrack:
     def close(self) -> StepTrack:
         """The optimizer step runs: what it held (loss flags, poisoned micro-batch, micro-batches)."""
         closed = copy.copy(self)
-        self.loss_bad, self.poisoned, self.in_step, self.step_batches = None, None, 0, []
+        self.losses, self.poisoned, self.in_step, self.step_batches = [], None, 0, []
         self.stepped = True
         return closed
 
@@ -128,45 +133,109 @@ class Flags:
     total: Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Check:
+    """Something a verdict judges, as a value and, for a suspicious value, the exact test.
+
+    ``value`` is NaN or inf when a NaN or inf is in what it sums up (a loss, a total norm): its finiteness
+    is read on the host, with no kernel run for it. A sum of large finite values can overflow too, so a
+    non-finite ``value`` is confirmed by ``exact()`` (0-dim bool on the device: a NaN/inf entry is there),
+    which runs only then.
+    """
+
+    value: Tensor
+    exact: Callable[[], Tensor]
+
+
+def loss_check(losses: list[Tensor]) -> Check | None:
+    """The step's (or micro-batch's) losses as one :class:`Check`; ``None`` without a loss."""
+    if not losses:
+        return None
+    parts = [x if x.dim() == 0 else x.sum() for x in losses]
+    value = parts[0] if len(parts) == 1 else torch.stack([p.float() for p in parts]).sum()
+    return Check(value, lambda: torch.stack([~torch.isfinite(x).all() for x in losses]).any())
+
+
+def grads_check(value: Tensor, grads: list[Tensor]) -> Check:
+    """Gradients as a :class:`Check`: ``value`` their total norm (or a rank's share of it)."""
+    return Check(value, lambda: nonfinite_counts(grads).sum() > 0)
+
+
 def read_flags(
     trainer: pl.Trainer,
     *,
-    loss_bad: Tensor | None,
-    grad_bad: Tensor | None,
-    earlier_bad: Tensor | None = None,
+    loss: Check | None = None,
+    grads: Check | None = None,
+    earlier: Check | None = None,
     scaler: Any = None,
     total: PendingNorms | None = None,
 ) -> Flags:
-    """Reduce the flags across ranks and read them, with ``scaler``'s scale, in one host transfer.
+    """Reduce the verdict across ranks and read it, with ``scaler``'s scale, in one host transfer.
 
-    ``total`` (a 2-norm, when its shares are sharded) is summed in the same collective, and returned.
+    ``loss``, ``grads`` (the step's gradients) and ``earlier`` (the gradients of the step's earlier
+    micro-batches) travel as values: a healthy step costs one stack (one collective under DDP) and one
+    read. Only when a value comes out NaN/inf are the exact tests run and read a second time (every rank
+    sees the same reduced values, so every rank does). ``total`` (a 2-norm, when its shares are sharded)
+    is summed in the first collective, and returned.
     """
+    quick = _read(
+        trainer, [c.value if c is not None else None for c in (loss, earlier, grads)], scaler, total
+    )
+    if not (quick.loss_ranks or quick.earlier_ranks or quick.grads_bad):
+        return quick
+    # the exact tests as values too: NaN where something is non-finite, else 0
+    exact = [
+        torch.where(c.exact(), float("nan"), 0.0) if c is not None else None for c in (loss, earlier, grads)
+    ]
+    return replace(_read(trainer, exact, scaler, None), total=quick.total)
+
+
+def _read(trainer: pl.Trainer, values: list[Tensor | None], scaler: Any, total: PendingNorms | None) -> Flags:
+    """One read of the loss, earlier and gradient values (bad: not finite), with the scale."""
     world, rank = trainer.world_size, trainer.global_rank
-    device = next(t for t in (loss_bad, earlier_bad, grad_bad) if t is not None).device
+    loss, earlier, grads = values
+    if world == 1:  # no collective: what is there, stacked (one kernel) and read (the one sync)
+        slots = [(k, t) for k, t in zip(("loss", "earlier", "grads"), values, strict=True) if t is not None]
+        parts = [t if t.dtype == torch.float32 else t.float() for _, t in slots]
+        if scaler is not None:
+            parts.append(scaler._scale.reshape(()).to(parts[0].device).float())
+        read = torch.stack(parts).tolist()
+        host = {k: [v] for (k, _), v in zip(slots, read, strict=False)}
+        return _flags(host, read[-1] if scaler is not None else None, None)
     # one slot per rank for the loss, one per rank for the earlier micro-batches' gradients (local
-    # under DDP's no_sync), one for the step's gradients (a rank's flag: summed, any rank's counts),
-    # and under sharding one for this rank's share of the total gradient norm
-    shared = total is not None and total.sharded and world > 1
+    # under DDP's no_sync), one for the step's gradients (summed: any rank's NaN counts), and under
+    # sharding one for this rank's share of the total gradient norm
+    shared = total is not None and total.sharded
+    device = next(t for t in values if t is not None).device
     flags = torch.zeros(2 * world + 1 + int(shared), device=device)
-    for slot, flag in ((rank, loss_bad), (world + rank, earlier_bad), (2 * world, grad_bad)):
-        if flag is not None:
-            flags[slot] = flag.float()
+    for slot, value in ((rank, loss), (world + rank, earlier), (2 * world, grads)):
+        if value is not None:
+            flags[slot] = value.float()
     if shared and total is not None:
         flags[-1] = total.values.to(device).float()
-    if world > 1:  # the one collective; the scale is read beside the flags, never summed across ranks
-        flags = trainer.strategy.reduce(flags, reduce_op="sum")
-    transfer = HostTransfer()
+    flags = trainer.strategy.reduce(flags, reduce_op="sum")  # the one collective
+    transfer = HostTransfer()  # the scale is read beside the flags, never summed across ranks
     transfer.add("flags", flags)
     if scaler is not None:
         transfer.add("scale", scaler._scale.reshape(1).to(device))
-    host = transfer.fetch()  # the one device -> host read of this step (or micro-batch)
-    bad = host["flags"].tolist()
+    fetched = transfer.fetch()  # the one device -> host read of this step (or micro-batch)
+    bad = fetched["flags"].tolist()
+    host = {
+        "loss": bad[:world] if loss is not None else [],
+        "earlier": bad[world : 2 * world] if earlier is not None else [],
+        "grads": [bad[2 * world]] if grads is not None else [],
+    }
+    scale = float(fetched["scale"]) if "scale" in fetched else None
+    return _flags(host, scale, total.finish(flags[-1]) if shared and total is not None else None)
+
+
+def _flags(host: dict[str, list[float]], scale: float | None, total: Tensor | None) -> Flags:
     return Flags(
-        loss_ranks=[r for r in range(world) if bad[r] > 0],
-        earlier_ranks=[r for r in range(world) if bad[world + r] > 0],
-        grads_bad=bad[2 * world] > 0,
-        scale=float(host["scale"]) if "scale" in host else None,
-        total=total.finish(flags[-1]) if shared and total is not None else None,
+        loss_ranks=[r for r, v in enumerate(host.get("loss", [])) if not math.isfinite(v)],
+        earlier_ranks=[r for r, v in enumerate(host.get("earlier", [])) if not math.isfinite(v)],
+        grads_bad=any(not math.isfinite(v) for v in host.get("grads", [])),
+        scale=scale,
+        total=total,
     )
 
 
@@ -218,22 +287,26 @@ class Finding:
 
 
 def params_nonfinite(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    """Whether any rank's parameters hold NaN/inf (one collective, one host read)."""
+    """Whether any rank's parameters hold NaN/inf (one collective and one host read; a second pair only
+    when a norm comes out non-finite, to tell a NaN from a norm that overflowed)."""
     params = [local_tensor(p.detach()) for p in pl_module.parameters()]
     transfer = HostTransfer()
     transfer.add("bad", ~torch.isfinite(foreach_norms(params)).all() if params else torch.zeros(()))
+    if float(transfer.fetch(trainer, reduce_op="sum")["bad"]) == 0:
+        return False
+    transfer.add("bad", nonfinite_counts(params).sum() if params else torch.zeros(()))
     return float(transfer.fetch(trainer, reduce_op="sum")["bad"]) > 0
 
 
-def grads_nonfinite(trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device) -> Tensor:
-    """0-dim bool on the device: the gradients the optimizers hold now are non-finite.
+def earlier_check(trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device) -> Check:
+    """The gradients the optimizers hold now, as a :class:`Check` (their total norm).
 
-    A flag on every rank, even one without gradients, so that every rank joins the collective.
+    A value on every rank, even one without gradients, so that every rank joins the collective.
     """
     grads = [g for _, g in named_grads(trainer, pl_module)]
     if not grads:
-        return torch.zeros((), dtype=torch.bool, device=device)
-    return ~torch.isfinite(foreach_norms(grads)).all()
+        return Check(torch.zeros((), device=device), lambda: torch.zeros((), dtype=torch.bool, device=device))
+    return grads_check(torch.linalg.vector_norm(foreach_norms(grads)), grads)
 
 
 def named_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, Tensor]]:
@@ -255,36 +328,28 @@ class NormRecord:
 
 
 class NormRing:
-    """The last ``size`` total gradient norms, kept on the device (no sync), with their steps.
+    """The last ``size`` total gradient norms, kept on the device (no sync, no kernel), with their steps.
 
-    Written every optimizer step; read only for a report (one host read then). The slot of a norm is its
-    position in the order of writes, so the ring keeps the latest ``size`` norms in order however long the
-    run is.
+    Written every optimizer step: the 0-dim norm tensors themselves are kept (a list, no copy into a
+    buffer); read only for a report (one stack and one host read then).
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.values: Tensor | None = None
+        self.kept: list[Tensor] = []
         self.steps: list[int] = []
-        self.written = 0
 
     def push(self, total: Tensor, step: int) -> None:
-        """Keep ``total`` (a 0-dim device tensor) measured at ``step``."""
-        if self.values is None or self.values.device != total.device:
-            self.values = torch.full((self.size,), float("nan"), device=total.device)
-            self.steps, self.written = [], 0
-        self.values[self.written % self.size] = total.float()
-        self.written += 1
+        """Keep ``total`` (a 0-dim device tensor, not written to afterwards) measured at ``step``."""
+        self.kept.append(total)
         self.steps.append(step)
-        del self.steps[: -self.size]
+        if len(self.steps) > self.size:
+            del self.kept[0], self.steps[0]
 
     def records(self) -> list[NormRecord]:
         """The kept norms, oldest first."""
-        if self.values is None or not self.steps:
+        if not self.kept:
             return []
-        values = self.values.tolist()
-        oldest = self.written - len(self.steps)
-        return [
-            NormRecord(step=s, total_grad_norm=values[(oldest + i) % self.size])
-            for i, s in enumerate(self.steps)
-        ]
+        device = self.kept[-1].device
+        values = torch.stack([t.to(device).float().reshape(()) for t in self.kept]).tolist()
+        return [NormRecord(step=s, total_grad_norm=v) for s, v in zip(self.steps, values, strict=True)]

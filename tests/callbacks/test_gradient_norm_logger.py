@@ -502,3 +502,28 @@ def test_a_sampled_snapshot_estimates_the_update_norm(pattern: str) -> None:
     assert float(norms.layers[1]) == pytest.approx(
         float(torch.linalg.vector_norm(small - before_small)), rel=1e-6
     )
+
+
+@pytest.mark.parametrize("prefix", ["", "run1"])
+def test_tensorboard_gets_every_scalar_of_a_step_in_one_event(tmp_path: Any, prefix: str) -> None:
+    """A logging step's scalars go to TensorBoard as one event with many values (not one event per scalar),
+    read back equal to what every other logger got; a logger with a ``prefix`` keeps its own path."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    memory, tb = MemoryLogger(), TensorBoardLogger(str(tmp_path), name="tb", prefix=prefix)
+    make_trainer([GradientNormLogger()], logger=[tb, memory], max_steps=3).fit(RecordingMLP(), random_loader())
+    events = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    head = f"{prefix}-" if prefix else ""
+    ours = [(s, m) for s, m in memory.calls if "grad_norm/total" in m]
+    assert [s for s, _ in ours] == [0, 1, 2]
+    for step, metrics in ours:
+        for tag, value in metrics.items():
+            got = {e.step: e.value for e in events.Scalars(head + tag)}
+            assert got[step] == pytest.approx(value, rel=1e-6, nan_ok=True)
+    (path,) = [str(p) for p in tmp_path.glob("tb/version_0/events.out.tfevents.*")]
+    sizes = [len(e.summary.value) for e in EventFileLoader(path).Load() if e.summary.value]
+    n = len(ours[0][1])
+    assert (max(sizes) == n) is (not prefix)  # packed: one event holds the whole step; else one per scalar

@@ -544,3 +544,40 @@ def test_shares_the_statistics_pass_with_the_logger(tmp_path: Path) -> None:
 
 def test_nan_is_detected_not_assumed() -> None:
     assert math.isnan(float("nan"))  # sanity of the planted values used above
+
+
+class HugeButFinite(pl.LightningModule):
+    """Gradient entries of 1e25 and weights of 1e20: every value finite, yet their float32 norms overflow
+    to inf (a sum of squares past 3.4e38). The loss is 1 (its gradient is what is huge); ``poison_at``
+    makes one step's loss a true NaN."""
+
+    def __init__(self, poison_at: int | None = None) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((64,), 1e20))
+        self.poison_at = poison_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = 1e25 * (self.w - self.w.detach()).sum() + 1.0 + 0.0 * batch[0].sum()
+        if self.poison_at is not None and self.global_step == self.poison_at:
+            loss = loss * float("nan")
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_norm_that_overflows_is_no_nan() -> None:
+    """Regression: the sentinel judged gradients and parameters by their norms, and a finite tensor whose
+    float32 norm overflows to inf was reported as non-finite (a false ``nonfinite_gradient`` that stops
+    the run). The norms now only say when to look; the entries decide."""
+    model = HugeButFinite()
+    assert math.isinf(float(torch.linalg.vector_norm(model.w.detach())))  # the premise: the norm overflows
+    sentinel = NaNSentinel(action="raise", check_parameters_every_n_steps=1)
+    make_trainer([sentinel], max_steps=4).fit(model, random_loader(n=32))
+    assert sentinel.alerts == [] and sentinel.norm_history.steps == [0, 1, 2, 3]
+    assert all(math.isinf(r.total_grad_norm) for r in sentinel.norm_history.records())  # the float32 norm
+
+    poisoned = NaNSentinel(action="raise", check_parameters_every_n_steps=1, report_dir="nan_reports")
+    with pytest.raises(NonFiniteError):  # a true NaN among the huge values is still found, at its step
+        make_trainer([poisoned], max_steps=4).fit(HugeButFinite(poison_at=2), random_loader(n=32))
+    assert [(a.kind, a.step) for a in poisoned.alerts] == [("nonfinite_loss", 2)]

@@ -40,10 +40,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradguard import (
+    ActivationRangeMonitor,
     DeadReLUMonitor,
     GradientNormLogger,
     LossSpikeGuard,
     NaNSentinel,
+    OptimizerMonitor,
     VanishingExplodingDetector,
 )
 
@@ -274,6 +276,11 @@ VARIANTS: dict[str, Variant] = {
         lambda: Setup([NaNSentinel(check_micro_batches=True)], {"accumulate_grad_batches": 4}, {}),
         default=False,
     ),
+    "gnl_noise_scale": Variant(
+        "GradientNormLogger(log_noise_scale=True), accumulate_grad_batches=4 (compare with bare_accumulate4)",
+        lambda: Setup([GradientNormLogger(log_noise_scale=True)], {"accumulate_grad_batches": 4}, {}),
+        default=False,
+    ),
     "vanishing_exploding": Variant(
         "VanishingExplodingDetector() (every step for 20 steps, then every 5th)",
         lambda: Setup([VanishingExplodingDetector()], {}, {}),
@@ -286,6 +293,15 @@ VARIANTS: dict[str, Variant] = {
     "dead_relu": Variant(
         "DeadReLUMonitor() (steps 0-4, then every 50th; hooks only on those steps)",
         lambda: Setup([DeadReLUMonitor()], {}, {}),
+    ),
+    "activation_range": Variant(
+        "ActivationRangeMonitor() (step 0, then every 50th: block ranges and attention logits)",
+        lambda: Setup([ActivationRangeMonitor()], {}, {}),
+    ),
+    "activation_range_every_step": Variant(
+        "ActivationRangeMonitor(every_n_steps=1): the cost of one sampled step",
+        lambda: Setup([ActivationRangeMonitor(every_n_steps=1)], {}, {}),
+        default=False,
     ),
     "loss_spike": Variant(
         "LossSpikeGuard() (judged every step; a CPU snapshot every 100 healthy steps)",
@@ -303,6 +319,15 @@ VARIANTS: dict[str, Variant] = {
     "loss_spike_loss_only": Variant(
         "LossSpikeGuard(grad_norm_threshold=None): the loss alone, the gradients are not read",
         lambda: Setup([LossSpikeGuard(grad_norm_threshold=None)], {}, {}),
+        default=False,
+    ),
+    "optimizer_monitor": Variant(
+        "OptimizerMonitor() (every 50 steps: step size, cosine, AdamW moments, skip counters)",
+        lambda: Setup([OptimizerMonitor()], {}, {}),
+    ),
+    "optimizer_monitor_every_step": Variant(
+        "OptimizerMonitor(log_every_n_steps=1): the cost of one measured step",
+        lambda: Setup([OptimizerMonitor(log_every_n_steps=1)], {}, {}),
         default=False,
     ),
     "all_monitors": Variant(

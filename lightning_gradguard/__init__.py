@@ -9,6 +9,7 @@ from lightning_gradguard.alerts import (
     SanityCheckError,
 )
 from lightning_gradguard.callbacks import (
+    ActivationRangeMonitor,
     DeadReLUMonitor,
     GradGuardCallback,
     GradientCheck,
@@ -18,6 +19,7 @@ from lightning_gradguard.callbacks import (
     LRFinderPlus,
     LRFinderResult,
     NaNSentinel,
+    OptimizerMonitor,
     OverfitBatchSanity,
     OverfitResult,
     VanishingExplodingDetector,
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ALERT_KINDS",
+    "ActivationRangeMonitor",
     "Alert",
     "DeadReLUMonitor",
     "GradGuardCallback",
@@ -42,6 +45,7 @@ __all__ = [
     "LossSpikeGuard",
     "NaNSentinel",
     "NonFiniteError",
+    "OptimizerMonitor",
     "OverfitBatchSanity",
     "OverfitResult",
     "SanityCheckError",

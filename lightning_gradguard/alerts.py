@@ -80,6 +80,10 @@ ALERT_KINDS: dict[str, str] = {
     "gradient_mismatch": "GradientCheck: autograd and finite differences disagree for a parameter",
     "loss_spike": "LossSpikeGuard: a step's loss or gradient norm spiked far above the recent steps",
     "lr_finder_failed": "the LR range test gave no suggestion; the learning rate was left unchanged",
+    "fp16_headroom_low": "under 16-mixed, a block's output came within a few bits of float16's overflow",
+    "attention_logit_growth": "the largest attention logit passed its ceiling or grew fast toward it",
+    "adam_epsilon_dominates": "Adam's eps outweighs a layer's typical sqrt(v_hat) (OptimizerMonitor)",
+    "update_ratio_outlier": "a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",
 }
 
 _LEVELS = {

@@ -28,6 +28,7 @@ from lightning_gradguard.core.grad_norms import (
     NormSample,
     NormSpec,
     clip_setting,
+    norm_charts,
     parse_norm_type,
 )
 from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection, select_reading
@@ -35,8 +36,9 @@ from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.core.validate import check_bool, check_int
+from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.clipping import clip_verdict, clip_window_stats
+from lightning_gradguard.hooks.noise_scale import NoiseScaleTracker
 
 __all__ = ["GradientNormLogger"]
 
@@ -59,7 +61,8 @@ class GradientNormLogger(GradGuardCallback):
       ``clip_window`` steps. Under ``gradient_clip_algorithm="norm"`` the pre-clip norm is the total
       2-norm and a step counts as clipped when it exceeds ``gradient_clip_val``; under ``"value"`` it is
       the largest absolute gradient entry (the infinity norm), since clipping by value changes a step
-      exactly when some ``|g|`` exceeds the value.
+      exactly when some ``|g|`` exceeds the value;
+    * with ``log_noise_scale=True``: ``noise_scale/*``, the critical batch size (McCandlish et al. 2018).
 
     Every ``histogram_every_n_steps`` it also writes TensorBoard histograms ``grad/<param>``,
     ``grad_log10/<param>`` (log10 of the non-zero magnitudes: vanishing gradients show as mass many
@@ -88,6 +91,9 @@ class GradientNormLogger(GradGuardCallback):
             expressions on layer names, a cap; totals cover every layer): see
             :class:`~lightning_gradguard.core.layers.LayerSelection`.
         cooldown_steps: minimum steps between two alerts of the same kind.
+        log_noise_scale: log the gradient noise scale from the micro-batches (accumulation) and the ranks
+            (DDP): a norm per parameter and micro-batch (:mod:`lightning_gradguard.hooks.noise_scale`).
+        noise_scale_beta: the decay per optimizer step of the noise scale's two moving averages.
 
     Example::
 
@@ -116,6 +122,8 @@ class GradientNormLogger(GradGuardCallback):
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
         cooldown_steps: int = 1000,
+        log_noise_scale: bool = False,
+        noise_scale_beta: float = 0.99,
     ) -> None:
         super().__init__(action="warn", cooldown_steps=cooldown_steps)
         self.log_every_n_steps: int | None = check_int(
@@ -132,6 +140,9 @@ class GradientNormLogger(GradGuardCallback):
         self.histogram_bins: int = check_int("histogram_bins", histogram_bins, 2)
         self.clip_window: int = check_int("clip_window", clip_window, 10)
         self.layers = LayerSelection(include, exclude, max_layers)
+        self.log_noise_scale = check_bool("log_noise_scale", log_noise_scale)
+        self.noise_scale_beta: float = check_float("noise_scale_beta", noise_scale_beta, 0, 1, high_open=True)
+        self._noise = NoiseScaleTracker(self.noise_scale_beta, on=self.log_noise_scale)
         self._pending: list[tuple[int, str, NormSample]] = []  # (log step, tag suffix, sample)
         self._clip_check_due = False
         self._clip_check_step = 0  # global_step of the latest step measured for the clipping verdict
@@ -147,27 +158,7 @@ class GradientNormLogger(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        # the per-layer charts leave the total and the aggregates out of their y range
-        not_total = rf"(?!total(_opt\d+)?$|{ACROSS_LAYERS}/)"
-        across = {  # with a cap: what the layers not shown do
-            f"{title} across all layers: min / median / max": [f"{family}/{ACROSS_LAYERS}/.*"]
-            for title, family in (("Gradient norm", "grad_norm"), ("Update / weight ratio", "update_ratio"))
-        }
-        return {
-            **(across if self.layers.max_layers is not None else {}),
-            "Gradient norm: total": ["grad_norm/total.*"],
-            "Gradient norm per layer": [f"grad_norm/{not_total}.*"],
-            "Weight norm per layer": [f"weight_norm/{not_total}.*"],
-            "Update / weight ratio per layer (healthy ~1e-3: use the log y axis)": [
-                f"update_ratio/{not_total}.*"
-            ],
-            "Gradient clipping: fraction of steps clipped": ["grad_clip/fraction_clipped"],
-            "Gradient clipping: pre-clip norm p50/p90/p99 and suggested clip value": [
-                "grad_clip/pre_clip_norm_.*",
-                "grad_clip/suggested_clip_val",
-            ],
-            "Non-finite gradient entries": ["grad_nonfinite/.*"],
-        }
+        return {**norm_charts(ACROSS_LAYERS, self.layers.max_layers is not None), **self._noise.charts()}
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -176,19 +167,28 @@ class GradientNormLogger(GradGuardCallback):
         if self.fresh_run(trainer):  # the clip window holds this run's steps only
             self._clip = ClipRing(self.clip_window)
             self._pending, self.last_logged, self._clip_check_due = [], {}, False
+        self._noise.start(fresh=self.fresh_run(trainer))
         if (reason := unsupported_reason(trainer)) is not None:  # DeepSpeed: no number, not a wrong one
             warn_once(trainer, "sharding:unsupported", reason)
+
+    @override
+    @guarded
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._noise.on_batch(trainer, batch, logging_interval(trainer, self.log_every_n_steps))
 
     @override
     @guarded
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        every = logging_interval(trainer, self.log_every_n_steps)  # 0: periodic logging is off
+        self._noise.on_step(trainer, pl_module, optimizer, every)  # every rank: each has its micro-batches
         # loggers are rank-zero only and DDP's gradients agree across ranks; sharded norms need every rank
         if not (trainer.is_global_zero or is_sharded(trainer)):
             return
         at = log_step(trainer)
-        every = logging_interval(trainer, self.log_every_n_steps)  # 0: periodic logging is off
         sampled = on_logging_step(at, every)
         clip = clip_setting(trainer)
         if not sampled and clip is None:
@@ -196,6 +196,7 @@ class GradientNormLogger(GradGuardCallback):
         stats = step_stats(trainer, pl_module, optimizer)
         if stats.unsupported is not None:  # DeepSpeed (said at fit start)
             return
+        labels = stats.grad_groups(self.norm_type, self.group_depth, self.per_parameter)[0]  # cached
         if clip is not None:
             self._clip.push(stats.grad_total(clip.norm_type))
             # with logging off the verdict is still reached, on a cadence of its own
@@ -212,11 +213,7 @@ class GradientNormLogger(GradGuardCallback):
             weights=self.log_weight_norms,
             update=self.log_update_ratio,
             histogram_bins=self.histogram_bins if histograms else None,
-            histogram_layers=self.layers.histogram_layers(
-                stats.grad_groups(self.norm_type, self.group_depth, self.per_parameter)[0]
-            )
-            if histograms
-            else None,
+            histogram_layers=self.layers.histogram_layers(labels) if histograms else None,
         )
         self._pending.append((at, suffix, NormSample(stats, spec)))
 
@@ -225,17 +222,17 @@ class GradientNormLogger(GradGuardCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._pending or self._clip_check_due:
-            self._flush(trainer)
+        self._flush(trainer)
 
     @override
     @guarded
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending or self._clip_check_due:
-            self._flush(trainer)
+        self._flush(trainer)
 
     # ------------------------------------------------------------------ the one transfer
     def _flush(self, trainer: pl.Trainer) -> None:
+        if not (self._pending or self._clip_check_due or self._noise.due is not None):
+            return
         pending, self._pending = self._pending, []
         clip_due, self._clip_check_due = self._clip_check_due, False
         transfer = HostTransfer()  # keys: (index in pending, name); -1 for the clip window
@@ -244,14 +241,16 @@ class GradientNormLogger(GradGuardCallback):
         clip = clip_setting(trainer)
         if clip_due and clip is not None:
             self._clip.queue(transfer, (-1, "clip_window"))
+        self._noise.queue(transfer)  # on its logging steps, on every rank: averaged in the collective
         if not len(transfer):
             return
-        host = transfer.fetch()  # the one device -> host transfer (and, sharded, collective) of this step
+        host = transfer.fetch()  # the one device -> host transfer (and collective, if any) of this step
         for i, (at, suffix, sample) in enumerate(pending):  # written from rank zero only
             self._emit_step(trainer, at, suffix, sample.read(host, i))
         if (-1, "clip_window") in host and clip is not None:
             last = (pending[-1][0], pending[-1][2].stats.step) if pending else None
             self._emit_clip(trainer, last, clip, self._clip.read(host[(-1, "clip_window")]))
+        self.last_logged.update(self._noise.emit(trainer, host))
 
     def _emit_step(self, trainer: pl.Trainer, at: int, suffix: str, reading: NormReading) -> None:
         metrics = select_reading(reading, self.layers, suffix)
@@ -287,9 +286,15 @@ class GradientNormLogger(GradGuardCallback):
         if (norms := self._clip.state()) is not None:
             state["clip_norms"] = norms
         state["clip_seen"] = self._clip.seen
+        state["noise_scale"] = self._noise.state()
         return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._clip.load(state_dict.get("clip_norms"), int(state_dict.get("clip_seen", 0)))
+        self._noise.load(state_dict.get("noise_scale"))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._noise.detach()  # the noise scale's hooks go with the fit

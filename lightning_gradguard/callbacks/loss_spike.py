@@ -29,10 +29,10 @@ from lightning_gradguard.callbacks.spike_records import (
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.cadence import optimizer_index
 from lightning_gradguard.core.lr import rescale_learning_rates
+from lightning_gradguard.core.optimizer_state import skip_update
 from lightning_gradguard.core.snapshot import TrainingSnapshot, rollback_point
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.core.trial import drop_update
 from lightning_gradguard.core.validate import check_choice, check_float, check_int, check_path
 from lightning_gradguard.functional.spikes import (
     SpikeScore,
@@ -198,7 +198,7 @@ class LossSpikeGuard(GradGuardCallback):
         host = transfer.fetch(trainer, reduce_op="mean")  # the one transfer (and collective) of the step
         values = {k: float(v) for k, v in host.items() if k != "short"}
         if replay:  # a batch an earlier run recorded: its update is dropped again, unjudged
-            drop_update(optimizer)
+            skip_update(trainer, optimizer, "loss_spike")
             self._outcome = "dropped"
             self.skipped_steps += 1
             record_spike(trainer, self.records, batches=batches, values=values, scores={}, action="replayed")
@@ -252,7 +252,7 @@ class LossSpikeGuard(GradGuardCallback):
                 rescale_learning_rates(trainer, optimizer, lambda v: v * factor)
                 self.cooldown_left = self.lr_cooldown_steps
         if action in ("skip", "rollback"):
-            drop_update(optimizer)
+            skip_update(trainer, optimizer, "loss_spike")
             self._outcome = "dropped"
 
     @override

@@ -18,8 +18,8 @@ from typing_extensions import override
 
 from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.optimizer_state import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
-from lightning_gradguard.core.trial import drop_update
 from lightning_gradguard.core.validate import check_bool, check_float, check_int, check_path
 from lightning_gradguard.hooks import nan_step as _nan
 from lightning_gradguard.hooks.nan_report import Filed, file_report
@@ -198,7 +198,7 @@ class NaNSentinel(GradGuardCallback):
             # Accumulation: a micro-batch of this step was found poisoned and reported already (on every
             # rank alike, so no rank waits in a collective here). No second finding; drop the update.
             if self.action in ("skip", "stop"):
-                drop_update(optimizer)
+                skip_update(trainer, optimizer, "nan_sentinel")
             return
         if total is None and not closed.losses:
             return
@@ -282,7 +282,7 @@ class NaNSentinel(GradGuardCallback):
         if self.action == "stop":  # Lightning ends the run after this batch (see the class docstring)
             trainer.should_stop = True
         if self.action in ("skip", "stop") and optimizer is not None and kind != "nonfinite_parameter":
-            drop_update(optimizer)  # under accumulation without an optimizer: at the step (poisoned)
+            skip_update(trainer, optimizer, "nan_sentinel")  # accumulation, no optimizer here: at the step
 
     # ------------------------------------------------------------------ state
     @override

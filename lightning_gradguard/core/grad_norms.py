@@ -44,6 +44,7 @@ __all__ = [
     "NormSample",
     "NormSpec",
     "clip_setting",
+    "norm_charts",
     "parse_norm_type",
     "read_layer_norms",
 ]
@@ -62,6 +63,30 @@ def parse_norm_type(norm_type: Any) -> float:
     if value not in (2.0, math.inf):
         raise ValueError(f"`norm_type` must be 2 or 'inf'; got {norm_type!r}")
     return value
+
+
+def norm_charts(across: str, capped: bool) -> dict[str, list[str]]:
+    """GradientNormLogger's charts in the GradGuard layout; ``capped``: with the ``across`` aggregates."""
+    not_total = rf"(?!total(_opt\d+)?$|{across}/)"  # per-layer charts: no total, no aggregate
+    aggregates = {  # with a cap: what the layers not shown do
+        f"{title} across all layers: min / median / max": [f"{family}/{across}/.*"]
+        for title, family in (("Gradient norm", "grad_norm"), ("Update / weight ratio", "update_ratio"))
+    }
+    return {
+        **(aggregates if capped else {}),
+        "Gradient norm: total": ["grad_norm/total.*"],
+        "Gradient norm per layer": [f"grad_norm/{not_total}.*"],
+        "Weight norm per layer": [f"weight_norm/{not_total}.*"],
+        "Update / weight ratio per layer (healthy ~1e-3: use the log y axis)": [
+            f"update_ratio/{not_total}.*"
+        ],
+        "Gradient clipping: fraction of steps clipped": ["grad_clip/fraction_clipped"],
+        "Gradient clipping: pre-clip norm p50/p90/p99 and suggested clip value": [
+            "grad_clip/pre_clip_norm_.*",
+            "grad_clip/suggested_clip_val",
+        ],
+        "Non-finite gradient entries": ["grad_nonfinite/.*"],
+    }
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ class TrainerState:
     sharding: dict[int, tuple[list[Tensor], Any]] = field(default_factory=dict)
     #: whether the run shards its parameters (``core.sharding.is_sharded``), once known
     sharded: bool | None = None
+    #: updates a callback dropped, per cause (``core.optimizer_state.skip_update``): Python ints, no sync
+    skipped_updates: dict[str, int] = field(default_factory=dict)
 
 
 _STATES: weakref.WeakKeyDictionary[Any, TrainerState] = weakref.WeakKeyDictionary()

@@ -513,7 +513,9 @@ def test_tensorboard_gets_every_scalar_of_a_step_in_one_event(tmp_path: Any, pre
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     memory, tb = MemoryLogger(), TensorBoardLogger(str(tmp_path), name="tb", prefix=prefix)
-    make_trainer([GradientNormLogger()], logger=[tb, memory], max_steps=3).fit(RecordingMLP(), random_loader())
+    make_trainer([GradientNormLogger()], logger=[tb, memory], max_steps=3).fit(
+        RecordingMLP(), random_loader()
+    )
     events = EventAccumulator(tb.log_dir, size_guidance={"scalars": 0})
     events.Reload()
     head = f"{prefix}-" if prefix else ""

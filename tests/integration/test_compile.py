@@ -20,6 +20,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_gradguard import (
+    ActivationRangeMonitor,
     DeadReLUMonitor,
     GradientCheck,
     GradientNormLogger,
@@ -141,9 +142,11 @@ def test_every_callback_together_adds_no_graph_no_recompile_no_break(
         OverfitBatchSanity(action="warn"),
         check,
         LRFinderPlus(),
+        ranges := ActivationRangeMonitor(every_n_steps=10),
     ]
     found, _ = _fit(callbacks, True, tmp_path, "all")
     assert found == bare
+    assert ranges.sampled_steps == 4 and set(ranges.ranges) == {"net", "net.0", "net.2", "net.4"}
     assert check.result is not None and check.result.passed
     assert not [p.name for p in check.result.parameters if "_orig_mod" in p.name]
 

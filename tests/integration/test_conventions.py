@@ -29,12 +29,14 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 from lightning_gradguard import (
+    ActivationRangeMonitor,
     DeadReLUMonitor,
     GradientCheck,
     GradientNormLogger,
     LossSpikeGuard,
     LRFinderPlus,
     NaNSentinel,
+    OptimizerMonitor,
     OverfitBatchSanity,
     VanishingExplodingDetector,
     gradient_check,
@@ -149,6 +151,26 @@ BAD: list[tuple[type, dict[str, Any], type[Exception], str]] = [
     (LossSpikeGuard, {"lr_cooldown_factor": 2.0}, ValueError, "lr_cooldown_factor"),
     (LossSpikeGuard, {"lr_cooldown_steps": 0}, ValueError, "lr_cooldown_steps"),
     (LossSpikeGuard, {"skip_batches_path": 3}, TypeError, "skip_batches_path"),
+    (OptimizerMonitor, {"log_every_n_steps": -1}, ValueError, "log_every_n_steps"),
+    (OptimizerMonitor, {"epsilon_ratio": 0.0}, ValueError, "epsilon_ratio"),
+    (OptimizerMonitor, {"epsilon_ratio": "1"}, TypeError, "epsilon_ratio"),
+    (OptimizerMonitor, {"outlier_factor": 1.0}, ValueError, "outlier_factor"),
+    (OptimizerMonitor, {"outlier_factor": INF}, ValueError, "outlier_factor"),
+    (OptimizerMonitor, {"patience": 0}, ValueError, "patience"),
+    (OptimizerMonitor, {"max_layers": 0}, ValueError, "max_layers"),
+    (OptimizerMonitor, {"include": 3}, TypeError, "include"),
+    (OptimizerMonitor, {"cooldown_steps": -1}, ValueError, "cooldown_steps"),
+    (ActivationRangeMonitor, {"every_n_steps": 0}, ValueError, "every_n_steps"),
+    (ActivationRangeMonitor, {"every_n_steps": 2.0}, TypeError, "every_n_steps"),
+    (ActivationRangeMonitor, {"attention": "yes"}, TypeError, "attention"),
+    (ActivationRangeMonitor, {"min_headroom_bits": -1.0}, ValueError, "min_headroom_bits"),
+    (ActivationRangeMonitor, {"max_attention_logit": 0.0}, ValueError, "max_attention_logit"),
+    (ActivationRangeMonitor, {"max_attention_logit": INF}, ValueError, "max_attention_logit"),
+    (ActivationRangeMonitor, {"logit_growth_factor": 1.0}, ValueError, "logit_growth_factor"),
+    (ActivationRangeMonitor, {"growth_window": 0}, ValueError, "growth_window"),
+    (ActivationRangeMonitor, {"include": 3}, TypeError, "include"),
+    (ActivationRangeMonitor, {"max_layers": 0}, ValueError, "max_layers"),
+    (ActivationRangeMonitor, {"cooldown_steps": -1}, ValueError, "cooldown_steps"),
 ]
 
 
@@ -299,8 +321,10 @@ def test_every_callback_has_a_state_key_from_its_identifying_arguments() -> None
         (GradientNormLogger(), GradientNormLogger(log_every_n_steps=10)),
         (VanishingExplodingDetector(), VanishingExplodingDetector(action="raise")),
         (DeadReLUMonitor(), DeadReLUMonitor(every_n_steps=10)),
+        (ActivationRangeMonitor(), ActivationRangeMonitor(every_n_steps=10)),
         (LRFinderPlus(), LRFinderPlus(milestones=[0, 5])),
         (GradientCheck(), GradientCheck(modules=["net.0"])),
+        (OptimizerMonitor(), OptimizerMonitor(log_every_n_steps=10)),
     ]
     for a, b in pairs:
         assert a.state_key != b.state_key, type(a).__name__

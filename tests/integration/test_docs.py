@@ -17,12 +17,14 @@ from lightning.pytorch.loggers import TensorBoardLogger
 import lightning_gradguard
 from lightning_gradguard import (
     ALERT_KINDS,
+    ActivationRangeMonitor,
     DeadReLUMonitor,
     GradientCheck,
     GradientNormLogger,
     LossSpikeGuard,
     LRFinderPlus,
     NaNSentinel,
+    OptimizerMonitor,
     OverfitBatchSanity,
     VanishingExplodingDetector,
     functional,
@@ -39,8 +41,10 @@ TABLES: list[tuple[Any, str, str, set[str], set[str]]] = [
     (GradientNormLogger, "tags.md", "## GradientNormLogger arguments", set(), set()),
     (NaNSentinel, "nan_sentinel.md", "## Arguments", set(), set()),
     (LossSpikeGuard, "loss_spike.md", "## Arguments", set(), set()),
+    (OptimizerMonitor, "optimizer.md", "## Arguments", set(), set()),
     (VanishingExplodingDetector, "detectors.md", "## VanishingExplodingDetector", set(), set()),
     (DeadReLUMonitor, "detectors.md", "## DeadReLUMonitor", set(), set()),
+    (ActivationRangeMonitor, "activations.md", "## Arguments", set(), set()),
     (LRFinderPlus, "lr_finder.md", "## Arguments", set(), set()),
     (
         lr_find,
@@ -109,7 +113,7 @@ def test_every_argument_table_matches_the_signature(
 
 def test_every_alert_kind_is_in_the_alert_table() -> None:
     text = (DOCS / "alerts.md").read_text(encoding="utf-8")
-    rows = set(re.findall(r"^\| `([a-z_]+)` \|", text, re.M))
+    rows = set(re.findall(r"^\| `([a-z0-9_]+)` \|", text, re.M))
     assert set(ALERT_KINDS) <= rows
 
 

@@ -1,0 +1,337 @@
+"""The math of ActivationRangeMonitor: block output moments, fp16 headroom, the largest attention logit.
+
+Everything on the device takes a tensor and returns a small tensor (no ``.item()``); the host side
+combines what the device produced (over micro-batches and ranks) and judges it.
+
+* :func:`output_moments`: one vector per block output, ``[n, mean, C2, C3, C4, max|x|]`` with ``Ck`` the
+  sum of ``(x - mean)^k``: enough to pool several outputs exactly (:func:`pool_moments`);
+* :func:`pool_moments` -> :class:`BlockRange`: max|x|, RMS, kurtosis (Pearson: a Gaussian gives 3) and
+  the fp16 headroom ``log2(65504 / max|x|)`` in bits (:func:`fp16_headroom`);
+* :func:`max_attention_logit`: the largest ``q . k * scale`` (plus an additive mask, without the masked
+  positions) of a ``scaled_dot_product_attention`` call, in row chunks so the score matrix never has to
+  exist at once; :func:`mha_max_logit`: the same for ``F.multi_head_attention_forward``'s arguments;
+* :func:`headroom_verdict`, :func:`logit_verdict`: the ``fp16_headroom_low`` and ``attention_logit_growth``
+  rules.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+__all__ = [
+    "FP16_MAX",
+    "MOMENTS",
+    "BlockRange",
+    "RangeFinding",
+    "fp16_headroom",
+    "headroom_verdict",
+    "logit_verdict",
+    "max_attention_logit",
+    "mha_max_logit",
+    "output_moments",
+    "pool_moments",
+]
+
+#: the largest finite float16 number
+FP16_MAX = 65504.0
+#: the entries of an :func:`output_moments` vector
+MOMENTS = ("n", "mean", "c2", "c3", "c4", "max_abs")
+#: score-matrix entries computed at once by :func:`max_attention_logit` (64 MiB in float32)
+CHUNK_ELEMENTS = 1 << 24
+
+
+@torch.no_grad()
+def output_moments(x: Tensor) -> Tensor:
+    """``[n, mean, sum (x-mean)^2, sum (x-mean)^3, sum (x-mean)^4, max|x|]`` of every entry, float32, on
+    ``x``'s device (a few elementwise kernels; nothing is read back)."""
+    values = x.detach().float().reshape(-1)
+    n = values.numel()
+    if n == 0:
+        return torch.zeros(len(MOMENTS), device=x.device)
+    mean = values.mean()
+    d = values - mean
+    d2 = d * d
+    lo, hi = torch.aminmax(values)
+    return torch.stack(
+        [
+            torch.full((), float(n), device=x.device),  # a fill kernel: no host copy
+            mean,
+            d2.sum(),
+            (d2 * d).sum(),
+            (d2 * d2).sum(),
+            torch.maximum(hi, -lo),
+        ]
+    )
+
+
+def fp16_headroom(max_abs: float) -> float:
+    """Bits between ``max_abs`` and float16's largest finite number: ``log2(65504 / max_abs)``.
+
+    0 at the overflow point, 1 at half of it, negative above it (an inf or NaN gives ``-inf`` / NaN), and
+    ``inf`` for an all-zero output.
+    """
+    if math.isnan(max_abs):
+        return math.nan
+    if max_abs <= 0.0:
+        return math.inf
+    return math.log2(FP16_MAX / max_abs) if math.isfinite(max_abs) else -math.inf
+
+
+@dataclass(frozen=True)
+class BlockRange:
+    """The range of one block's output over a sampled step (all its calls, micro-batches and ranks)."""
+
+    max_abs: float
+    rms: float
+    kurtosis: float  # Pearson: E[(x - mean)^4] / var^2; 3 for a Gaussian, 1.8 for a uniform
+    headroom_bits: float
+    count: int  # entries seen
+
+    def scalars(self) -> dict[str, float]:
+        return {
+            "max_abs": self.max_abs,
+            "rms": self.rms,
+            "kurtosis": self.kurtosis,
+            "fp16_headroom": self.headroom_bits,
+        }
+
+
+def pool_moments(rows: Sequence[Sequence[float]]) -> BlockRange | None:
+    """Pool :func:`output_moments` vectors (one per output seen) exactly, in float64 on the host.
+
+    Groups with their own means combine by the parallel-moments identity (Chan et al. 1979; Pebay 2008):
+    with ``delta = mean_g - mean``, ``C2 = sum C2_g + n_g delta^2`` and ``C4 = sum C4_g + 4 delta C3_g +
+    6 delta^2 C2_g + n_g delta^4``, so no sum of raw powers (and its cancellation) is ever formed.
+    ``None`` when no entry was seen.
+    """
+    groups = [[float(v) for v in row] for row in rows if float(row[0]) > 0]
+    if not groups:
+        return None
+    n = sum(g[0] for g in groups)
+    mean = sum(g[0] * g[1] for g in groups) / n
+    c2 = c4 = 0.0
+    for count, m, g2, g3, g4, _ in groups:
+        d = m - mean
+        c2 += g2 + count * d * d
+        c4 += g4 + 4 * d * g3 + 6 * d * d * g2 + count * d**4
+    max_abs = max(g[5] for g in groups)
+    var = c2 / n
+    rms = math.sqrt(max(var + mean * mean, 0.0))
+    kurtosis = (c4 / n) / (var * var) if var > 0 else math.nan
+    if not all(math.isfinite(g[k]) for g in groups for k in range(1, 5)):
+        rms = kurtosis = math.nan  # an inf/NaN in the output: its max says so, the moments are void
+    return BlockRange(
+        max_abs=max_abs, rms=rms, kurtosis=kurtosis, headroom_bits=fp16_headroom(max_abs), count=int(n)
+    )
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@torch.no_grad()
+def max_attention_logit(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> Tensor:
+    """The largest logit ``q . k * scale (+ mask)`` that ``F.scaled_dot_product_attention(query, key, ...)``
+    feeds its softmax, over the positions that take part (a 0-d float32 tensor on the device).
+
+    Same conventions as ``scaled_dot_product_attention``: ``(..., L, E)`` queries, ``(..., S, E)`` keys,
+    ``scale`` defaults to ``1/sqrt(E)``, a boolean mask is True where a position takes part, a float mask
+    is added, ``is_causal`` keeps the lower triangle (top-left aligned), ``enable_gqa`` shares each key head
+    among ``Hq / Hk`` query heads. Computed in float32 (autocast off) in chunks of query rows of at most
+    ``chunk_elements`` scores: one extra ``q @ k^T`` per call. ``-inf`` when every position is masked.
+    """
+    with torch.autocast(query.device.type, enabled=False):
+        q, k = query.detach().float(), key.detach().float()
+        if enable_gqa and q.dim() >= 3 and k.size(-3) != q.size(-3):
+            k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+        length, source = q.size(-2), k.size(-2)
+        q = q * (1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale))
+        kt = k.transpose(-2, -1)
+        batch = max(math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])), 1)
+        rows = max(1, chunk_elements // max(batch * source, 1))
+        best = torch.full((), -math.inf, device=query.device)
+        for start in range(0, length, rows):
+            stop = min(start + rows, length)
+            logits = q[..., start:stop, :] @ kt
+            if is_causal:
+                keep = torch.ones(stop - start, source, dtype=torch.bool, device=q.device)
+                logits = logits.masked_fill(~keep.tril(start), -math.inf)
+            if attn_mask is not None:
+                rowwise = attn_mask.dim() >= 2 and attn_mask.size(-2) > 1
+                part = attn_mask[..., start:stop, :] if rowwise else attn_mask
+                if part.dtype == torch.bool:
+                    logits = logits.masked_fill(~part, -math.inf)
+                else:
+                    logits = logits + part.float()
+            best = torch.maximum(best, logits.amax())
+        return best
+
+
+_MHA_PARAMS: inspect.Signature | None = None
+
+
+def _mha_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    global _MHA_PARAMS
+    if _MHA_PARAMS is None:
+        _MHA_PARAMS = inspect.signature(F.multi_head_attention_forward)
+    bound = _MHA_PARAMS.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _additive(mask: Tensor | None) -> Tensor | None:
+    """An ``nn.MultiheadAttention`` mask (bool: True = masked out; float: added) as a float mask."""
+    if mask is None or mask.dtype != torch.bool:
+        return None if mask is None else mask.float()
+    return torch.zeros(mask.shape, device=mask.device).masked_fill(mask, -math.inf)
+
+
+@torch.no_grad()
+def mha_max_logit(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    """:func:`max_attention_logit` of one ``F.multi_head_attention_forward(*args, **kwargs)`` call.
+
+    The queries and keys are projected again from the call's own weights (``in_proj_weight`` or the
+    separate ``q_proj_weight`` / ``k_proj_weight``, with their biases; ``static_k``, ``bias_k`` and
+    ``add_zero_attn`` as the function applies them), per head, with ``attn_mask`` and
+    ``key_padding_mask`` as masks: two extra projections and one ``q @ k^T``, whichever path
+    (``need_weights`` or not) the function then takes.
+    """
+    p = _mha_arguments(args, kwargs)
+    query, key = p["query"].detach(), p["key"].detach()
+    if query.dim() == 2:  # unbatched (L, E)
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+    length, batch, embed = query.shape
+    heads = int(p["num_heads"])
+    head_dim = embed // heads
+    bias = p["in_proj_bias"]
+    b_q, b_k = (None, None) if bias is None else (bias[:embed], bias[embed : 2 * embed])
+    if p["use_separate_proj_weight"]:
+        w_q, w_k = p["q_proj_weight"], p["k_proj_weight"]
+    else:
+        w_q, w_k = p["in_proj_weight"][:embed], p["in_proj_weight"][embed : 2 * embed]
+    attn_mask, padding = _additive(p["attn_mask"]), _additive(p["key_padding_mask"])
+    if padding is not None and padding.dim() == 1:
+        padding = padding.unsqueeze(0)
+    q = F.linear(query, w_q, b_q).reshape(length, batch * heads, head_dim).transpose(0, 1)
+    if p["static_k"] is not None:
+        k = p["static_k"].detach()
+    else:
+        k = F.linear(key, w_k, b_k)
+        if p["bias_k"] is not None:  # one more key position, never masked
+            k = torch.cat([k, p["bias_k"].detach().expand(1, batch, embed)])
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+            padding = None if padding is None else F.pad(padding, (0, 1))
+        k = k.reshape(k.size(0), batch * heads, head_dim).transpose(0, 1)
+    if p["add_zero_attn"]:  # a zero key: logit 0 at one more position
+        k = torch.cat([k, k.new_zeros(k.size(0), 1, head_dim)], dim=1)
+        attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+        padding = None if padding is None else F.pad(padding, (0, 1))
+    source = k.size(1)
+    q, k = q.reshape(batch, heads, length, head_dim), k.reshape(batch, heads, source, head_dim)
+    mask: Tensor | None = None
+    if attn_mask is not None:
+        mask = attn_mask.reshape(batch, heads, length, source) if attn_mask.dim() == 3 else attn_mask
+    if padding is not None:
+        padding = padding.reshape(batch, 1, 1, source)
+        mask = padding if mask is None else mask + padding
+    return max_attention_logit(q, k, attn_mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+HEADROOM_HINT = (
+    "Train in bf16-mixed (float32's range), put a normalization where this output grows (pre-LN blocks, a "
+    "final LayerNorm), lower the learning rate, or scale/clamp the residual stream: the next float16 "
+    "matmul that reads this output overflows to inf."
+)
+LOGIT_HINT = (
+    "Normalize queries and keys (QK-norm: a LayerNorm or RMSNorm on q and k before the dot product), "
+    "soft-cap the logits (cap * tanh(logits / cap); Gemma 2 caps at 50), or lower the learning rate (that "
+    "of the q/k projections at least): growing logits make the attention one-hot and then diverge."
+)
+
+
+@dataclass(frozen=True)
+class RangeFinding:
+    """One finding of ActivationRangeMonitor, ready for its alert."""
+
+    kind: str
+    where: str
+    message: str
+    hint: str
+    data: dict[str, float]
+
+
+def _nan_first(value: float) -> float:
+    return math.inf if math.isnan(value) else value
+
+
+def headroom_verdict(
+    ranges: Mapping[str, BlockRange], min_bits: float, precision: str
+) -> RangeFinding | None:
+    """``fp16_headroom_low``: the block with the least headroom, when some block has less than ``min_bits``
+    (a NaN output counts as none left). The caller asks only for float16 runs."""
+    low = [k for k, r in ranges.items() if not r.headroom_bits >= min_bits]
+    if not low:
+        return None
+    worst = min(low, key=lambda k: -_nan_first(-ranges[k].headroom_bits))
+    r = ranges[worst]
+    others = f" ({len(low) - 1} more blocks below it)" if len(low) > 1 else ""
+    return RangeFinding(
+        kind="fp16_headroom_low",
+        where=worst,
+        message=f"under {precision}, block {worst!r} output max |x| = {r.max_abs:.4g}: "
+        f"{r.headroom_bits:.2f} bits of float16 headroom, below {min_bits:g}{others}",
+        hint=HEADROOM_HINT,
+        data={"max_abs": r.max_abs, "headroom_bits": r.headroom_bits, "blocks_below": float(len(low))},
+    )
+
+
+def logit_verdict(
+    history: Sequence[float], peaks: Mapping[str, float], max_logit: float, growth_factor: float | None
+) -> RangeFinding | None:
+    """``attention_logit_growth`` on the largest of ``peaks`` (the step's largest logit per module).
+
+    * ceiling: it is above ``max_logit``;
+    * growth (with ``growth_factor``): it is above ``max_logit / growth_factor`` and at least
+      ``growth_factor`` times the smallest value of ``history`` (the largest logits of the earlier sampled
+      steps of the window): at that pace the next window passes the ceiling. Below that floor logits grow
+      freely (a model learns to attend, from near 0 at initialization to the tens).
+
+    A NaN/inf logit is no finding here (NaNSentinel's).
+    """
+    if not peaks:
+        return None
+    where = max(peaks, key=lambda k: _nan_first(peaks[k]))
+    latest = peaks[where]
+    if not math.isfinite(latest):
+        return None
+    earlier = [h for h in history if math.isfinite(h) and h > 0]
+    if latest > max_logit:
+        why, reference = f"above the ceiling {max_logit:g}", max_logit
+    elif growth_factor is not None and latest > max_logit / growth_factor and earlier:
+        reference = min(earlier)
+        if latest < growth_factor * reference:
+            return None
+        why = f"{latest / reference:.1f}x the {reference:.4g} of the last {len(history)} sampled steps"
+    else:
+        return None
+    return RangeFinding(
+        kind="attention_logit_growth",
+        where=where,
+        message=f"largest attention logit {latest:.4g} in {where!r}: {why}",
+        hint=LOGIT_HINT,
+        data={"max_logit": latest, "reference": reference},
+    )

@@ -1,0 +1,321 @@
+r"""What an optimizer step did and what the optimizer keeps: step size, direction, moments, and two rules.
+
+Pure math, no Trainer. The device half works on a
+:class:`~lightning_gradguard.functional.updates.WeightSnapshot` of the weights and one of the gradient
+taken before ``optimizer.step()`` (:func:`update_geometry`: per
+parameter, the squared update norm, the squared gradient norm and the inner product of the update with
+the negative gradient, in a few fused kernels). The host half turns per-parameter numbers into per-layer
+ones (:func:`layer_geometry`, :func:`layer_moments`) and judges them (:func:`epsilon_dominated`,
+:func:`ratio_outliers`, in words: :func:`epsilon_finding`, :func:`outlier_finding`).
+
+Definitions (``Δw = w_after - w_before``, ``g`` the gradient the step used, ``lr_i`` the learning rate of
+the param group of parameter ``i``):
+
+* step size of a layer: :math:`\sqrt{\sum_i \|\Delta w_i\|^2 / lr_i^2}`, the norm of the update with each
+  parameter's part divided by its own group's ``lr`` (a layer split over groups is measured per part).
+  Plain SGD gives ``||g||``; Adam about ``sqrt(numel)`` (its per-entry step is about ``lr``).
+* cosine: :math:`\langle \Delta w, -g\rangle / (\|\Delta w\|\,\|g\|)` over the layer's entries: 1 for plain
+  SGD, lower where momentum, Adam's per-entry scaling or weight decay turn the step away from the gradient.
+* ``exp_avg`` norm: the 2-norm of Adam's first moment as the optimizer holds it (not bias-corrected).
+* RMS of :math:`\sqrt{\hat v}`: :math:`\sqrt{\operatorname{mean}(v) / (1 - \beta_2^t)}` over the layer's
+  entries, the typical size of Adam's denominator before ``eps`` is added (``max_exp_avg_sq`` under
+  AMSGrad, which is what divides there).
+
+Sampling: a tensor above ``SAMPLE_ENTRIES`` entries is compared on the snapshot's odd-strided sample of
+its entries, the same entries for the weights and the gradient; its three sums are scaled by
+``numel / sampled``. Below that size everything is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from lightning_gradguard.functional.stats import foreach_norms
+from lightning_gradguard.functional.updates import WeightSnapshot
+
+__all__ = [
+    "LayerGeometry",
+    "LayerMoments",
+    "OptimizerFinding",
+    "UpdateGeometry",
+    "epsilon_dominated",
+    "epsilon_finding",
+    "foreach_dots",
+    "layer_geometry",
+    "layer_moments",
+    "outlier_finding",
+    "ratio_outliers",
+    "update_geometry",
+]
+
+
+@dataclass(frozen=True)
+class UpdateGeometry:
+    """Per-parameter sums of one step on the device (float32), scaled up from a sample where sampled.
+
+    Attributes:
+        update_sq: ``||Δw_i||^2``, one per parameter of the weight snapshot.
+        grad_sq: ``||g_i||^2``, one per parameter that had a gradient (``with_grad`` order).
+        descent: ``<Δw_i, -g_i>``, aligned with ``grad_sq``.
+    """
+
+    update_sq: Tensor
+    grad_sq: Tensor
+    descent: Tensor
+
+
+def foreach_dots(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
+    """``<a_i, b_i>`` for every pair, as one float32 vector, in a few fused kernels; ``a`` is overwritten.
+
+    No per-tensor reduction launch: the products' sum is their absolute sum minus twice the absolute sum
+    of their negative parts, both from ``torch._foreach_norm``. The absolute error is about float32's
+    epsilon times ``sum |a_i b_i|`` (at most ``||a|| ||b||``), so a cosine is good to ~1e-6.
+    """
+    if not a:
+        return torch.zeros(0)
+    prods = [x.float() for x in a]
+    torch._foreach_mul_(prods, [y.float() for y in b])
+    total = foreach_norms(prods, 1.0)
+    torch._foreach_clamp_max_(prods, 0.0)
+    return total - 2.0 * foreach_norms(prods, 1.0)
+
+
+def _sample(p: Tensor, stride: int) -> Tensor:
+    flat = p.detach().reshape(-1)
+    return flat if stride == 1 else flat[::stride]
+
+
+def update_geometry(
+    weights: WeightSnapshot, params: Sequence[Tensor], grads: WeightSnapshot, with_grad: Sequence[int]
+) -> UpdateGeometry:
+    """The step's geometry from snapshots taken before it (``weights`` of ``params``, ``grads`` of the
+    gradients of ``params[i] for i in with_grad``, same sampling); call after the step. ``weights`` is
+    overwritten with ``w_before - w_after``."""
+    current = [_sample(p, k) for p, k in zip(params, weights.strides, strict=True)]
+    torch._foreach_sub_(weights.values, current)  # w_before - w_after = -Δw
+    back = weights.values
+    dev = back[0].device if back else torch.device("cpu")
+    scales = torch.tensor(weights.scales, dtype=torch.float32).to(dev)
+    update_sq = foreach_norms(back, 2.0).square() * scales if back else torch.zeros(0, device=dev)
+    if not with_grad:
+        empty = torch.zeros(0, device=dev)
+        return UpdateGeometry(update_sq, empty, empty)
+    picked = scales[torch.tensor(list(with_grad), dtype=torch.long).to(dev)]
+    grad_sq = foreach_norms(grads.values, 2.0).square() * picked
+    # <-Δw, g> = <Δw, -g>: the snapshot already holds -Δw
+    descent = foreach_dots([back[i] for i in with_grad], grads.values) * picked
+    return UpdateGeometry(update_sq, grad_sq, descent)
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Per-layer (and total) step size, cosine and update/weight ratio on the host.
+
+    A layer without a gradient this step has no cosine; one without an update (a skipped step) has no
+    cosine either; a layer of weight norm 0 has no ratio. Totals are ``None`` where undefined.
+    """
+
+    step_size: dict[str, float]
+    cosine: dict[str, float]
+    update_ratio: dict[str, float]
+    step_size_total: float | None
+    cosine_total: float | None
+    update_ratio_total: float | None
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def layer_geometry(
+    labels: Sequence[str],
+    index: Sequence[int],
+    update_sq: Sequence[float],
+    weight_sq: Sequence[float],
+    lrs: Sequence[float],
+    grads: dict[int, tuple[float, float]],
+) -> LayerGeometry:
+    """Combine per-parameter sums into layers (``index[i]``: the layer of parameter ``i``).
+
+    ``grads`` maps a parameter to its ``(||g||^2, <Δw, -g>)``; a parameter of ``lr == 0`` adds nothing to
+    the step size (its update is 0 in every ``torch.optim`` optimizer).
+    """
+    n = len(labels)
+    upd, wsq, scaled, gsq, dot, has_grad = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [False] * n
+    for i, j in enumerate(index):
+        upd[j] += update_sq[i]
+        wsq[j] += weight_sq[i]
+        if lrs[i] > 0:
+            scaled[j] += update_sq[i] / lrs[i] ** 2
+        if i in grads:
+            gsq[j] += grads[i][0]
+            dot[j] += grads[i][1]
+            has_grad[j] = True
+
+    def cosine(u: float, g: float, d: float) -> float | None:
+        return _finite(d / math.sqrt(u * g)) if u > 0 and g > 0 else None
+
+    def ratio(u: float, w: float) -> float | None:
+        return _finite(math.sqrt(u / w)) if w > 0 else None
+
+    cos = {
+        labels[j]: c for j in range(n) if has_grad[j] and (c := cosine(upd[j], gsq[j], dot[j])) is not None
+    }
+    return LayerGeometry(
+        step_size={labels[j]: s for j in range(n) if (s := _finite(math.sqrt(scaled[j]))) is not None},
+        cosine=cos,
+        update_ratio={labels[j]: r for j in range(n) if (r := ratio(upd[j], wsq[j])) is not None},
+        step_size_total=_finite(math.sqrt(sum(scaled))),
+        cosine_total=cosine(sum(upd), sum(gsq), sum(dot)) if any(has_grad) else None,
+        update_ratio_total=ratio(sum(upd), sum(wsq)),
+    )
+
+
+@dataclass(frozen=True)
+class LayerMoments:
+    """What the optimizer keeps, per layer and in total (host values; empty where it keeps none).
+
+    Attributes:
+        exp_avg_norm: 2-norm of Adam's ``exp_avg``.
+        exp_avg_sq_rms: RMS of ``sqrt(v_hat)`` (bias-corrected second moment).
+        momentum_norm: 2-norm of SGD's ``momentum_buffer``.
+        eps: the ``eps`` of the param group holding most of the layer's entries (Adam family).
+    """
+
+    exp_avg_norm: dict[str, float]
+    exp_avg_sq_rms: dict[str, float]
+    momentum_norm: dict[str, float]
+    eps: dict[str, float]
+    totals: dict[str, float]
+
+
+def _norms(
+    labels: Sequence[str], index: Sequence[int], sq: dict[int, float]
+) -> tuple[dict[str, float], float]:
+    acc: dict[str, float] = {}
+    for i, value in sq.items():
+        acc[labels[index[i]]] = acc.get(labels[index[i]], 0.0) + value
+    return {k: math.sqrt(v) for k, v in acc.items()}, math.sqrt(sum(acc.values()))
+
+
+def layer_moments(
+    labels: Sequence[str],
+    index: Sequence[int],
+    exp_avg_sq_norm: dict[int, float],
+    momentum_sq_norm: dict[int, float],
+    second: dict[int, tuple[float, int, float, float]],
+) -> LayerMoments:
+    """Per-layer moments from per-parameter numbers (keys: parameter positions).
+
+    ``exp_avg_sq_norm[i]`` is ``||exp_avg_i||^2``, ``momentum_sq_norm[i]`` ``||momentum_buffer_i||^2``;
+    ``second[i]`` is ``(sum(v_i), numel_i, 1 - beta2 ** step_i, eps_i)``. A parameter whose bias
+    correction is 0 (no step taken yet) is left out.
+    """
+    exp_avg, exp_avg_total = _norms(labels, index, exp_avg_sq_norm)
+    momentum, momentum_total = _norms(labels, index, momentum_sq_norm)
+    v_sum: dict[str, float] = {}
+    count: dict[str, int] = {}
+    eps_weight: dict[str, dict[float, int]] = {}
+    for i, (total, numel, correction, eps) in second.items():
+        if correction <= 0 or numel <= 0:
+            continue
+        layer = labels[index[i]]
+        v_sum[layer] = v_sum.get(layer, 0.0) + total / correction
+        count[layer] = count.get(layer, 0) + numel
+        eps_weight.setdefault(layer, {})
+        eps_weight[layer][eps] = eps_weight[layer].get(eps, 0) + numel
+    rms = {k: math.sqrt(v / count[k]) for k, v in v_sum.items()}
+    totals: dict[str, float] = {}
+    if exp_avg_sq_norm:
+        totals["exp_avg_norm"] = exp_avg_total
+    if rms:
+        totals["exp_avg_sq_rms"] = math.sqrt(sum(v_sum.values()) / sum(count.values()))
+    if momentum_sq_norm:
+        totals["momentum_norm"] = momentum_total
+    return LayerMoments(
+        exp_avg_norm=exp_avg,
+        exp_avg_sq_rms=rms,
+        momentum_norm=momentum,
+        eps={k: max(w, key=lambda e, w=w: w[e]) for k, w in eps_weight.items()},  # type: ignore[misc]
+        totals=totals,
+    )
+
+
+def epsilon_dominated(rms: float, eps: float, ratio: float = 1.0) -> bool:
+    """Whether ``eps`` dominates Adam's denominator ``sqrt(v_hat) + eps`` for a layer's typical entry:
+    the RMS of ``sqrt(v_hat)`` is below ``ratio * eps`` (and not exactly 0: a layer that never had a
+    gradient is not this finding)."""
+    return 0.0 < rms < ratio * eps
+
+
+def ratio_outliers(ratios: dict[str, float], factor: float) -> tuple[float, dict[str, float]]:
+    """The median update/weight ratio over the layers and the layers more than ``factor`` times away from
+    it, each with ``ratio / median`` (0 for a layer that did not move).
+
+    Needs three layers or more and a median above 0 (a skipped step moves nothing): else no outlier.
+    """
+    values = [v for v in ratios.values() if math.isfinite(v) and v >= 0]
+    if len(values) < 3:
+        return 0.0, {}
+    median = statistics.median(values)
+    if median <= 0:
+        return median, {}
+    out = {k: v / median for k, v in ratios.items() if math.isfinite(v) and v >= 0}
+    return median, {k: r for k, r in out.items() if r > factor or r < 1.0 / factor}
+
+
+@dataclass(frozen=True)
+class OptimizerFinding:
+    """A finding of :func:`epsilon_finding` or :func:`outlier_finding`, in words (always a warning)."""
+
+    kind: Literal["adam_epsilon_dominates", "update_ratio_outlier"]
+    layer: str
+    message: str
+    hint: str
+    data: dict[str, float]
+
+
+def epsilon_finding(layer: str, rms: float, eps: float, checks: int) -> OptimizerFinding:
+    """``eps`` outweighs the typical ``sqrt(v_hat)`` of ``layer`` (RMS ``rms``) on ``checks`` checks."""
+    return OptimizerFinding(
+        "adam_epsilon_dominates",
+        layer,
+        f"In layer {layer} Adam's eps ({eps:.3g}) outweighs the typical sqrt(v_hat) (RMS {rms:.3g}, "
+        f"{eps / rms:.3g}x smaller) on {checks} consecutive checks: the denominator sqrt(v_hat) + eps is "
+        f"mostly eps, so the layer's steps are about {rms / (rms + eps):.2g} of Adam's normalised step "
+        "and it trains like SGD with momentum at lr / eps.",
+        "Its gradients are tiny (about the RMS above). Lower eps (1e-8 -> 1e-12 is safe with float32 "
+        "optimizer states), or fix the gradient's scale: a loss that is divided down, a vanishing signal "
+        "upstream (see grad_norm/<layer>).",
+        {"rms_sqrt_v_hat": rms, "eps": eps, "checks": float(checks)},
+    )
+
+
+def outlier_finding(layer: str, ratio: float, median: float, factor: float, checks: int) -> OptimizerFinding:
+    """``layer``'s update/weight ``ratio`` is beyond ``factor`` from the ``median`` layer's."""
+    x = ratio / median
+    far = f"{x:.3g}x" if x > 1 else "0 times" if x == 0 else f"1/{1 / x:.3g} of"
+    hint = (
+        "Its param group's learning rate (or an lr multiplier) is too high for it, or its weights are "
+        "near 0 (a zero-initialised layer early on). Check that group's lr; a per-layer trust ratio "
+        "(LARS/LAMB) keeps layers in step."
+        if x > 1
+        else "The layer barely moves: its param group has lr 0 or a tiny lr (frozen by mistake?), weight "
+        "decay cancels its update, or it is sparse (an embedding whose batches touch few rows: leave it "
+        "out with exclude=...)."
+    )
+    return OptimizerFinding(
+        "update_ratio_outlier",
+        layer,
+        f"The update/weight ratio of layer {layer} is {ratio:.3g}, {far} the median layer's "
+        f"({median:.3g}), beyond {factor:g}x on {checks} consecutive checks.",
+        hint,
+        {"update_ratio": ratio, "median": median, "checks": float(checks)},
+    )

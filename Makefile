@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup demo test lint typecheck unit docs bench bench-lr bench-dead-relu bench-spike bench-big screenshots clean
+.PHONY: setup demo test lint typecheck unit docs bench bench-lr bench-dead-relu bench-spike bench-big bench-stall-zoo screenshots clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,10 @@ bench-dead-relu: $(STAMP)
 # LossSpikeGuard on injected spikes and healthy runs (detection, false alarms, final loss; about 3 minutes).
 bench-spike: $(STAMP)
 	$(PY) benchmarks/loss_spike.py
+
+# The stalled-learning scenarios: every fault against its fixed twin, and the healthy runs (3 seeds, about 2 minutes).
+bench-stall-zoo: $(STAMP)
+	$(PY) benchmarks/stall_zoo.py --twins
 
 # Every monitor on a GPT-2-small-sized model (124 M parameters): step time, peak memory, tags, event-file growth.
 bench-big: $(STAMP)

@@ -81,7 +81,7 @@ class OptimizerMonitor(GradGuardCallback):
     Alerts (warnings): ``adam_epsilon_dominates`` when a layer's RMS of ``sqrt(v_hat)`` stays below
     ``epsilon_ratio * eps``; ``update_ratio_outlier`` when a layer's :math:`\|\Delta w\|/\|w\|` stays more
     than ``outlier_factor`` times above or below the median layer's. Each on ``patience`` consecutive
-    checks. Tensors above 262 144 entries are measured on a strided sample (see
+    checks. Tensors above 65 536 entries are measured on a strided sample (see
     :mod:`lightning_gradguard.functional.optimizer_state`). Not under FSDP (one warning).
 
     Args:
@@ -91,8 +91,11 @@ class OptimizerMonitor(GradGuardCallback):
             ``eps``.
         outlier_factor: ``update_ratio_outlier`` beyond this factor from the median layer's ratio.
         patience: consecutive checks a finding must persist before it is reported.
-        include, exclude, max_layers: which layers get per-layer tags and are judged (totals cover every
-            layer): see :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        include: layers whose name matches one of these regular expressions get per-layer tags and are
+            judged (``None``: all; totals cover every layer): see
+            :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        exclude: layers whose name matches are neither shown nor judged.
+        max_layers: a cap on the layers per family, plus ``across_layers`` aggregates (``None``: no cap).
         cooldown_steps: minimum steps between two alerts of the same kind and layer.
 
     Example::

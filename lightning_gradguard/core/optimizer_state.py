@@ -29,6 +29,7 @@ from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.trial import drop_update
 from lightning_gradguard.functional.layers import log_distance_scores
 from lightning_gradguard.functional.optimizer_state import (
+    OPTIMIZER_SAMPLE_ENTRIES,
     LayerGeometry,
     LayerMoments,
     layer_geometry,
@@ -36,7 +37,7 @@ from lightning_gradguard.functional.optimizer_state import (
     update_geometry,
 )
 from lightning_gradguard.functional.stats import foreach_norms
-from lightning_gradguard.functional.updates import WeightSnapshot, weight_snapshot
+from lightning_gradguard.functional.updates import WeightSnapshot, sampled, weight_snapshot
 
 __all__ = [
     "SKIP_CAUSES",
@@ -168,9 +169,12 @@ class OptimizerSample:
         self.with_grad = [
             i for i, p in enumerate(self.params) if p.grad is not None and p.grad.layout == torch.strided
         ]
-        self.weights: Any = weight_snapshot(stats.local_params())
+        self.weights: Any = weight_snapshot(stats.local_params(), OPTIMIZER_SAMPLE_ENTRIES)
+        self.strides, self.scales = list(self.weights.strides), list(self.weights.scales)
         grads = [self.params[i].grad for i in self.with_grad]
-        self.grads: Any = weight_snapshot(grads) if grads else WeightSnapshot([], [], [])  # type: ignore[arg-type]
+        self.grads: Any = (
+            weight_snapshot(grads, OPTIMIZER_SAMPLE_ENTRIES) if grads else WeightSnapshot([], [], [])  # type: ignore[arg-type]
+        )
         self.keeps: frozenset[str] = frozenset()
         self._moment_index: dict[str, list[int]] = {}
         self._second: dict[int, tuple[float | Tensor, float, float]] = {}  # step, beta2, eps
@@ -203,8 +207,14 @@ class OptimizerSample:
                     transfer.add((key, f"step:{i}"), step)
                 self._second[i] = (step, float(group["betas"][1]), float(group.get("eps", 0.0)))
         for name, tensors in moments.items():
-            if tensors:  # exp_avg_sq is >= 0: its 1-norm is its sum
-                transfer.add((key, name), foreach_norms(tensors, 1.0 if name == "exp_avg_sq" else 2.0))
+            if tensors:  # on the weights' sample; exp_avg_sq is >= 0: its 1-norm is its sum
+                order = 1.0 if name == "exp_avg_sq" else 2.0
+                views = sampled(tensors, [self.strides[i] for i in index[name]])
+                norms = foreach_norms(views, order)
+                if any(self.scales[i] != 1.0 for i in index[name]):
+                    factor = torch.tensor([self.scales[i] ** (1.0 / order) for i in index[name]])
+                    norms = norms * factor.to(norms.device)
+                transfer.add((key, name), norms)
         self.keeps = frozenset(name for name, tensors in moments.items() if tensors)
         self._moment_index = index
 

@@ -35,6 +35,7 @@ __all__ = [
     "SAMPLE_ENTRIES",
     "UpdateNorms",
     "WeightSnapshot",
+    "sampled",
     "update_norms",
     "update_ratio",
     "weight_snapshot",
@@ -77,6 +78,12 @@ def _stride(numel: int, max_entries: int | None) -> int:
 def _sample(p: Tensor, stride: int) -> Tensor:
     flat = p.detach().reshape(-1)
     return flat if stride == 1 else flat[::stride]
+
+
+def sampled(tensors: Sequence[Tensor], strides: Sequence[int]) -> list[Tensor]:
+    """Views of the entries a snapshot with these ``strides`` keeps (no copy): the same sample of another
+    tensor of each parameter's shape (its gradient, an optimizer moment)."""
+    return [_sample(t, k) for t, k in zip(tensors, strides, strict=True)]
 
 
 def weight_snapshot(params: Sequence[Tensor], max_entries: int | None = SAMPLE_ENTRIES) -> WeightSnapshot:

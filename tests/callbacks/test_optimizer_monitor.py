@@ -137,7 +137,7 @@ def test_every_value_equals_a_brute_force_computation(
     snapshots: list[int] = []
     real = core_optimizer_state.weight_snapshot
     monkeypatch.setattr(
-        core_optimizer_state, "weight_snapshot", lambda ps: snapshots.append(len(ps)) or real(ps)
+        core_optimizer_state, "weight_snapshot", lambda ps, *a: snapshots.append(len(ps)) or real(ps, *a)
     )
     logger, brute = MemoryLogger(), Brute()
     with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
@@ -170,7 +170,8 @@ def test_plain_sgd_steps_along_the_gradient() -> None:
 
 
 def test_a_large_tensor_is_measured_on_a_sample_within_its_error() -> None:
-    """A 1024 x 600 layer (614 400 entries) is sampled (stride 3): within 1 % of the full computation."""
+    """A 1024 x 600 layer (614 400 entries, over the 65 536-entry limit) is sampled with stride 11: its
+    step size, cosine and moments are within 2 % of the full computation; the small layers stay exact."""
     torch.manual_seed(0)
     logger, brute = MemoryLogger(), Brute()
     model = Model(ADAMW, width=600)
@@ -180,15 +181,20 @@ def test_a_large_tensor_is_measured_on_a_sample_within_its_error() -> None:
     make_trainer([brute, OptimizerMonitor(log_every_n_steps=2)], logger, max_steps=4).fit(
         model, random_loader()
     )
+    families = ("step_size", "update_cosine", "exp_avg_norm", "exp_avg_sq_rms")
     errors = [
         abs(v / brute.truth[s][t] - 1)
         for s, m in logger.calls
         for t, v in m.items()
-        if t in ("optimizer/step_size/net.2", "optimizer/update_cosine/net.2")
+        if t in {f"optimizer/{f}/net.2" for f in families}
     ]
-    assert len(errors) == 6 and max(errors) < 0.01  # log steps 0, 1, 3
+    assert len(errors) == 12 and max(errors) < 0.02  # log steps 0, 1, 3; measured: at most 0.85 %
     assert max(errors) > 1e-5  # it was sampled (the full computation agrees to ~1e-7)
-    assert _check(logger, brute, "exp_avg_norm") == 12  # the moments are read whole: exact
+    for layer in ("net.0", "net.3"):  # under the limit: exact
+        for family in families:
+            for s, m in logger.calls:
+                if (tag := f"optimizer/{family}/{layer}") in m:
+                    assert m[tag] == pytest.approx(brute.truth[s][tag], rel=1e-4, abs=1e-7), (s, tag)
 
 
 # ------------------------------------------------------------------------------------------ skip counters

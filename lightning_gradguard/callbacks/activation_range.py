@@ -72,9 +72,10 @@ class ActivationRangeMonitor(GradGuardCallback):
         max_attention_logit: the ``attention_logit_growth`` ceiling.
         logit_growth_factor: the growth rule's factor (``None``: the ceiling alone).
         growth_window: sampled steps the growth rule looks back over.
-        include, exclude, max_layers: which blocks and attention modules are measured (regular
-            expressions on their names), and a cap on the curves per chart, the largest max abs first
-            (see :class:`~lightning_gradguard.core.layers.LayerSelection`).
+        include: blocks and attention modules whose name matches one of these regular expressions are
+            measured (``None``: all; see :class:`~lightning_gradguard.core.layers.LayerSelection`).
+        exclude: blocks and attention modules whose name matches are not measured.
+        max_layers: a cap on the curves per chart, the largest max abs first (``None``: no cap).
         cooldown_steps: minimum steps between two alerts of the same kind.
 
     Example::

@@ -60,16 +60,16 @@ class DeadReLUMonitor(GradGuardCallback):
     Args:
         every_n_steps: sample one training step in this many (after the first ``window + patience - 1``).
         window: sampled steps a unit must stay silent in to count as dead.
-        threshold: dead fraction of a layer above which it is reported (SageMaker and the classic
-            debugging advice both use 0.5).
+        threshold: dead fraction of a layer above which it is reported (SageMaker's and the classic 0.5).
         patience: consecutive full-window checks above the threshold before the alert.
         check_saturation: also watch sigmoid/tanh saturation.
         saturation_threshold: saturated fraction of a layer above which it is reported.
         log_histograms: write the ``activation_rate/*`` histograms to TensorBoard.
         histogram_bins: buckets of those histograms.
-        include, exclude: the activation layers watched (regular expressions on the names above: the others
-            are not measured); max_layers: a cap on the curves per chart, the most dead layers first (see
-            :class:`~lightning_gradguard.core.layers.LayerSelection`).
+        include: the activation layers watched (regular expressions on the names above; ``None``: all):
+            see :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        exclude: activation layers whose name matches are not watched.
+        max_layers: a cap on the curves per chart, the most dead layers first (``None``: no cap).
         action: ``"warn"`` (default), ``"stop"`` or ``"raise"``, applied to ``dead_relu``.
         cooldown_steps: minimum steps between two alerts for the same layer.
 

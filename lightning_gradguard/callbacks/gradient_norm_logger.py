@@ -28,10 +28,9 @@ from lightning_gradguard.core.grad_norms import (
     NormSample,
     NormSpec,
     clip_setting,
-    norm_charts,
     parse_norm_type,
 )
-from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection, select_reading
+from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection, norm_charts, select_reading
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import step_stats
@@ -60,8 +59,7 @@ class GradientNormLogger(GradGuardCallback):
       ``grad_clip/pre_clip_norm_p50|p90|p99`` and ``grad_clip/suggested_clip_val`` over the last
       ``clip_window`` steps. Under ``gradient_clip_algorithm="norm"`` the pre-clip norm is the total
       2-norm and a step counts as clipped when it exceeds ``gradient_clip_val``; under ``"value"`` it is
-      the largest absolute gradient entry (the infinity norm), since clipping by value changes a step
-      exactly when some ``|g|`` exceeds the value;
+      the largest ``|g|`` (the infinity norm: clipping by value changes a step exactly when it is over);
     * with ``log_noise_scale=True``: ``noise_scale/*``, the critical batch size (McCandlish et al. 2018).
 
     Every ``histogram_every_n_steps`` it also writes TensorBoard histograms ``grad/<param>``,
@@ -87,12 +85,13 @@ class GradientNormLogger(GradGuardCallback):
         log_update_ratio: log ``update_ratio/*`` (keeps a copy of the weights during a logging step).
         histogram_bins: buckets per histogram.
         clip_window: how many recent steps the clipping statistics cover.
-        include, exclude, max_layers: which layers get per-layer tags and histograms (regular
-            expressions on layer names, a cap; totals cover every layer): see
-            :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        include: regular expressions: matching layers get per-layer tags and histograms (``None``: all;
+            totals cover every layer): see :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        exclude: layers whose name matches get none (applied after ``include``).
+        max_layers: a cap on the layers per family, plus ``across_layers`` aggregates (``None``: no cap).
         cooldown_steps: minimum steps between two alerts of the same kind.
-        log_noise_scale: log the gradient noise scale from the micro-batches (accumulation) and the ranks
-            (DDP): a norm per parameter and micro-batch (:mod:`lightning_gradguard.hooks.noise_scale`).
+        log_noise_scale: log the gradient noise scale from the micro-batches and the ranks (one norm per
+            parameter and micro-batch: :mod:`lightning_gradguard.hooks.noise_scale`).
         noise_scale_beta: the decay per optimizer step of the noise scale's two moving averages.
 
     Example::

@@ -60,8 +60,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         spike_factor: a total norm this many times the run's median is a spike (``None``: off).
         growth_factor: a steady rise by more than this factor over ``growth_window`` checks (``None``: off).
         growth_window: checks the growth test looks at.
-        warmup_checks: checks before the spike test has a baseline; also how many recent checks make
-            the current level it is measured against.
+        warmup_checks: checks before the spike test has a baseline (and the checks of its current level).
         history_size: how many recent checked norms the baseline uses.
         depth_ratio_floor: first/last layer norm ratio below which gradients vanish (``None``: off).
         first_layer_floor: ... provided the first layer's norm is also below this.
@@ -71,9 +70,10 @@ class VanishingExplodingDetector(GradGuardCallback):
         log_every_n_steps: ``grad_flow/*`` points on the checked steps Lightning logs on (default: the
             Trainer's; ``0``, here or on the Trainer: none, while the checks and alerts go on).
         log_gradient_flow: log the ``grad_flow/*`` scalars.
-        include, exclude: the layers judged and charted (regular expressions on layer names; the total
-            norm rules see every layer); max_layers: a cap on the ``grad_flow/*`` curves (see
-            :class:`~lightning_gradguard.core.layers.LayerSelection`).
+        include: the layers judged and charted (regular expressions on layer names; ``None``: all; the
+            total norm rules see every layer): see :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        exclude: layers neither judged nor charted.
+        max_layers: a cap on the ``grad_flow/*`` curves (``None``: no cap).
         action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; with ``"stop"``/``"raise"`` under DDP the
             flags are all-reduced before acting, so every rank acts at the same step.
         cooldown_steps: minimum steps between two alerts of the same kind.

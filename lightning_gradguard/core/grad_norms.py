@@ -33,7 +33,7 @@ from lightning_gradguard.functional.stats import (
     layer_names,
     nonfinite_counts,
 )
-from lightning_gradguard.functional.updates import update_norms, update_ratio, weight_snapshot
+from lightning_gradguard.functional.updates import SAMPLE_ENTRIES, update_norms, update_ratio, weight_snapshot
 
 __all__ = [
     "ClipRing",
@@ -44,7 +44,6 @@ __all__ = [
     "NormSample",
     "NormSpec",
     "clip_setting",
-    "norm_charts",
     "parse_norm_type",
     "read_layer_norms",
 ]
@@ -63,30 +62,6 @@ def parse_norm_type(norm_type: Any) -> float:
     if value not in (2.0, math.inf):
         raise ValueError(f"`norm_type` must be 2 or 'inf'; got {norm_type!r}")
     return value
-
-
-def norm_charts(across: str, capped: bool) -> dict[str, list[str]]:
-    """GradientNormLogger's charts in the GradGuard layout; ``capped``: with the ``across`` aggregates."""
-    not_total = rf"(?!total(_opt\d+)?$|{across}/)"  # per-layer charts: no total, no aggregate
-    aggregates = {  # with a cap: what the layers not shown do
-        f"{title} across all layers: min / median / max": [f"{family}/{across}/.*"]
-        for title, family in (("Gradient norm", "grad_norm"), ("Update / weight ratio", "update_ratio"))
-    }
-    return {
-        **(aggregates if capped else {}),
-        "Gradient norm: total": ["grad_norm/total.*"],
-        "Gradient norm per layer": [f"grad_norm/{not_total}.*"],
-        "Weight norm per layer": [f"weight_norm/{not_total}.*"],
-        "Update / weight ratio per layer (healthy ~1e-3: use the log y axis)": [
-            f"update_ratio/{not_total}.*"
-        ],
-        "Gradient clipping: fraction of steps clipped": ["grad_clip/fraction_clipped"],
-        "Gradient clipping: pre-clip norm p50/p90/p99 and suggested clip value": [
-            "grad_clip/pre_clip_norm_.*",
-            "grad_clip/suggested_clip_val",
-        ],
-        "Non-finite gradient entries": ["grad_nonfinite/.*"],
-    }
 
 
 @dataclass(frozen=True)
@@ -177,6 +152,7 @@ class NormSpec:
     update: bool = True
     histogram_bins: int | None = None  # None: no histograms
     histogram_layers: frozenset[str] | None = None  # None: every layer gets histograms
+    sample_entries: int = SAMPLE_ENTRIES  # the update of a larger tensor is measured on a strided sample
 
 
 @dataclass(frozen=True)
@@ -250,7 +226,11 @@ class NormSample:
             self.weight_labels, self.device["weight_layers"] = stats.weight_groups(nt, depth, per_param)
             self.device["weight_total"] = stats.weight_total(nt).reshape(1)
             _, self.weight_index = stats.groups(stats.names, depth, per_param)
-        self.snapshot = weight_snapshot(stats.local_params()) if spec.update and stats.params else None
+        self.snapshot = (
+            weight_snapshot(stats.local_params(), spec.sample_entries)
+            if spec.update and stats.params
+            else None
+        )
         self.histograms = self._histograms() if spec.histogram_bins is not None else {}
 
     def _histograms(self) -> dict[str, Any]:

@@ -24,6 +24,7 @@ __all__ = [
     "LayerSelection",
     "cap_scalars",
     "check_patterns",
+    "norm_charts",
     "select_reading",
     "watched_norms",
 ]
@@ -173,3 +174,27 @@ def cap_scalars(selection: LayerSelection, scalars: Mapping[str, float], family:
     out = {t: v for t, v in scalars.items() if not t.startswith(head) or t[len(head) :] in shown}
     out.update(selection.aggregates(family, values))
     return out
+
+
+def norm_charts(across: str, capped: bool) -> dict[str, list[str]]:
+    """GradientNormLogger's charts in the GradGuard layout; ``capped``: with the ``across`` aggregates."""
+    not_total = rf"(?!total(_opt\d+)?$|{across}/)"  # per-layer charts: no total, no aggregate
+    aggregates = {  # with a cap: what the layers not shown do
+        f"{title} across all layers: min / median / max": [f"{family}/{across}/.*"]
+        for title, family in (("Gradient norm", "grad_norm"), ("Update / weight ratio", "update_ratio"))
+    }
+    return {
+        **(aggregates if capped else {}),
+        "Gradient norm: total": ["grad_norm/total.*"],
+        "Gradient norm per layer": [f"grad_norm/{not_total}.*"],
+        "Weight norm per layer": [f"weight_norm/{not_total}.*"],
+        "Update / weight ratio per layer (healthy ~1e-3: use the log y axis)": [
+            f"update_ratio/{not_total}.*"
+        ],
+        "Gradient clipping: fraction of steps clipped": ["grad_clip/fraction_clipped"],
+        "Gradient clipping: pre-clip norm p50/p90/p99 and suggested clip value": [
+            "grad_clip/pre_clip_norm_.*",
+            "grad_clip/suggested_clip_val",
+        ],
+        "Non-finite gradient entries": ["grad_nonfinite/.*"],
+    }

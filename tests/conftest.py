@@ -157,11 +157,13 @@ def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.Com
     return proc
 
 
-def run_example(name: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run ``examples/<name>`` in ``cwd`` as a user would; it must exit cleanly."""
+def run_example(
+    name: str, cwd: Path, timeout: float = 240, args: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``examples/<name>`` (with ``args``) in ``cwd`` as a user would; it must exit cleanly."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name)],
+        [sys.executable, str(ROOT / "examples" / name), *(args or [])],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,42 @@ def test_lr_find_suggests_applies_and_trains(tmp_path: Path) -> None:
 def test_every_example_has_a_docstring_that_says_how_to_run_it(name: str) -> None:
     text = (EXAMPLES / name).read_text()
     assert text.startswith('"""') and "Run it" in text.split('"""')[1]
+
+
+def test_transformer_signals_shows_and_reads_every_deeper_signal(tmp_path: Path) -> None:
+    """The printed reading agrees with the event file it logged, read back with TensorBoard's reader; the
+    headroom is recomputed here from the logged max |x|, B_simple from the two logged averages."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = run_example("transformer_signals.py", tmp_path, args=["--epochs", "6"]).stdout
+    assert float(out.split("final val accuracy")[1].split()[0]) > 0.8
+    assert "alerts        none" in out
+    events = EventAccumulator(str(tmp_path / "runs" / "transformer_signals" / "version_0"), {"scalars": 0})
+    events.Reload()
+    last = {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"]}
+    families = {tag.rsplit("/", 1)[0] for tag in last}
+    for family in (
+        "noise_scale",
+        "optimizer/step_size",
+        "optimizer/update_cosine",
+        "optimizer/exp_avg_norm",
+        "optimizer/exp_avg_sq_rms",
+        "optimizer/skipped_updates",
+        "activation/max_abs",
+        "activation/kurtosis",
+        "activation/fp16_headroom",
+        "attention/max_logit",
+    ):
+        assert family in families, family
+    b_simple = float(out.split("B_simple = ")[1].split()[0])
+    assert b_simple == pytest.approx(last["noise_scale/b_simple"], rel=1e-3)
+    assert b_simple == pytest.approx(last["noise_scale/trace_sigma"] / last["noise_scale/grad_sq"], rel=1e-3)
+    for line in out.splitlines():
+        if line.startswith("attention     "):
+            module, logit = line.split()[1].rstrip(":"), float(line.split("= ")[1].split(",")[0])
+            assert logit == pytest.approx(last[f"attention/max_logit/{module}"], rel=1e-2), line
+        cells = line.split()
+        if len(cells) == 6 and cells[-1] == "bits" and f"activation/max_abs/{cells[0]}" in last:
+            expected = math.log2(65504 / last[f"activation/max_abs/{cells[0]}"])
+            assert float(cells[4]) == pytest.approx(expected, abs=0.051), line
+    assert sum(line.endswith(" bits") for line in out.splitlines()) >= 4  # embed, two layers, head ...

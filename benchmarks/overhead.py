@@ -46,6 +46,7 @@ from lightning_gradguard import (
     LossSpikeGuard,
     NaNSentinel,
     OptimizerMonitor,
+    StallDetector,
     VanishingExplodingDetector,
 )
 
@@ -150,7 +151,9 @@ class HookClock:
     Each overridden hook of each watched callback is wrapped (an instance attribute, which Lightning
     calls instead of the class method). The step-time ratio includes everything (memory traffic, extra
     syncs, logger I/O); this number isolates the callbacks' own work and is nearly free of run-to-run
-    noise, which matters when the overhead is far below the noise of a whole step.
+    noise, which matters when the overhead is far below the noise of a whole step. The tensor hooks
+    that GradientNormLogger(log_noise_scale=True) puts on the parameters (they run inside the backward
+    pass, once per parameter and micro-batch) are timed too.
     """
 
     def __init__(self, callbacks: Sequence[Callback], clock: Callable[[], float]) -> None:
@@ -160,6 +163,9 @@ class HookClock:
             for name in dir(Callback):
                 if name.startswith("on_") and getattr(type(cb), name) is not getattr(Callback, name):
                     setattr(cb, name, self._wrap(getattr(cb, name)))
+            noise = getattr(cb, "_noise", None)
+            if noise is not None and getattr(noise, "on", False):  # attached at the first batch: wrap now
+                noise._hook = self._wrap(noise._hook)
 
     def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -329,6 +335,10 @@ VARIANTS: dict[str, Variant] = {
         "OptimizerMonitor(log_every_n_steps=1): the cost of one measured step",
         lambda: Setup([OptimizerMonitor(log_every_n_steps=1)], {}, {}),
         default=False,
+    ),
+    "stall_detector": Variant(
+        "StallDetector() (a check every 10 steps: update ratios, clip ratio, loss, labels)",
+        lambda: Setup([StallDetector()], {}, {}),
     ),
     "all_monitors": Variant(
         "GradientNormLogger() + NaNSentinel() + VanishingExplodingDetector() + DeadReLUMonitor()",

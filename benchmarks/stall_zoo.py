@@ -321,6 +321,88 @@ def warmup_then_constant(opt: torch.optim.Optimizer, steps: int) -> Any:
     return torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.01, end_factor=1.0, total_iters=50)
 
 
+def exponential_decay(opt: torch.optim.Optimizer, steps: int) -> Any:
+    return torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.99)
+
+
+def halve_per_epoch(opt: torch.optim.Optimizer, steps: int) -> Any:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def multistep(opt: torch.optim.Optimizer, steps: int) -> Any:
+    return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[200, 400], gamma=0.1)
+
+
+def step_lr_10(opt: torch.optim.Optimizer, steps: int) -> Any:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.1)
+
+
+def jump_50x_at_100(opt: torch.optim.Optimizer, steps: int) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 50.0 if t >= 100 else 1.0)
+
+
+def one_cycle_adam(opt: torch.optim.Optimizer, steps: int) -> Any:
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
+
+
+def warmup_cosine(opt: torch.optim.Optimizer, steps: int) -> Any:
+    def factor(t: int) -> float:
+        return min(1.0, (t + 1) / 60) * 0.5 * (1 + math.cos(math.pi * min(t, steps) / steps))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def _extra_scenarios() -> list[Scenario]:
+    """Written after the detector's first tuning round on the scenarios above: the same seven failures
+    with other optimizers, steps and strengths (each with its twin), and eleven more healthy runs."""
+    sgdm = {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9}
+    pairs = [
+        ("steplr10_adam", "steplr10_adam_epoch", "lr_decayed", 0,
+         "Adam 1e-3; StepLR(step_size=10, gamma=0.1) stepped per step: 1e-6 of base by step 60",
+         {"schedule": step_lr_10}, {"interval": "epoch"}),
+        ("targets_off_by_one_sgd", "targets_aligned_sgd", "chance_level", 0,
+         "SGD 0.05 + momentum 0.9; each batch gets the previous batch's targets",
+         {**sgdm, "targets": "previous_batch"}, {"targets": "aligned"}),
+        ("lr_jump_50x_sgd", "lr_constant_sgd", "lr_jump", 100,
+         "SGD 0.01 + momentum 0.9; the LR x50 from step 100",
+         {**sgdm, "lr": 0.01, "schedule": jump_50x_at_100}, {"schedule": None}),
+        ("zero_grad_before_step_sgd", "zero_grad_before_backward_sgd", "no_update", 0,
+         "SGD 0.05 + momentum 0.9, manual optimization: zero_grad() between manual_backward and step",
+         {**sgdm, "manual": "zero_grad_before_step"}, {"manual": "zero_grad_before_backward"}),
+        ("warmup_in_samples_sgd", "warmup_in_steps_sgd", "warmup_never_ends", 0,
+         "SGD 0.1, batch 64; a 200-step warm-up given in samples (12 800)",
+         {"optimizer": "sgd", "lr": 0.1, "batch": 64, "schedule": linear_warmup(200 * 64)},
+         {"schedule": linear_warmup(200)}),
+        ("clip_tiny_sgd_momentum", "clip_sane_sgd_momentum", "clipped_updates", 0,
+         "SGD 0.05 + momentum 0.9; configure_gradient_clipping clips the norm to 1e-4",
+         {**sgdm, "clip_norm": 1e-4}, {"clip_norm": 1.0}),
+    ]  # fmt: skip
+    out = []
+    for fault, twin, cause, onset, what, kwargs, fixed in pairs:
+        out.append(Scenario(fault, "fault", what, onset=onset, cause=cause, twin=twin, **kwargs))
+        out.append(Scenario(twin, "healthy", f"twin of `{fault}`", twin=fault, **{**kwargs, **fixed}))
+    healthy = [
+        ("exponential_decay", "SGD 0.1 + momentum 0.9, ExponentialLR(0.99) per step: 1/100 of base by step "
+         "460 of 600", {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "schedule": exponential_decay}),
+        ("halve_per_epoch", "SGD 0.1, StepLR halving the LR every epoch (1/100 of base by step 280 of 600)",
+         {"optimizer": "sgd", "lr": 0.1, "schedule": halve_per_epoch, "interval": "epoch"}),
+        ("multistep", "Adam 1e-3, MultiStepLR: x0.1 at steps 200 and 400", {"schedule": multistep}),
+        ("adam_small_lr", "Adam 1e-4: a slow but steady learner", {"lr": 1e-4}),
+        ("sgd_slow", "plain SGD 0.01: a slow but steady learner", {"optimizer": "sgd", "lr": 0.01}),
+        ("big_batch", "Adam 3e-3, batch 256", {"lr": 3e-3, "batch": 256}),
+        ("one_cycle_adam", "Adam, OneCycleLR up to 3e-3", {"schedule": one_cycle_adam}),
+        ("warmup_cosine", "AdamW 3e-3, 60-step warm-up, then a cosine to 0",
+         {"optimizer": "adamw", "lr": 3e-3, "schedule": warmup_cosine}),
+        ("frozen_backbone_sgd", "SGD 0.1 + momentum 0.9 on the last layer only",
+         {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "freeze_backbone": True}),
+        ("clip_sane_adam", "Adam 1e-3, configure_gradient_clipping to norm 1", {"clip_norm": 1.0}),
+        ("warmup_half_run", "Adam 1e-3, a linear warm-up over the first 300 of 600 steps",
+         {"schedule": linear_warmup(300)}),
+    ]  # fmt: skip
+    out += [Scenario(name, "healthy", what, steps=600, **kwargs) for name, what, kwargs in healthy]
+    return out
+
+
 def _scenarios() -> dict[str, Scenario]:
     out = [
         # 1: StepLR meant per epoch, stepped per optimizer step
@@ -518,6 +600,7 @@ def _scenarios() -> dict[str, Scenario]:
             lr=2e-3,
             schedule=warmup_then_constant,
         ),
+        *_extra_scenarios(),
     ]
     return {s.name: s for s in out}
 
@@ -719,7 +802,12 @@ def twins_markdown(rows: Sequence[TwinRow], seeds: int) -> str:
     for row in rows:
         sc = row.scenario
         if sc.kind == "fault":
-            cells = [str(sc.issue), f"`{sc.name}` ({sc.cause}, {sc.onset})", _cell(row.bug), _cell(row.fixed)]
+            cells = [
+                str(sc.issue or "-"),
+                f"`{sc.name}` ({sc.cause}, {sc.onset})",
+                _cell(row.bug),
+                _cell(row.fixed),
+            ]
             out.append("| " + " | ".join([*cells, f"`{sc.twin}`", "yes" if row.proven else "**NO**"]) + " |")
     healthy = [row for row in rows if row.scenario.kind == "healthy"]
     if healthy:
@@ -825,7 +913,7 @@ def detect_markdown(results: Mapping[str, list[Detection]], spec: str) -> str:
             continue
         found = sum(d.first_step is not None for d in dets)
         cells = [
-            str(sc.issue),
+            str(sc.issue or "-"),
             f"`{name}`",
             str(sc.cause),
             str(sc.onset),

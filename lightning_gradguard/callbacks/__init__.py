@@ -7,6 +7,7 @@ from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogge
 from lightning_gradguard.callbacks.loss_spike import LossSpikeGuard
 from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
 from lightning_gradguard.callbacks.optimizer_monitor import OptimizerMonitor
+from lightning_gradguard.callbacks.stall import StallDetector
 from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.preflight import (
@@ -32,6 +33,7 @@ __all__ = [
     "OptimizerMonitor",
     "OverfitBatchSanity",
     "OverfitResult",
+    "StallDetector",
     "VanishingExplodingDetector",
     "gradient_check",
     "lr_find",

@@ -191,3 +191,88 @@ def test_the_html_report_opens_with_every_image_and_no_console_error(
     assert "NaNSentinel" in text and "nonfinite_loss at step 7" in text and run.alerts[0].hint[:40] in text
     screenshot(driver, tmp_path / "report.png")
     assert console_errors(driver) == []
+
+
+# ------------------------------------------------------------------------------------- the deeper signals
+SIGNAL_CHARTS = {
+    "Critical batch size (B_simple) vs the batch in use",
+    "Gradient noise scale terms: smoothed norm(G)^2 and tr(Sigma) (use the log y axis)",
+    "Optimizer step size (update norm / lr): total",
+    "Optimizer step size (update norm / lr) per layer",
+    "cos(update, -gradient) per layer and total (1 = plain SGD)",
+    "Adam RMS of sqrt(v_hat) per layer, to compare with eps (use the log y axis)",
+    "Skipped optimizer updates by cause (cumulative)",
+    "Activations: max abs per block (use the log y axis)",
+    "Activations: kurtosis per block (Gaussian = 3)",
+    "Activations: fp16 headroom per block in bits (0 = overflow)",
+    "Attention: largest logit per attention module",
+    "Stalled learning: training loss vs the chance level",
+    "Stalled learning: median update/weight ratio and clip ratio (use the log y axis)",
+}
+
+
+def test_the_deeper_signals_draw_their_charts(driver: Any, tmp_path: Path) -> None:
+    """The demo transformer (examples/transformer_signals.py) for 44 optimizer steps of 4 micro-batches,
+    with the noise scale, OptimizerMonitor, ActivationRangeMonitor and StallDetector measuring every
+    other step: every chart of theirs that the run fills is drawn, with lines, in a real TensorBoard."""
+    import sys
+
+    import lightning.pytorch as pl
+    from conftest import ROOT
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_gradguard import (
+        ActivationRangeMonitor,
+        GradientNormLogger,
+        OptimizerMonitor,
+        StallDetector,
+    )
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import transformer_signals as demo
+
+    pl.seed_everything(0, verbose=False)
+    train, _ = demo.digits_sequences()
+    callbacks = [
+        GradientNormLogger(log_every_n_steps=2, histogram_every_n_steps=22, log_noise_scale=True),
+        OptimizerMonitor(log_every_n_steps=2),
+        ActivationRangeMonitor(every_n_steps=2),
+        StallDetector(check_every_n_steps=2),
+    ]
+    logdir = tmp_path / "tb"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=44,
+        accumulate_grad_batches=4,
+        logger=TensorBoardLogger(str(logdir), name="signals", version="v0", default_hp_metric=False),
+        callbacks=callbacks,
+        log_every_n_steps=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(demo.DigitsTransformer(), train)
+    declared = set(GradGuardCallback._layout(trainer))
+    assert declared >= SIGNAL_CHARTS
+    with tensorboard(logdir) as server:
+        open_page(driver, server.url + "/#custom_scalars")
+
+        def drawn() -> dict[str, Any] | None:
+            page = custom_scalar_charts(driver)
+            if not page or not set(page["charts"]) >= SIGNAL_CHARTS:
+                return None
+            return page if all(page["charts"][t]["lines"] for t in SIGNAL_CHARTS) else None
+
+        try:
+            page = wait_until(drawn, PAGE_TIMEOUT_S, "the deeper signals' charts drawn")
+        finally:
+            screenshot(driver, tmp_path / "signals.png")
+    for title in SIGNAL_CHARTS:
+        chart = page["charts"][title]
+        assert chart["lines"] > 0 and chart["segments"] + chart["symbols"] > 0, (title, chart)
+    # every chart left in the layout (the empty ones are dropped at the end of fit) carries data
+    for title, chart in page["charts"].items():
+        assert chart["lines"] > 0, (title, chart)
+    attention = page["charts"]["Attention: largest logit per attention module"]["text"]
+    assert "attention/max_logit/encoder.layers.0.self_attn" in attention
+    assert console_errors(driver) == []

@@ -38,6 +38,7 @@ from lightning_gradguard import (
     NaNSentinel,
     OptimizerMonitor,
     OverfitBatchSanity,
+    StallDetector,
     VanishingExplodingDetector,
     gradient_check,
 )
@@ -171,6 +172,16 @@ BAD: list[tuple[type, dict[str, Any], type[Exception], str]] = [
     (ActivationRangeMonitor, {"include": 3}, TypeError, "include"),
     (ActivationRangeMonitor, {"max_layers": 0}, ValueError, "max_layers"),
     (ActivationRangeMonitor, {"cooldown_steps": -1}, ValueError, "cooldown_steps"),
+    (StallDetector, {"check_every_n_steps": 0}, ValueError, "check_every_n_steps"),
+    (StallDetector, {"check_every_n_steps": 1.5}, TypeError, "check_every_n_steps"),
+    (StallDetector, {"patience": 0}, ValueError, "patience"),
+    (StallDetector, {"num_classes": 1}, ValueError, "num_classes"),
+    (StallDetector, {"collapse_factor": 1.0}, ValueError, "collapse_factor"),
+    (StallDetector, {"clip_factor": "100"}, TypeError, "clip_factor"),
+    (StallDetector, {"lr_jump_factor": 0.5}, ValueError, "lr_jump_factor"),
+    (StallDetector, {"warmup_lr_fraction": 1.5}, ValueError, "warmup_lr_fraction"),
+    (StallDetector, {"plateau_checks": 0}, ValueError, "plateau_checks"),
+    (StallDetector, {"action": "skip"}, ValueError, "action"),
 ]
 
 
@@ -325,6 +336,7 @@ def test_every_callback_has_a_state_key_from_its_identifying_arguments() -> None
         (LRFinderPlus(), LRFinderPlus(milestones=[0, 5])),
         (GradientCheck(), GradientCheck(modules=["net.0"])),
         (OptimizerMonitor(), OptimizerMonitor(log_every_n_steps=10)),
+        (StallDetector(), StallDetector(check_every_n_steps=5)),
     ]
     for a, b in pairs:
         assert a.state_key != b.state_key, type(a).__name__

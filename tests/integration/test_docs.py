@@ -26,6 +26,7 @@ from lightning_gradguard import (
     NaNSentinel,
     OptimizerMonitor,
     OverfitBatchSanity,
+    StallDetector,
     VanishingExplodingDetector,
     functional,
     gradient_check,
@@ -45,6 +46,7 @@ TABLES: list[tuple[Any, str, str, set[str], set[str]]] = [
     (VanishingExplodingDetector, "detectors.md", "## VanishingExplodingDetector", set(), set()),
     (DeadReLUMonitor, "detectors.md", "## DeadReLUMonitor", set(), set()),
     (ActivationRangeMonitor, "activations.md", "## Arguments", set(), set()),
+    (StallDetector, "stall.md", "## Arguments", set(), set()),
     (LRFinderPlus, "lr_finder.md", "## Arguments", set(), set()),
     (
         lr_find,
@@ -154,6 +156,9 @@ def test_every_tag_family_a_run_writes_is_in_the_tag_reference(tmp_path: Path) -
         VanishingExplodingDetector(),
         DeadReLUMonitor(),
         NaNSentinel(),
+        OptimizerMonitor(),
+        ActivationRangeMonitor(),
+        StallDetector(check_every_n_steps=2),
     ]
     model = RecordingMLP()
     model.net[1] = torch.nn.ReLU()
@@ -168,6 +173,7 @@ def test_every_tag_family_a_run_writes_is_in_the_tag_reference(tmp_path: Path) -
     families = {t.split("/")[0] + "/" for t in ours if "/" in t}
     text = (DOCS / "tags.md").read_text(encoding="utf-8")
     assert families >= {"grad_norm/", "grad_clip/", "grad_flow/", "dead_relu/", "lr_finder/", "preflight/"}
+    assert families >= {"optimizer/", "activation/", "stall/"}
     undocumented = sorted(f for f in families if f"`{f}" not in text)
     assert not undocumented
     for tag in ("grad_clip/fraction_clipped", "lr_finder/suggested_lr", "preflight/overfit_loss"):

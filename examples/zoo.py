@@ -328,7 +328,7 @@ CASES: list[Case] = [
     Case(
         "lr_jump",
         lr_jump,
-        ("exploding_gradient",),
+        ("exploding_gradient", "lr_jump"),
         "ReLU MLP, SGD lr 0.05 then x200 at step 40",
         onset=40,
         steps=60,
@@ -418,7 +418,7 @@ def run_case(
 # ---------------------------------------------------------------------------------------------- detection
 @dataclass
 class Result:
-    """What the two detectors said about one case, at their default arguments."""
+    """What the detectors said about one case, at their default arguments."""
 
     case: Case
     alerts: list[Any]
@@ -446,12 +446,13 @@ class Result:
 
 
 def detect(case: Case, root_dir: str | None = None) -> Result:
-    """Train ``case`` with ``VanishingExplodingDetector()`` and ``DeadReLUMonitor()`` at defaults."""
+    """Train ``case`` with ``VanishingExplodingDetector()``, ``DeadReLUMonitor()`` and ``StallDetector()``
+    at their defaults."""
     import time
 
-    from lightning_gradguard import DeadReLUMonitor, VanishingExplodingDetector
+    from lightning_gradguard import DeadReLUMonitor, StallDetector, VanishingExplodingDetector
 
-    detectors = [VanishingExplodingDetector(), DeadReLUMonitor()]
+    detectors = [VanishingExplodingDetector(), DeadReLUMonitor(), StallDetector()]
     start = time.perf_counter()
     trainer = run_case(case, list(detectors), root_dir=root_dir)
     seconds = time.perf_counter() - start

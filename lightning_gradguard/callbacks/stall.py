@@ -183,7 +183,9 @@ class StallDetector(GradGuardCallback):
         self._emit(trainer, check)
         alerts = []
         for f in found:
-            alert = self.report(trainer, f.kind, "warning", None, f.message, f.hint, f.data, step=check.step)
+            alert = self.report(
+                trainer, f.kind, "warning", f.where, f.message, f.hint, f.data, step=check.step
+            )
             if alert is not None:
                 alerts.append(alert)
         self.act(trainer, alerts)

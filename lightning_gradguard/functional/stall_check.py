@@ -13,7 +13,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["HINTS", "StallCheck", "StallFinding", "StallRules", "batch_purity", "label_entropy", "spread"]
+__all__ = [
+    "HINTS",
+    "WHERE",
+    "StallCheck",
+    "StallFinding",
+    "StallRules",
+    "batch_purity",
+    "label_entropy",
+    "spread",
+]
 
 
 @dataclass(frozen=True)
@@ -95,12 +104,30 @@ class StallCheck:
 
 @dataclass(frozen=True)
 class StallFinding:
-    """A rule that holds, in words."""
+    """A rule that holds, in words; ``where`` names what to look at (its :data:`WHERE` entry)."""
 
     kind: str
     message: str
     hint: str
     data: dict[str, float]
+
+    @property
+    def where(self) -> str:
+        return WHERE.get(self.kind, "training")
+
+
+#: what each finding points at: the alert's ``where``
+WHERE: dict[str, str] = {
+    "no_update": "optimizer step",
+    "clipped_updates": "gradient clipping",
+    "lr_decayed": "lr_scheduler",
+    "updates_collapsed": "updates",
+    "chance_level": "training loss",
+    "loss_plateau": "training loss",
+    "lr_jump": "lr_scheduler",
+    "warmup_never_ends": "lr_scheduler",
+    "sorted_labels": "train_dataloader",
+}
 
 
 def label_entropy(counts: Sequence[float]) -> float:

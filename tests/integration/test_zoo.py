@@ -1,7 +1,7 @@
 """The zoo: every broken network raises its alert within a few steps, no healthy one raises anything.
 
 Real Lightning runs (examples/zoo.py holds the catalogue, shared with examples/broken_networks.py),
-both detectors at their DEFAULT arguments.
+the gradient detector, DeadReLUMonitor and StallDetector at their DEFAULT arguments.
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
 from lightning_gradguard.core.state import strict_mode
 from lightning_gradguard.core.transfer import HostTransfer
@@ -49,8 +48,7 @@ from lightning_gradguard.functional.activation_range import (
 )
 from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.functional.tree import tensors_in
-from lightning_gradguard.hooks.capture import NextCall
-from lightning_gradguard.hooks.modules import Uncompiled
+from lightning_gradguard.hooks.capture import ScopedHooks
 
 __all__ = ["OUTSIDE", "CaptureReading", "RangeCapture", "find_blocks", "read_capture"]
 
@@ -140,7 +138,7 @@ def _sdpa_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, 
     return named
 
 
-class RangeCapture:
+class RangeCapture(ScopedHooks):
     """Block output moments and largest attention logits of the forward passes inside its scopes.
 
     Args:
@@ -163,31 +161,22 @@ class RangeCapture:
         attention: bool = True,
         watch_attention: Callable[[str], bool] | None = None,
     ) -> None:
+        super().__init__(model)
         self.model = model
         self.attention_on = attention
         self.watch_attention = watch_attention
         self.moments: dict[str, list[Tensor]] = {}
         self.logits: dict[str, list[Tensor]] = {}
         self.error: Exception | None = None
-        self.left_inert = False
-        self.capturing = False
         self._blocks = {id(m): name for name, m in blocks.items()}
         self._names: dict[int, str] = {}
         self._stack: list[str] = []
-        self._handles: list[RemovableHandle] = []
-        self._mode: _Mode | None = None
-        self._next_call: NextCall | None = None
-        self._eager = Uncompiled(model)
         self._open = False
 
     @property
     def active(self) -> bool:
         """A scope is open, or waiting for the call :meth:`around_next_call` named."""
         return self._open or self._next_call is not None
-
-    def around_next_call(self, owner: Any, name: str) -> None:
-        """Open a scope around the next call of ``owner.<name>`` only."""
-        self._next_call = NextCall(owner, name, self)
 
     def __enter__(self) -> RangeCapture:
         if self._open:
@@ -205,29 +194,10 @@ class RangeCapture:
         self.capturing = self.error is None
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     def close(self) -> None:
         """End the current scope now (idempotent): the mode, the hooks and a pending next call go."""
-        self.capturing = False
-        if self._next_call is not None:
-            self._next_call.remove()
-            self._next_call = None
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._eager.close()
         self._open = False
-        mode, self._mode = self._mode, None
-        if mode is None:
-            return
-        mode.live = False
-        current = getattr(torch.overrides, "_get_current_function_mode", lambda: mode)()
-        if current is mode:
-            mode.__exit__(None, None, None)
-        else:  # a mode entered after ours is still active: leave ours inert rather than pop theirs
-            self.left_inert = True
+        self._release()
 
     # ------------------------------------------------------------------ during the forward pass
     def _pre_hook(self, module: nn.Module, args: Any) -> None:

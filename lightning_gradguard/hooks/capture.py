@@ -125,7 +125,60 @@ class _Mode(TorchFunctionMode):
         return out
 
 
-class ActivationCapture(AbstractContextManager["ActivationCapture"]):
+class ScopedHooks(AbstractContextManager[Any]):
+    """What a capture scope holds and lets go: global module hooks, a ``TorchFunctionMode``, the eager
+    stance for a compiled model (:class:`~lightning_gradguard.hooks.modules.Uncompiled`) and a pending
+    :class:`NextCall`. Subclasses open them in ``__enter__``; :meth:`close` (also ``__exit__``) removes
+    them all, idempotently.
+
+    Attributes:
+        capturing: the scope is open and measuring.
+        left_inert: another ``TorchFunctionMode`` entered after ours was still active when a scope ended:
+            ours was left on the stack, inert, rather than popping theirs.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.capturing = False
+        self.left_inert = False
+        self._next_call: NextCall | None = None
+        self._mode: Any = None  # the subclass's TorchFunctionMode while a scope is open (with ``live``)
+        self._handles: list[RemovableHandle] = []
+        self._eager = Uncompiled(model)
+
+    def around_next_call(self, owner: Any, name: str) -> None:
+        """Open a scope around the next call of ``owner.<name>`` only (:class:`NextCall`)."""
+        self._next_call = NextCall(owner, name, self)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the current scope now (idempotent): the mode, the hooks and a pending next call go."""
+        self._release()
+
+    def _release(self) -> bool:
+        """Remove everything; ``False`` when the mode had to be left inert (see ``left_inert``)."""
+        self.capturing = False
+        if self._next_call is not None:
+            self._next_call.remove()
+            self._next_call = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._eager.close()
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return True
+        mode.live = False
+        current = getattr(torch.overrides, "_get_current_function_mode", lambda: mode)()
+        if current is mode:
+            mode.__exit__(None, None, None)
+            return True
+        self.left_inert = True  # a mode entered after ours is still active: leave ours, not pop theirs
+        return False
+
+
+class ActivationCapture(ScopedHooks):
     """Records the watched activations of ``model``'s forward passes inside ``with capture:``.
 
     Each scope is one forward pass (names with ``#2`` restart in each); the records of successive scopes
@@ -161,15 +214,10 @@ class ActivationCapture(AbstractContextManager["ActivationCapture"]):
         self.watch = watch  # which layer names are measured (None: all)
         self.check_saturation = check_saturation
         self.warn = warn
+        super().__init__(model)
         self.records: dict[str, UnitCounts] = {}
         self.outside_seen = False
         self.error: Exception | None = None
-        self.left_inert = False
-        self.capturing = False
-        self._next_call: NextCall | None = None
-        self._mode: _Mode | None = None
-        self._handles: list[RemovableHandle] = []
-        self._eager = Uncompiled(model)
         self._names: dict[int, str] = {}
         # modules whose forward is running: [name, is an activation module, last child that finished]
         self._stack: list[list[Any]] = []
@@ -196,36 +244,9 @@ class ActivationCapture(AbstractContextManager["ActivationCapture"]):
         self.capturing = self.error is None
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def around_next_call(self, owner: Any, name: str) -> None:
-        """Open a scope around the next call of ``owner.<name>`` only (:class:`NextCall`)."""
-        self._next_call = NextCall(owner, name, self)
-
     def close(self) -> None:
         """End the current scope now (idempotent): the mode, the hooks and a pending next call go."""
-        self.capturing = False
-        if self._next_call is not None:
-            self._next_call.remove()
-            self._next_call = None
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._eager.close()
-        mode, self._mode = self._mode, None
-        if mode is None:
-            return
-        mode.live = False
-        current = (
-            torch.overrides._get_current_function_mode()
-            if hasattr(torch.overrides, "_get_current_function_mode")
-            else mode
-        )
-        if current is mode:
-            mode.__exit__(None, None, None)
-        else:  # a mode entered after ours is still active: leave ours inert rather than pop theirs
-            self.left_inert = True
+        if not self._release():
             self._say("mode_order", MODE_ORDER)
         if self.outside_seen:
             self._say("outside_modules", OUTSIDE_MODULES)

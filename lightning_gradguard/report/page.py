@@ -24,11 +24,14 @@ MONITORS: dict[str, tuple[str, ...]] = {
     "OverfitBatchSanity": ("preflight/",),
     "GradientCheck": (),
     "LRFinderPlus": ("lr_finder/",),
-    "GradientNormLogger": ("grad_norm/", "weight_norm/", "update_ratio/", "grad_clip/"),
+    "GradientNormLogger": ("grad_norm/", "weight_norm/", "update_ratio/", "grad_clip/", "noise_scale/"),
     "VanishingExplodingDetector": ("grad_flow/",),
     "DeadReLUMonitor": ("dead_relu/", "saturated/"),
     "NaNSentinel": (),
     "LossSpikeGuard": ("spike/",),
+    "OptimizerMonitor": ("optimizer/",),
+    "ActivationRangeMonitor": ("activation/", "attention/"),
+    "StallDetector": ("stall/",),
 }
 _RANK = {"info": 0, "warning": 1, "error": 2, "critical": 3}
 

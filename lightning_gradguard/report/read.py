@@ -37,6 +37,11 @@ GRADGUARD_PREFIXES = (
     "lr_finder/",
     "preflight/",
     "alerts/",
+    "noise_scale/",
+    "optimizer/",
+    "activation/",
+    "attention/",
+    "stall/",
 )
 
 

@@ -160,3 +160,25 @@ def test_without_matplotlib_the_message_names_the_extra(
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit, match=r"lightning-gradguard\[report\]"):
         build_report(healthy_run[0])
+
+
+def test_the_newer_monitors_get_verdicts_and_their_tags_are_not_taken_for_the_loss(tmp_path: Path) -> None:
+    """A run that never learns (labels drawn at random, plain SGD at a far too small LR) with
+    StallDetector, OptimizerMonitor and ActivationRangeMonitor: each has a verdict line, StallDetector's
+    names its first finding, and the loss line is the model's ``train_loss``, not ``stall/loss``."""
+    from lightning_gradguard import ActivationRangeMonitor, OptimizerMonitor, StallDetector
+
+    torch.manual_seed(0)
+    model = RecordingMLP(lr=1e-4)
+    callbacks = [StallDetector(num_classes=4), OptimizerMonitor(), ActivationRangeMonitor()]
+    log_dir = _fit(tmp_path, model, callbacks, random_loader(n=1600), max_steps=120, log_every_n_steps=5)
+    stall = callbacks[0]
+    assert stall.alerts, "the stalled run must be flagged for this test to mean anything"
+    run = read_run(find_run(log_dir))
+    found = {v.monitor: v for v in verdicts(run)}
+    assert {"StallDetector", "OptimizerMonitor", "ActivationRangeMonitor"} <= set(found)
+    first = found["StallDetector"].first
+    assert found["StallDetector"].status == "warning" and first is not None
+    assert (first["kind"], first["step"]) == (stall.alerts[0].kind, stall.alerts[0].step)
+    assert run.loss_tag == "train_loss"
+    assert any(line.split()[:2] == ["StallDetector", "warning"] for line in summary_lines(run))

@@ -11,8 +11,11 @@
 * ``tree``: the tensors in nested batches and outputs;
 * ``lr_suggest``: the LR range test's sweep, smoothing, divergence rule and suggestions;
 * ``clipping`` (clip-window statistics), ``updates`` (update/weight ratios), ``gradient_verdict`` (the
-  exploding/vanishing rules on host numbers) and ``activations`` (dead-unit windows and verdicts): the
-  rules under the monitors, importable by module; their names are not re-exported here.
+  exploding/vanishing rules on host numbers), ``activations`` (dead-unit windows and verdicts),
+  ``optimizer_state`` (step size, update cosine, Adam's moments), ``noise_scale`` (the gradient noise
+  scale's estimator and averages), ``activation_range`` (block output moments, fp16 headroom, the
+  largest attention logit) and ``stall`` / ``stall_check`` (the stalled-learning rules): the rules under
+  the monitors, importable by module; their names are not re-exported here.
 
 Example::
 

@@ -27,8 +27,8 @@ from torch import Tensor
 from lightning_gradguard.core.grad_norms import NormSample, NormSpec
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.functional.stats import foreach_norms
-from lightning_gradguard.functional.updates import sampled, update_ratio, weight_snapshot
+from lightning_gradguard.functional.stats import foreach_norms, reduce_norms
+from lightning_gradguard.functional.updates import update_norms, update_ratio, weight_snapshot
 
 __all__ = ["MAX_CLASSES", "StallProbe", "StallReading", "class_targets", "lr_configured", "lr_now"]
 
@@ -106,32 +106,30 @@ class _UpdateSample:
 
     def __init__(self, stats: StepStats, automatic: bool) -> None:
         self.params = stats.local_params()
-        self.labels, self.index = stats.groups(stats.names, None, False)
+        self.labels, index = stats.groups(stats.names, None, False)
         self.snapshot = weight_snapshot(self.params, SAMPLE_ENTRIES)
-        scales = torch.tensor(self.snapshot.scales, dtype=torch.float32)
-        self.scales = scales.to(self.snapshot.values[0].device) if self.snapshot.values else scales
-        self.weight_sq = foreach_norms(self.snapshot.values).square() * self.scales
+        device = self.params[0].device
+        self.index = torch.tensor(index, dtype=torch.long, device=device)
+        scales = torch.tensor([math.sqrt(k) for k in self.snapshot.scales], device=device)
+        weights = foreach_norms(self.snapshot.values) * scales  # the sampled norms, scaled up
+        self.weight_layers = reduce_norms(weights, self.index, len(self.labels))
         self.graded = [p for p in stats.params if p.grad is not None]
         raw = [p.grad for p in self.graded]
         self.raw = foreach_norms(_heads(raw)).norm().reshape(1) if automatic and raw else None  # type: ignore[arg-type]
 
     def queue(self, transfer: HostTransfer) -> None:
-        update = torch._foreach_sub(self.snapshot.values, sampled(self.params, self.snapshot.strides))
-        transfer.add("update_sq", foreach_norms(update).square() * self.scales)
-        transfer.add("weight_sq", self.weight_sq)
+        update = update_norms(self.snapshot, self.params, self.index, len(self.labels))
+        transfer.add("update_layers", update.layers)
+        transfer.add("update_total", update.total)
+        transfer.add("weight_layers", self.weight_layers)
         used = [p.grad for p in self.graded if p.grad is not None]
         if self.raw is not None and len(used) == len(self.graded):  # .grad: what the optimizer used
             transfer.add("clip", torch.cat([self.raw, foreach_norms(_heads(used)).norm().reshape(1)]))
 
     def read(self, host: dict[Any, Tensor], reading: StallReading) -> None:
-        update, weight = host["update_sq"].tolist(), host["weight_sq"].tolist()
-        layers: dict[str, list[float]] = {}
-        for i, j in enumerate(self.index):
-            acc = layers.setdefault(self.labels[j], [0.0, 0.0])
-            acc[0] += update[i]
-            acc[1] += weight[i]
-        reading.update_ratios = {k: update_ratio(math.sqrt(u), math.sqrt(w)) for k, (u, w) in layers.items()}
-        reading.update_total = math.sqrt(sum(update))
+        pairs = zip(self.labels, host["update_layers"].tolist(), host["weight_layers"].tolist(), strict=True)
+        reading.update_ratios = {label: update_ratio(u, w) for label, u, w in pairs}
+        reading.update_total = float(host["update_total"][0])
         if "clip" in host:
             raw, used = (float(x) for x in host["clip"])
             reading.clip_ratio = used / raw if raw > 0 and math.isfinite(raw) else None

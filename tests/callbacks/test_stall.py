@@ -307,3 +307,26 @@ def test_the_update_ratios_it_judges_are_the_layers_own() -> None:
     median = sorted(check.update_ratios.values())
     assert detector.last_logged["stall/update_ratio_median"] == pytest.approx((median[0] + median[1]) / 2)
     assert detector.last_logged["stall/clip_ratio"] == pytest.approx(1.0)  # no clipping here
+
+
+class RawLosses(Digits):
+    """Records each micro-batch's loss as training_step returns it, by optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw: list[tuple[int, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.raw.append((self.trainer.global_step, float(loss)))
+        return loss
+
+
+def test_under_accumulation_the_check_loss_is_the_mean_of_the_micro_batch_losses() -> None:
+    """Lightning hands on_train_batch_end the loss divided by accumulate_grad_batches: the check's loss
+    is the mean of the losses training_step returned since the previous check, not a third of it."""
+    model, detector = RawLosses(), StallDetector(check_every_n_steps=5)
+    make_trainer([detector], max_steps=10, max_epochs=-1, accumulate_grad_batches=3).fit(model, loader())
+    since = [loss for step, loss in model.raw if 4 < step <= 9]
+    assert len(since) == 15
+    assert detector.last_logged["stall/loss"] == pytest.approx(sum(since) / len(since), rel=1e-5)

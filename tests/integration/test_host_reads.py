@@ -102,7 +102,7 @@ def test_no_host_read_on_a_step_the_monitor_does_not_measure(name: str) -> None:
     assert all(n >= 0 for n in extra.values()), extra
 
 
-def test_the_detector_reads_only_on_its_checks() -> None:
+def test_the_detector_reads_on_each_of_its_dense_first_checks() -> None:
     """VanishingExplodingDetector checks every step for 20 steps, so here: reads on every step."""
     bare = _reads([])
     ours = _reads([VanishingExplodingDetector()])

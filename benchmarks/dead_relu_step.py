@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overhead import ModelConfig, StepTimer, TinyEncoder, make_loader, quiet
 
-from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
+from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
 
 
 def fit(cfg: ModelConfig, steps: int, monitor: DeadReLUMonitor | None, clock: str = "cpu") -> list[float]:

@@ -58,6 +58,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from lightning_gradguard import lr_find
 from lightning_gradguard.functional.lr_suggest import (
     SUGGESTION_METHODS,
     centered_smooth,
@@ -66,7 +67,6 @@ from lightning_gradguard.functional.lr_suggest import (
     suggest_steep,
     suggest_valley,
 )
-from lightning_gradguard.tuner import lr_find
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import adam, adamw, digits_cnn, digits_mlp, sgd

@@ -22,6 +22,7 @@ from lightning_gradguard.alerts import ACTIONS, Alert, GradGuardError, JsonlSink
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.state import strict_mode, trainer_state, warn_once
+from lightning_gradguard.core.stats import clear_step_stats
 from lightning_gradguard.core.validate import check_choice, check_int
 
 __all__ = ["ALERT_TEXT_TAG", "GradGuardCallback", "gradguard_callbacks", "guarded"]
@@ -94,28 +95,9 @@ class GradGuardCallback(Callback):
         (two ``GradientNormLogger`` with other cadences, two ``LRFinderPlus`` with other milestones) are
         saved side by side and each resumes its own state. The identifying arguments are listed in
         ``state_key_args``; changing one of them between a run and its resume starts that callback's state
-        afresh. A checkpoint written before state keys existed (keyed by the class name) still loads
-        into the one instance of the class (see :meth:`on_load_checkpoint`).
+        afresh.
         """
         return self._generate_state_key(**{name: getattr(self, name) for name in self.state_key_args})
-
-    @override
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """Read a checkpoint written before our callbacks had state keys (lightning_gradguard 0.1.0).
-
-        Such a checkpoint keeps this callback's state under the class name, which Lightning would not
-        find under :attr:`state_key`: a resume would silently start the callback afresh (a finished LR
-        sweep run again, the pre-flight checks repeated). When this is the trainer's only instance of the
-        class, the state is handed over under the new key before Lightning loads it.
-        """
-        states = checkpoint.get("callbacks")
-        legacy = type(self).__qualname__
-        if not isinstance(states, dict) or self.state_key in states or legacy not in states:
-            return
-        if sum(type(cb) is type(self) for cb in trainer.callbacks) == 1:  # type: ignore[attr-defined]
-            states[self.state_key] = states[legacy]
 
     # ------------------------------------------------------------------ layout
     def layout_charts(self) -> dict[str, list[str]]:
@@ -149,7 +131,7 @@ class GradGuardCallback(Callback):
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """The last step's shared statistics hold its gradients: drop them, so ``zero_grad(set_to_none)``
         frees the gradients before the next backward allocates new ones (else the peak holds both)."""
-        trainer_state(trainer).stats.clear()
+        clear_step_stats(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

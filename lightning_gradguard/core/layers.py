@@ -12,21 +12,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
-from lightning_gradguard.core.grad_norms import LayerNorms, NormReading
 from lightning_gradguard.core.validate import check_int
-from lightning_gradguard.functional.layers import LayerPatterns, choose_layers, log_distance_scores, spread
+from lightning_gradguard.functional.layers import LayerPatterns, choose_layers, spread
 
 __all__ = [
     "ACROSS_LAYERS",
     "LayerSelection",
     "cap_scalars",
     "check_patterns",
-    "norm_charts",
-    "select_reading",
-    "watched_norms",
 ]
 
 #: the tag part of the aggregates over all watched layers: ``grad_norm/across_layers/median``
@@ -121,48 +116,6 @@ class LayerSelection:
         return frozenset(names[i] for i in choose_layers([0.0] * len(names), self.max_layers))
 
 
-def select_reading(reading: NormReading, selection: LayerSelection, suffix: str = "") -> dict[str, float]:
-    """The scalars of a GradientNormLogger reading, for the layers ``selection`` shows, and its aggregates.
-
-    Totals always cover every parameter of the optimizer. With a cap the layers are chosen on how far
-    their gradient norm and update ratio lie from the other layers' (:func:`log_distance_scores`) and
-    the same layers are shown in every family.
-    """
-    if not selection.filters and selection.max_layers is None:
-        return reading.scalars(suffix)
-    grads = selection.keep(reading.grad_layers)
-    scores = log_distance_scores(list(grads.values()))
-    if reading.update_ratios:
-        ratios = log_distance_scores([reading.update_ratios.get(n, 1.0) for n in grads])
-        scores = [max(a, b) for a, b in zip(scores, ratios, strict=True)]
-    shown = selection.show(list(grads), scores)
-    capped = selection.max_layers is not None
-    weights, ratios_kept = selection.keep(reading.weight_layers), selection.keep(reading.update_ratios)
-    out = replace(
-        reading,
-        grad_layers={n: v for n, v in grads.items() if n in shown},
-        weight_layers={n: v for n, v in weights.items() if not capped or n in shown},
-        update_ratios={n: v for n, v in ratios_kept.items() if not capped or n in shown},
-        nonfinite_layers=selection.keep(reading.nonfinite_layers),
-    ).scalars(suffix)
-    for family, values in (("grad_norm", grads), ("weight_norm", weights), ("update_ratio", ratios_kept)):
-        out.update({f"{k}{suffix}": v for k, v in selection.aggregates(family, values).items()})
-    return out
-
-
-def watched_norms(norms: LayerNorms, selection: LayerSelection) -> LayerNorms | None:
-    """``norms`` of the watched layers only (the total still covers every layer); ``None`` if none is."""
-    keep = [i for i, n in enumerate(norms.labels) if selection.watches(n)]
-    if not keep:
-        return None
-    return replace(
-        norms,
-        labels=[norms.labels[i] for i in keep],
-        values=[norms.values[i] for i in keep],
-        numels=[norms.numels[i] for i in keep],
-    )
-
-
 def cap_scalars(selection: LayerSelection, scalars: Mapping[str, float], family: str) -> dict[str, float]:
     """``scalars`` with the ``<family>/<layer>`` tags cut to the layers ``selection`` shows (chosen on the
     value itself: higher is worth more) and ``<family>/across_layers/*`` added; other tags as they are."""
@@ -176,25 +129,3 @@ def cap_scalars(selection: LayerSelection, scalars: Mapping[str, float], family:
     return out
 
 
-def norm_charts(across: str, capped: bool) -> dict[str, list[str]]:
-    """GradientNormLogger's charts in the GradGuard layout; ``capped``: with the ``across`` aggregates."""
-    not_total = rf"(?!total(_opt\d+)?$|{across}/)"  # per-layer charts: no total, no aggregate
-    aggregates = {  # with a cap: what the layers not shown do
-        f"{title} across all layers: min / median / max": [f"{family}/{across}/.*"]
-        for title, family in (("Gradient norm", "grad_norm"), ("Update / weight ratio", "update_ratio"))
-    }
-    return {
-        **(aggregates if capped else {}),
-        "Gradient norm: total": ["grad_norm/total.*"],
-        "Gradient norm per layer": [f"grad_norm/{not_total}.*"],
-        "Weight norm per layer": [f"weight_norm/{not_total}.*"],
-        "Update / weight ratio per layer (healthy ~1e-3: use the log y axis)": [
-            f"update_ratio/{not_total}.*"
-        ],
-        "Gradient clipping: fraction of steps clipped": ["grad_clip/fraction_clipped"],
-        "Gradient clipping: pre-clip norm p50/p90/p99 and suggested clip value": [
-            "grad_clip/pre_clip_norm_.*",
-            "grad_clip/suggested_clip_val",
-        ],
-        "Non-finite gradient entries": ["grad_nonfinite/.*"],
-    }

@@ -1,7 +1,6 @@
 """What the gradguard callbacks of one Trainer share, and how they talk to the user about themselves.
 
-One :class:`TrainerState` per Trainer (held weakly: it goes with the Trainer) keeps the step statistics
-cache, what was logged, the layout, alert counts and the one-time messages. ``warn_once`` / ``info_once``
+One :class:`TrainerState` per Trainer (held weakly: it goes with the Trainer) keeps what was logged, the layout, alert counts and the one-time messages. ``warn_once`` / ``info_once``
 say a thing once per Trainer; ``strict_mode`` decides whether a monitor's own failure is raised (tests)
 or turned into one warning (users' runs).
 """
@@ -12,13 +11,9 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
-from torch import Tensor
-
-if TYPE_CHECKING:
-    from lightning_gradguard.core.stats import StepStats
 
 __all__ = [
     "STRICT_ENV",
@@ -37,18 +32,12 @@ log = logging.getLogger("lightning_gradguard")
 class TrainerState:
     """What the callbacks of one trainer share."""
 
-    stats: dict[tuple[int, int], StepStats] = field(default_factory=dict)
     layout_written: set[int] = field(default_factory=set)
     layout_pruned: bool = False
     logged_tags: set[str] = field(default_factory=set)
     alert_counts: dict[str, int] = field(default_factory=dict)
     said_no_logger: bool = False
     warned: set[str] = field(default_factory=set)
-    param_cache: dict[int, tuple[list[Tensor], list[str], list[Tensor], list[bool]]] = field(
-        default_factory=dict
-    )
-    #: per optimizer: its trainable parameter list and their sharding (``core.sharding``)
-    sharding: dict[int, tuple[list[Tensor], Any]] = field(default_factory=dict)
     #: whether the run shards its parameters (``core.sharding.is_sharded``), once known
     sharded: bool | None = None
     #: updates a callback dropped, per cause (``core.optimizer_state.skip_update``): Python ints, no sync

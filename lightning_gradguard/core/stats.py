@@ -14,6 +14,8 @@ its pieces, which the caller's one transfer combines across the ranks
 from __future__ import annotations
 
 import functools
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,7 +30,7 @@ from lightning_gradguard.core.sharding import (
     sharding_of,
     unsupported_reason,
 )
-from lightning_gradguard.core.state import TrainerState, trainer_state, warn_once
+from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.functional.stats import (
     clean_name,
     foreach_norms,
@@ -40,17 +42,46 @@ from lightning_gradguard.functional.stats import (
     total_share,
 )
 
-__all__ = ["StepStats", "active_scaler", "step_stats"]
+__all__ = ["StepStats", "active_scaler", "clear_step_stats", "step_stats"]
+
+
+@dataclass
+class _Caches:
+    """What the statistics keep per Trainer: the current step's statistics and the parameter lists."""
+
+    #: (global_step, id(optimizer)) -> the step's statistics
+    steps: dict[tuple[int, int], StepStats] = field(default_factory=dict)
+    #: id(optimizer) -> (its parameters, their names, the trainable ones, their requires_grad flags)
+    params: dict[int, tuple[list[Tensor], list[str], list[Tensor], list[bool]]] = field(default_factory=dict)
+    #: id(optimizer) -> its trainable parameter list and their sharding (``core.sharding``)
+    sharding: dict[int, tuple[list[Tensor], Sharding | None]] = field(default_factory=dict)
+
+
+_CACHES: weakref.WeakKeyDictionary[Any, _Caches] = weakref.WeakKeyDictionary()
+
+
+def _caches(trainer: pl.Trainer) -> _Caches:
+    caches = _CACHES.get(trainer)
+    if caches is None:
+        caches = _CACHES[trainer] = _Caches()
+    return caches
+
+
+def clear_step_stats(trainer: pl.Trainer) -> None:
+    """Drop the cached statistics of the last step (they hold its gradients)."""
+    caches = _CACHES.get(trainer)
+    if caches is not None:
+        caches.steps.clear()
 
 
 def _trainable(
-    pl_module: pl.LightningModule, optimizer: Any, state: TrainerState
+    pl_module: pl.LightningModule, optimizer: Any, state: _Caches
 ) -> tuple[list[str], list[Tensor]]:
     """Names and tensors of the trainable parameters ``optimizer`` updates, in model order (cached)."""
     opt = getattr(optimizer, "optimizer", optimizer)  # unwrap LightningOptimizer
     in_opt = [p for g in opt.param_groups for p in g["params"]]
     trainable = [p.requires_grad for p in in_opt]  # unfreezing a layer later changes what is measured
-    cached = state.param_cache.get(id(opt))
+    cached = state.params.get(id(opt))
     if (
         cached is not None
         and len(cached[0]) == len(in_opt)
@@ -72,11 +103,11 @@ def _trainable(
             seen.add(id(p))
             names.append(f"optimizer_param_{i}")
             params.append(p)
-    state.param_cache[id(opt)] = (in_opt, names, params, trainable)
+    state.params[id(opt)] = (in_opt, names, params, trainable)
     return names, params
 
 
-def _sharding(trainer: pl.Trainer, state: TrainerState, opt: Any, params: list[Tensor]) -> Sharding | None:
+def _sharding(trainer: pl.Trainer, state: _Caches, opt: Any, params: list[Tensor]) -> Sharding | None:
     """The sharding of ``params`` (cached while the optimizer's trainable parameters are the same list)."""
     cached = state.sharding.get(id(opt))
     if cached is not None and cached[0] is params:
@@ -126,7 +157,7 @@ class StepStats:
     """
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        state = trainer_state(trainer)
+        state = _caches(trainer)
         self.step = int(trainer.global_step)
         self.unsupported = unsupported_reason(trainer)
         if self.unsupported is not None:
@@ -280,12 +311,12 @@ def _index_tensor(index: tuple[int, ...], device: torch.device) -> Tensor:
 
 def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> StepStats:
     """The shared :class:`StepStats` of the current optimizer step (created on first request)."""
-    state = trainer_state(trainer)
+    steps = _caches(trainer).steps
     opt = getattr(optimizer, "optimizer", optimizer)
     key = (int(trainer.global_step), id(opt))
-    stats = state.stats.get(key)
+    stats = steps.get(key)
     if stats is None:
-        for old in [k for k in state.stats if k[0] != key[0]]:
-            del state.stats[old]
-        stats = state.stats[key] = StepStats(trainer, pl_module, optimizer)
+        for old in [k for k in steps if k[0] != key[0]]:
+            del steps[old]
+        stats = steps[key] = StepStats(trainer, pl_module, optimizer)
     return stats

@@ -39,12 +39,6 @@ from lightning_gradguard.functional.gradcheck import (
     taylor_check,
     taylor_test,
 )
-from lightning_gradguard.functional.gradcheck_graph import find_custom_functions
-from lightning_gradguard.functional.gradcheck_module import (
-    GradientCheckResult,
-    ParameterCheck,
-    gradcheck_module,
-)
 from lightning_gradguard.functional.health import (
     SATURATION_BOUNDS,
     activity_counts,
@@ -61,7 +55,6 @@ from lightning_gradguard.functional.health import (
 )
 from lightning_gradguard.functional.lr_suggest import (
     SUGGESTION_METHODS,
-    DivergenceMonitor,
     centered_smooth,
     ema_smooth,
     suggest_all,
@@ -91,11 +84,8 @@ __all__ = [
     "SATURATION_BOUNDS",
     "SUGGESTION_METHODS",
     "DirectionalResult",
-    "DivergenceMonitor",
     "FiniteDifferenceResult",
-    "GradientCheckResult",
     "HistogramSpec",
-    "ParameterCheck",
     "TaylorCheckResult",
     "TaylorResult",
     "activity_counts",
@@ -107,10 +97,8 @@ __all__ = [
     "directional_difference",
     "ema",
     "ema_smooth",
-    "find_custom_functions",
     "finite_difference_check",
     "foreach_norms",
-    "gradcheck_module",
     "gradient_flow",
     "group_index",
     "grouped_norms",

@@ -27,7 +27,6 @@ import numpy as np
 
 __all__ = [
     "SUGGESTION_METHODS",
-    "DivergenceMonitor",
     "centered_smooth",
     "ema_smooth",
     "suggest_all",
@@ -105,75 +104,6 @@ def _direct(y: np.ndarray, kernel: np.ndarray, half: int) -> np.ndarray:
             if 0 <= k < kernel.size:
                 out[i] += kernel[k] * y[j]
     return out
-
-
-class DivergenceMonitor:
-    """Online smoothing and stop rule of a range test.
-
-    Every :meth:`update` takes one raw loss and returns ``True`` once the sweep should stop. The rule
-    looks at differences only, so a loss that is negative, near zero or shifted by a constant behaves
-    exactly like any other:
-
-    * a reference level and a noise level are taken from the first ``warmup`` raw losses (at the tiny
-      starting LR the loss barely moves, so their spread is the batch-to-batch noise);
-    * afterwards the sweep has diverged when ``smoothed - best > threshold * max(reference - best,
-      noise_factor * noise, floor)``: with ``threshold = 1`` the smoothed loss has climbed back as far
-      above its best as the best ever got below the start; the noise term keeps an early flat curve from
-      stopping on one unlucky batch. The best counts from the ``warmup``-th smoothed value on: the
-      first few averages are hardly smoothed (the very first is one raw loss), and one low batch among
-      them would otherwise set a best that the flat start then seems to climb away from.
-
-    A non-finite loss stops the sweep at once (and is not recorded by the callers).
-
-    Args:
-        beta: EMA factor of the smoothing (bias corrected, counted by this monitor's own updates).
-        threshold: how far, in units of the descent achieved so far, the smoothed loss may rise above its
-            best before the sweep stops. ``None`` never stops on divergence.
-        warmup: raw losses used for the reference and noise levels; no stop before that.
-        noise_factor: the smallest rise that counts, in standard deviations of the warm-up losses.
-    """
-
-    def __init__(
-        self, beta: float = 0.98, threshold: float | None = 1.0, warmup: int = 10, noise_factor: float = 3.0
-    ) -> None:
-        self.beta = beta
-        self.noise_factor = noise_factor
-        self.threshold = threshold
-        self.warmup = max(1, int(warmup))
-        self.count = 0
-        self._avg = 0.0
-        self.smoothed: list[float] = []
-        self.best = math.inf
-        self._first: list[float] = []
-        self.reference: float | None = None
-        self.noise = 0.0
-        self.reason = ""
-
-    def update(self, loss: float) -> bool:
-        loss = float(loss)
-        if not math.isfinite(loss):
-            self.reason = "non-finite loss"
-            return True
-        self.count += 1
-        self._avg = self.beta * self._avg + (1.0 - self.beta) * loss
-        smooth = self._avg / (1.0 - self.beta**self.count) if self.beta > 0 else self._avg
-        self.smoothed.append(smooth)
-        if self.count >= self.warmup:  # before that the average has seen too few losses to be a best
-            self.best = min(self.best, smooth)
-        if len(self._first) < self.warmup:
-            self._first.append(loss)
-            if len(self._first) == self.warmup:
-                self.reference = float(np.mean(self._first))
-                self.noise = float(np.std(self._first)) if len(self._first) > 1 else 0.0
-            return False
-        if self.threshold is None or self.reference is None:
-            return False
-        floor = 1e-6 * (1.0 + abs(self.reference))
-        scale = max(self.reference - self.best, self.noise_factor * self.noise, floor)
-        if smooth - self.best > self.threshold * scale:
-            self.reason = "diverged"
-            return True
-        return False
 
 
 def _as_arrays(lrs: Sequence[float], losses: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:

@@ -24,10 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
 from torch import Tensor
 
-__all__ = ["NoiseScaleEMA", "NoiseScaleEstimate", "b_simple", "effective_batch_sizes", "noise_scale_terms"]
+__all__ = ["NoiseScaleEstimate", "b_simple", "effective_batch_sizes", "noise_scale_terms"]
 
 _T = TypeVar("_T", float, Tensor)
 
@@ -94,41 +93,3 @@ class NoiseScaleEstimate:
     weight: float
 
 
-@dataclass
-class NoiseScaleEMA:
-    """Exponential moving averages of the two terms, kept on the device; the update never syncs.
-
-    ``state`` holds ``[sum w |G|^2, sum w tr(Sigma), sum w]`` (``w`` the EMA weights): dividing by the
-    last entry is the bias correction (Adam's), so the first samples are not pulled towards 0. A sample
-    with a non-finite term (a step the GradScaler skipped) leaves the state as it is, on the device.
-    The state is linear in the samples: the mean of several processes' states is the state of the mean
-    samples (a data-parallel run keeps one per rank and averages them when it reads).
-
-    Args:
-        beta: the decay per sample; the average spans about ``1 / (1 - beta)`` samples.
-        state: a saved state (``None``: empty).
-    """
-
-    beta: float = 0.99
-    state: Tensor | None = None
-
-    def update(self, grad_sq: Tensor, trace_sigma: Tensor) -> None:
-        """Add one sample (0-dim device tensors)."""
-        sample = torch.stack(
-            [grad_sq.float(), trace_sigma.float(), torch.ones_like(grad_sq, dtype=torch.float)]
-        )
-        old = self.state.to(sample.device) if self.state is not None else torch.zeros_like(sample)
-        new = old * self.beta + sample * (1.0 - self.beta)
-        self.state = torch.where(torch.isfinite(sample).all(), new, old)
-
-    def reset(self) -> None:
-        self.state = None
-
-    @staticmethod
-    def read(state: Tensor) -> NoiseScaleEstimate:
-        """The estimate from a state brought to the host (three numbers)."""
-        total_g, total_t, weight = (float(x) for x in state.reshape(-1)[:3])
-        if weight <= 0:
-            return NoiseScaleEstimate(float("nan"), float("nan"), None, 0.0)
-        grad_sq, trace_sigma = total_g / weight, total_t / weight
-        return NoiseScaleEstimate(grad_sq, trace_sigma, b_simple(grad_sq, trace_sigma), weight)

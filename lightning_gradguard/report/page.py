@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_gradguard.report import figures
+import lightning_gradguard.report.figures as figures
 from lightning_gradguard.report.read import RunData
 
 __all__ = ["MONITORS", "Verdict", "render_html", "summary_lines", "verdicts"]

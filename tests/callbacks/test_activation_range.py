@@ -30,7 +30,7 @@ from lightning_gradguard.functional.activation_range import (
     output_moments,
     pool_moments,
 )
-from lightning_gradguard.hooks.activation_range import find_blocks
+from lightning_gradguard.monitors.activation_range.capture import find_blocks
 
 D, HEADS, L = 16, 2, 6
 

@@ -18,10 +18,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gradguard.alerts import GradGuardError
-from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
-from lightning_gradguard.functional.activations import UnitCounts, UnitWindows, pool, window_summary
+from lightning_gradguard.core.sampling import NextCall
 from lightning_gradguard.functional.health import activity_counts, dead_units, saturation_counts, unit_dim
-from lightning_gradguard.hooks.capture import MODE_ORDER, OUTSIDE_MODULES, ActivationCapture, NextCall
+from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
+from lightning_gradguard.monitors.dead_units.capture import MODE_ORDER, OUTSIDE_MODULES, ActivationCapture
+from lightning_gradguard.monitors.dead_units.windows import UnitCounts, UnitWindows, pool, window_summary
 
 F = nn.functional
 DEAD, UNITS = 12, 16

@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_gradguard import LossSpikeError, LossSpikeGuard
-from lightning_gradguard.callbacks.spike_records import FORMAT, SpikeRecord, read_skip_batches
+from lightning_gradguard.monitors.spike.records import FORMAT, SpikeRecord, read_skip_batches
 
 THRESHOLDS: dict[str, Any] = dict(
     loss_threshold=6.0, grad_norm_threshold=6.0, min_ratio=2.0, window=16, warmup_steps=8
@@ -289,7 +289,7 @@ def test_the_first_snapshot_is_taken_at_the_end_of_the_warmup(tmp_path: Path) ->
 def test_loss_only_guard_skips_the_gradient_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """grad_norm_threshold=None: the loss alone is judged (its jump is 1.8x: min_ratio 1.5) and the
     gradients are never read."""
-    import lightning_gradguard.callbacks.loss_spike as module
+    import lightning_gradguard.monitors.spike.callback as module
 
     calls: list[int] = []
     real = module.step_stats

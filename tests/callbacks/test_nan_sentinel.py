@@ -477,7 +477,7 @@ def test_parameter_check_runs_once_per_optimizer_step_under_accumulation(tmp_pat
 
 def test_a_warn_run_that_keeps_meeting_nans_replays_once_per_cooldown(tmp_path: Path) -> None:
     """Within the cooldown a repeated finding costs no replay (hooks, anomaly mode) and writes no files."""
-    import lightning_gradguard.hooks.forensics as module  # the replay looks it up there
+    import lightning_gradguard.monitors.nan.forensics as module  # the replay looks it up there
 
     class NanFrom(PoisonedData):
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -22,12 +22,8 @@ from conftest import SCRIPTS, MemoryLogger, make_trainer, run_ddp_script
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_gradguard import GradientNormLogger
-from lightning_gradguard.functional.noise_scale import (
-    NoiseScaleEMA,
-    b_simple,
-    effective_batch_sizes,
-    noise_scale_terms,
-)
+from lightning_gradguard.functional.noise_scale import b_simple, effective_batch_sizes, noise_scale_terms
+from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleEMA
 
 _spec = importlib.util.spec_from_file_location("ddp_noise_scale", SCRIPTS / "ddp_noise_scale.py")
 assert _spec is not None and _spec.loader is not None

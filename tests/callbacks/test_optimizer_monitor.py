@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_gradguard import LossSpikeGuard, NaNSentinel, OptimizerMonitor
-from lightning_gradguard.core import optimizer_state as core_optimizer_state
+from lightning_gradguard.monitors.optimizer import sample as core_optimizer_state
 
 
 def _layer(name: str) -> str:

@@ -13,8 +13,8 @@ import torch
 from conftest import make_trainer
 from torch import nn
 
-from lightning_gradguard.callbacks.stall import StallDetector
-from lightning_gradguard.functional.stall import StallCheck, StallRules, StallState, label_entropy
+from lightning_gradguard.monitors.stall.callback import StallDetector
+from lightning_gradguard.monitors.stall.rules import StallCheck, StallRules, StallState, label_entropy
 
 pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 

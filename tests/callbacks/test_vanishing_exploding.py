@@ -14,8 +14,6 @@ from torch import nn
 
 from lightning_gradguard import GradientNormLogger
 from lightning_gradguard.alerts import GradGuardError
-from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
-from lightning_gradguard.functional.gradient_verdict import VerdictRules, explain, judge, opening_layers
 from lightning_gradguard.functional.health import (
     depth_ratio,
     ema,
@@ -24,7 +22,9 @@ from lightning_gradguard.functional.health import (
     robust_baseline,
     spike_ratio,
 )
-from lightning_gradguard.hooks.order import ForwardOrder
+from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
+from lightning_gradguard.monitors.vanishing.order import ForwardOrder
+from lightning_gradguard.monitors.vanishing.rules import VerdictRules, explain, judge, opening_layers
 
 
 # ---------------------------------------------------------------------------------------------- pure math
@@ -415,13 +415,13 @@ trainer:
   logger: false
   enable_checkpointing: false
   callbacks:
-    - class_path: lightning_gradguard.callbacks.vanishing_exploding.VanishingExplodingDetector
+    - class_path: lightning_gradguard.monitors.vanishing.callback.VanishingExplodingDetector
       init_args:
         max_norm: null
         spike_factor: 20
         check_every_n_steps: 3
         action: stop
-    - class_path: lightning_gradguard.callbacks.dead_relu.DeadReLUMonitor
+    - class_path: lightning_gradguard.monitors.dead_units.callback.DeadReLUMonitor
       init_args:
         every_n_steps: 25
         threshold: 0.7
@@ -432,7 +432,7 @@ trainer:
 def test_lightning_cli_builds_both_detectors_from_yaml(tmp_path: Path) -> None:
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
+    from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
 
     config = tmp_path / "config.yaml"
     config.write_text(CLI_CONFIG)

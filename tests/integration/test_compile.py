@@ -2,7 +2,7 @@
 nothing: the same graphs, frames and graph breaks as the run without callbacks (dynamo's counters), and the
 same numbers as the uncompiled run.
 
-Our hooks live inside :class:`~lightning_gradguard.hooks.modules.Uncompiled` scopes (the sampled
+Our hooks live inside :class:`~lightning_gradguard.monitors.preflight.modules.Uncompiled` scopes (the sampled
 ``training_step`` of DeadReLUMonitor, the detector's first forward pass, the pre-flight trials), where
 compiled code runs eagerly; the gradient check works on an uncompiled copy.
 """
@@ -31,8 +31,8 @@ from lightning_gradguard import (
     VanishingExplodingDetector,
     gradient_check,
 )
-from lightning_gradguard.hooks.modules import Uncompiled
-from lightning_gradguard.hooks.order import ForwardOrder
+from lightning_gradguard.core.compile import Uncompiled
+from lightning_gradguard.monitors.vanishing.order import ForwardOrder
 
 STEPS = 30
 pytestmark = pytest.mark.filterwarnings(

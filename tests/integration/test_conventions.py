@@ -284,48 +284,6 @@ def test_lightning_cli_shows_and_checks_the_choices(tmp_path: Path, capsys: Any)
         LightningCLI(RecordingMLP, run=False, args=["--config", str(config)], save_config_callback=None)
 
 
-# ------------------------------------------------------------------------------------------ old paths
-def test_the_module_paths_of_before_the_redesign_still_resolve(tmp_path: Path, capsys: Any) -> None:
-    """Imports, LightningCLI configs (jsonargparse saves a class's full module path) and pickled results
-    written before the package was layered still find their classes."""
-    import importlib
-    import pickle
-
-    import lightning_gradguard as gg
-    from lightning_gradguard.preflight.findings import OverfitResult
-
-    for path, names in {
-        "lightning_gradguard.callbacks.gradient_check": [
-            "GradientCheck",
-            "GradientCheckResult",
-            "gradient_check",
-        ],
-        "lightning_gradguard.callbacks.overfit_batch": ["OverfitBatchSanity", "OverfitResult", "Finding"],
-        "lightning_gradguard.callbacks.lr_finder": ["LRFinderPlus", "LRFinderResult", "lr_find"],
-        "lightning_gradguard.forensics": ["find_forward_origin", "find_backward_origin"],
-    }.items():
-        module = importlib.import_module(path)
-        for name in names:
-            assert getattr(module, name) is (getattr(gg, name, None) or getattr(module, name))
-    config = tmp_path / "config.yaml"
-    config.write_text(
-        "trainer:\n  logger: false\n  callbacks:\n"
-        "    - class_path: lightning_gradguard.callbacks.gradient_check.GradientCheck\n"
-        "      init_args:\n        max_samples: 2\n"
-    )
-    cli = LightningCLI(RecordingMLP, run=False, args=["--config", str(config)], save_config_callback=None)
-    assert [cb.max_samples for cb in cli.trainer.callbacks if isinstance(cb, GradientCheck)] == [2]
-    result = OverfitResult(
-        passed=True, reached_target=True, memorised=False, steps=3, initial_loss=2.0, final_loss=0.1,
-        target_loss=0.2, losses=[2.0, 1.0, 0.5, 0.1], grad_norms=[1.0, 0.5, 0.2], seconds=0.1,
-        num_samples=8, optimizer="SGD",
-    )  # fmt: skip
-    old = pickle.dumps(result, protocol=0).replace(
-        b"lightning_gradguard.preflight.findings", b"lightning_gradguard.callbacks.overfit_batch"
-    )
-    assert b"callbacks.overfit_batch" in old and pickle.loads(old) == result
-
-
 # ------------------------------------------------------------------------------------------ state_key
 def test_every_callback_has_a_state_key_from_its_identifying_arguments() -> None:
     pairs = [
@@ -351,35 +309,6 @@ def test_every_callback_has_a_state_key_from_its_identifying_arguments() -> None
     assert {type(a) for a, _ in pairs} | one_per_trainer == set(ALL)  # every callback
     assert NaNSentinel(action="skip", max_consecutive_skips=3).state_key == NaNSentinel().state_key
     assert VanishingExplodingDetector(max_norm=10.0).state_key == VanishingExplodingDetector().state_key
-
-
-def test_a_checkpoint_from_before_state_keys_still_resumes_its_callbacks(tmp_path: Path) -> None:
-    """0.1.0 saved callback states under the class name: they must still reach the one instance."""
-    torch.manual_seed(0)
-    first = [
-        GradientNormLogger(log_every_n_steps=2, clip_window=10),
-        LRFinderPlus(num_training=10, progress=False, plot=False),
-    ]
-    trainer = make_trainer(first, MemoryLogger(str(tmp_path)), gradient_clip_val=1.0, max_epochs=1)
-    trainer.fit(RecordingMLP(), random_loader(n=96))
-    ckpt_path = tmp_path / "run.ckpt"
-    trainer.save_checkpoint(ckpt_path)
-    checkpoint = torch.load(ckpt_path, weights_only=False)
-    states = checkpoint["callbacks"]
-    for cb in first:  # rewrite it as 0.1.0 wrote it
-        states[type(cb).__qualname__] = states.pop(cb.state_key)
-    torch.save(checkpoint, ckpt_path)
-
-    second = [
-        GradientNormLogger(log_every_n_steps=2, clip_window=10),
-        LRFinderPlus(num_training=10, progress=False, plot=False),
-    ]
-    resumed = make_trainer(second, MemoryLogger(str(tmp_path)), gradient_clip_val=1.0, max_epochs=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Lightning's own note about the old keys
-        resumed.fit(RecordingMLP(), random_loader(n=96), ckpt_path=str(ckpt_path))
-    assert second[0]._clip_seen == 24  # 12 steps before, 12 after: the window was restored
-    assert second[1]._done_epochs == {0} and second[1].results == []  # the sweep did not run again
 
 
 def test_two_instances_save_and_resume_side_by_side(tmp_path: Path) -> None:

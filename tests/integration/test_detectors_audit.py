@@ -29,9 +29,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
-from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
-from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
+from lightning_gradguard.monitors.nan.callback import NaNSentinel
+from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 
 FEATURES, CLASSES = 16, 4
 

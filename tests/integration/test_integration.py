@@ -33,15 +33,15 @@ from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 
+from lightning_gradguard import LRFinderPlus
 from lightning_gradguard.alerts import NonFiniteError
-from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
-from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
-from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
-from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
 from lightning_gradguard.core.base import GradGuardCallback
-from lightning_gradguard.preflight.gradient_check import GradientCheck
-from lightning_gradguard.preflight.overfit import OverfitBatchSanity
-from lightning_gradguard.tuner import LRFinderPlus
+from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
+from lightning_gradguard.monitors.gradients.callback import GradientNormLogger
+from lightning_gradguard.monitors.nan.callback import NaNSentinel
+from lightning_gradguard.monitors.preflight.gradient_check import GradientCheck
+from lightning_gradguard.monitors.preflight.overfit import OverfitBatchSanity
+from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 from tests.conftest import MemoryLogger
 
 pytestmark = [

@@ -12,6 +12,12 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gradguard import (
+    GradientCheck,
+    SanityCheckError,
+    find_custom_functions,
+    gradient_check,
+)
 from lightning_gradguard.functional import gradcheck
 from lightning_gradguard.functional.gradcheck import (
     finite_difference_check,
@@ -19,12 +25,6 @@ from lightning_gradguard.functional.gradcheck import (
     relative_error,
     sample_coordinates,
     taylor_test,
-)
-from lightning_gradguard.preflight import (
-    GradientCheck,
-    SanityCheckError,
-    find_custom_functions,
-    gradient_check,
 )
 from tests.conftest import make_trainer
 
@@ -414,8 +414,8 @@ def test_callback_says_in_one_info_line_that_it_passed(caplog: pytest.LogCapture
 
 
 def test_the_passed_line_names_inconclusive_taylor_tests() -> None:
-    from lightning_gradguard.functional.gradcheck_report import passed_line
-    from lightning_gradguard.preflight import GradientCheckResult, ParameterCheck
+    from lightning_gradguard import GradientCheckResult, ParameterCheck
+    from lightning_gradguard.monitors.preflight.gradcheck_report import passed_line
 
     def param(name: str, error: float, inconclusive: bool) -> ParameterCheck:
         return ParameterCheck(
@@ -524,7 +524,7 @@ def test_relu_kinks_lower_the_taylor_order_without_a_false_alarm() -> None:
 def test_lightning_cli_builds_both_preflight_callbacks_from_yaml(tmp_path: Any) -> None:
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_gradguard.preflight import OverfitBatchSanity
+    from lightning_gradguard import OverfitBatchSanity
     from tests.conftest import RecordingMLP
 
     config = tmp_path / "config.yaml"
@@ -535,13 +535,13 @@ trainer:
   logger: false
   enable_checkpointing: false
   callbacks:
-    - class_path: lightning_gradguard.preflight.gradient_check.GradientCheck
+    - class_path: lightning_gradguard.monitors.preflight.gradient_check.GradientCheck
       init_args:
         modules: [net.0, net.2]
         max_samples: 2
         tolerance: 1.0e-4
         action: warn
-    - class_path: lightning_gradguard.preflight.overfit.OverfitBatchSanity
+    - class_path: lightning_gradguard.monitors.preflight.overfit.OverfitBatchSanity
       init_args:
         max_steps: 50
         target: 0.3

@@ -16,8 +16,8 @@ import torch
 from conftest import run_ddp_script, run_example
 from torch import nn
 
+from lightning_gradguard import OverfitBatchSanity, SanityCheckError
 from lightning_gradguard.alerts import GradGuardError
-from lightning_gradguard.preflight import OverfitBatchSanity, SanityCheckError
 from tests.conftest import MemoryLogger, make_trainer
 
 
@@ -352,7 +352,7 @@ def test_a_batch_the_model_cannot_train_on_gives_a_warning_not_a_crash() -> None
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "64-true"])
 def test_both_checks_run_under_other_precisions(precision: str) -> None:
-    from lightning_gradguard.preflight import GradientCheck
+    from lightning_gradguard import GradientCheck
 
     torch.manual_seed(0)
     overfit, grads = OverfitBatchSanity(), GradientCheck()

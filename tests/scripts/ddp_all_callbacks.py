@@ -24,14 +24,14 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
+from lightning_gradguard import LRFinderPlus
 from lightning_gradguard.alerts import NonFiniteError
-from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
-from lightning_gradguard.callbacks.gradient_norm_logger import GradientNormLogger
-from lightning_gradguard.callbacks.nan_sentinel import NaNSentinel
-from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
-from lightning_gradguard.preflight.gradient_check import GradientCheck
-from lightning_gradguard.preflight.overfit import OverfitBatchSanity
-from lightning_gradguard.tuner import LRFinderPlus
+from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
+from lightning_gradguard.monitors.gradients.callback import GradientNormLogger
+from lightning_gradguard.monitors.nan.callback import NaNSentinel
+from lightning_gradguard.monitors.preflight.gradient_check import GradientCheck
+from lightning_gradguard.monitors.preflight.overfit import OverfitBatchSanity
+from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 
 NAN_AT = 3
 N_SAMPLES, BATCH = 192, 8  # 12 optimizer steps per rank and epoch

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from lightning_gradguard.alerts import GradGuardError
-from lightning_gradguard.callbacks.dead_relu import DeadReLUMonitor
-from lightning_gradguard.callbacks.vanishing_exploding import VanishingExplodingDetector
+from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
+from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 
 
 class Net(nn.Module):

@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-import lightning_gradguard.callbacks.spike_records as spike_records
+import lightning_gradguard.monitors.spike.records as spike_records
 from lightning_gradguard import LossSpikeError, LossSpikeGuard
 
 THRESHOLDS: dict[str, Any] = dict(

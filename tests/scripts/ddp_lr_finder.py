@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_gradguard.tuner import LRFinderPlus
+from lightning_gradguard import LRFinderPlus
 
 
 class Model(pl.LightningModule):

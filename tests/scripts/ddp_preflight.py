@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_gradguard.preflight import GradientCheck, OverfitBatchSanity, SanityCheckError
+from lightning_gradguard import GradientCheck, OverfitBatchSanity, SanityCheckError
 
 
 class ScaleFn(torch.autograd.Function):

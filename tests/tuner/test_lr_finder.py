@@ -26,8 +26,8 @@ from lightning.pytorch.core.saving import load_hparams_from_yaml
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
+from lightning_gradguard import LRFinderPlus, lr_find
 from lightning_gradguard.functional.lr_suggest import (
-    DivergenceMonitor,
     centered_smooth,
     ema_smooth,
     suggest_all,
@@ -37,7 +37,7 @@ from lightning_gradguard.functional.lr_suggest import (
     suggest_valley,
     sweep_lrs,
 )
-from lightning_gradguard.tuner import LRFinderPlus, lr_find
+from lightning_gradguard.monitors.lr_finder.divergence import DivergenceMonitor
 from tests.conftest import MemoryLogger, make_trainer
 
 
@@ -666,7 +666,7 @@ def test_progress_is_a_tqdm_bar_of_its_own_and_the_summary_one_log_line(
 ) -> None:
     from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
-    import lightning_gradguard.tuner.engine as module
+    import lightning_gradguard.monitors.lr_finder.engine as module
 
     bars: list[dict[str, Any]] = []
 

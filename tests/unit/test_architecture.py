@@ -1,39 +1,26 @@
-"""The house keeps its shape: layers import only downwards, no circle, no module grows past its limit.
+"""The house keeps its shape (docs/architecture.md): monitors in packages of their own, shared code in core.
 
-The layers (docs/architecture.md): ``functional`` and ``alerts`` at the bottom, then ``core``, then
-``hooks``, then the faces (``callbacks``, ``preflight``, ``tuner``), which never import each other; the
-package root and ``callbacks/__init__`` only re-export.
+* Layers import downwards only: ``functional``, ``alerts`` and ``tags`` at the bottom, then ``core``, then
+  one package per monitor under ``monitors/`` (a monitor never imports another) and ``report``; the
+  package root only re-exports.
+* No import circle at all, type-checking imports included.
+* ``functional/`` is stateless public math: no hooks, no state, no alert prose.
+* A ``core/`` module serves two monitors or more; a module that only re-exports another is a shim.
+* No function over 60 lines.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
 
 PACKAGE = ROOT / "lightning_gradguard"
-LAYERS = {
-    "functional": 0,
-    "alerts": 0,
-    "core": 1,
-    "hooks": 2,
-    "callbacks": 3,
-    "preflight": 3,
-    "tuner": 3,
-    "report": 3,
-}
-# re-export only: the package root, and the module paths of before 0.2 kept for imports, CLI configs, pickles
-FACADES = {
-    "lightning_gradguard",
-    "lightning_gradguard.callbacks",
-    "lightning_gradguard.callbacks.gradient_check",
-    "lightning_gradguard.callbacks.lr_finder",
-    "lightning_gradguard.callbacks.overfit_batch",
-    "lightning_gradguard.forensics",
-}
-MODULE_LIMIT, CALLBACK_LIMIT = 400, 300
+BOTTOM = ("functional", "alerts", "tags")
+MAX_FUNCTION_LINES = 60
 
 
 def _modules() -> dict[str, Path]:
@@ -45,91 +32,179 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+MODULES = _modules()
+
+
 def _imports(path: Path) -> set[str]:
-    """The lightning_gradguard modules ``path`` imports at run time (type-checking-only imports left out)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for child in node.body for n in ast.walk(child))
+    """Every lightning_gradguard module ``path`` imports, type-checking imports included."""
     found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_gradguard"):
             found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("lightning_gradguard"))
-    return found
+    return {m for m in found if m in MODULES}
 
 
-def _layer(module: str) -> str | None:
+GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
+
+
+def _home(module: str) -> str:
+    """``functional``, ``alerts``, ``tags``, ``core``, ``report``, ``monitors.<name>`` or ``root``."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+    if len(parts) == 1:
+        return "root"
+    if parts[1] == "monitors":
+        return ".".join(parts[1:3]) if len(parts) > 2 else "monitors"
+    return parts[1]
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = _modules()
-    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
-
-
-def _allowed(mine: str, theirs: str | None) -> bool:
-    if theirs is None:
-        return False
-    if mine in ("functional", "alerts"):  # the bottom: imports nothing of ours but itself
+def _allowed(mine: str, theirs: str) -> bool:
+    if mine in BOTTOM:
         return theirs == mine
-    if LAYERS[theirs] == LAYERS["callbacks"]:  # the faces never import each other
-        return theirs == mine
-    return LAYERS[theirs] <= LAYERS[mine]
+    if mine == "core":
+        return theirs in (*BOTTOM, "core")
+    if mine == "report":
+        return theirs in (*BOTTOM, "report")
+    if mine.startswith("monitors."):  # a monitor never imports another monitor
+        return theirs in (*BOTTOM, "core", mine)
+    return mine == "root"
 
 
 def test_every_module_imports_only_its_own_layer_or_lower() -> None:
-    graph = _graph()
-    assert sum(map(len, graph.values())) > 100  # the rule below is checked on the real graph
-    wrong = []
-    for module, targets in graph.items():
-        if module in FACADES:
-            continue
-        mine = _layer(module)
-        assert mine is not None, f"{module} belongs to no layer: add it to one (docs/architecture.md)"
-        wrong += [f"{module} -> {target}" for target in targets if not _allowed(mine, _layer(target))]
+    assert sum(map(len, GRAPH.values())) > 100  # the rule is checked on the real graph
+    homes = {_home(m) for m in MODULES}
+    assert {"core", "functional", "report", "monitors.nan", "monitors.preflight"} <= homes
+    wrong = [
+        f"{module} -> {target}"
+        for module, targets in GRAPH.items()
+        for target in targets
+        if not _allowed(_home(module), _home(target))
+    ]
     assert not wrong
 
 
 def test_there_is_no_import_circle() -> None:
-    graph = _graph()
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     circles: list[str] = []
 
     def visit(node: str, path: list[str]) -> None:
         state[node] = 1
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(GRAPH[node]):
             if state.get(nxt) == 1:
                 circles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
             elif nxt not in state:
                 visit(nxt, [*path, nxt])
         state[node] = 2
 
-    for node in sorted(graph):
+    for node in sorted(GRAPH):
         if node not in state:
             visit(node, [node])
-    # a package's __init__ re-exporting its own modules is not a circle of code
-    real = [c for c in circles if not all(m.startswith(c.split(" -> ")[0]) for m in c.split(" -> "))]
-    assert not real
+    assert not circles
 
 
-@pytest.mark.parametrize("name", sorted(_modules()))
-def test_no_module_outgrows_its_limit(name: str) -> None:
-    path = _modules()[name]
-    text = path.read_text(encoding="utf-8")
-    lines = len(text.splitlines())
-    defines_callback = any(
-        isinstance(node, ast.ClassDef)
-        and any(
-            ast.unparse(base) in ("Callback", "GradGuardCallback", "PreflightCheck") for base in node.bases
-        )
-        for node in ast.parse(text).body
-    )
-    limit = CALLBACK_LIMIT if defines_callback else MODULE_LIMIT
-    assert lines <= limit, f"{name}: {lines} lines (limit {limit})"
+def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_no_function_is_longer_than_sixty_lines() -> None:
+    long = []
+    for name, path in MODULES.items():
+        for fn in _functions(ast.parse(path.read_text(encoding="utf-8"))):
+            lines = (fn.end_lineno or fn.lineno) - fn.lineno + 1  # docstring included
+            if lines > MAX_FUNCTION_LINES:
+                long.append(f"{name}.{fn.name}: {lines} lines")
+    assert not long
+
+
+def _functional_sins(tree: ast.Module) -> list[str]:
+    sins = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("register_") and "hook" in node.attr:
+            sins.append(f"registers a hook ({node.attr})")
+        if isinstance(node, ast.Name) and node.id.startswith("register_module_forward"):
+            sins.append(f"registers a hook ({node.id})")
+        if isinstance(node, ast.ClassDef):
+            bases = {ast.unparse(b) for b in node.bases}
+            if bases & {"TorchFunctionMode", "TorchDispatchMode", "nn.Module", "Callback"}:
+                sins.append(f"{node.name} is a {bases}")
+            for fn in _functions(node):
+                if fn.name in ("state_dict", "load_state_dict"):
+                    sins.append(f"{node.name}.{fn.name}: state")
+                if fn.name not in ("__init__", "__post_init__") and any(
+                    isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+                    for stmt in ast.walk(fn)
+                    if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+                    for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])
+                ):
+                    sins.append(f"{node.name}.{fn.name} changes its object: state")
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name) and ("HINT" in t.id or "MESSAGE" in t.id or "WORDING" in t.id):
+                    sins.append(f"alert prose ({t.id})")
+    return sins
+
+
+def test_functional_is_stateless_math_without_hooks_or_prose() -> None:
+    found = {
+        name: sins
+        for name, path in MODULES.items()
+        if _home(name) == "functional"
+        for sins in [_functional_sins(ast.parse(path.read_text(encoding="utf-8")))]
+        if sins
+    }
+    assert not found
+
+
+def _users(module: str, seen: frozenset[str] = frozenset()) -> set[str]:
+    """The monitors that import ``module``, directly or through other core modules."""
+    users: set[str] = set()
+    for importer, targets in GRAPH.items():
+        if module not in targets or importer in seen:
+            continue
+        home = _home(importer)
+        if home.startswith("monitors."):
+            users.add(home)
+        elif home == "core":
+            users |= _users(importer, seen | {module})
+    return users
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _home(m) == "core" and m != "lightning_gradguard.core"))
+def test_every_core_module_serves_two_monitors_or_more(module: str) -> None:
+    users = _users(module)
+    assert len(users) >= 2, f"{module} serves {sorted(users)}: it belongs in that monitor's package"
+
+
+def test_no_module_only_re_exports_another() -> None:
+    shims = []
+    for name, path in MODULES.items():
+        if path.name == "__init__.py":
+            continue
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        defines = [
+            n
+            for n in body
+            if not isinstance(n, (ast.Import, ast.ImportFrom))
+            and not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))  # docstring
+            and not (isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "__all__")
+        ]
+        if not defines:
+            shims.append(name)
+    assert not shims
+
+
+def test_monitor_packages_hold_no_code_in_their_init() -> None:
+    """A monitor's ``__init__`` says what its modules hold; code lives in the modules (no re-export loop)."""
+    busy = [
+        name
+        for name, path in MODULES.items()
+        if path.name == "__init__.py"
+        and _home(name).startswith(("monitors", "core"))
+        and any(not isinstance(n, ast.Expr) for n in ast.parse(path.read_text(encoding="utf-8")).body)
+    ]
+    assert not busy

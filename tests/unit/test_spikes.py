@@ -9,19 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_gradguard.callbacks.spike_records import (
+from lightning_gradguard.functional.spikes import SpikeScore, is_spike, spike_score
+from lightning_gradguard.monitors.spike.records import (
     FORMAT,
     SpikeRecord,
     read_skip_batches,
     write_spikes,
 )
-from lightning_gradguard.functional.spikes import (
-    SpikeScore,
-    escalated_action,
-    is_spike,
-    snapshot_due,
-    spike_score,
-)
+from lightning_gradguard.monitors.spike.rules import escalated_action, snapshot_due
 
 
 def _hand_score(value: float, window: list[float], log: bool) -> tuple[float, float]:

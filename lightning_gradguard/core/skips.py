@@ -1,0 +1,34 @@
+"""Updates a callback drops, and why: one record per Trainer, shared by the callbacks that drop or count them.
+
+:func:`skip_update` is how NaNSentinel and LossSpikeGuard drop an update (every gradient to ``None``, as
+:func:`~lightning_gradguard.core.trial.drop_update`) and record the cause in the Trainer's shared
+:class:`~lightning_gradguard.core.state.TrainerState` (a Python counter: no device work, no sync);
+OptimizerMonitor reads the counts with :func:`skipped_updates`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+
+from lightning_gradguard.core.state import trainer_state
+from lightning_gradguard.core.trial import drop_update
+
+__all__ = ['SKIP_CAUSES', 'skip_update', 'skipped_updates']
+
+
+#: why an update was dropped: the GradScaler found inf/NaN, NaNSentinel's skip, LossSpikeGuard's skip/rollback
+SKIP_CAUSES = ("grad_scaler", "nan_sentinel", "loss_spike")
+
+
+def skip_update(trainer: pl.Trainer, optimizer: Any, cause: str) -> None:
+    """Drop this step's update of ``optimizer`` (its state untouched) and count it under ``cause``."""
+    drop_update(optimizer)
+    counts = trainer_state(trainer).skipped_updates
+    counts[cause] = counts.get(cause, 0) + 1
+
+
+def skipped_updates(trainer: pl.Trainer) -> dict[str, int]:
+    """Updates dropped so far on this Trainer by a callback, per cause (the GradScaler's not included)."""
+    return dict(trainer_state(trainer).skipped_updates)

@@ -1,0 +1,297 @@
+r"""
+ActivationRangeMonitor
+======================
+
+Per block of the model: the range of its outputs (max \|x\|, RMS, kurtosis, fp16 headroom) and the largest
+attention logit, on sampled training steps only; nothing is attached on the other steps or during
+validation. The measuring is :mod:`lightning_gradguard.monitors.activation_range.capture`, the math
+:mod:`lightning_gradguard.functional.activation_range`; when to sample, what to log and the alerts are here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step
+from lightning_gradguard.core.layers import LayerSelection, cap_scalars
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.validate import check_bool, check_float, check_int
+from lightning_gradguard.functional.activation_range import BlockRange
+from lightning_gradguard.monitors.activation_range.capture import RangeCapture, find_blocks, read_capture
+from lightning_gradguard.monitors.activation_range.rules import headroom_verdict, logit_verdict
+
+__all__ = ["ActivationRangeMonitor"]
+
+#: with periodic logging off (``Trainer(log_every_n_steps=0)``) the alerts are still checked this often
+_DETECT_EVERY = 50
+#: ``trainer.precision`` values whose activations are float16
+FP16_PRECISIONS = frozenset({"16-mixed", "16-true", "16"})
+_STATS = ("max_abs", "rms", "kurtosis", "fp16_headroom")
+
+
+class ActivationRangeMonitor(GradGuardCallback):
+    r"""Watch the range of every block's output and the largest attention logit, on sampled steps.
+
+    On a sampled training step it measures, inside that step's ``training_step`` call only (global forward
+    hooks and a ``TorchFunctionMode``, removed when the call returns; a compiled model runs eagerly there):
+
+    * per block (a top-level child of the model, and each layer of an outermost ``nn.ModuleList`` /
+      ``nn.Sequential``: see :func:`~lightning_gradguard.monitors.activation_range.capture.find_blocks`), over every
+      entry of its output (the first floating-point tensor): ``activation/max_abs/<block>``,
+      ``activation/rms/<block>``, ``activation/kurtosis/<block>`` (Pearson, :math:`E[(x-\mu)^4]/\sigma^4`:
+      3 for a Gaussian) and ``activation/fp16_headroom/<block>``, :math:`\log_2(65504 / \max|x|)` in bits
+      (0: float16 overflows), with ``activation/fp16_headroom/min`` over the blocks;
+    * per module whose ``forward`` calls ``F.scaled_dot_product_attention`` or ``nn.MultiheadAttention``'s
+      ``F.multi_head_attention_forward``: ``attention/max_logit/<module>``, the largest :math:`q \cdot k /
+      \sqrt{d}` (plus an additive mask, masked positions left out), recomputed from that call's inputs, and
+      ``attention/max_logit/total``.
+
+    Reductions stay on the device; a sampled step costs one transfer (under DDP one collective first:
+    every rank's numbers are pooled exactly, max for the maxima, moments for RMS and kurtosis, so every
+    rank reaches the same verdict). Micro-batches of an accumulated step are pooled into one sample.
+
+    Alerts (warnings): ``fp16_headroom_low`` when, under ``16-mixed`` / ``16-true``, a block's headroom
+    drops below ``min_headroom_bits`` (bf16 and float32 runs log the headroom, never alert);
+    ``attention_logit_growth`` when the largest logit passes ``max_attention_logit``, or is above
+    ``max_attention_logit / logit_growth_factor`` and ``logit_growth_factor`` times the smallest of the
+    last ``growth_window`` sampled steps.
+
+    Args:
+        every_n_steps: sample every this many steps (Lightning's rule plus step 0); ``None``: the
+            Trainer's ``log_every_n_steps``, so the points share the loss's x (with that at 0, nothing is
+            logged and the alerts are checked every 50 steps).
+        attention: measure attention logits.
+        min_headroom_bits: the ``fp16_headroom_low`` threshold (2 bits: within 4x of overflow).
+        max_attention_logit: the ``attention_logit_growth`` ceiling.
+        logit_growth_factor: the growth rule's factor (``None``: the ceiling alone).
+        growth_window: sampled steps the growth rule looks back over.
+        include: blocks and attention modules whose name matches one of these regular expressions are
+            measured (``None``: all; see :class:`~lightning_gradguard.core.layers.LayerSelection`).
+        exclude: blocks and attention modules whose name matches are not measured.
+        max_layers: a cap on the curves per chart, the largest max abs first (``None``: no cap).
+        cooldown_steps: minimum steps between two alerts of the same kind.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import ActivationRangeMonitor
+
+        Trainer(precision="16-mixed", callbacks=[monitor := ActivationRangeMonitor()]).fit(model)
+        monitor.ranges["encoder.layers.3"].headroom_bits, monitor.max_logits
+    """
+
+    state_key_args = ("every_n_steps",)
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        attention: bool = True,
+        min_headroom_bits: float = 2.0,
+        max_attention_logit: float = 100.0,
+        logit_growth_factor: float | None = 4.0,
+        growth_window: int = 10,
+        include: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
+        max_layers: int | None = None,
+        cooldown_steps: int = 1000,
+    ) -> None:
+        super().__init__(action="warn", cooldown_steps=cooldown_steps)
+        self.every_n_steps: int | None = check_int("every_n_steps", every_n_steps, 1, allow_none=True)
+        self.attention = check_bool("attention", attention)
+        self.min_headroom_bits: float = check_float("min_headroom_bits", min_headroom_bits, 0.0, 16.0)
+        self.max_attention_logit: float = check_float(
+            "max_attention_logit", max_attention_logit, 0.0, low_open=True
+        )
+        self.logit_growth_factor: float | None = check_float(
+            "logit_growth_factor", logit_growth_factor, 1.0, low_open=True, allow_none=True
+        )
+        self.growth_window: int = check_int("growth_window", growth_window, 1)
+        self.layers = LayerSelection(include, exclude, max_layers)
+        #: the latest sampled step's numbers: per block, and the largest attention logit per module
+        self.ranges: dict[str, BlockRange] = {}
+        self.max_logits: dict[str, float] = {}
+        self.sampled_steps = 0
+        self._history: list[float] = []  # the largest logit of recent sampled steps
+        self._blocks: dict[str, nn.Module] | None = None
+        self._capture: RangeCapture | None = None
+        self._sampled_at: tuple[int, int] | None = None  # (global_step, log step) of the open sample
+        self._stepped = False
+
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        charts = {
+            "Activations: max abs per block (use the log y axis)": ["activation/max_abs/.*"],
+            "Activations: RMS per block": ["activation/rms/.*"],
+            "Activations: kurtosis per block (Gaussian = 3)": ["activation/kurtosis/.*"],
+            "Activations: fp16 headroom per block in bits (0 = overflow)": ["activation/fp16_headroom/.*"],
+        }
+        if self.attention:
+            charts["Attention: largest logit per attention module"] = ["attention/max_logit/.*"]
+        return charts
+
+    def _cadence(self, trainer: pl.Trainer) -> tuple[int, bool]:
+        """(sample every, whether the samples are logged)."""
+        if self.every_n_steps is not None:
+            return self.every_n_steps, True
+        every = logging_interval(trainer)
+        return (every, True) if every > 0 else (_DETECT_EVERY, False)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._blocks, self._capture, self._sampled_at, self._stepped = None, None, None, False
+        if self.fresh_run(trainer):
+            self._history, self.ranges, self.max_logits, self.sampled_steps = [], {}, {}, 0
+
+    # ------------------------------------------------------------------ the sampled forward pass
+    @override
+    @guarded
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        at = log_step(trainer)
+        if self._sampled_at is not None and at != self._sampled_at[1]:
+            self._end_step(trainer)  # a step that ended without on_before_optimizer_step
+        self._stepped = False
+        if not on_logging_step(at, self._cadence(trainer)[0]):
+            return
+        if self._capture is None:
+            if self._blocks is None:
+                self._blocks = {n: m for n, m in find_blocks(pl_module).items() if self.layers.watches(n)}
+            watch = self.layers.watches if self.layers.filters else None
+            self._capture = RangeCapture(pl_module, self._blocks, self.attention, watch)
+            self._sampled_at = (int(trainer.global_step), at)
+        if not self._capture.active:  # one scope around this batch's training_step call
+            self._capture.around_next_call(pl_module, "training_step")
+
+    @override
+    @guarded
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._capture is not None:  # manual optimization: backward runs inside training_step
+            self._capture.close()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._stepped = True
+
+    @override
+    @guarded
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._capture is not None:
+            self._capture.close()
+        last_micro_batch = self._stepped or not pl_module.automatic_optimization
+        if self._sampled_at is not None and (last_micro_batch or trainer.accumulate_grad_batches <= 1):
+            self._end_step(trainer)
+
+    @override
+    @guarded
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._sampled_at is not None:  # an accumulated step cut short by the epoch's end
+            self._end_step(trainer)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self._capture is not None:
+            self._capture.close()
+        self._capture, self._sampled_at = None, None
+
+    # ------------------------------------------------------------------ after the sampled step
+    def _end_step(self, trainer: pl.Trainer) -> None:
+        """One transfer (under DDP one signature check and one all-reduce first, on every rank alike)."""
+        capture, self._capture = self._capture, None
+        sampled_at, self._sampled_at = self._sampled_at, None
+        if capture is None or sampled_at is None:
+            return
+        capture.close()
+        if capture.error is not None:
+            warn_once(
+                trainer,
+                "activation_range_error",
+                f"ActivationRangeMonitor could not measure an output ({type(capture.error).__name__}: "
+                f"{capture.error}); the sampled steps where that happens are skipped.",
+            )
+        reading = read_capture(trainer, capture)  # under DDP on every rank alike
+        if reading is None:
+            warn_once(
+                trainer,
+                "activation_range_ranks_differ",
+                "ActivationRangeMonitor: ranks saw different blocks or attention calls on a sampled step; "
+                "that step is skipped on every rank.",
+            )
+        elif reading.ranges or reading.max_logits:
+            self._judge(trainer, sampled_at, reading.ranges, reading.max_logits)
+
+    def _judge(
+        self, trainer: pl.Trainer, at: tuple[int, int], ranges: dict[str, BlockRange], peaks: dict[str, float]
+    ) -> None:
+        step, x = at
+        self.sampled_steps += 1
+        self.ranges, self.max_logits = ranges, peaks
+        if self._cadence(trainer)[1]:
+            _emit.log_scalars(trainer, self._scalars(ranges, peaks), x)
+        findings = []
+        if str(trainer.precision) in FP16_PRECISIONS:  # bf16 and float32 have float32's range
+            findings.append(headroom_verdict(ranges, self.min_headroom_bits, str(trainer.precision)))
+        if peaks:
+            findings.append(
+                logit_verdict(self._history, peaks, self.max_attention_logit, self.logit_growth_factor)
+            )
+            self._history = [*self._history, max(peaks.values(), key=_order)][-self.growth_window :]
+        for f in findings:
+            if f is not None:
+                self.report(trainer, f.kind, "warning", f.where, f.message, f.hint, f.data, step, f.kind)
+
+    def _scalars(self, ranges: dict[str, BlockRange], peaks: dict[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        names = list(ranges)
+        shown = set(names)
+        if self.layers.max_layers is not None and names:
+            shown = self.layers.show(names, [_order(ranges[n].max_abs) for n in names])
+        for stat in _STATS:
+            values = {n: r.scalars()[stat] for n, r in ranges.items()}
+            out.update({f"activation/{stat}/{n}": v for n, v in values.items() if n in shown})
+            out.update(self.layers.aggregates(f"activation/{stat}", values))
+        if ranges:
+            out["activation/fp16_headroom/min"] = min(r.headroom_bits for r in ranges.values())
+        if peaks:
+            out.update(
+                cap_scalars(
+                    self.layers,
+                    {f"attention/max_logit/{k}": v for k, v in peaks.items()},
+                    "attention/max_logit",
+                )
+            )
+            out["attention/max_logit/total"] = max(peaks.values(), key=_order)
+        return out
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(logit_history=list(self._history), sampled_steps=self.sampled_steps)
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._history = [float(v) for v in state_dict.get("logit_history", [])]
+        self.sampled_steps = int(state_dict.get("sampled_steps", 0))
+
+
+def _order(value: float) -> float:
+    """A sort key where NaN comes first among maxima (and last among headrooms): NaN as +inf."""
+    return math.inf if math.isnan(value) else value

@@ -1,0 +1,300 @@
+r"""
+DeadReLUMonitor
+===============
+
+Finds ReLU units that never fire (and sigmoid/tanh units stuck in saturation) on a few sampled training
+steps; nothing is attached on the other steps or during validation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.cadence import log_step, logging_interval
+from lightning_gradguard.core.layers import LayerSelection, cap_scalars
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.validate import check_bool, check_float, check_int
+from lightning_gradguard.functional.stats import device_histograms
+from lightning_gradguard.monitors.dead_units.capture import ActivationCapture
+from lightning_gradguard.monitors.dead_units.counts import sum_counts
+from lightning_gradguard.monitors.dead_units.windows import UnitCounts, UnitWindows
+
+__all__ = ["DeadReLUMonitor"]
+
+
+class DeadReLUMonitor(GradGuardCallback):
+    r"""Alert when most units of a ReLU layer never fire.
+
+    On sampled training steps it watches each ReLU output of the forward pass (``nn.ReLU``, ``nn.ReLU6``,
+    in-place ReLUs, ``F.relu`` / ``torch.relu`` / ``Tensor.relu`` inside any ``forward``), through a
+    ``TorchFunctionMode`` and global module hooks that exist only during the sampled ``training_step``
+    (:class:`~lightning_gradguard.monitors.dead_units.capture.ActivationCapture`, which also names the layers:
+    ``"encoder.block3:relu(fc1)"``, ``"net.act#2"``). Sampled: every step while ``global_step < window +
+    patience - 1``, then every ``every_n_steps``; a sample that finds more than ``threshold`` of a layer
+    silent is followed up on the next ``window + patience - 1`` steps (follow-ups start none). Calls
+    outside every module's ``forward`` (loss code) and outputs of fewer than 2 dimensions are not layers.
+
+    A *unit* is a feature of a ``Linear`` output (last dimension) or a channel of a ``ConvNd`` output
+    (dimension 1). One sample is one optimizer step (its micro-batches pooled; one batch in manual
+    optimization). A unit is *active* on a step if it output a non-zero value for some sample of the
+    step, *dead* if inactive in each of the last ``window`` sampled steps. Reductions stay on the device;
+    one vector per sampled step comes to the host (all-reduced first: every rank reaches one verdict).
+
+    Logged per layer: ``dead_relu/<layer>`` (dead fraction) and, to TensorBoard, a histogram
+    ``activation_rate/<layer>`` of per-unit activation rates over the window. Alert ``dead_relu``
+    (severity error) when a layer's dead fraction exceeds ``threshold`` on ``patience`` consecutive full
+    windows. GELU, SiLU, LeakyReLU and friends are never watched: their units cannot die.
+
+    With ``check_saturation`` it also watches ``sigmoid`` and ``tanh`` inputs: a unit is saturated when
+    more than half of its inputs in the window lie where the float32 derivative is gone (tanh:
+    ``|x| > 9.5``; sigmoid: ``x < -23`` or ``x > 17``); ``saturated/<layer>`` is the fraction of such units
+    and alert ``saturated_activation`` (warning) fires above ``saturation_threshold``.
+
+    Args:
+        every_n_steps: sample one training step in this many (after the first ``window + patience - 1``).
+        window: sampled steps a unit must stay silent in to count as dead.
+        threshold: dead fraction of a layer above which it is reported (SageMaker's and the classic 0.5).
+        patience: consecutive full-window checks above the threshold before the alert.
+        check_saturation: also watch sigmoid/tanh saturation.
+        saturation_threshold: saturated fraction of a layer above which it is reported.
+        log_histograms: write the ``activation_rate/*`` histograms to TensorBoard.
+        histogram_bins: buckets of those histograms.
+        include: the activation layers watched (regular expressions on the names above; ``None``: all):
+            see :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        exclude: activation layers whose name matches are not watched.
+        max_layers: a cap on the curves per chart, the most dead layers first (``None``: no cap).
+        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``, applied to ``dead_relu``.
+        cooldown_steps: minimum steps between two alerts for the same layer.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import DeadReLUMonitor
+
+        Trainer(callbacks=[monitor := DeadReLUMonitor()]).fit(model)
+        print(monitor.dead_fractions)   # {"net.1": 0.03, "net.3": 0.97, ...}
+    """
+
+    state_key_args = ("every_n_steps", "action")
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        window: int = 4,
+        threshold: float = 0.5,
+        patience: int = 2,
+        check_saturation: bool = True,
+        saturation_threshold: float = 0.5,
+        log_histograms: bool = True,
+        histogram_bins: int = 20,
+        include: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
+        max_layers: int | None = None,
+        action: Literal["warn", "stop", "raise"] = "warn",
+        cooldown_steps: int = 1000,
+    ) -> None:
+        super().__init__(action=action, cooldown_steps=cooldown_steps)
+        self.every_n_steps: int = check_int("every_n_steps", every_n_steps, 1)
+        self.window: int = check_int("window", window, 1)
+        self.threshold: float = check_float("threshold", threshold, 0.0, 1.0)
+        self.patience: int = check_int("patience", patience, 1)
+        self.check_saturation = check_bool("check_saturation", check_saturation)
+        self.saturation_threshold: float = check_float("saturation_threshold", saturation_threshold, 0.0, 1.0)
+        self.log_histograms = check_bool("log_histograms", log_histograms)
+        self.histogram_bins: int = check_int("histogram_bins", histogram_bins, 2)
+        self.layers = LayerSelection(include, exclude, max_layers)
+        #: dead fraction per ReLU layer / saturated fraction per sigmoid/tanh layer, at the last check
+        self.dead_fractions: dict[str, float] = {}
+        self.saturated_fractions: dict[str, float] = {}
+        #: how many optimizer steps were sampled (batches, in manual optimization); micro-batches pooled
+        self.sampled_batches = 0
+        self._windows = UnitWindows(self.window)  # and the strikes of each finding
+        self._capture: ActivationCapture | None = None  # the sampled step's, pooled over its micro-batches
+        self._stepped = False  # on_before_optimizer_step fired during this batch
+        self._step_sampled = False  # the current optimizer step is a sampled one (on every rank alike)
+        self._sampled_at = (0, 0)
+        self._follow_left = 0  # sampled steps still to take at once: a layer looked dead on a sample
+        self._following = False
+
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        charts = {"Dead ReLU fraction per layer": ["dead_relu/.*"]}
+        if self.check_saturation:
+            charts["Saturated sigmoid/tanh units per layer"] = ["saturated/.*"]
+        return charts
+
+    def due(self, step: int) -> bool:
+        """Whether logging step ``step`` (see :func:`~lightning_gradguard.core.cadence.log_step`) is sampled.
+
+        Lightning's logging rule, ``(step + 1) % every_n_steps == 0``, so ``dead_relu/*`` points share the
+        x of the loss and of the gradient histograms; every step at the start. Under
+        ``accumulate_grad_batches`` all micro-batches of a due optimizer step are watched, as one sample.
+        """
+        return step < self.window + self.patience - 1 or (step + 1) % self.every_n_steps == 0
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):  # a new run is judged on its own sampled steps
+            self._windows = UnitWindows(self.window)
+            self.dead_fractions, self.saturated_fractions = {}, {}
+            self.sampled_batches, self._follow_left, self._following = 0, 0, False
+            self._capture, self._stepped, self._step_sampled = None, False, False
+
+    # ------------------------------------------------------------------ the sampled forward pass
+    @override
+    @guarded
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        at = log_step(trainer)
+        if (self._step_sampled or self._following) and at != self._sampled_at[1]:
+            # a step ended without on_before_optimizer_step (an ``optimizer_step`` override that skipped
+            # ``optimizer.step``): close it now, still at the same point on every rank
+            self._end_step(trainer)
+        self._stepped = False
+        regular = self.due(at)
+        if (self._capture is not None and self._capture.active) or not (regular or self._follow_left > 0):
+            return
+        # the micro-batches of one optimizer step share ``at``, so they are all sampled or none is
+        self._following = not regular
+        self._step_sampled = True
+        self._sampled_at = (int(trainer.global_step), at)
+        if self._capture is None:  # what it missed is said once, as ours
+            say = lambda key, text: warn_once(trainer, f"dead_relu_{key}", f"DeadReLUMonitor: {text}")  # noqa: E731
+            watch = self.layers.watches if self.layers.filters else None
+            self._capture = ActivationCapture(pl_module, self.check_saturation, warn=say, watch=watch)
+        # One scope around this batch's forward pass: its ``training_step`` call (from Lightning's loop, or
+        # through the DDP wrapper's forward) runs inside the capture; validation never does.
+        self._capture.around_next_call(pl_module, "training_step")
+
+    @override
+    @guarded
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._capture is not None:  # manual optimization: backward and later forwards run in training_step
+            self._capture.close()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._stepped = True  # fires only for the micro-batch that steps (more than once for LBFGS)
+
+    @override
+    @guarded
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._capture is not None:
+            self._capture.close()  # this batch's pass is over (and a training_step call that never came)
+        # One sample per optimizer step: under accumulate_grad_batches the micro-batches before the one that
+        # steps only add to the pooled counts. Without accumulation, and in manual optimization (where
+        # Lightning refuses accumulate_grad_batches), every batch closes its step, as it always did.
+        if self._stepped or not pl_module.automatic_optimization or trainer.accumulate_grad_batches <= 1:
+            self._end_step(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._capture is not None:  # on_train_batch_start returned -1: that batch never ran
+            self._capture.close()
+        if (self._step_sampled or self._following) and log_step(trainer) != self._sampled_at[1]:
+            self._end_step(trainer)
+        # what is left belongs to a step cut short with the epoch: Lightning drops its gradients too
+        self._capture, self._following, self._stepped, self._step_sampled = None, False, False, False
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self._capture is not None:
+            self._capture.close()
+        self._capture = None
+
+    # ------------------------------------------------------------------ after the sampled step
+    def _end_step(self, trainer: pl.Trainer) -> None:
+        """Close the sampled optimizer step: one flush (one collective under DDP), one follow-up used.
+
+        Under DDP every rank of a sampled step flushes, also one that saw no activation (a branch its data
+        did not take) or whose capture failed: the flush's collectives must meet on every rank, and its
+        signature check then skips the step everywhere instead of leaving the others waiting.
+        """
+        self._stepped = False
+        sampled, self._step_sampled = self._step_sampled, False
+        capture, self._capture = self._capture, None
+        error = None if capture is None else capture.error
+        if error is not None:
+            warn_once(
+                trainer,
+                "dead_relu_record_error",
+                f"DeadReLUMonitor could not measure an activation ({type(error).__name__}: {error}); the "
+                "sampled steps where that happens are skipped.",
+            )
+        # a partial capture is no sample
+        records = capture.records if capture is not None and error is None else {}
+        if records or (sampled and trainer.world_size > 1):
+            self._flush(trainer, records)
+        if self._following:
+            self._following = False
+            self._follow_left = max(self._follow_left - 1, 0)
+
+    def _flush(self, trainer: pl.Trainer, records: dict[str, UnitCounts]) -> None:
+        summed = sum_counts(trainer, records)
+        if not summed.agreed:
+            warn_once(
+                trainer,
+                "dead_relu_ranks_differ",
+                "DeadReLUMonitor: ranks saw different activation layers on a sampled step; that step is "
+                "skipped on every rank.",
+            )
+        if not summed.records:
+            return
+        self.sampled_batches += 1
+        limits = (self.threshold, self.saturation_threshold, self.patience)
+        verdict = self._windows.update(summed.records, *limits)
+        self.dead_fractions.update(verdict.dead_fractions)
+        self.saturated_fractions.update(verdict.saturated_fractions)
+        step, at = self._sampled_at
+        alerts = [
+            self.report(trainer, f.kind, f.severity, f.where, f.message, f.hint, f.data, step=step)
+            for f in verdict.findings
+        ]
+        logging_on = logging_interval(trainer) > 0  # Trainer(log_every_n_steps=0): detection only
+        scalars = cap_scalars(self.layers, verdict.scalars, "dead_relu")
+        shown = self.layers.last_shown  # histograms for the dead_relu curves shown
+        rates = {t: r for t, r in verdict.rates.items() if shown is None or t.split("/", 1)[1] in shown}
+        if logging_on:
+            _emit.log_scalars(trainer, cap_scalars(self.layers, scalars, "saturated"), at)
+        if logging_on and self.log_histograms and rates and _emit.tensorboard_writers(trainer):
+            spec = device_histograms(list(rates.values()), bins=self.histogram_bins)
+            for i, tag in enumerate(rates):
+                _emit.log_histogram_raw(trainer, tag, spec.stats[i], spec.edges[i], spec.counts[i], at)
+        # A regular sample that looks dead (more than `threshold` of a layer's units silent on this very
+        # step) is followed up at once: the next window + patience - 1 steps are sampled too, so a layer
+        # that died mid-run is confirmed within a few steps, not every_n_steps x (window + patience - 1).
+        # Follow-ups do not start new follow-ups.
+        if verdict.suspicious and not self._following and step >= self.window + self.patience - 1:
+            self._follow_left = self.window + self.patience - 1
+        self.act(trainer, [a for a in alerts if a is not None])
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(
+            self._windows.state_dict(), sampled_batches=self.sampled_batches, follow_left=self._follow_left
+        )
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._windows.load_state_dict(state_dict)
+        self.sampled_batches = int(state_dict.get("sampled_batches", 0))
+        self._follow_left = int(state_dict.get("follow_left", 0))

@@ -1,0 +1,302 @@
+r"""
+GradientNormLogger
+==================
+
+Logs gradient norms (total and per layer), weight norms, the update/weight ratio and histograms,
+measured where the numbers are true: in ``on_before_optimizer_step``, on accumulated, unscaled,
+all-reduced and not yet clipped gradients. All values of a logging step go to the host in one transfer.
+The measuring is :mod:`lightning_gradguard.monitors.gradients.norms`, the clipping statistics
+:mod:`lightning_gradguard.functional.clipping`; what is logged when, and the alerts, are here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
+from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection
+from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.transfer import HostTransfer
+from lightning_gradguard.core.validate import check_bool, check_float, check_int
+from lightning_gradguard.functional.clipping import clip_window_stats
+from lightning_gradguard.monitors.gradients.clipping import clip_verdict
+from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
+from lightning_gradguard.monitors.gradients.norms import (
+    ClipRing,
+    ClipSetting,
+    NormReading,
+    NormSample,
+    NormSpec,
+    clip_setting,
+    norm_charts,
+    parse_norm_type,
+    select_reading,
+)
+
+__all__ = ["GradientNormLogger"]
+
+#: with periodic logging off (``log_every_n_steps=0``), the clipping verdict is still reached this often
+_CLIP_CHECK_EVERY = 100
+
+
+class GradientNormLogger(GradGuardCallback):
+    r"""Log gradient and weight norms, update ratios and histograms to every attached logger.
+
+    On a logging step it logs, per optimizer step:
+
+    * ``grad_norm/total`` and ``grad_norm/<layer>``: gradient norms before clipping;
+    * ``weight_norm/total`` and ``weight_norm/<layer>``: parameter norms before the update;
+    * ``update_ratio/total`` and ``update_ratio/<layer>``: :math:`\|\Delta w\| / \|w\|` of the update the
+      optimizer actually applied (healthy runs sit near 1e-3);
+    * ``grad_nonfinite/total`` (and ``grad_nonfinite/<layer>`` where non-zero): NaN/inf gradient entries;
+    * with ``gradient_clip_val`` set on the Trainer: ``grad_clip/fraction_clipped``,
+      ``grad_clip/pre_clip_norm_p50|p90|p99`` and ``grad_clip/suggested_clip_val`` over the last
+      ``clip_window`` steps. Under ``gradient_clip_algorithm="norm"`` the pre-clip norm is the total
+      2-norm and a step counts as clipped when it exceeds ``gradient_clip_val``; under ``"value"`` it is
+      the largest ``|g|`` (the infinity norm: clipping by value changes a step exactly when it is over);
+    * with ``log_noise_scale=True``: ``noise_scale/*``, the critical batch size (McCandlish et al. 2018).
+
+    Every ``histogram_every_n_steps`` it also writes TensorBoard histograms ``grad/<param>``,
+    ``grad_log10/<param>`` (log10 of the non-zero magnitudes: vanishing gradients show as mass many
+    decades down) and ``weight/<param>``. A "layer" is the module that owns a parameter; ``group_depth``
+    merges deeper modules, ``per_parameter=True`` logs every parameter. Frozen parameters are skipped.
+    With several optimizers (manual optimization) the tags get an ``_opt<i>`` suffix on ``total``.
+
+    Logging follows Lightning's rule, ``(step + 1) % log_every_n_steps == 0``, plus the first step; a
+    ``log_every_n_steps`` of 0 (here or, by default, on the Trainer) turns periodic logging off, as it does
+    for Lightning: nothing is measured for the charts, while the clipping statistics are still gathered
+    and their alerts still checked every 100 steps.
+
+    Args:
+        log_every_n_steps: log every this many optimizer steps (default: the Trainer's
+            ``log_every_n_steps``, so our charts line up with the loss; ``0``: no periodic logging).
+        histogram_every_n_steps: write histograms every this many steps; ``None`` (default) means ten
+            times the logging interval, ``0`` turns histograms off.
+        norm_type: ``2`` (Euclidean) or ``"inf"`` (largest absolute entry).
+        group_depth: merge layers below this many module levels (``None``: the owning module).
+        per_parameter: log every parameter instead of every layer.
+        log_weight_norms: log ``weight_norm/*``.
+        log_update_ratio: log ``update_ratio/*`` (keeps a copy of the weights during a logging step).
+        histogram_bins: buckets per histogram.
+        clip_window: how many recent steps the clipping statistics cover.
+        include: regular expressions: matching layers get per-layer tags and histograms (``None``: all;
+            totals cover every layer): see :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        exclude: layers whose name matches get none (applied after ``include``).
+        max_layers: a cap on the layers per family, plus ``across_layers`` aggregates (``None``: no cap).
+        cooldown_steps: minimum steps between two alerts of the same kind.
+        log_noise_scale: log the gradient noise scale from the micro-batches and the ranks (one norm per
+            parameter and micro-batch: :mod:`lightning_gradguard.monitors.gradients.noise_scale`).
+        noise_scale_beta: the decay per optimizer step of the noise scale's two moving averages.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import GradientNormLogger
+
+        trainer = Trainer(callbacks=[GradientNormLogger()], gradient_clip_val=1.0)
+        trainer.fit(model)
+        # tensorboard --logdir lightning_logs  ->  Custom Scalars tab, "GradGuard" section
+    """
+
+    state_key_args = ("log_every_n_steps", "norm_type", "group_depth", "per_parameter")
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        histogram_every_n_steps: int | None = None,
+        norm_type: float | Literal["inf"] = 2.0,
+        group_depth: int | None = None,
+        per_parameter: bool = False,
+        log_weight_norms: bool = True,
+        log_update_ratio: bool = True,
+        histogram_bins: int = 64,
+        clip_window: int = 1000,
+        include: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
+        max_layers: int | None = None,
+        cooldown_steps: int = 1000,
+        log_noise_scale: bool = False,
+        noise_scale_beta: float = 0.99,
+    ) -> None:
+        super().__init__(action="warn", cooldown_steps=cooldown_steps)
+        self.log_every_n_steps: int | None = check_int(
+            "log_every_n_steps", log_every_n_steps, 0, allow_none=True
+        )
+        self.histogram_every_n_steps: int | None = check_int(
+            "histogram_every_n_steps", histogram_every_n_steps, 0, allow_none=True
+        )
+        self.norm_type = parse_norm_type(norm_type)
+        self.group_depth: int | None = check_int("group_depth", group_depth, 1, allow_none=True)
+        self.per_parameter = check_bool("per_parameter", per_parameter)
+        self.log_weight_norms = check_bool("log_weight_norms", log_weight_norms)
+        self.log_update_ratio = check_bool("log_update_ratio", log_update_ratio)
+        self.histogram_bins: int = check_int("histogram_bins", histogram_bins, 2)
+        self.clip_window: int = check_int("clip_window", clip_window, 10)
+        self.layers = LayerSelection(include, exclude, max_layers)
+        self.log_noise_scale = check_bool("log_noise_scale", log_noise_scale)
+        self.noise_scale_beta: float = check_float("noise_scale_beta", noise_scale_beta, 0, 1, high_open=True)
+        self._noise = NoiseScaleTracker(self.noise_scale_beta, on=self.log_noise_scale)
+        self._pending: list[tuple[int, str, NormSample]] = []  # (log step, tag suffix, sample)
+        self._clip_check_due = False
+        self._clip_check_step = 0  # global_step of the latest step measured for the clipping verdict
+        self._clip = ClipRing(self.clip_window)  # the pre-clip norms of recent steps, on the device
+        self.last_logged: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ cadence
+    def _hist_interval(self, trainer: pl.Trainer) -> int:
+        every = logging_interval(trainer, self.log_every_n_steps)
+        if self.histogram_every_n_steps is not None:
+            return self.histogram_every_n_steps if every else 0
+        return 10 * every
+
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        return {**norm_charts(ACROSS_LAYERS, self.layers.max_layers is not None), **self._noise.charts()}
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):  # the clip window holds this run's steps only
+            self._clip = ClipRing(self.clip_window)
+            self._pending, self.last_logged, self._clip_check_due = [], {}, False
+        self._noise.start(fresh=self.fresh_run(trainer))
+        if (reason := unsupported_reason(trainer)) is not None:  # DeepSpeed: no number, not a wrong one
+            warn_once(trainer, "sharding:unsupported", reason)
+
+    @override
+    @guarded
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._noise.on_batch(trainer, batch, logging_interval(trainer, self.log_every_n_steps))
+
+    @override
+    @guarded
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        every = logging_interval(trainer, self.log_every_n_steps)  # 0: periodic logging is off
+        self._noise.on_step(trainer, pl_module, optimizer, every)  # every rank: each has its micro-batches
+        # loggers are rank-zero only and DDP's gradients agree across ranks; sharded norms need every rank
+        if not (trainer.is_global_zero or is_sharded(trainer)):
+            return
+        at = log_step(trainer)
+        sampled = on_logging_step(at, every)
+        clip = clip_setting(trainer)
+        if not sampled and clip is None:
+            return
+        stats = step_stats(trainer, pl_module, optimizer)
+        if stats.unsupported is not None:  # DeepSpeed (said at fit start)
+            return
+        labels = stats.grad_groups(self.norm_type, self.group_depth, self.per_parameter)[0]  # cached
+        if clip is not None:
+            self._clip.push(stats.grad_total(clip.norm_type))
+            # with logging off the verdict is still reached, on a cadence of its own
+            if sampled or (every == 0 and self._clip.seen % _CLIP_CHECK_EVERY == 0):
+                self._clip_check_due, self._clip_check_step = True, stats.step
+        if not sampled:
+            return
+        suffix = f"_opt{optimizer_index(trainer, optimizer)}" if len(trainer.optimizers) > 1 else ""
+        histograms = on_logging_step(at, self._hist_interval(trainer)) and _emit.tensorboard_writers(trainer)
+        spec = NormSpec(
+            norm_type=self.norm_type,
+            group_depth=self.group_depth,
+            per_parameter=self.per_parameter,
+            weights=self.log_weight_norms,
+            update=self.log_update_ratio,
+            histogram_bins=self.histogram_bins if histograms else None,
+            histogram_layers=self.layers.histogram_layers(labels) if histograms else None,
+        )
+        self._pending.append((at, suffix, NormSample(stats, spec)))
+
+    @override
+    @guarded
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._flush(trainer)
+
+    @override
+    @guarded
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush(trainer)
+
+    # ------------------------------------------------------------------ the one transfer
+    def _flush(self, trainer: pl.Trainer) -> None:
+        if not (self._pending or self._clip_check_due or self._noise.due is not None):
+            return
+        pending, self._pending = self._pending, []
+        clip_due, self._clip_check_due = self._clip_check_due, False
+        transfer = HostTransfer()  # keys: (index in pending, name); -1 for the clip window
+        for i, (_, _, sample) in enumerate(pending):
+            sample.queue(transfer, i)
+        clip = clip_setting(trainer)
+        if clip_due and clip is not None:
+            self._clip.queue(transfer, (-1, "clip_window"))
+        self._noise.queue(transfer)  # on its logging steps, on every rank: averaged in the collective
+        if not len(transfer):
+            return
+        host = transfer.fetch()  # the one device -> host transfer (and collective, if any) of this step
+        for i, (at, suffix, sample) in enumerate(pending):  # written from rank zero only
+            self._emit_step(trainer, at, suffix, sample.read(host, i))
+        if (-1, "clip_window") in host and clip is not None:
+            last = (pending[-1][0], pending[-1][2].stats.step) if pending else None
+            self._emit_clip(trainer, last, clip, self._clip.read(host[(-1, "clip_window")]))
+        self.last_logged.update(self._noise.emit(trainer, host))
+
+    def _emit_step(self, trainer: pl.Trainer, at: int, suffix: str, reading: NormReading) -> None:
+        metrics = select_reading(reading, self.layers, suffix)
+        self.last_logged = dict(metrics)
+        _emit.log_scalars(trainer, metrics, at)
+        for h in reading.histograms:
+            for j, name in enumerate(h.names):
+                _emit.log_histogram_raw(trainer, f"{h.kind}/{name}", h.stats[j], h.edges[j], h.counts[j], at)
+
+    def _emit_clip(
+        self, trainer: pl.Trainer, last: tuple[int, int] | None, clip: ClipSetting, window: Tensor
+    ) -> None:
+        """Clipping statistics over the window and their alerts; ``last`` (the latest logged step's log step
+        and global step) is ``None`` with logging off."""
+        s = clip_window_stats(window, clip.value)
+        if s is None:
+            return
+        metrics = {f"grad_clip/{name}": x for name, x in s.metrics().items()}
+        self.last_logged.update(metrics)
+        if last is not None:
+            _emit.log_scalars(trainer, metrics, last[0])
+        step = last[1] if last is not None else self._clip_check_step
+        if (f := clip_verdict(s, clip.value, clip.norm_type, self.clip_window)) is not None:
+            self.report(trainer, f.kind, f.severity, None, f.message, f.hint, f.data, step=step)
+
+    # ------------------------------------------------------------------ state
+    _clip_norms = property(lambda self: self._clip.values)  # the ring as it is on the device
+    _clip_seen = property(lambda self: self._clip.seen)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if (norms := self._clip.state()) is not None:
+            state["clip_norms"] = norms
+        state["clip_seen"] = self._clip.seen
+        state["noise_scale"] = self._noise.state()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._clip.load(state_dict.get("clip_norms"), int(state_dict.get("clip_seen", 0)))
+        self._noise.load(state_dict.get("noise_scale"))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._noise.detach()  # the noise scale's hooks go with the fit

@@ -1,0 +1,385 @@
+"""What the gradient-norm log stands on: the Trainer's clipping, and the norms of one step read once.
+
+:func:`clip_setting` says how the Trainer clips gradients (and so which norm decides whether a step is
+clipped). A :class:`NormSample` is taken in ``on_before_optimizer_step`` from the shared
+:class:`~lightning_gradguard.core.stats.StepStats` (grouped gradient and weight norms, a snapshot of the
+weights, histograms): nothing is read back there. After ``optimizer.step()`` (``on_train_batch_end``)
+:meth:`NormSample.queue` finishes the update norms and queues everything on a
+:class:`~lightning_gradguard.core.transfer.HostTransfer`, which the caller fetches once for all its
+samples; :meth:`NormSample.read` turns the host values into a :class:`NormReading`.
+:func:`read_layer_norms` is the short way for a check that needs only the per-layer 2-norms on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
+
+from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.sharding import PendingNorms, world_size
+from lightning_gradguard.core.stats import StepStats
+from lightning_gradguard.core.transfer import HostTransfer
+from lightning_gradguard.functional.clipping import clipping_norm_type, push_norm
+from lightning_gradguard.functional.layers import log_distance_scores
+from lightning_gradguard.functional.stats import (
+    device_histograms,
+    nonfinite_counts,
+)
+from lightning_gradguard.functional.updates import SAMPLE_ENTRIES, update_norms, update_ratio, weight_snapshot
+
+__all__ = [
+    "norm_charts",
+    "select_reading",
+    "ClipRing",
+    "ClipSetting",
+    "HistogramRows",
+    "NormReading",
+    "NormSample",
+    "NormSpec",
+    "clip_setting",
+    "parse_norm_type",
+]
+
+_HIST_PARTS = ("stats", "edges", "counts")  # a histogram's NaN/inf counts are the grad_nonfinite scalars
+
+
+def parse_norm_type(norm_type: Any) -> float:
+    """``norm_type`` as ``2.0`` or ``inf`` (from ``2``, ``"inf"``, ...); else an error naming it."""
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (str, int, float)):
+        raise TypeError(f"`norm_type` must be 2 or 'inf'; got {norm_type!r} ({type(norm_type).__name__})")
+    try:
+        value = float(norm_type)
+    except ValueError:
+        value = float("nan")
+    if value not in (2.0, math.inf):
+        raise ValueError(f"`norm_type` must be 2 or 'inf'; got {norm_type!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ClipSetting:
+    """How the Trainer clips gradients: ``gradient_clip_val`` and the norm that decides clipping."""
+
+    value: float
+    norm_type: float
+
+
+def clip_setting(trainer: pl.Trainer) -> ClipSetting | None:
+    """The Trainer's gradient clipping, or ``None`` when it does not clip.
+
+    Lightning clips only in automatic optimization, and only for a ``gradient_clip_val`` above 0. Clipping
+    by norm rescales the gradient when its total 2-norm exceeds the value; clipping by value changes it
+    when some entry's magnitude does, which is when the infinity norm exceeds the value.
+    """
+    val = trainer.gradient_clip_val
+    if val is None or float(val) <= 0 or not trainer.lightning_module.automatic_optimization:
+        return None
+    algorithm = GradClipAlgorithmType(getattr(trainer, "gradient_clip_algorithm", None) or "norm")
+    return ClipSetting(value=float(val), norm_type=clipping_norm_type(algorithm.value))
+
+
+class ClipRing:
+    """The pre-clip norms of the last ``size`` steps, on the device: a ring written every step, no sync.
+
+    Under sharding a slot holds this rank's share of the step's norm (see
+    :class:`~lightning_gradguard.core.sharding.PendingNorms`), combined across the ranks when the window
+    is read (:meth:`queue`, in the reader's one transfer); the last window read is kept on the host for
+    :meth:`state` (the steps since then are left out of a checkpoint). NaN marks an empty slot.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.values: Tensor | None = None
+        self.seen = 0
+        self.norm_type = 2.0
+        self.shares = False
+        self._read: Tensor | None = None  # under sharding: the whole norms of the last window read
+
+    def push(self, total: PendingNorms) -> None:
+        """Write one step's (pending) pre-clip norm."""
+        if self.values is not None and total.sharded and not self.shares:  # restored whole norms
+            whole = self.values.to(total.values.device)
+            self.values = whole if math.isinf(total.norm_type) else whole.pow(total.norm_type) / world_size()
+        elif self.values is not None:
+            self.values = self.values.to(total.values.device)
+        self.shares, self.norm_type = total.sharded, total.norm_type
+        self.values = push_norm(self.values, self.seen, total.values, self.size)
+        if self._read is not None:
+            self._read[self.seen % self.size] = float("nan")
+        self.seen += 1
+
+    def queue(self, transfer: HostTransfer, key: Hashable) -> None:
+        """Queue the window (the filled slots) on ``transfer``."""
+        if self.values is not None and self.seen:
+            window = self.values[: min(self.seen, self.size)]
+            transfer.add_norms(key, PendingNorms(window, self.norm_type, self.shares))
+
+    def read(self, window: Tensor) -> Tensor:
+        """Note the window as read back (whole norms, on the host) and return it."""
+        if self.shares:
+            self._read = torch.full((self.size,), float("nan"))
+            self._read[: window.numel()] = window
+        return window
+
+    def state(self) -> Tensor | None:
+        """The window for a checkpoint: whole norms on the CPU (under sharding, as last read)."""
+        if self.shares:
+            return None if self._read is None else self._read.clone()
+        return None if self.values is None else self.values.detach().cpu()
+
+    def load(self, norms: Tensor | None, seen: int) -> None:
+        if norms is not None and norms.numel() == self.size:
+            self.values = norms.clone()
+        self.seen, self.shares, self._read = seen, False, None
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """What to measure: the norm, the grouping (``group_depth``, ``per_parameter``), weights, the update."""
+
+    norm_type: float = 2.0
+    group_depth: int | None = None
+    per_parameter: bool = False
+    weights: bool = True
+    update: bool = True
+    histogram_bins: int | None = None  # None: no histograms
+    histogram_layers: frozenset[str] | None = None  # None: every layer gets histograms
+    sample_entries: int = SAMPLE_ENTRIES  # the update of a larger tensor is measured on a strided sample
+
+
+@dataclass(frozen=True)
+class HistogramRows:
+    """Host histograms of one kind (``grad``, ``grad_log10``, ``weight``): row ``j`` is ``names[j]``."""
+
+    kind: str
+    names: list[str]
+    stats: Tensor
+    edges: Tensor
+    counts: Tensor
+
+
+@dataclass(frozen=True)
+class NormReading:
+    """The host values of a :class:`NormSample`; per-layer values keyed by layer, in model order.
+
+    ``weight_*`` are ``None`` / empty when weight norms were not asked for, ``update_*`` when the update
+    was not. ``nonfinite_layers`` lists only the layers with a NaN/inf gradient norm.
+    """
+
+    grad_total: float
+    grad_layers: dict[str, float]
+    nonfinite_total: float
+    nonfinite_layers: dict[str, float]
+    weight_total: float | None = None
+    weight_layers: dict[str, float] = field(default_factory=dict)
+    update_ratio_total: float | None = None
+    update_ratios: dict[str, float] = field(default_factory=dict)
+    histograms: list[HistogramRows] = field(default_factory=list)
+
+    def scalars(self, suffix: str = "") -> dict[str, float]:
+        """The reading as logger scalars, like Lightning's ``grad_norm`` utility names its own.
+
+        ``grad_norm/total<suffix>`` and ``grad_norm/<layer>``; the same for ``weight_norm`` and
+        ``update_ratio`` when measured; ``grad_nonfinite/total<suffix>`` and ``grad_nonfinite/<layer>``.
+        """
+        out = {f"grad_norm/total{suffix}": self.grad_total, **_tagged("grad_norm", self.grad_layers)}
+        if self.weight_total is not None:
+            out[f"weight_norm/total{suffix}"] = self.weight_total
+            out.update(_tagged("weight_norm", self.weight_layers))
+        if self.update_ratio_total is not None:
+            out[f"update_ratio/total{suffix}"] = self.update_ratio_total
+            out.update(_tagged("update_ratio", self.update_ratios))
+        out[f"grad_nonfinite/total{suffix}"] = self.nonfinite_total
+        out.update(_tagged("grad_nonfinite", self.nonfinite_layers))
+        return out
+
+
+def _tagged(prefix: str, values: dict[str, float]) -> dict[str, float]:
+    return {f"{prefix}/{name}": x for name, x in values.items()}
+
+
+class NormSample:
+    """The norms of one optimizer step, on the device until :meth:`queue` and :meth:`read`.
+
+    Under sharding every rank takes a sample, queues it and reads it (the fetch combines the ranks'
+    shares in its one collective); histograms are of this rank's pieces (rank 0 writes them).
+    """
+
+    def __init__(self, stats: StepStats, spec: NormSpec) -> None:
+        self.stats, self.spec = stats, spec
+        nt, depth, per_param = spec.norm_type, spec.group_depth, spec.per_parameter
+        self.device: dict[str, PendingNorms] = {}
+        self.grad_labels, self.device["grad_layers"] = stats.grad_groups(nt, depth, per_param)
+        self.device["grad_params"] = stats.grad_norms(nt)
+        self.device["grad_total"] = stats.grad_total(nt).reshape(1)
+        self.weight_labels: list[str] = []
+        self.weight_index: list[int] = []
+        if spec.weights or spec.update:
+            self.weight_labels, self.device["weight_layers"] = stats.weight_groups(nt, depth, per_param)
+            self.device["weight_total"] = stats.weight_total(nt).reshape(1)
+            _, self.weight_index = stats.groups(stats.names, depth, per_param)
+        self.snapshot = (
+            weight_snapshot(stats.local_params(), spec.sample_entries)
+            if spec.update and stats.params
+            else None
+        )
+        self.histograms = self._histograms() if spec.histogram_bins is not None else {}
+
+    def _histograms(self) -> dict[str, Any]:
+        stats, bins = self.stats, self.spec.histogram_bins or 0
+        grads = stats.grads
+        if stats.grad_scale is not None:  # still-scaled (fused optimizer): show unscaled values
+            inv = 1.0 / stats.grad_scale.float()
+            grads = [g.float() * inv.to(g.device) for g in grads]
+        grad_names, weight_names, weights = stats.grad_names, stats.names, stats.local_params()
+        if (layers := self.spec.histogram_layers) is not None:  # the layers shown (include/exclude, cap)
+            g, w = self._in_layers(grad_names, layers), self._in_layers(weight_names, layers)
+            grad_names, grads = [grad_names[i] for i in g], [grads[i] for i in g]
+            weight_names, weights = [weight_names[i] for i in w], [weights[i] for i in w]
+        out: dict[str, Any] = {}
+        if grads:
+            out["grad"] = (grad_names, device_histograms(grads, bins))
+            out["grad_log10"] = (grad_names, device_histograms(grads, bins, log10=True))
+        if weights:
+            out["weight"] = (weight_names, device_histograms(weights, bins))
+        return out
+
+    def _in_layers(self, names: list[str], layers: frozenset[str]) -> list[int]:
+        labels, index = self.stats.groups(names, self.spec.group_depth, self.spec.per_parameter)
+        return [i for i, j in enumerate(index) if labels[j] in layers]
+
+    def queue(self, transfer: HostTransfer, key: Hashable) -> None:
+        """Queue every value under ``(key, name)``; call after ``optimizer.step()`` applied the update."""
+        for name, t in self.device.items():
+            transfer.add_norms((key, name), t)
+        if self.snapshot is not None:
+            nt, n, params = self.spec.norm_type, len(self.weight_labels), self.stats.local_params()
+            device = self.device["weight_layers"].values.device
+            if self.stats.sharding is None:
+                idx = torch.tensor(self.weight_index, dtype=torch.long, device=device)
+                upd = update_norms(self.snapshot, params, idx, n, nt)
+                layers, total = PendingNorms(upd.layers, nt), PendingNorms(upd.total, nt)
+            else:  # per piece (each its own group), then this rank's shares of the whole updates
+                own = torch.arange(len(params), device=device)
+                per = self.stats.pending(update_norms(self.snapshot, params, own, len(params), nt).layers, nt)
+                layers, total = (
+                    self.stats.grouped(per, self.weight_index, n),
+                    self.stats.total(per).reshape(1),
+                )
+            transfer.add_norms((key, "update_layers"), layers)
+            transfer.add_norms((key, "update_total"), total)
+            self.snapshot = None
+        for kind, (_, spec) in self.histograms.items():
+            for part in _HIST_PARTS:
+                transfer.add((key, f"hist:{kind}:{part}"), getattr(spec, part))
+
+    def read(self, host: dict[Any, Tensor], key: Hashable) -> NormReading:
+        """The host values queued under ``key`` (a second transfer only when a gradient norm is NaN/inf)."""
+        v = {k[1]: t for k, t in host.items() if isinstance(k, tuple) and k[0] == key}
+        nonfinite = self._nonfinite(v["grad_params"])
+        weighed, updated = "weight_layers" in v, "update_layers" in v
+        w_total = float(v["weight_total"][0]) if weighed else None
+        w_layers = v["weight_layers"].tolist() if weighed else []
+        u_layers = v["update_layers"].tolist() if updated else []
+        return NormReading(
+            grad_total=float(v["grad_total"][0]),
+            grad_layers=dict(zip(self.grad_labels, v["grad_layers"].tolist(), strict=True)),
+            nonfinite_total=float(sum(nonfinite.values())),
+            nonfinite_layers=nonfinite,
+            weight_total=w_total if self.spec.weights else None,
+            weight_layers=dict(zip(self.weight_labels, w_layers, strict=True)) if self.spec.weights else {},
+            update_ratio_total=update_ratio(float(v["update_total"][0]), w_total or 0.0) if updated else None,
+            update_ratios={
+                name: update_ratio(u, w)
+                for name, u, w in zip(self.weight_labels, u_layers, w_layers, strict=True)
+            }
+            if updated
+            else {},
+            histograms=[
+                HistogramRows(
+                    kind=kind,
+                    names=names,
+                    stats=v[f"hist:{kind}:stats"],
+                    edges=v[f"hist:{kind}:edges"],
+                    counts=v[f"hist:{kind}:counts"],
+                )
+                for kind, (names, _) in self.histograms.items()
+            ],
+        )
+
+    def _nonfinite(self, grad_params: Tensor) -> dict[str, float]:
+        """NaN/inf gradient entries per layer: none unless some norm came out non-finite; only then count
+        (summed over the ranks' pieces under sharding: every rank reads the same norms and counts alike)."""
+        bad = [i for i, x in enumerate(grad_params.tolist()) if not math.isfinite(x)]
+        if not bad:
+            return {}
+        transfer = HostTransfer()
+        counts = nonfinite_counts([self.stats.grads[i] for i in bad]).float()
+        transfer.add("counts", counts, reduce="sum" if self.stats.sharding is not None else None)
+        labels, index = self.stats.groups(
+            self.stats.grad_names, self.spec.group_depth, self.spec.per_parameter
+        )
+        per_layer: dict[str, float] = {}
+        for i, c in zip(bad, transfer.fetch()["counts"].tolist(), strict=True):
+            per_layer[labels[index[i]]] = per_layer.get(labels[index[i]], 0.0) + float(c)
+        return per_layer
+
+
+def select_reading(reading: NormReading, selection: LayerSelection, suffix: str = "") -> dict[str, float]:
+    """The scalars of a GradientNormLogger reading, for the layers ``selection`` shows, and its aggregates.
+
+    Totals always cover every parameter of the optimizer. With a cap the layers are chosen on how far
+    their gradient norm and update ratio lie from the other layers' (:func:`log_distance_scores`) and
+    the same layers are shown in every family.
+    """
+    if not selection.filters and selection.max_layers is None:
+        return reading.scalars(suffix)
+    grads = selection.keep(reading.grad_layers)
+    scores = log_distance_scores(list(grads.values()))
+    if reading.update_ratios:
+        ratios = log_distance_scores([reading.update_ratios.get(n, 1.0) for n in grads])
+        scores = [max(a, b) for a, b in zip(scores, ratios, strict=True)]
+    shown = selection.show(list(grads), scores)
+    capped = selection.max_layers is not None
+    weights, ratios_kept = selection.keep(reading.weight_layers), selection.keep(reading.update_ratios)
+    out = replace(
+        reading,
+        grad_layers={n: v for n, v in grads.items() if n in shown},
+        weight_layers={n: v for n, v in weights.items() if not capped or n in shown},
+        update_ratios={n: v for n, v in ratios_kept.items() if not capped or n in shown},
+        nonfinite_layers=selection.keep(reading.nonfinite_layers),
+    ).scalars(suffix)
+    for family, values in (("grad_norm", grads), ("weight_norm", weights), ("update_ratio", ratios_kept)):
+        out.update({f"{k}{suffix}": v for k, v in selection.aggregates(family, values).items()})
+    return out
+
+
+def norm_charts(across: str, capped: bool) -> dict[str, list[str]]:
+    """GradientNormLogger's charts in the GradGuard layout; ``capped``: with the ``across`` aggregates."""
+    not_total = rf"(?!total(_opt\d+)?$|{across}/)"  # per-layer charts: no total, no aggregate
+    aggregates = {  # with a cap: what the layers not shown do
+        f"{title} across all layers: min / median / max": [f"{family}/{across}/.*"]
+        for title, family in (("Gradient norm", "grad_norm"), ("Update / weight ratio", "update_ratio"))
+    }
+    return {
+        **(aggregates if capped else {}),
+        "Gradient norm: total": ["grad_norm/total.*"],
+        "Gradient norm per layer": [f"grad_norm/{not_total}.*"],
+        "Weight norm per layer": [f"weight_norm/{not_total}.*"],
+        "Update / weight ratio per layer (healthy ~1e-3: use the log y axis)": [
+            f"update_ratio/{not_total}.*"
+        ],
+        "Gradient clipping: fraction of steps clipped": ["grad_clip/fraction_clipped"],
+        "Gradient clipping: pre-clip norm p50/p90/p99 and suggested clip value": [
+            "grad_clip/pre_clip_norm_.*",
+            "grad_clip/suggested_clip_val",
+        ],
+        "Non-finite gradient entries": ["grad_nonfinite/.*"],
+    }

@@ -1,0 +1,299 @@
+r"""
+LRFinderPlus
+============
+
+A learning-rate range test (Smith 2017) that runs inside the real training run: at the start of fit and,
+optionally, at milestone epochs later on. It sweeps the learning rate over a few optimizer steps of the
+real model, optimizer, precision, accumulation and (under DDP) all-reduced gradients, suggests a
+learning rate, applies it, and puts every other piece of state back exactly as it was: parameters,
+buffers, gradients, optimizer state, schedulers, the GradScaler, metric states and the random number
+generators. The Trainer's loops never see the sweep, so step counters and logged metrics are untouched
+and the rest of the run is identical to one started with the suggested learning rate.
+
+This module is the face (when a test runs, alerts, output); the range test itself is
+:mod:`lightning_gradguard.monitors.lr_finder.engine`. :func:`lr_find` runs one before training in a throwaway Trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
+from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_int_list
+from lightning_gradguard.functional.lr_suggest import SUGGESTION_METHODS
+from lightning_gradguard.monitors.lr_finder import engine
+from lightning_gradguard.monitors.lr_finder.output import write_result
+from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+
+__all__ = ["LRFinderPlus", "LRFinderResult", "lr_find"]
+
+
+class LRFinderPlus(GradGuardCallback):
+    r"""Learning-rate range test at fit start (and at milestone epochs) that applies its suggestion.
+
+    For ``num_training`` optimizer steps the learning rate rises from ``min_lr`` to ``max_lr``
+    (exponentially or linearly); each step records the training loss. With ``accumulate_grad_batches``
+    a step is several micro-batches and one point; steps the GradScaler skipped are dropped; several
+    parameter groups move together with their ratios kept (the LR reported is group 0's). The loss is
+    smoothed with a bias-corrected EMA counted by the finder's own steps; the sweep stops early when
+    the smoothed loss has climbed back above its best by ``divergence_threshold`` times the descent so
+    far (a rule on differences, so negative or near-zero losses work), and at the first non-finite
+    loss (not recorded).
+
+    Four suggestions are computed on a zero-lag (Gaussian) smoothed curve and all reported: ``valley``
+    (middle of the longest stretch falling at least half as fast as the steepest point), ``steep``
+    (steepest descent per decade), ``minimum`` (LR at the lowest loss / 10) and ``slide``. ``method``
+    picks the one applied (default ``steep``: chosen by leave-one-task-out on our benchmark and checked
+    on held-out tasks, see the docs). With ``apply=True`` every parameter group's LR is scaled so
+    that group 0 gets the suggestion (ratios kept) and the schedulers' ``base_lrs`` are scaled with it.
+    Everything else is restored exactly, and training continues as if started with that LR.
+
+    Under DDP and FSDP every rank runs the same sweep on its own shard; the loss of each step is averaged
+    across ranks, so all ranks see the same curve and stop at the same step; rank 0's result is
+    broadcast. When no suggestion is possible the LR is left alone and an ``lr_finder_failed`` alert
+    says why. The sweep needs automatic optimization with one optimizer, on a single device, under
+    DDP or under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``): in any other setup (manual
+    optimization, for one) no sweep runs, and the alert says that the setup is not supported and what
+    to do instead.
+
+    Output (rank 0): scalars ``lr_finder/loss``, ``lr_finder/smoothed_loss`` and ``lr_finder/lr``
+    against the sweep step, ``lr_finder/suggested_lr`` at the trainer's step; a CSV
+    ``lr_finder.csv`` and (with matplotlib) a figure ``lr_finder.png`` in the log directory (when the
+    trainer has a logger), the figure also sent to TensorBoard. An applied LR is written to every
+    logger's hyperparameters (``lr_finder/applied_lr`` and ``lr_finder/method``; in ``hparams.yaml`` for
+    TensorBoard and CSV) and to ``result.applied_lr``. Later milestones get an ``_epoch<N>`` suffix.
+    While the sweep runs, a tqdm bar of its own (stderr, below Lightning's training bar, gone when the
+    sweep ends) shows the LR and loss; the result is one INFO line on the ``lightning_gradguard`` logger.
+    Under ``fast_dev_run`` the test is skipped, like Lightning's tuner.
+
+    Args:
+        min_lr: first learning rate of the sweep.
+        max_lr: last learning rate of the sweep.
+        num_training: optimizer steps in the sweep.
+        mode: ``"exponential"`` or ``"linear"`` spacing.
+        method: the suggestion applied: ``"valley"``, ``"steep"``, ``"minimum"`` or ``"slide"``.
+        beta: EMA factor of the online smoothing the stop rule uses (bias corrected). 0.9 follows a
+            100-step sweep closely; fastai's 0.98 lags about 50 steps behind.
+        divergence_threshold: stop once the smoothed loss has risen this many times the descent achieved
+            (reference minus best) above its best; ``None`` sweeps to ``max_lr``.
+        milestones: epochs at whose start the test runs (default ``[0]``: fit start).
+        apply: set the suggested LR on the optimizer and schedulers.
+        plot: save a figure (needs matplotlib; skipped quietly without it).
+        progress: show the sweep's progress bar on rank 0.
+        min_points: fewest recorded points for a suggestion (default: a tenth of ``num_training``, >= 5).
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import LRFinderPlus
+
+        finder = LRFinderPlus(min_lr=1e-6, max_lr=1.0, num_training=100)
+        trainer = Trainer(callbacks=[finder], max_epochs=10)
+        trainer.fit(model)
+        print(finder.result.suggestion, finder.result.suggestions)
+    """
+
+    state_key_args = ("milestones", "method")
+
+    def __init__(
+        self,
+        min_lr: float = 1e-7,
+        max_lr: float = 1.0,
+        num_training: int = 100,
+        mode: Literal["exponential", "linear"] = "exponential",
+        method: Literal["steep", "valley", "minimum", "slide"] = "steep",
+        beta: float = 0.9,
+        divergence_threshold: float | None = 1.0,
+        milestones: list[int] | None = None,
+        apply: bool = True,
+        plot: bool = True,
+        progress: bool = True,
+        min_points: int | None = None,
+        action: Literal["warn", "stop", "raise"] = "warn",
+    ) -> None:
+        super().__init__(action=action, cooldown_steps=0)
+        self.min_lr: float = check_float("min_lr", min_lr, 0.0, low_open=True)
+        self.max_lr: float = check_float("max_lr", max_lr, 0.0, low_open=True)
+        if self.max_lr <= self.min_lr:
+            raise ValueError(f"`max_lr` must be greater than `min_lr` ({min_lr!r}); got {max_lr!r}")
+        self.num_training: int = check_int("num_training", num_training, 5)
+        self.mode: str = check_choice("mode", mode, ("exponential", "linear"))
+        self.method: str = check_choice("method", method, SUGGESTION_METHODS)
+        self.beta: float = check_float("beta", beta, 0.0, 0.999)
+        self.divergence_threshold: float | None = check_float(
+            "divergence_threshold", divergence_threshold, 0.0, low_open=True, allow_none=True
+        )
+        self.milestones = sorted(
+            set(check_int_list("milestones", [0] if milestones is None else milestones, 0))
+        )
+        min_points = check_int("min_points", min_points, 2, allow_none=True)
+        self.apply = check_bool("apply", apply)
+        self.plot = check_bool("plot", plot)
+        self.progress = check_bool("progress", progress)
+        self.min_points: int = min_points if min_points is not None else max(5, self.num_training // 10)
+        self.results: list[LRFinderResult] = []
+        self._done_epochs: set[int] = set()
+        self._stop_after = False  # set by lr_find: end the fit once the sweep is done
+
+    @property
+    def result(self) -> LRFinderResult | None:
+        """The latest range test's result (``None`` before the first)."""
+        return self.results[-1] if self.results else None
+
+    @property
+    def suggestion(self) -> float | None:
+        return self.result.suggestion if self.result is not None else None
+
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        return {
+            "LR finder: loss per sweep step": [r"lr_finder/loss.*", r"lr_finder/smoothed_loss.*"],
+            "LR finder: learning rate per sweep step (use the log y axis)": [r"lr_finder/lr.*"],
+        }
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):  # the same callback reused for a new run tests that run again
+            self._done_epochs.clear()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._stop_after:  # lr_find's throwaway fit: sweep now, then end it before any epoch starts
+            self._at_milestone(trainer, pl_module)
+            engine.end_fit_before_training(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._stop_after:
+            self._at_milestone(trainer, pl_module)
+
+    def _at_milestone(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epoch = int(trainer.current_epoch)
+        if epoch not in self.milestones or epoch in self._done_epochs:
+            return
+        self._done_epochs.add(epoch)
+        if not skipped_for_fast_dev_run(trainer, "LRFinderPlus", "the learning-rate range test"):
+            self.find(trainer, pl_module)
+
+    # ------------------------------------------------------------------ the test
+    def find(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> LRFinderResult | None:
+        """Run one range test now (inside a fit, where the optimizer and dataloader exist)."""
+        epoch = int(trainer.current_epoch)
+        test = engine.RangeTest(
+            min_lr=self.min_lr,
+            max_lr=self.max_lr,
+            num_training=self.num_training,
+            mode=self.mode,
+            method=self.method,
+            beta=self.beta,
+            divergence_threshold=self.divergence_threshold,
+            min_points=self.min_points,
+            progress=self.progress,
+        )
+        problem = engine.unsupported_setup(trainer, pl_module)
+        if problem is not None:
+            warn_once(
+                trainer, f"lr_finder_unsupported:{problem.message}", f"{problem.message}; no range test ran."
+            )
+            self.results.append(test.not_run(epoch, problem.message))
+            self._alert(trainer, epoch, f"No LR range test: {problem.message}.", problem.hint, points=0)
+            return None
+        result = test.run(trainer, pl_module, epoch=epoch, apply=self.apply)
+        self.results.append(result)
+        if result.suggestion is None:
+            self._alert(
+                trainer,
+                epoch,
+                f"LR range test gave no suggestion: {result.reason}.",
+                "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
+                "raise num_training, or check that the loss depends on the learning rate at all.",
+                points=len(result.lrs),
+            )
+        # lr_find's throwaway fit has no logger on purpose: no "the trainer has no logger" line for it
+        write_result(
+            trainer, result, plot=self.plot, log_curve=not (self._stop_after and not trainer.loggers)
+        )
+        return result
+
+    def _alert(self, trainer: pl.Trainer, epoch: int, message: str, hint: str, points: int) -> None:
+        """The ``lr_finder_failed`` alert: no LR was applied (an unsupported setup, or no suggestion)."""
+        alert = self.report(
+            trainer,
+            "lr_finder_failed",
+            "warning",
+            f"epoch {epoch}",
+            f"{message} The learning rate was left unchanged.",
+            hint,
+            data={"points": float(points)},
+        )
+        self.act(trainer, [alert] if alert else [])
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["done_epochs"] = sorted(self._done_epochs)
+        state["suggestions"] = [(r.epoch, r.suggestion) for r in self.results]
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._done_epochs = set(state_dict.get("done_epochs", []))
+
+
+def lr_find(
+    model: pl.LightningModule,
+    train_dataloaders: Any = None,
+    datamodule: pl.LightningDataModule | None = None,
+    *,
+    trainer_kwargs: dict[str, Any] | None = None,
+    attr_name: str | None = "",
+    **finder_kwargs: Any,
+) -> LRFinderResult | None:
+    """Run a range test before training, in a throwaway Trainer; the model comes back unchanged.
+
+    The suggestion is written to the model's ``attr_name`` attribute (``""``: the first of ``lr``,
+    ``learning_rate`` found on the model or in its ``hparams``; ``None``: do not write it), so the real
+    ``Trainer.fit`` builds its optimizer with it. ``finder_kwargs`` go to :class:`LRFinderPlus`;
+    ``trainer_kwargs`` to the throwaway ``Trainer`` (default: CPU/GPU auto, one device, no logger,
+    checkpointing, progress bar or validation).
+
+    The throwaway fit ends cleanly right after the sweep, before its first training batch (also with
+    ``min_epochs`` / ``min_steps`` in ``trainer_kwargs``): callbacks passed there see a finished fit
+    (``on_train_end``), never ``on_exception``. With ``fast_dev_run`` in ``trainer_kwargs`` the test is
+    skipped, like Lightning's tuner does: one INFO line, no fit, ``None`` returned.
+
+    Returns the :class:`LRFinderResult` (its ``suggestion`` is ``None`` when none was possible), or
+    ``None`` when skipped.
+    """
+    finder_kwargs.setdefault("apply", False)
+    finder_kwargs.setdefault("plot", False)
+    finder = LRFinderPlus(milestones=[0], **finder_kwargs)
+    finder._stop_after = True
+    kwargs: dict[str, Any] = dict(
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    kwargs.update(trainer_kwargs or {})
+    kwargs["callbacks"] = [*kwargs.get("callbacks", []), finder]
+    trainer = pl.Trainer(**kwargs)
+    if skipped_for_fast_dev_run(trainer, "lr_find", "the learning-rate range test"):
+        return None  # its fit would train a batch on the model, which lr_find must leave unchanged
+    trainer.fit(model, train_dataloaders=train_dataloaders, datamodule=datamodule)
+    result = finder.result
+    if result is not None and result.suggestion is not None and attr_name is not None:
+        engine.set_lr_attr(model, attr_name, result.suggestion)
+    return result

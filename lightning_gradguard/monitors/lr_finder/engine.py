@@ -1,0 +1,366 @@
+"""The learning-rate range test itself: the sweep, the decision, and applying the learning rate.
+
+The sweep runs its own small loop over the training dataloader (the one Lightning has already set up,
+with its distributed sampler); it does not re-enter ``Trainer.fit`` and does not swap loggers, which is
+what makes Lightning's own finder fail after training has started. Each sweep step is built from the
+trial steps of :mod:`lightning_gradguard.core.trial` (through the strategy, so DDP all-reduces the
+gradients and FSDP gathers and reduce-scatters as in the run), on batches prepared in Lightning's
+order by :func:`~lightning_gradguard.core.batch.prepare_batch`; a
+:class:`~lightning_gradguard.core.snapshot.TrainingSnapshot` puts everything back afterwards. The math
+(schedule, stop rule, suggestions) is :mod:`lightning_gradguard.functional.lr_suggest`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, TQDMProgressBar
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+from lightning_gradguard.core.batch import prepare_batch
+from lightning_gradguard.core.lr import rescale_learning_rates
+from lightning_gradguard.core.snapshot import TrainingSnapshot
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.trial import quiet_logging, trial_backward, trial_loss, trial_optimizer_step
+from lightning_gradguard.functional.lr_suggest import (
+    SUGGESTION_METHODS,
+    centered_smooth,
+    suggest_all,
+    sweep_lrs,
+)
+from lightning_gradguard.monitors.lr_finder.divergence import DivergenceMonitor
+from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+
+__all__ = [
+    "RangeTest",
+    "SweepResult",
+    "Unsupported",
+    "end_fit_before_training",
+    "set_lr_attr",
+    "unsupported_setup",
+]
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Why the sweep cannot run in this setup (``message``) and what to do instead (``hint``)."""
+
+    message: str
+    hint: str
+
+
+@dataclass
+class SweepResult:
+    """What the sweep recorded: one point per optimizer step the GradScaler did not skip."""
+
+    lrs: list[float]
+    losses: list[float]
+    smoothed: list[float]
+    stop_reason: str
+    skipped: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RangeTest:
+    """The settings of one range test (see :class:`~lightning_gradguard.LRFinderPlus` for each)."""
+
+    min_lr: float
+    max_lr: float
+    num_training: int
+    mode: str
+    method: str
+    beta: float
+    divergence_threshold: float | None
+    min_points: int
+    progress: bool
+
+    def run(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, epoch: int, apply: bool
+    ) -> LRFinderResult:
+        """Sweep, restore everything, decide (rank 0's result on every rank); with ``apply``, set the LR."""
+        optimizer = trainer.optimizers[0]
+        started = time.perf_counter()
+        snapshot = TrainingSnapshot(pl_module, trainer=trainer)
+        base = [_configured(g) for g in optimizer.param_groups]
+        try:
+            sweep = self.sweep(trainer, pl_module, optimizer, base)
+        finally:
+            snapshot.restore()
+        result = self.decide(sweep, epoch)
+        result.seconds = time.perf_counter() - started
+        if trainer.world_size > 1:
+            result = trainer.strategy.broadcast(result, src=0)
+        if apply and result.suggestion is not None:
+            _apply_lr(trainer, optimizer, base, result.suggestion)
+            result.applied = True
+            result.applied_lr = _configured(optimizer.param_groups[0])
+        return result
+
+    def sweep(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, base: list[float]
+    ) -> SweepResult:
+        """Raise the LR step by step (group ratios kept) and record the loss until done or diverged."""
+        ratios = [b / base[0] for b in base] if base[0] > 0 else [1.0] * len(base)
+        schedule = sweep_lrs(self.min_lr, self.max_lr, self.num_training, self.mode)
+        monitor = DivergenceMonitor(
+            self.beta, self.divergence_threshold, warmup=max(2, self.num_training // 10)
+        )
+        accumulate = max(1, int(trainer.accumulate_grad_batches))
+        lrs: list[float] = []
+        losses: list[float] = []
+        skipped = 0
+        stop_reason = "completed"
+        batches = _batches(trainer.train_dataloader)
+        bar = _progress_bar(trainer, len(schedule)) if self.progress and trainer.is_global_zero else None
+        # the sweep's losses are not the run's metrics (also what the batch hooks would log)
+        with quiet_logging(pl_module):
+            try:
+                for lr in schedule:
+                    for group, ratio in zip(optimizer.param_groups, ratios, strict=True):
+                        group["lr"] = lr * ratio
+                    optimizer.zero_grad(set_to_none=True)
+                    total = None
+                    for _ in range(accumulate):
+                        try:
+                            batch, batch_idx = next(batches)
+                        except StopIteration:
+                            stop_reason = "no data"
+                            break
+                        batch = prepare_batch(trainer, batch, dataloader_idx=0)
+                        loss = trial_loss(trainer, pl_module, batch, batch_idx, through_strategy=True)
+                        if loss is None:
+                            stop_reason = "no loss"
+                            break
+                        value = loss.detach().float()
+                        total = value if total is None else total + value
+                        trial_backward(trainer, loss, accumulate)
+                    if stop_reason != "completed" or total is None:
+                        if stop_reason == "completed":
+                            stop_reason = "no loss"
+                        break
+                    mean = total / accumulate
+                    if trainer.world_size > 1:
+                        mean = trainer.strategy.reduce(mean, reduce_op="mean")
+                    value_f = float(mean)
+                    if not math.isfinite(value_f):
+                        stop_reason = "non-finite loss"
+                        break
+                    step_skipped = trial_optimizer_step(trainer, optimizer)
+                    if bar is not None:
+                        bar.set_postfix({"lr": f"{lr:.2e}", "loss": f"{value_f:.4g}"}, refresh=False)
+                        bar.update(1)
+                    if step_skipped:
+                        skipped += 1
+                        continue
+                    lrs.append(lr)
+                    losses.append(value_f)
+                    if monitor.update(value_f):
+                        stop_reason = monitor.reason
+                        break
+            finally:
+                if bar is not None:
+                    bar.close()
+                optimizer.zero_grad(set_to_none=True)
+        return SweepResult(
+            lrs=lrs, losses=losses, smoothed=list(monitor.smoothed), stop_reason=stop_reason, skipped=skipped
+        )
+
+    def decide(self, sweep: SweepResult, epoch: int) -> LRFinderResult:
+        """The suggestions on the zero-lag smoothed curve, and the chosen one (or why there is none)."""
+        lrs = sweep.lrs
+        curve = centered_smooth(sweep.losses) if sweep.losses else []
+        suggestions: dict[str, float | None] = dict.fromkeys(SUGGESTION_METHODS)
+        reason = ""
+        if len(lrs) < self.min_points:
+            reason = (
+                f"only {len(lrs)} of {self.num_training} sweep steps were usable "
+                f"(stopped: {sweep.stop_reason}); at least {self.min_points} are needed"
+            )
+        else:
+            suggestions = suggest_all(lrs, curve)
+            if suggestions[self.method] is None:
+                reason = (
+                    f"the loss curve gives no '{self.method}' suggestion between {lrs[0]:.2e} and "
+                    f"{lrs[-1]:.2e} (it never clearly decreased)"
+                )
+        return LRFinderResult(
+            lrs=lrs,
+            losses=sweep.losses,
+            smoothed=sweep.smoothed,
+            curve=curve,
+            suggestions=suggestions,
+            method=self.method,
+            suggestion=None if reason else suggestions[self.method],
+            epoch=epoch,
+            stop_reason=sweep.stop_reason,
+            reason=reason,
+            skipped_steps=sweep.skipped,
+        )
+
+    def not_run(self, epoch: int, reason: str) -> LRFinderResult:
+        """The result of a test that could not run (an unsupported setup: ``reason``)."""
+        return LRFinderResult(
+            lrs=[],
+            losses=[],
+            smoothed=[],
+            curve=[],
+            suggestions=dict.fromkeys(SUGGESTION_METHODS),
+            method=self.method,
+            suggestion=None,
+            epoch=epoch,
+            stop_reason="not run",
+            reason=reason,
+        )
+
+
+def unsupported_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:
+    """Why the sweep cannot run in this setup, or ``None`` when it can."""
+    if not pl_module.automatic_optimization:
+        return Unsupported(
+            message="LRFinderPlus needs automatic optimization (training_step returning the loss): the range "
+            "test drives the optimizer itself, and this module uses manual optimization",
+            hint="Set the learning rate by hand, or run lr_find() on an automatic-optimization version of "
+            "the model and use its suggestion.",
+        )
+    if len(trainer.optimizers) != 1:
+        return Unsupported(
+            message=f"LRFinderPlus needs exactly one optimizer, found {len(trainer.optimizers)}",
+            hint="Set the learning rate by hand, or run lr_find() on a version of the model with one "
+            "optimizer and use its suggestion.",
+        )
+    from lightning.pytorch.strategies import (
+        DDPStrategy,
+        DeepSpeedStrategy,
+        FSDPStrategy,
+        ModelParallelStrategy,
+        SingleDeviceStrategy,
+    )
+
+    # FSDP1 and FSDP2 (ModelParallelStrategy): the sweep's steps go through the strategy like the run's,
+    # every rank takes every step (the stop rule reads the loss averaged across ranks), and the snapshot
+    # copies each rank's pieces back into the live parameters: tested against DDP's curve
+    strategy = trainer.strategy
+    supported = (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy)
+    if not isinstance(strategy, supported) or isinstance(strategy, DeepSpeedStrategy):
+        return Unsupported(
+            message=f"LRFinderPlus runs on a single device, under DDP or under FSDP, not under "
+            f"{type(strategy).__name__}",
+            hint="Run lr_find() on the model with one device (trainer_kwargs={'devices': 1}) or under DDP, "
+            "and set its suggestion as this run's learning rate.",
+        )
+    if trainer.train_dataloader is None:
+        return Unsupported(
+            message="LRFinderPlus found no training dataloader to sweep over",
+            hint="Give Trainer.fit the training data (train_dataloaders or a datamodule with "
+            "train_dataloader) and keep limit_train_batches above 0.",
+        )
+    loaders = trainer.train_dataloader
+    flat = loaders.flattened if isinstance(loaders, CombinedLoader) else [loaders]
+    if isinstance(loaders, (list, tuple)):
+        flat = list(loaders)
+    elif isinstance(loaders, dict):
+        flat = list(loaders.values())
+    for dl in flat:
+        if getattr(dl, "persistent_workers", False) and getattr(dl, "num_workers", 0) > 0:
+            warn_once(
+                trainer,
+                "lr_finder_persistent_workers",
+                "LRFinderPlus: a dataloader with persistent_workers=True restarts its shared iterator "
+                "for the sweep; the first epoch's batch order may differ from a run without the finder.",
+            )
+    return None
+
+
+def _batches(loader: Any) -> Iterator[tuple[Any, int]]:
+    """Batches of the training dataloader(s), starting over when they run out (a new pass, as an epoch)."""
+    combined = loader if isinstance(loader, CombinedLoader) else CombinedLoader(loader, "max_size_cycle")
+    while True:
+        produced = False
+        for item in combined:
+            batch, batch_idx = item[0], item[1]
+            produced = True
+            yield batch, batch_idx
+        if not produced:
+            return
+
+
+def _progress_bar(trainer: pl.Trainer, total: int) -> Tqdm:
+    """The sweep's own bar: placed like Lightning's validation bar, under the training bar when there is one.
+
+    ``leave=False``: it disappears when the sweep ends and leaves Lightning's bars as they were. It writes
+    to stderr (tqdm's default), so the program's own output on stdout stays clean.
+    """
+    main = trainer.progress_bar_callback
+    position = 0
+    if main is not None and getattr(main, "is_enabled", True):
+        offset = main.process_position if isinstance(main, TQDMProgressBar) else 0
+        position = 2 * offset + 1
+    return Tqdm(
+        total=total,
+        desc=f"LRFinderPlus [epoch {trainer.current_epoch}]",
+        position=position,
+        leave=False,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        bar_format=TQDMProgressBar.BAR_FORMAT,
+    )
+
+
+def _configured(group: dict[str, Any]) -> float:
+    """The LR a group was configured with, before a scheduler scaled it (OneCycleLR: its peak)."""
+    for key in ("max_lr", "initial_lr"):
+        value = group.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return float(group["lr"])
+
+
+def _apply_lr(trainer: pl.Trainer, optimizer: Any, base: list[float], suggestion: float) -> None:
+    """Scale every group's LR (and the schedulers' base LRs) so that group 0 gets ``suggestion``.
+
+    A value equal to group 0's LR becomes exactly ``suggestion`` (no ``x * (s / x)`` rounding), so the run
+    matches one started with the suggested LR bit for bit.
+    """
+    ref = base[0]
+
+    def scaled(value: float) -> float:
+        if ref <= 0 or value == ref:
+            return suggestion
+        return value * (suggestion / ref)
+
+    rescale_learning_rates(trainer, optimizer, scaled)
+
+
+def end_fit_before_training(trainer: pl.Trainer) -> None:
+    """End the running fit cleanly before its first training batch (the throwaway fit of :func:`lr_find`).
+
+    Called from ``on_train_start``. ``should_stop`` alone would wait for ``min_epochs`` / ``min_steps``; a
+    step limit already reached does not: Lightning's fit loop is done before its first epoch, as at
+    ``max_steps``, so no epoch hook runs on an empty epoch (an ``EarlyStopping`` or a module's
+    ``on_train_epoch_end`` would meet missing metrics or no outputs there), and every callback gets
+    ``on_train_end`` as in any finished fit, never ``on_exception``.
+    """
+    trainer.should_stop = True
+    trainer.fit_loop.epoch_loop.max_steps = trainer.global_step
+
+
+def set_lr_attr(model: pl.LightningModule, attr_name: str, value: float) -> None:
+    """Write ``value`` to the model's ``attr_name`` (``""``: the first of ``lr``, ``learning_rate``)."""
+    names = [attr_name] if attr_name else ["lr", "learning_rate"]
+    for name in names:
+        if hasattr(model, name) and not callable(getattr(model, name)):
+            setattr(model, name, value)
+            if name in getattr(model, "hparams", {}):
+                model.hparams[name] = value
+            return
+        if name in getattr(model, "hparams", {}):
+            model.hparams[name] = value
+            return
+    if attr_name:
+        raise AttributeError(f"lr_find: the model has no attribute or hparam {attr_name!r}")

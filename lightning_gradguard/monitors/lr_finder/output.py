@@ -1,0 +1,115 @@
+"""Where a range test's result goes (rank 0): scalars, the summary line, CSV, figure, hyperparameters."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.core.saving import save_hparams_to_yaml
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.cadence import log_step
+from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+
+__all__ = ["write_result"]
+
+log = logging.getLogger("lightning_gradguard")
+
+
+def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log_curve: bool) -> None:
+    """Send ``result`` to the loggers, the ``lightning_gradguard`` logger and the log directory (rank 0).
+
+    ``log_curve=False`` leaves the per-step curve out of the scalars (lr_find's throwaway fit, which has
+    no logger on purpose). ``plot`` saves the figure (with matplotlib) and sends it to TensorBoard.
+    """
+    if not trainer.is_global_zero:
+        return
+    suffix = "" if result.epoch == 0 else f"_epoch{result.epoch}"
+    curve = result.lrs if log_curve else []
+    for i, (lr, loss, smooth) in enumerate(zip(curve, result.losses, result.smoothed, strict=False)):
+        _emit.log_scalars(
+            trainer,
+            {
+                f"lr_finder/loss{suffix}": loss,
+                f"lr_finder/smoothed_loss{suffix}": smooth,
+                f"lr_finder/lr{suffix}": lr,
+            },
+            i,
+        )
+    if result.suggestion is not None and trainer.loggers:
+        _emit.log_scalars(trainer, {"lr_finder/suggested_lr": result.suggestion}, log_step(trainer))
+    if result.applied_lr is not None:
+        hparams: dict[str, Any] = {f"lr_finder/applied_lr{suffix}": result.applied_lr}
+        hparams[f"lr_finder/method{suffix}"] = result.method
+        _log_hparams(trainer, hparams)
+    chosen = f"{result.suggestion:.3e}" if result.suggestion is not None else "none"
+    if result.applied:  # only then: with apply=False (and in lr_find) the optimizer is not touched
+        chosen += " applied"
+    others = ", ".join(f"{k} {v:.2e}" for k, v in result.suggestions.items() if v is not None)
+    log.info(
+        "LRFinderPlus [epoch %d]: suggestion (%s) %s; all: %s; %d points, stopped: %s; %.1fs",
+        result.epoch,
+        result.method,
+        chosen,
+        others or "none",
+        len(result.lrs),
+        result.stop_reason,
+        result.seconds,
+    )
+    if not trainer.loggers:  # no log directory: the curve stays in ``self.results``
+        return
+    folder = _emit.log_dir(trainer)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"lr_finder{suffix}.csv"), "w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["step", "lr", "loss", "smoothed_loss", "curve"])
+            for i, row in enumerate(
+                zip(result.lrs, result.losses, result.smoothed, result.curve, strict=True)
+            ):
+                writer.writerow([i, *row])
+    except OSError as err:  # pragma: no cover - read-only log dirs
+        log.warning("LRFinderPlus: could not write the CSV to %s: %s", folder, err)
+    if not plot or not result.lrs:
+        return
+    try:
+        fig = result.plot()
+    except ImportError:
+        return
+    try:
+        fig.savefig(os.path.join(folder, f"lr_finder{suffix}.png"), dpi=100)
+    except OSError as err:  # pragma: no cover
+        log.warning("LRFinderPlus: could not save the figure: %s", err)
+    for tb in _emit.tensorboard_writers(trainer):
+        tb.add_figure(f"lr_finder/curve{suffix}", fig, global_step=log_step(trainer), close=False)
+
+
+def _log_hparams(trainer: pl.Trainer, params: dict[str, Any]) -> None:
+    """Add ``params`` to the hyperparameters of every logger (rank zero), as Lightning's own hparams are.
+
+    TensorBoard: ``metrics={}`` records them in ``logger.hparams`` without the ``hp_metric = -1`` placeholder
+    and without a second hparams session in the event file (TensorBoard shows only a run's first one);
+    ``hparams.yaml``, which the logger writes once at fit start, is brought up to date. Other loggers
+    (CSV, MLflow, W&B, ...) get a plain ``log_hyperparams`` call. A logger that refuses (MLflow will not
+    change a parameter a reused run already has) costs that record only, with one warning.
+    """
+    if not trainer.is_global_zero:
+        return
+
+    def tensorboard(logger: TensorBoardLogger) -> None:
+        logger.log_hyperparams(params, metrics={})
+        path = os.path.join(logger.log_dir, logger.NAME_HPARAMS_FILE)
+        if get_filesystem(path).isfile(path):  # later saves do not rewrite it
+            save_hparams_to_yaml(path, logger.hparams)
+
+    for logger in trainer.loggers:
+        what = f"the applied LR to {type(logger).__name__}'s hyperparameters"
+        if isinstance(logger, TensorBoardLogger):
+            _emit.safely(trainer, what, lambda lg=logger: tensorboard(lg))
+        else:
+            _emit.safely(trainer, what, lambda lg=logger: lg.log_hyperparams(params))

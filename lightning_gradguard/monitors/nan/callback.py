@@ -1,0 +1,299 @@
+r"""
+NaNSentinel
+===========
+
+Fails a run the moment a loss, gradient or parameter turns NaN/inf: on every rank, before the optimizer
+applies the poisoned update, with a forensic report that says where the value was born. What it sees of a
+step is :mod:`lightning_gradguard.monitors.nan.step`; the report is :mod:`lightning_gradguard.monitors.nan.report`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_gradguard.alerts import NonFiniteError
+from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.skips import skip_update
+from lightning_gradguard.core.stats import active_scaler, step_stats
+from lightning_gradguard.core.validate import check_bool, check_float, check_int, check_path
+from lightning_gradguard.monitors.nan import step as _nan
+from lightning_gradguard.monitors.nan.report import Filed, file_report
+from lightning_gradguard.monitors.nan.step import Finding, Flags, MicroBatch
+
+__all__ = ["NaNSentinel"]
+
+
+class NaNSentinel(GradGuardCallback):
+    r"""Stop at the first NaN/inf loss, gradient or parameter, with nothing lost.
+
+    Checks, at almost no cost (one fused finiteness reduction and one host read per optimizer step):
+
+    * the loss, in ``on_before_backward`` (every micro-batch);
+    * the gradients, in ``on_before_optimizer_step``, from the statistics every gradguard callback shares
+      (no extra pass over the gradients when GradientNormLogger also runs);
+    * optionally the parameters after the update, every ``check_parameters_every_n_steps``.
+
+    The loss and gradient verdicts of one step are read from the device together, so a step costs one
+    sync. With ``accumulate_grad_batches > 1`` the loss of each micro-batch is judged as it comes (one
+    read per micro-batch), so a non-finite loss names its own micro-batch (report, ``batch.pt``, replay);
+    the accumulated gradients are judged once, at the optimizer step, from the shared statistics. An
+    optimizer step yields at most one finding: once a micro-batch is found poisoned, the rest of the step
+    is not judged again. When every loss of the step was finite but its gradients are not, the report
+    lists the step's micro-batches; ``check_micro_batches=True`` names the one whose backward made the
+    first NaN/inf (it judges the gradients summed so far after every micro-batch: one extra pass over
+    the gradients per micro-batch; non-finite values persist in a sum, so the first micro-batch after
+    which they are non-finite is the one).
+
+    On detection (alert ``nonfinite_loss``, ``nonfinite_gradient`` or ``nonfinite_parameter``, severity
+    critical) every rank takes the same decision at the same point (one collective) and, with the
+    default ``action="raise"``, raises :class:`~lightning_gradguard.NonFiniteError` before the optimizer
+    step: the weights are those after the last good step. Beside the run's logs, in
+    ``nan_report/step_<k>/``, it writes ``report.json`` (step, kind, non-finite parameters in model
+    order with counts, loss, learning rates, the last total gradient norms, precision, origin), the
+    offending batch (``batch.pt``) and ``last_good.ckpt``, a checkpoint Lightning can resume from. The
+    origin comes from replaying the batch on copies of the good weights: forward hooks name the first
+    module whose output went non-finite (or say that the batch itself was bad); when the forward pass is
+    clean, the backward replay names the op that made the first NaN/inf gradient and the line that
+    created it.
+
+    Under 16-mixed with a GradScaler, non-finite gradients are the scaler's business: the step is
+    skipped and counted (``skipped_steps``), not failed. ``loss_scale_collapse`` fires when the scale
+    drops below ``loss_scale_floor`` or ``max_consecutive_skips`` steps in a row are skipped.
+
+    Args:
+        check_loss: check the loss before backward.
+        check_gradients: check the gradients before the optimizer step.
+        check_parameters_every_n_steps: also check parameters after the update every N steps (0: never).
+        action: ``"raise"`` (default), ``"stop"``, ``"warn"`` or ``"skip"``. ``"skip"`` drops the
+            poisoned update and goes on: every gradient of the optimizer is set to ``None``, which
+            ``torch.optim`` optimizers treat as "no update" (Adam's step count and moments stay as
+            they were), exactly like the GradScaler's own skip; the LR scheduler still advances.
+            ``"stop"`` drops the poisoned update the same way and sets ``trainer.should_stop``: the run
+            ends with the weights of the last good step (Lightning ends it after the current batch and
+            a validation run, if any; with ``accumulate_grad_batches > 1`` possibly before the
+            accumulation window is complete, and then no update is made at all). Until ``min_epochs``
+            / ``min_steps`` are met Lightning keeps training: every poisoned update meanwhile is
+            dropped too. ``"warn"`` only reports: the poisoned update is applied. Under
+            ``accumulate_grad_batches > 1``, ``"skip"`` and ``"stop"`` drop the update of the whole
+            optimizer step that holds the poisoned micro-batch.
+        report_dir: where reports go (default: ``<log_dir>/nan_report``).
+        save_batch: write the offending batch.
+        save_checkpoint: write the last-good checkpoint (a collective under DDP: every rank calls it).
+        find_origin: replay the batch to find where the value was born (automatic optimization only).
+        history_size: how many recent total gradient norms the report lists.
+        loss_scale_floor: GradScaler scale below which the scale counts as collapsed.
+        max_consecutive_skips: consecutive GradScaler skips that count as a collapse.
+        check_micro_batches: under ``accumulate_grad_batches > 1``, also judge the gradients after every
+            micro-batch, so a gradient finding names the micro-batch that poisoned them (one extra pass
+            over the gradients per micro-batch; off by default).
+        cooldown_steps: minimum steps between two alerts of the same kind.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import NaNSentinel, NonFiniteError
+
+        trainer = Trainer(callbacks=[NaNSentinel()])
+        try:
+            trainer.fit(model)
+        except NonFiniteError as err:
+            print(err)              # what, where, step, origin, hint
+            print(err.report_dir)   # report.json, batch.pt, last_good.ckpt
+    """
+
+    error_type = NonFiniteError
+    allowed_actions = ("warn", "stop", "raise", "skip")
+
+    def __init__(
+        self,
+        check_loss: bool = True,
+        check_gradients: bool = True,
+        check_parameters_every_n_steps: int = 0,
+        action: Literal["raise", "stop", "warn", "skip"] = "raise",
+        report_dir: str | None = None,
+        save_batch: bool = True,
+        save_checkpoint: bool = True,
+        find_origin: bool = True,
+        history_size: int = 50,
+        loss_scale_floor: float = 1.0,
+        max_consecutive_skips: int = 16,
+        check_micro_batches: bool = False,
+        cooldown_steps: int = 100,
+    ) -> None:
+        super().__init__(action=action, cooldown_steps=cooldown_steps)
+        self.check_loss = check_bool("check_loss", check_loss)
+        self.check_gradients = check_bool("check_gradients", check_gradients)
+        self.check_parameters_every_n_steps: int = check_int(
+            "check_parameters_every_n_steps", check_parameters_every_n_steps, 0
+        )
+        self.report_dir: str | None = check_path("report_dir", report_dir)
+        self.save_batch = check_bool("save_batch", save_batch)
+        self.save_checkpoint = check_bool("save_checkpoint", save_checkpoint)
+        self.find_origin = check_bool("find_origin", find_origin)
+        self.history_size: int = check_int("history_size", history_size, 1)
+        self.loss_scale_floor: float = check_float("loss_scale_floor", loss_scale_floor, 0.0, low_open=True)
+        self.max_consecutive_skips: int = check_int("max_consecutive_skips", max_consecutive_skips, 1)
+        self.check_micro_batches = check_bool("check_micro_batches", check_micro_batches)
+        self.skipped_steps = self.consecutive_skips = 0
+        self.last_report_dir: str | None = None
+        self._step = _nan.StepTrack()
+        #: the recent total gradient norms a report lists (on the device until a report reads them)
+        self.norm_history = _nan.NormRing(self.history_size)
+        # the skip counters before the step being judged, and the state the last-good checkpoint holds
+        self._counters_before = (0, 0)
+        self._state_override: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):  # the report of this run lists this run's steps only
+            self.skipped_steps = self.consecutive_skips = 0
+            self.norm_history = _nan.NormRing(self.history_size)
+        # a fit never starts inside an optimizer step (one stopped mid-accumulation leaves this behind)
+        self._step = _nan.StepTrack()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step.batch, self._step.batch_idx = batch, batch_idx
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        step, loss = self._step, loss.detach()
+        previous = step.backward(loss)
+        if not (pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1):
+            if self.check_loss:  # judged with the gradients, in on_before_optimizer_step
+                step.flag_loss(loss)
+            return
+        # Accumulation: judge each micro-batch now, so the finding names it (and the replay and batch.pt
+        # are its own), and at most once per optimizer step.
+        first = step.open_micro()
+        if step.poisoned is not None:  # this step has its finding; its update is dealt with at the step
+            return
+        earlier = None
+        if self.check_micro_batches and self.check_gradients and not first and active_scaler(trainer) is None:
+            # the gradients summed over the step's earlier micro-batches (local ones under DDP's no_sync)
+            earlier = _nan.earlier_check(trainer, pl_module, loss.device)
+        if self.check_loss or earlier is not None:
+            checked = _nan.loss_check([loss]) if self.check_loss else None
+            flags = _nan.read_flags(trainer, loss=checked, earlier=earlier)
+            self._decide(trainer, None, flags, step.micro(), previous)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        closed, stats = self._step.close(), step_stats(trainer, pl_module, optimizer)
+        total = stats.grad_total(2.0) if self.check_gradients and stats.unsupported is None else None
+        if total is not None and not total.sharded:  # the statistics every gradguard callback shares
+            self.norm_history.push(total.values, int(trainer.global_step))
+        if closed.poisoned is not None:
+            # Accumulation: a micro-batch of this step was found poisoned and reported already (on every
+            # rank alike, so no rank waits in a collective here). No second finding; drop the update.
+            if self.action in ("skip", "stop"):
+                skip_update(trainer, optimizer, "nan_sentinel")
+            return
+        if total is None and not closed.losses:
+            return
+        current = closed.micro()
+        if len(closed.step_batches) > 1 and not self.check_micro_batches:
+            # every loss of the step was finite (judged as they came): which micro-batch's backward made
+            # the gradients non-finite is not known, and the last one is not to be blamed for it
+            current = MicroBatch(batch=None, batch_idx=None, loss=None, among=tuple(closed.step_batches))
+        grads = None if total is None else _nan.grads_check(total.values, stats.grads)
+        loss, scaler = _nan.loss_check(closed.losses), active_scaler(trainer)
+        flags = _nan.read_flags(trainer, loss=loss, grads=grads, scaler=scaler, total=total)
+        if flags.total is not None:  # sharded: the ranks' shares were summed with the flags
+            self.norm_history.push(flags.total, int(trainer.global_step))
+        self._decide(trainer, optimizer, flags, current, None)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        micro, stepped = self._step.end_batch()
+        every = self.check_parameters_every_n_steps
+        # parameters change only where an optimizer stepped: not after the other micro-batches of a step
+        if not every or not stepped or trainer.global_step == 0 or trainer.global_step % every:
+            return
+        if _nan.params_nonfinite(trainer, pl_module):  # one collective, one host read
+            self._fail(trainer, Finding(kind="nonfinite_parameter", culprit=0, micro=micro, can_replay=False))
+
+    # ------------------------------------------------------------------ the verdict
+    def _decide(
+        self, trainer: pl.Trainer, opt: Any, flags: Flags, current: MicroBatch, previous: MicroBatch | None
+    ) -> None:
+        """Act on the flags (reduced across ranks, read once): the same verdict on every rank.
+
+        ``opt`` is ``None`` for a micro-batch judged under accumulation (``on_before_backward``); there
+        ``flags.earlier_ranks`` says whether the gradients summed over the step's earlier micro-batches are
+        non-finite, which names ``previous`` (the micro-batch just before ``current``) as the culprit.
+        """
+        self._counters_before = (self.skipped_steps, self.consecutive_skips)
+        found = None
+        if flags.earlier_ranks and previous is not None:  # the first poisoned micro-batch is the previous one
+            self._step.poisoned = previous
+            found = Finding(kind="nonfinite_gradient", culprit=flags.earlier_ranks[0], micro=previous)
+        elif flags.loss_ranks:
+            if opt is None:  # under accumulation: the rest of this optimizer step is not judged
+                self._step.poisoned = current
+            found = Finding(kind="nonfinite_loss", culprit=flags.loss_ranks[0], micro=current, optimizer=opt)
+        elif flags.scale is not None:  # a GradScaler is active: non-finite gradients mean "skip this step"
+            self.consecutive_skips = self.consecutive_skips + 1 if flags.grads_bad else 0
+            self.skipped_steps += int(flags.grads_bad)
+            if flags.scale < self.loss_scale_floor or self.consecutive_skips >= self.max_consecutive_skips:
+                kind, scale = "loss_scale_collapse", flags.scale
+                found = Finding(kind=kind, culprit=0, micro=current, optimizer=opt, scale=scale)
+        elif flags.grads_bad and opt is not None:
+            found = Finding(kind="nonfinite_gradient", culprit=None, micro=current, optimizer=opt)
+        if found is not None:
+            self._fail(trainer, found)
+
+    # ------------------------------------------------------------------ the failure path and the action
+    def _fail(self, trainer: pl.Trainer, finding: Finding) -> None:
+        """Report ``finding`` (in this rank's micro-batch), and apply the action."""
+        kind, optimizer, last = finding.kind, finding.optimizer, self._last_reported.get(finding.kind)
+        # Reported within the cooldown (a "warn"/"skip" run that keeps meeting NaNs): no replay, no gather,
+        # no files, only the action. Every rank has the same cooldown, so all skip alike.
+        filed = Filed(message="", report={}, folder=None)
+        if self.action == "raise" or last is None or trainer.global_step - last >= self.cooldown_steps:
+            # The last-good checkpoint holds this callback as it was before the bad step: without this
+            # failure in the cooldown (a resumed run that meets the same NaN must report it in full) and
+            # with the skip counters before this step.
+            last_good = self.state_dict()
+            last_good["skipped_steps"], last_good["consecutive_skips"] = self._counters_before
+            history = self.norm_history.records()
+            self._state_override = last_good
+            try:
+                filed = file_report(self, trainer, trainer.lightning_module, finding, history)
+            finally:
+                self._state_override = None
+            self.last_report_dir = filed.folder or self.last_report_dir
+        if self.action == "raise":
+            alerts = [a for a in self.alerts if a.kind == kind][-1:]
+            raise NonFiniteError(filed.message, alerts, filed.report, filed.folder)
+        if self.action == "stop":  # Lightning ends the run after this batch (see the class docstring)
+            trainer.should_stop = True
+        if self.action in ("skip", "stop") and optimizer is not None and kind != "nonfinite_parameter":
+            skip_update(trainer, optimizer, "nan_sentinel")  # accumulation, no optimizer here: at the step
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self._state_override is not None:  # while the last-good checkpoint is written
+            return dict(self._state_override)
+        state = super().state_dict()
+        return {**state, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))

@@ -1,0 +1,295 @@
+r"""
+OptimizerMonitor
+================
+
+What the optimizer did with the gradient, and what it keeps: the effective step size and the cosine
+between the update and the negative gradient per layer, Adam's moments (``exp_avg`` norm, RMS of
+``sqrt(v_hat)``) or SGD's momentum buffer, and a count of the updates that were skipped, by cause.
+Measured on Lightning's logging steps only; all values of a step reach the host in one transfer. The
+measuring is :mod:`lightning_gradguard.monitors.optimizer.sample`, the math
+:mod:`lightning_gradguard.functional.optimizer_state`; the cadence, the tags and the two rules are here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
+from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection
+from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
+from lightning_gradguard.core.skips import SKIP_CAUSES
+from lightning_gradguard.core.state import info_once, trainer_state, warn_once
+from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.transfer import HostTransfer
+from lightning_gradguard.core.validate import check_float, check_int
+from lightning_gradguard.functional.optimizer_state import (
+    epsilon_dominated,
+    ratio_outliers,
+)
+from lightning_gradguard.monitors.optimizer.rules import epsilon_finding, outlier_finding
+from lightning_gradguard.monitors.optimizer.sample import (
+    OptimizerReading,
+    OptimizerSample,
+    ScaleWatch,
+    reading_scalars,
+)
+
+__all__ = ["OptimizerMonitor"]
+
+#: with periodic logging off (``log_every_n_steps=0``), the rules are still checked this often
+_CHECK_EVERY = 100
+
+_SHARDED = (
+    "OptimizerMonitor: the optimizer state of a sharded run (FSDP) is split over the ranks, so its "
+    "step sizes, cosines and moments are not measured; only the skipped-update counters are logged."
+)
+
+
+@dataclass
+class _Pending:
+    at: int  # log step
+    suffix: str  # "_opt<i>" with several optimizers
+    sample: OptimizerSample
+    logged: bool  # a logging step (else a check only, with logging off)
+
+
+class OptimizerMonitor(GradGuardCallback):
+    r"""Log what the optimizer does with the gradient and what it keeps; warn where the literature has a rule.
+
+    On a logging step it logs, per optimizer step (``<family>/total`` over every parameter of the
+    optimizer, ``<family>/<layer>`` per layer, ``optimizer/`` before each):
+
+    * ``step_size``: :math:`\|\Delta w\| / lr`, each parameter's update divided by its own param
+      group's ``lr`` (plain SGD: the gradient norm; Adam: about ``sqrt(numel)``);
+    * ``update_cosine``: :math:`\cos(\Delta w, -g)` with the accumulated, pre-clip gradient (1 for
+      plain SGD; momentum, Adam's scaling and weight decay turn it away);
+    * Adam family (state ``exp_avg`` / ``exp_avg_sq``: Adam, AdamW, RAdam, NAdam, fused or foreach):
+      ``exp_avg_norm`` and ``exp_avg_sq_rms``, the RMS of ``sqrt(v_hat)`` (bias-corrected), compared
+      with ``eps``; SGD with momentum: ``momentum_norm``. Other optimizers: one note, the two above only;
+    * ``skipped_updates/grad_scaler``, ``/nan_sentinel``, ``/loss_spike``: updates dropped so far (the
+      GradScaler found inf/NaN; NaNSentinel's ``skip``/``stop``; LossSpikeGuard's skip or rollback),
+      counted on every step without a sync.
+
+    Alerts (warnings): ``adam_epsilon_dominates`` when a layer's RMS of ``sqrt(v_hat)`` stays below
+    ``epsilon_ratio * eps``; ``update_ratio_outlier`` when a layer's :math:`\|\Delta w\|/\|w\|` stays more
+    than ``outlier_factor`` times above or below the median layer's. Each on ``patience`` consecutive
+    checks. Tensors above 65 536 entries are measured on a strided sample (see
+    :mod:`lightning_gradguard.functional.optimizer_state`). Not under FSDP (one warning).
+
+    Args:
+        log_every_n_steps: log every this many optimizer steps (default: the Trainer's; ``0``: no
+            logging, the rules are still checked every 100 steps).
+        epsilon_ratio: ``adam_epsilon_dominates`` when the RMS of ``sqrt(v_hat)`` is below this times
+            ``eps``.
+        outlier_factor: ``update_ratio_outlier`` beyond this factor from the median layer's ratio.
+        patience: consecutive checks a finding must persist before it is reported.
+        include: layers whose name matches one of these regular expressions get per-layer tags and are
+            judged (``None``: all; totals cover every layer): see
+            :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        exclude: layers whose name matches are neither shown nor judged.
+        max_layers: a cap on the layers per family, plus ``across_layers`` aggregates (``None``: no cap).
+        cooldown_steps: minimum steps between two alerts of the same kind and layer.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import OptimizerMonitor
+
+        trainer = Trainer(callbacks=[OptimizerMonitor()])
+        trainer.fit(model)   # TensorBoard: Custom Scalars, "GradGuard": the optimizer charts
+    """
+
+    state_key_args = ("log_every_n_steps",)
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        epsilon_ratio: float = 1.0,
+        outlier_factor: float = 300.0,
+        patience: int = 3,
+        include: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
+        max_layers: int | None = None,
+        cooldown_steps: int = 1000,
+    ) -> None:
+        super().__init__(action="warn", cooldown_steps=cooldown_steps)
+        self.log_every_n_steps: int | None = check_int(
+            "log_every_n_steps", log_every_n_steps, 0, allow_none=True
+        )
+        self.epsilon_ratio: float = check_float("epsilon_ratio", epsilon_ratio, 0.0, low_open=True)
+        self.outlier_factor: float = check_float("outlier_factor", outlier_factor, 1.0, low_open=True)
+        self.patience: int = check_int("patience", patience, 1)
+        self.layers = LayerSelection(include, exclude, max_layers)
+        self._pending: list[_Pending] = []
+        self._counters_at: int | None = None  # the log step the skip counters are due at
+        self._scale = ScaleWatch()
+        self._strikes: dict[str, dict[str, int]] = {}  # "<rule><suffix>" -> layer -> consecutive checks
+        self._skips_base: dict[str, float] = {}  # counts of earlier fits of this run (a checkpoint)
+        self._skips_start: dict[str, int] = {}  # the Trainer's shared counts when this fit started
+        self._shared: dict[str, int] = {}  # the Trainer's shared counts (``core.state``), live
+        self.last_logged: dict[str, float] = {}
+
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        not_total = rf"(?!total(_opt\d+)?$|{ACROSS_LAYERS}/)"
+        across = {
+            f"Optimizer {what} across all layers: min / median / max": [
+                f"optimizer/{family}/{ACROSS_LAYERS}/.*"
+            ]
+            for what, family in (("step size", "step_size"), ("cos(update, -gradient)", "update_cosine"))
+        }
+        return {
+            **(across if self.layers.max_layers is not None else {}),
+            "Optimizer step size (update norm / lr): total": ["optimizer/step_size/total.*"],
+            "Optimizer step size (update norm / lr) per layer": [f"optimizer/step_size/{not_total}.*"],
+            "cos(update, -gradient) per layer and total (1 = plain SGD)": ["optimizer/update_cosine/.*"],
+            "Optimizer moments: total exp_avg and momentum_buffer norms": [
+                "optimizer/exp_avg_norm/total.*",
+                "optimizer/momentum_norm/total.*",
+            ],
+            "Adam exp_avg norm per layer": [f"optimizer/exp_avg_norm/{not_total}.*"],
+            "Adam RMS of sqrt(v_hat) per layer, to compare with eps (use the log y axis)": [
+                "optimizer/exp_avg_sq_rms/.*"
+            ],
+            "SGD momentum_buffer norm per layer": [f"optimizer/momentum_norm/{not_total}.*"],
+            "Skipped optimizer updates by cause (cumulative)": ["optimizer/skipped_updates/.*"],
+        }
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):
+            self._pending, self._strikes, self._skips_base, self.last_logged = [], {}, {}, {}
+            self._scale, self._counters_at = ScaleWatch(), None
+        self._shared = trainer_state(trainer).skipped_updates
+        self._skips_start = dict(self._shared)
+
+    @override
+    @guarded
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not trainer.is_global_zero:  # loggers are rank-zero only; DDP's gradients agree across ranks
+            return
+        self._scale.before_step(trainer)
+        at = log_step(trainer)
+        every = logging_interval(trainer, self.log_every_n_steps)
+        logged = on_logging_step(at, every)
+        if logged:
+            self._counters_at = at
+        if not (logged or (every == 0 and at % _CHECK_EVERY == 0)):
+            return
+        if is_sharded(trainer) or unsupported_reason(trainer) is not None:
+            warn_once(trainer, "optimizer_monitor:sharded", _SHARDED)
+            return
+        stats = step_stats(trainer, pl_module, optimizer)
+        if not stats.params:
+            return
+        suffix = f"_opt{optimizer_index(trainer, optimizer)}" if len(trainer.optimizers) > 1 else ""
+        self._pending.append(_Pending(at, suffix, OptimizerSample(stats, optimizer), logged))
+
+    @override
+    @guarded
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not trainer.is_global_zero:
+            return
+        self._scale.settle(trainer)
+        if self._pending or self._counters_at is not None:
+            self._flush(trainer)
+
+    @override
+    @guarded
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and (self._pending or self._counters_at is not None):
+            self._flush(trainer)
+
+    # ------------------------------------------------------------------ the one transfer
+    def _flush(self, trainer: pl.Trainer) -> None:
+        pending, self._pending = self._pending, []
+        counters_at, self._counters_at = self._counters_at, None
+        transfer = HostTransfer()
+        for i, p in enumerate(pending):
+            p.sample.queue(transfer, i)
+        if counters_at is not None and self._scale.count is not None:
+            transfer.add("grad_scaler", self._scale.count)
+        host = transfer.fetch() if len(transfer) else {}  # the one device -> host transfer of this step
+        metrics: dict[str, float] = {}
+        for i, p in enumerate(pending):
+            reading = p.sample.read(host, i)
+            self._note_moments(trainer, p.sample, reading)
+            if p.logged:
+                metrics.update(reading_scalars(reading, self.layers, p.suffix))
+            self._judge(trainer, reading, p.suffix)
+        if counters_at is not None:
+            scaler = host.get("grad_scaler")
+            counts = self._skip_counts(float(scaler[0]) if scaler is not None else 0.0)
+            metrics.update({f"optimizer/skipped_updates/{c}": n for c, n in counts.items()})
+            self.last_logged = dict(metrics)
+            _emit.log_scalars(trainer, metrics, counters_at)
+
+    def _skip_counts(self, grad_scaler: float) -> dict[str, float]:
+        """Updates skipped in this run so far, per cause (earlier fits of a resumed run included)."""
+        counts = {c: float(self._shared.get(c, 0) - self._skips_start.get(c, 0)) for c in SKIP_CAUSES}
+        counts["grad_scaler"] = grad_scaler
+        return {c: self._skips_base.get(c, 0.0) + n for c, n in counts.items()}
+
+    def _note_moments(self, trainer: pl.Trainer, sample: OptimizerSample, reading: OptimizerReading) -> None:
+        if reading.keeps:
+            return
+        name = type(sample.opt).__name__
+        info_once(
+            trainer,
+            f"optimizer_monitor:no_moments:{name}",
+            f"OptimizerMonitor: {name} keeps no moment it reads (Adam's exp_avg / exp_avg_sq, SGD's "
+            "momentum_buffer; plain SGD has none): its step size and update cosine are logged, no moments.",
+        )
+
+    # ------------------------------------------------------------------ rules
+    def _strike(self, rule: str, suffix: str, found: set[str]) -> dict[str, int]:
+        """Consecutive checks per layer, for the layers found this time (the others start over)."""
+        old = self._strikes.get(rule + suffix, {})
+        self._strikes[rule + suffix] = new = {layer: old.get(layer, 0) + 1 for layer in found}
+        return {layer: n for layer, n in new.items() if n >= self.patience}
+
+    def _judge(self, trainer: pl.Trainer, reading: OptimizerReading, suffix: str) -> None:
+        m, graded = reading.moments, reading.graded
+        rms = self.layers.keep(m.exp_avg_sq_rms)
+        dominated = {k for k, v in rms.items() if epsilon_dominated(v, m.eps[k], self.epsilon_ratio)}
+        findings = [
+            epsilon_finding(layer, rms[layer], m.eps[layer], n)
+            for layer, n in self._strike("epsilon", suffix, dominated).items()
+        ]
+        ratios = {k: v for k, v in self.layers.keep(reading.geometry.update_ratio).items() if k in graded}
+        median, outliers = ratio_outliers(ratios, self.outlier_factor)
+        findings += [
+            outlier_finding(layer, ratios[layer], median, self.outlier_factor, n)
+            for layer, n in self._strike("outlier", suffix, set(outliers)).items()
+        ]
+        for f in findings:
+            self.report(trainer, f.kind, "warning", f.layer, f.message, f.hint, f.data, step=reading.step)
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        scaler = self._scale.count  # a checkpoint is a sync anyway
+        state["skipped_updates"] = self._skip_counts(float(scaler.sum()) if scaler is not None else 0.0)
+        state["strikes"] = {k: dict(v) for k, v in self._strikes.items()}
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._skips_base = {k: float(v) for k, v in state_dict.get("skipped_updates", {}).items()}
+        self._strikes = {k: dict(v) for k, v in state_dict.get("strikes", {}).items()}
+        self._scale = ScaleWatch()

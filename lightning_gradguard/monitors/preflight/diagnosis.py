@@ -1,0 +1,225 @@
+"""What the loss says: the initial loss of a classifier, the chance level, and why a batch was not learned.
+
+* :func:`labels_of`: the number of classes and the label tensor of a classification batch;
+* :func:`chance_loss`: the loss a model reaches that ignores its inputs;
+* :func:`initial_loss_finding`: the initial loss against ``ln C`` (and a loss summed over the batch);
+* :func:`not_shrinking`: the gradient norm did not shrink while the batch was learned;
+* :func:`failed_finding`: the diagnosis of a batch not learned, from the curve's shape;
+* :func:`passed_line`: the one line that says the overfit check passed.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_gradguard.alerts import Severity
+from lightning_gradguard.core.batch import tensors_in
+from lightning_gradguard.functional.overfit import oscillates
+from lightning_gradguard.monitors.preflight.findings import HINTS, Finding, OverfitResult
+
+__all__ = [
+    "chance_loss",
+    "failed_finding",
+    "initial_loss_finding",
+    "labels_of",
+    "not_shrinking",
+    "passed_line",
+]
+
+
+def labels_of(
+    batch: Any, logits: Tensor | None, n: int, num_classes: int | None
+) -> tuple[int | None, Tensor | None]:
+    """(number of classes, the label tensor): ``num_classes`` or inferred from logits and labels."""
+    c = num_classes
+    if c is None and logits is not None and logits.dim() == 2 and logits.shape[1] >= 2:
+        c = int(logits.shape[1])
+    if c is None:
+        return None, None
+    for t in tensors_in(batch):
+        labels = t.dtype in (torch.int64, torch.int32) and t.dim() == 1 and t.shape[0] == n and n > 0
+        if labels and int(t.min()) >= 0 and int(t.max()) < c:
+            return c, t
+    return (c, None) if num_classes is not None else (None, None)
+
+
+def chance_loss(labels: Tensor, num_classes: int) -> float:
+    """The entropy of the label frequencies: the loss of a model that ignores its inputs and predicts
+    how often each label occurs."""
+    freq = torch.bincount(labels.detach().long().cpu(), minlength=num_classes).double() / labels.shape[0]
+    freq = freq[freq > 0]
+    return float(-(freq * freq.log()).sum())
+
+
+def initial_loss_finding(
+    batch: Any, logits: Tensor | None, initial: float, n: int, *, num_classes: int | None, tolerance: float
+) -> list[Finding]:
+    """``initial_loss_mismatch``: a classifier's initial loss far from ``ln C`` (or ``N`` times the
+    cross-entropy of its logits: a summed loss)."""
+    c, labels = labels_of(batch, logits, n, num_classes)
+    if c is None or not math.isfinite(initial):
+        return []
+    expected = math.log(c)
+    ratio = initial / expected
+    # Is the loss the mean (or the sum) cross-entropy of the logits the model produced? Computed on the
+    # logits the hook kept: when it is neither (binary / multi-label BCE on integer labels, focal loss,
+    # label smoothing on a pretrained model, ...), ln C says nothing about it.
+    ce: float | None = None
+    if labels is not None and logits is not None and logits.dim() == 2 and logits.shape == (n, c):
+        ce = float(torch.nn.functional.cross_entropy(logits.float(), labels.long()))
+    summed = ce is not None and n >= 2 and abs(initial - n * ce) <= 0.05 * n * ce
+    if ce is None:
+        summed = n >= 4 and abs(ratio - n) <= 0.25 * n
+    elif not summed and abs(initial - ce) > 0.05 * max(ce, 1e-3):
+        return []
+    if not summed and abs(initial - expected) <= tolerance * expected:
+        return []
+    severity: Severity
+    if summed:
+        severity = "error"
+        why = (
+            f"The loss is {n}x the mean cross-entropy of the logits, the batch size: it is summed over "
+            "the batch (reduction='sum') instead of averaged. Use reduction='mean' (or divide by the "
+            "batch size), otherwise the effective learning rate grows with the batch size."
+        )
+    elif ratio > 1:
+        severity = "warning"
+        why = (
+            "The model is confidently wrong at the start: the logits are far from zero (scale down the "
+            "last layer's initial weights), softmax is applied twice or before a loss that expects "
+            "logits, or the loss is summed over more than the batch dimension. Expected when fine-tuning "
+            "a model trained on other data or labels."
+        )
+    else:
+        severity = "info"
+        why = (
+            "The loss starts below chance: expected when the model is pretrained (fine-tuning) or the "
+            "loss is not a softmax cross-entropy over the C outputs (binary / multi-label BCE, focal "
+            "loss); otherwise the labels leak into the inputs or the loss is averaged over more "
+            "elements than samples."
+        )
+    return [
+        Finding(
+            kind="initial_loss_mismatch",
+            severity=severity,
+            names=[],
+            message=f"Initial loss {initial:.4g} is {ratio:.3g}x the ln({c}) = {expected:.4g} a fresh "
+            f"{c}-class classifier scores by predicting the uniform distribution.",
+            hint=why + " If this is not a classification loss, pass check_initial_loss=False.",
+            data={"initial_loss": initial, "expected": expected, "ratio": ratio, "num_classes": float(c)},
+        )
+    ]
+
+
+def not_shrinking(grad_norms: list[float], initial: float, final: float) -> list[Finding]:
+    """``gradient_not_shrinking``: while the batch was learned, the gradient norm did not shrink.
+
+    Not shrinking: the last gradient norm is above where it started *and* above its typical value in the
+    run. A norm that first grows (leaving a flat start, as recurrent nets do) and then falls back to
+    slightly above its start is shrinking.
+    """
+    if not (len(grad_norms) >= 5 and grad_norms[-1] >= max(grad_norms[0], statistics.median(grad_norms))):
+        return []
+    return [
+        Finding(
+            kind="gradient_not_shrinking",
+            severity="warning",
+            names=[],
+            message=f"The gradient norm went from {grad_norms[0]:.3g} to {grad_norms[-1]:.3g} while the "
+            f"loss fell from {initial:.4g} to {final:.4g}.",
+            hint=HINTS["gradient_not_shrinking"],
+            data={"initial_grad_norm": grad_norms[0], "final_grad_norm": grad_norms[-1]},
+        )
+    ]
+
+
+def failed_finding(result: OverfitResult) -> Finding:
+    """``overfit_failed``: the batch was not learned, with the likely causes from the curve's shape."""
+    losses = result.losses
+    initial, final = result.initial_loss, result.final_loss
+    causes: list[str] = []
+    shape = "slow"
+    if not math.isfinite(final):
+        shape = "diverged"
+        causes = [
+            "learning rate too high (lower it 10x)",
+            "log(0) or a division by zero in the loss (use cross_entropy on logits, add eps)",
+        ]
+    elif (
+        result.chance_loss is not None
+        and result.num_classes is not None
+        and abs(final - result.chance_loss) <= 0.15 * math.log(result.num_classes)
+    ):
+        shape = f"stuck at chance level: the label-frequency entropy {result.chance_loss:.4g}"
+        causes = [
+            "labels not matching their inputs (misaligned, or shuffled separately from the inputs): the "
+            "model learned only how often each label occurs, nothing from the inputs",
+            "the inputs do not reach the output (a `.detach()`, a constant input, inputs zeroed by a "
+            "transform)",
+            "the optimizer is not connected to the model's parameters, or its LR is 0 / far too low",
+        ]
+    elif math.isfinite(initial) and final >= 0.9 * initial:
+        shape = "flat"
+        causes = [
+            "labels not matching their inputs (misaligned or shuffled labels)",
+            "the loss is not connected to the parameters (a `.detach()`, `torch.no_grad()`, `.item()`)",
+            "the optimizer is not connected to the model's parameters, or its LR is 0 / far too low",
+            "the loss is computed on the wrong tensors or axis",
+            "inputs not normalised (mean 0, std 1)",
+        ]
+    elif oscillates(losses):
+        shape = "oscillating"
+        causes = [
+            "learning rate too high (lower it 10x)",
+            "loss scaled by the batch size (reduction='sum')",
+        ]
+    else:
+        causes = [
+            "learning rate too low or too few steps (raise max_steps)",
+            "the model is too small or too regularised (dropout, weight decay) to memorise a few samples",
+            "identical inputs with different labels in the batch",
+        ]
+    if result.randomness == "targets":
+        causes.insert(
+            0,
+            "training_step draws its targets at random: called twice, the model's output was the same "
+            "but the loss was not (labels shuffled or drawn on every call; sampled negatives, which "
+            "are fine — then use action='warn')",
+        )
+    return Finding(
+        kind="overfit_failed",
+        severity="error",
+        names=[],
+        message=f"Could not overfit one batch of {result.num_samples} samples with {result.optimizer}: "
+        f"the loss went from {initial:.4g} to {final:.4g} in {result.steps} steps "
+        f"(target {result.target_loss:.4g}; curve {shape}).",
+        hint="Likely causes: " + "; ".join(causes) + ".",
+        data={
+            "initial_loss": initial,
+            "final_loss": final,
+            "target_loss": result.target_loss,
+            "steps": float(result.steps),
+        },
+    )
+
+
+def passed_line(result: OverfitResult) -> str:
+    """The one line that says the check ran and passed, with the numbers behind the verdict."""
+    if result.reached_target:
+        how = f"reached the target {result.target_loss:.4g}"
+    elif result.memorised:
+        how = "memorised the batch (every sample classified right)"
+    elif result.converged:
+        how = "converged to a loss floor above the target"
+    else:
+        how = "missed the target but kept learning"
+    return (
+        f"OverfitBatchSanity: passed - loss {result.initial_loss:.4g} -> {result.final_loss:.4g} in "
+        f"{result.steps} steps on {result.num_samples} samples with {result.optimizer} ({how}; "
+        f"{result.seconds:.1f} s)."
+    )

@@ -1,0 +1,391 @@
+"""What the pre-flight checks find: :class:`Finding`, :class:`OverfitResult`, and the specific problems.
+
+* :func:`parameter_findings`: parameters that get no gradient, or never move although they have one;
+* :func:`label_stability`: the same samples drawn twice, with the same inputs but other labels;
+* :func:`batch_mixing`: one sample's output depends on another sample's input;
+* :func:`mismatch_findings`: the parameters whose gradient failed the gradient check.
+
+The findings about the loss curve (initial loss, chance level, why the batch was not learned) are in
+:mod:`~lightning_gradguard.monitors.preflight.diagnosis`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_gradguard.alerts import Severity
+from lightning_gradguard.core.batch import batch_size_of, tensors_in
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.trial import quiet_logging, training_step_of
+from lightning_gradguard.monitors.preflight.gradcheck_module import GradientCheckResult
+from lightning_gradguard.monitors.preflight.gradcheck_report import MISMATCH_HINT, describe, pattern
+from lightning_gradguard.monitors.preflight.modules import LeafOutputs
+
+__all__ = [
+    "HINTS",
+    "MAX_LISTED",
+    "Finding",
+    "OverfitResult",
+    "batch_mixing",
+    "label_stability",
+    "listed",
+    "mismatch_findings",
+    "parameter_findings",
+]
+
+MAX_LISTED = 8
+
+
+@dataclass
+class Finding:
+    """One specific problem the check found.
+
+    Attributes:
+        kind: alert kind (``unused_parameter``, ``parameter_not_updated``, ``initial_loss_mismatch``,
+            ``batch_mixing``, ``labels_unstable``, ``gradient_not_shrinking``, ``overfit_failed``; the
+            gradient check's ``gradient_mismatch``).
+        severity: ``"error"`` fails the check; ``"warning"`` is reported only.
+        names: the parameters (or samples) concerned.
+        message: what was seen, with the numbers.
+        hint: what to do about it.
+        data: the numbers behind the message.
+    """
+
+    kind: str
+    severity: Severity
+    names: list[str]
+    message: str
+    hint: str
+    data: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class OverfitResult:
+    """What :class:`OverfitBatchSanity` saw.
+
+    Attributes:
+        passed: the loss reached the target (or the batch was memorised) and no error finding was made.
+        reached_target: the loss reached the target.
+        memorised: the target was not reached in ``max_steps``, but at the last step a classifier
+            classified every sample of the batch correctly (argmax of the logits equals the label) with
+            a loss below the initial one: the check passes then too, since a loss with a floor (label
+            smoothing) may never reach a relative target.
+        steps: optimizer steps taken (the check stops at the first loss at or below the target).
+        initial_loss: loss before the first step.
+        final_loss: the last loss measured.
+        target_loss: the loss the check had to reach.
+        losses: the loss curve, one value per evaluation (``steps + 1`` values).
+        grad_norms: the total gradient 2-norm at each step (``grad_norms[k]`` is the gradient at
+            ``losses[k]``).
+        seconds: wall time of the whole check, restore included.
+        num_samples: samples in the batch trained on.
+        optimizer: the optimizer class used (the user's, or the fallback ``Adam``).
+        converged: the target was missed, but the loss converged to a floor (see
+            :func:`~lightning_gradguard.functional.overfit.at_floor`): the gradient norm fell to 5 % of
+            its first value, the loss to half its initial value and below chance level. Soft targets
+            (mixup, distillation) and label smoothing have such floors; the check passes.
+        randomness: what random draws inside ``training_step`` change, found by calling it under two
+            seeds: ``"none"``; ``"inputs"`` (the model's output: input noise, a diffusion timestep,
+            mixup, augmentation, dropout), then every step of the check is re-seeded with one fixed seed
+            so the batch and the objective stay the same; ``"targets"`` (the same output, another loss:
+            labels drawn at random), then nothing is frozen (random labels cannot be memorised).
+        findings: every specific problem found.
+        fallback_reached: when the user's optimizer missed the target, whether ``Adam(fallback_lr)``,
+            started again from the same weights, reached it or memorised the batch (then the check passes
+            with a warning: the pipeline learns, the LR is slow); ``None`` when not tried.
+        num_classes: for a classifier, the number of classes (given or inferred), else ``None``.
+        chance_loss: for a classifier, the entropy of the batch's label frequencies: the loss of a model
+            that ignores its inputs and predicts how often each label occurs.
+    """
+
+    passed: bool
+    reached_target: bool
+    memorised: bool
+    steps: int
+    initial_loss: float
+    final_loss: float
+    target_loss: float
+    losses: list[float]
+    grad_norms: list[float]
+    seconds: float
+    num_samples: int
+    optimizer: str
+    findings: list[Finding] = field(default_factory=list)
+    randomness: str = "none"
+    converged: bool = False
+    fallback_reached: bool | None = None
+    num_classes: int | None = None
+    chance_loss: float | None = None
+
+
+def listed(names: list[str]) -> str:
+    """The first ``MAX_LISTED`` names in backticks, and how many more."""
+    shown = ", ".join(f"`{n}`" for n in names[:MAX_LISTED])
+    more = len(names) - MAX_LISTED
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+HINTS = {
+    "unused_parameter": (
+        "These parameters are not in the graph that produced the loss: look for a `.detach()`, "
+        "`torch.no_grad()`, `.item()`/`.numpy()` or `.data` on the way from them to the loss, a layer that "
+        "forward() never calls, or a branch that is never taken. If they are unused on purpose, freeze "
+        "them (requires_grad=False) or list them in `ignore_parameters`."
+    ),
+    "parameter_not_updated": (
+        "The optimizer never changes these parameters: add them to configure_optimizers() (e.g. "
+        "`self.parameters()` instead of one sub-module's), and check each param group's learning rate."
+    ),
+    "batch_mixing": (
+        "A reshape/view/permute mixes the batch dimension (e.g. `x.view(features, batch)` where "
+        "`x.view(batch, features)` was meant, or a transpose before a flatten), or an op reduces over "
+        "dim 0. Every sample's output must depend only on that sample's input."
+    ),
+    "labels_unstable": (
+        "Labels must be tied to their inputs: look for a dataset that draws or shuffles labels separately "
+        "from the inputs (an index into the label array that is not the sample's index, a shuffle applied "
+        "to one array only, a random label transform). A model cannot learn labels that change under it."
+    ),
+    "gradient_not_shrinking": (
+        "While the batch was learned, the gradient norm did not shrink: the loss may have a floor the "
+        "model cannot reach (label noise within the batch, a regularisation term), or the LR is so high "
+        "that the optimizer bounces around the minimum."
+    ),
+}
+
+
+def label_stability(first: Any, second: Any) -> list[Finding]:
+    """Compare two draws of the same samples: identical inputs with different labels is a pipeline bug.
+
+    Only judged when every floating tensor came back identical (no random augmentation): then any
+    per-sample difference in a one-dimensional integer tensor means the labels are not tied to their
+    inputs.
+    """
+    a, b = list(tensors_in(first)), list(tensors_in(second))
+    if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a, b, strict=True)):
+        return []
+    floats = [(x, y) for x, y in zip(a, b, strict=True) if x.is_floating_point()]
+    # labels are one integer per sample: [N, k] integers are often drawn at random on purpose (sampled
+    # negatives, random masks), a per-sample label is not
+    ints = [(x, y) for x, y in zip(a, b, strict=True) if not x.is_floating_point() and x.dim() == 1]
+    if not floats or not ints or not all(torch.equal(x, y) for x, y in floats):
+        return []
+    for x, y in ints:
+        differ = (x != y).reshape(x.shape[0], -1).any(dim=1)
+        count = int(differ.sum())
+        if count:
+            n = int(x.shape[0])
+            return [
+                Finding(
+                    kind="labels_unstable",
+                    severity="error",
+                    names=[],
+                    message="Fetching the first batch's samples twice gave identical inputs but different "
+                    f"labels for {count} of {n} samples.",
+                    hint=HINTS["labels_unstable"],
+                    data={"samples_changed": float(count), "samples": float(n)},
+                )
+            ]
+    return []
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
+
+
+def parameter_findings(
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    params: list[nn.Parameter],
+    start: list[Tensor],
+    got_grad: Tensor,
+    nonzero_grad: Tensor,
+    called: set[str],
+    ignore: list[str],
+) -> list[Finding]:
+    """The parameters that got no gradient (``unused_parameter``) or never moved although they had one
+    (``parameter_not_updated``), from what the trial recorded; names matching ``ignore`` are left out."""
+    findings: list[Finding] = []
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    no_grad, not_trained, outside = [], [], []
+    for name, p, g in zip(names, params, got_grad.tolist(), strict=True):
+        if g or _ignored(name, ignore):
+            continue
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        if id(p) not in in_optimizer:
+            not_trained.append(name)  # no gradient and no optimizer: consistently left untrained
+        elif owner and owner not in called:
+            outside.append(name)  # its module never ran in training_step (e.g. a validation head)
+        else:
+            no_grad.append(name)
+    if not_trained or outside:
+        parts = []
+        if not_trained:
+            parts.append(f"in no param group of the optimizer either: {listed(not_trained)}")
+        if outside:
+            parts.append(f"their module never runs in training_step: {listed(outside)}")
+        findings.append(
+            Finding(
+                kind="unused_parameter",
+                severity="warning",
+                names=not_trained + outside,
+                message=f"{len(not_trained) + len(outside)} trainable parameter(s) get no gradient in "
+                "training_step; " + "; ".join(parts) + ". Fine if they are meant for another step "
+                "(validation, a teacher updated by hand); under DDP they need "
+                "find_unused_parameters=True.",
+                hint=HINTS["unused_parameter"],
+                data={"count": float(len(not_trained) + len(outside))},
+            )
+        )
+    zero_grad = [
+        n
+        for n, g, nz in zip(names, got_grad.tolist(), nonzero_grad.tolist(), strict=True)
+        if g and not nz and not _ignored(n, ignore)
+    ]
+    if no_grad:
+        findings.append(
+            Finding(
+                kind="unused_parameter",
+                severity="error",
+                names=no_grad,
+                message=f"{len(no_grad)} trainable parameter(s) never received a gradient: "
+                f"{listed(no_grad)}.",
+                hint=HINTS["unused_parameter"],
+                data={"count": float(len(no_grad))},
+            )
+        )
+    if zero_grad:
+        findings.append(
+            Finding(
+                kind="unused_parameter",
+                severity="warning",
+                names=zero_grad,
+                message=f"{len(zero_grad)} parameter(s) got a gradient that was exactly zero at every step: "
+                f"{listed(zero_grad)} (dead units, a multiplication by zero, or a constant branch).",
+                hint=HINTS["unused_parameter"],
+                data={"count": float(len(zero_grad))},
+            )
+        )
+    lr_of: dict[int, float] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            lr = group.get("lr", math.nan)
+            lr_of[id(p)] = float(lr.item() if isinstance(lr, Tensor) else lr)
+    missing, zero_lr, other = [], [], []
+    for name, p, s, nz in zip(names, params, start, nonzero_grad.tolist(), strict=True):
+        if not nz or _ignored(name, ignore) or not torch.equal(p.detach(), s):
+            continue
+        if id(p) not in lr_of:
+            missing.append(name)
+        elif lr_of[id(p)] == 0:
+            zero_lr.append(name)
+        else:
+            other.append(name)
+    parts = []
+    if missing:
+        parts.append(f"not in any param group of {type(optimizer).__name__}: {listed(missing)}")
+    if zero_lr:
+        parts.append(f"in a param group with lr=0: {listed(zero_lr)}")
+    if other:
+        parts.append(
+            "unchanged by optimizer.step() although their gradient was non-zero (or every update was "
+            "below the weights' floating-point resolution: bf16/fp16 weights, a tiny LR): " + listed(other)
+        )
+    if parts:
+        stuck = missing + zero_lr + other
+        findings.append(
+            Finding(
+                kind="parameter_not_updated",
+                severity="error",
+                names=stuck,
+                message=f"{len(stuck)} parameter(s) with a gradient never changed; " + "; ".join(parts) + ".",
+                hint=HINTS["parameter_not_updated"],
+                data={
+                    "count": float(len(stuck)),
+                    "not_in_optimizer": float(len(missing)),
+                    "lr_zero": float(len(zero_lr)),
+                },
+            )
+        )
+    return findings
+
+
+def batch_mixing(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Finding]:
+    """``batch_mixing``: the output of one sample depends on the input of another (eval mode)."""
+    n = batch_size_of(batch)
+    source = next(
+        (t for t in tensors_in(batch) if t.is_floating_point() and t.dim() >= 1 and t.shape[0] == n),
+        None,
+    )
+    if n is None or n < 2 or source is None:
+        warn_once(trainer, "overfit_batch_mixing_input", "batch-mixing check skipped: no float input batch")
+        return []
+    x = source.detach().clone().requires_grad_(True)
+    probe = apply_to_collection(batch, Tensor, lambda t: x if t is source else t)
+    leaf = LeafOutputs(pl_module, n)
+    pl_module.eval()
+    try:
+        with torch.enable_grad(), quiet_logging(pl_module):
+            training_step_of(pl_module, probe)
+    finally:
+        leaf.remove()
+        pl_module.train()
+    out = leaf.last
+    if out is None or not out.requires_grad:
+        warn_once(trainer, "overfit_batch_mixing_output", "batch-mixing check skipped: no per-sample output")
+        return []
+    gen = torch.Generator().manual_seed(0)
+    mixed: dict[int, list[int]] = {}
+    for i in sorted({0, n // 2}):
+        weights = torch.randn(out[i].shape, generator=gen).to(out)
+        (g,) = torch.autograd.grad((out[i] * weights).sum(), x, retain_graph=True, allow_unused=True)
+        if g is None:
+            continue
+        rows = g.detach().reshape(n, -1).abs().amax(dim=1)
+        others = [j for j in range(n) if j != i and float(rows[j]) > 0]
+        if others:
+            mixed[i] = others
+    if not mixed:
+        return []
+    desc = "; ".join(f"sample {i} <- samples {js[:MAX_LISTED]}" for i, js in mixed.items())
+    return [
+        Finding(
+            kind="batch_mixing",
+            severity="error",
+            names=[leaf.name or ""],
+            message=f"The output of `{leaf.name}` for one sample depends on the inputs of other samples "
+            f"(eval mode): {desc}.",
+            hint=HINTS["batch_mixing"],
+            data={"samples_mixed": float(sum(len(v) for v in mixed.values()))},
+        )
+    ]
+
+
+def mismatch_findings(result: GradientCheckResult) -> list[Finding]:
+    """One ``gradient_mismatch`` error per parameter whose gradient failed the gradient check."""
+    return [
+        Finding(
+            kind="gradient_mismatch",
+            severity="error",
+            names=[check.name],
+            message="Autograd and finite differences disagree: " + describe(check) + ".",
+            hint=MISMATCH_HINT + pattern(check),
+            data={
+                "relative_error": check.max_rel_error,
+                "analytic": check.analytic,
+                "numeric": check.numeric,
+                "taylor_order": check.taylor_order,
+                "taylor_linear_error": check.taylor_linear_error,
+                "directional_error": check.directional_error,
+            },
+        )
+        for check in result.failures
+    ]

@@ -1,0 +1,276 @@
+r"""
+OverfitBatchSanity
+==================
+
+Before the real run spends hours, prove in seconds that the model can learn: train on the first batch
+until its loss collapses, check on the way that every parameter gets a gradient and moves, that the
+initial loss is the one a fresh classifier should have, and put everything back exactly as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from lightning_gradguard.alerts import SanityCheckError
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.batch import first_train_batch, redraw_first_samples, slice_batch
+from lightning_gradguard.core.compile import Uncompiled
+from lightning_gradguard.core.snapshot import TrainingSnapshot
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
+from lightning_gradguard.monitors.preflight.diagnosis import passed_line
+from lightning_gradguard.monitors.preflight.findings import Finding, OverfitResult, label_stability
+from lightning_gradguard.monitors.preflight.overfit_check import OverfitSettings, run_overfit_check
+from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, PreflightCheck, Summary
+
+__all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
+
+
+class OverfitBatchSanity(PreflightCheck):
+    r"""Pre-flight check: the model must be able to memorise one batch, and every parameter must learn.
+
+    Runs once per ``fit`` in ``on_train_start``: after Lightning has set up the model, the optimizer and
+    the dataloaders, before the first real training batch. It draws the first batch of a fresh pass over
+    the train dataloader (cut to ``max_samples`` samples), then trains on it with the user's
+    ``training_step`` and the user's optimizer (``trainer.optimizers[0]``; when
+    ``configure_optimizers`` returned none, ``torch.optim.Adam(lr=fallback_lr)`` over the trainable
+    parameters) for up to ``max_steps`` steps. The learning-rate scheduler is not stepped, gradient
+    clipping and loss scaling are not applied, and ``self.log`` calls are swallowed. Each param group
+    trains at its configured LR (``initial_lr``, recorded by a scheduler before it scaled ``lr``: a
+    warm-up from 0 would learn nothing). It passes as soon as the loss is at or below the target:
+    ``target * initial_loss`` (``target_mode="relative"``) or ``target`` (``"absolute"``); or, after
+    ``max_steps``, when the loss sits on a floor above the target that the model reached (every sample
+    classified correctly, or the gradient norm down to 5 %: label smoothing, soft targets). Randomness
+    inside ``training_step`` that changes the model's output (noise, a diffusion timestep, mixup) is
+    frozen: every step is re-seeded alike. When the user's optimizer misses, ``Adam(fallback_lr)`` tries
+    again from the same weights; if it succeeds (a slow LR), or the user's curve kept falling and at
+    least halved (a slow objective), ``overfit_failed`` is only a warning.
+
+    In the same pass it checks (findings, each an alert of its own kind):
+
+    * ``unused_parameter`` (error): a trainable parameter in the optimizer, whose module ran in
+      ``training_step``, never received a gradient (warning: not in the optimizer either, or its module
+      never ran — a teacher, a validation-only head);
+    * ``parameter_not_updated`` (error): a parameter had a gradient but the optimizer never changed it
+      (not in any param group, or its group's ``lr`` is 0);
+    * ``initial_loss_mismatch``: for a classifier whose loss is the cross-entropy of its logits, the
+      initial loss is far from ``ln C`` (what a fresh model predicting the uniform distribution
+      scores): above is a warning, below (a pretrained model) is info. ``C`` is ``num_classes``, or
+      inferred when the batch holds integer labels of shape ``[N]`` and the last leaf module outputs
+      ``[N, C]`` with every label below ``C``. A loss ``N`` times that cross-entropy is summed, not
+      averaged: an error. Skipped when the run resumes from a checkpoint (``global_step > 0``);
+    * ``gradient_not_shrinking`` (warning): while the batch was learned, the last gradient norm stayed
+      at or above both the first and the median of the run;
+    * ``labels_unstable`` (error, with ``check_label_stability=True``, default): the samples of the
+      first batch are fetched a second time (same indices from the sampler, ``dataset[i]``) with every
+      global RNG re-seeded; identical inputs that come back with different integer labels mean the
+      labels are not tied to their inputs (e.g. a dataset that looks labels up with a random index).
+      Not judged when the inputs differ too (random augmentation), nor for iterable datasets;
+    * ``batch_mixing`` (error, with ``check_batch_mixing=True``): the output of one sample depends on
+      the input of another. Measured with the model in eval mode (BatchNorm then uses its running
+      statistics; in train mode it legitimately mixes samples through the batch statistics), as the
+      gradient of a random projection of sample ``i``'s output (the last leaf module output with the
+      batch's leading dimension) with respect to the whole input batch: rows ``j != i`` must be exactly
+      zero.
+
+    If the loss does not reach the target, alert ``overfit_failed`` lists the curve, the findings and the
+    likely causes (from the curve's shape: stuck at ``ln C``, flat, slow, diverging). With
+    ``action="raise"`` (default) every rank raises :class:`SanityCheckError` (the verdict is reduced
+    across ranks first, so no rank is left waiting); ``"warn"`` reports and trains on; ``"stop"`` asks
+    the trainer to stop.
+
+    Afterwards everything is put back exactly: parameters, gradients, buffers, train/eval flags,
+    optimizer and scheduler state, the RNG states (torch, CUDA, NumPy, ``random``, sampler generators),
+    the trainer's progress counters and torchmetrics states. The real run is bit for bit the one it
+    would have been without the check.
+
+    Limits: automatic optimization only (manual optimization: a one-time warning, nothing checked);
+    under DDP each rank trains its own first batch locally (``training_step`` is called directly, so
+    DDP's gradient all-reduce is not involved); sharded strategies (FSDP, DeepSpeed) are not supported.
+    A label mix-up that is the same every time the batch is drawn cannot be told apart from real labels
+    on one batch (a model memorises random labels too); labels that change from draw to draw can.
+
+    Args:
+        max_steps: the most optimizer steps the check may take.
+        target: the loss to reach, relative to the initial loss or absolute (see ``target_mode``).
+        target_mode: ``"relative"`` (pass at ``loss <= target * initial_loss``) or ``"absolute"``.
+        max_samples: cut the batch to this many samples (``None``: the whole first batch).
+        num_classes: number of classes for the initial-loss check (``None``: inferred when possible).
+        check_initial_loss: compare the initial loss of a classifier with ``ln C``.
+        initial_loss_tolerance: the initial loss may differ from ``ln C`` by this fraction of ``ln C``.
+        check_batch_mixing: also run the batch-mixing check (one extra forward and two backward passes).
+        check_label_stability: fetch the first batch's samples a second time and compare.
+        ignore_parameters: ``fnmatch`` patterns of parameter names left out of the unused / not-updated
+            findings (e.g. ``["head_aux.*"]``).
+        fallback_lr: learning rate of the fallback Adam optimizer.
+        action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import OverfitBatchSanity, SanityCheckError
+
+        check = OverfitBatchSanity(max_steps=200, max_samples=16)
+        trainer = Trainer(callbacks=[check])
+        try:
+            trainer.fit(model, datamodule=dm)
+        except SanityCheckError as err:
+            print(err)            # the findings and the likely causes
+        print(check.result)       # passed, steps, initial/final loss, curve, seconds
+    """
+
+    def __init__(
+        self,
+        max_steps: int = 200,
+        target: float = 0.1,
+        target_mode: Literal["relative", "absolute"] = "relative",
+        max_samples: int | None = 16,
+        num_classes: int | None = None,
+        check_initial_loss: bool = True,
+        initial_loss_tolerance: float = 0.5,
+        check_batch_mixing: bool = False,
+        check_label_stability: bool = True,
+        ignore_parameters: list[str] | None = None,
+        fallback_lr: float = 1e-3,
+        action: Literal["raise", "warn", "stop"] = "raise",
+    ) -> None:
+        super().__init__(action=action)
+        self.max_steps: int = check_int("max_steps", max_steps, 1)
+        self.target_mode: str = check_choice("target_mode", target_mode, ("relative", "absolute"))
+        if target_mode == "relative":
+            self.target: float = check_float("target", target, 0.0, 1.0, low_open=True)
+        else:
+            self.target = check_float("target", target, -math.inf)
+        self.max_samples: int | None = check_int("max_samples", max_samples, 1, allow_none=True)
+        self.num_classes: int | None = check_int("num_classes", num_classes, 2, allow_none=True)
+        self.check_initial_loss = check_bool("check_initial_loss", check_initial_loss)
+        self.initial_loss_tolerance: float = check_float(
+            "initial_loss_tolerance", initial_loss_tolerance, 0.0, low_open=True
+        )
+        self.check_batch_mixing = check_bool("check_batch_mixing", check_batch_mixing)
+        self.check_label_stability = check_bool("check_label_stability", check_label_stability)
+        self.ignore_parameters: list[str] = check_str_list("ignore_parameters", ignore_parameters) or []
+        self.fallback_lr: float = check_float("fallback_lr", fallback_lr, 0.0, low_open=True)
+        self.result: OverfitResult | None = None
+
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        return {
+            "Pre-flight: overfit-one-batch loss (x = check step)": ["preflight/overfit_loss"],
+            "Pre-flight: overfit-one-batch gradient norm (x = check step)": ["preflight/overfit_grad_norm"],
+        }
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.applies(trainer, pl_module):
+            return
+        started = time.perf_counter()
+        snapshot = TrainingSnapshot(pl_module, trainer=trainer)  # sampler generators included
+        result: OverfitResult | None = None
+        try:
+            batch, _ = first_train_batch(trainer)
+            again = None
+            if self.check_label_stability:  # the same samples once more, under other random draws
+                snapshot.rng.restore()
+                again = redraw_first_samples(trainer)
+            batch = slice_batch(batch, self.max_samples)
+            # uncompiled: a cut batch, eval mode and hooks would each make dynamo recompile the user's model
+            with Uncompiled(pl_module):
+                result = run_overfit_check(trainer, pl_module, batch, self._settings())
+            if again is not None:
+                result.findings[:0] = label_stability(batch, slice_batch(again, self.max_samples))
+                result.passed = result.passed and not any(f.severity == "error" for f in result.findings)
+        except Exception as err:  # a model or loader shape we cannot drive: warn, never crash
+            warn_once(
+                trainer,
+                "overfit_batch_error",
+                f"OverfitBatchSanity could not run the check ({type(err).__name__}: {err}); skipped.",
+            )
+        finally:
+            snapshot.restore()
+        if result is not None:
+            result.seconds = time.perf_counter() - started
+        self.result = result
+        self._conclude(trainer, result)  # on every rank, even a skipped one: the verdict is collective
+
+    def _settings(self) -> OverfitSettings:
+        return OverfitSettings(
+            max_steps=self.max_steps,
+            target=self.target,
+            target_mode=self.target_mode,
+            num_classes=self.num_classes,
+            check_initial_loss=self.check_initial_loss,
+            initial_loss_tolerance=self.initial_loss_tolerance,
+            check_batch_mixing=self.check_batch_mixing,
+            ignore_parameters=list(self.ignore_parameters),
+            fallback_lr=self.fallback_lr,
+        )
+
+    # ------------------------------------------------------------------ verdict
+    def _conclude(self, trainer: pl.Trainer, result: OverfitResult | None) -> None:
+        if result is None:
+            message = "This rank could not run the check; the overfit-one-batch check failed on another rank."
+            failure = Summary(kind="overfit_failed", message=message, hint=OTHER_RANKS)
+            self.conclude(trainer, [], failed_here=False, on_failure=failure, passed_line=None)
+            return
+        for i, value in enumerate(result.losses):
+            metrics = {"preflight/overfit_loss": value}
+            if i < len(result.grad_norms):
+                metrics["preflight/overfit_grad_norm"] = result.grad_norms[i]
+            _emit.log_scalars(trainer, metrics, i)
+        # the summary (overfit_failed) is reported once, by conclude
+        alerts = self.report_findings(trainer, [f for f in result.findings if f.kind != "overfit_failed"])
+        failed_here = not result.passed
+        summary = next((f for f in result.findings if f.kind == "overfit_failed"), None)
+        if summary is not None:
+            kinds = sorted(
+                {f.kind for f in result.findings if f.severity == "error" and f.kind != "overfit_failed"}
+            )
+            extra = f" Findings: {', '.join(kinds)}." if kinds else ""
+            message, hint, data = summary.message + extra, summary.hint, summary.data
+        elif failed_here:
+            kinds = sorted({f.kind for f in result.findings if f.severity == "error"})
+            how = (
+                "The loss reached the target"
+                if result.reached_target
+                else "The batch was memorised"
+                if result.memorised
+                else "The loss converged to a floor above the target"
+            )
+            message = (
+                f"{how} ({result.initial_loss:.4g} -> {result.final_loss:.4g} in {result.steps} steps) but "
+                f"the check found: {', '.join(kinds)}."
+            )
+            hint, data = "See the findings above.", {"steps": float(result.steps)}
+        else:
+            message = "This rank passed, but the overfit-one-batch check failed on another rank."
+            hint, data = OTHER_RANKS, {}
+        self.conclude(
+            trainer,
+            alerts,
+            failed_here=failed_here,
+            on_failure=Summary(kind="overfit_failed", message=message, hint=hint, data=data),
+            passed_line=passed_line(result),
+            # a warning: the target was missed, but the model learns (slow LR)
+            on_success=None
+            if summary is None
+            else Summary(kind=summary.kind, message=summary.message, hint=summary.hint, data=summary.data),
+        )
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.result is not None:
+            state["result"] = {
+                "passed": self.result.passed,
+                "steps": self.result.steps,
+                "initial_loss": self.result.initial_loss,
+                "final_loss": self.result.final_loss,
+            }
+        return state

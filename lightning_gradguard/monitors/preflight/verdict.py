@@ -1,0 +1,167 @@
+"""What the pre-flight checks share: when a check runs, and how it ends (one verdict, taken together).
+
+:class:`PreflightCheck` is the base of :class:`~lightning_gradguard.OverfitBatchSanity` and
+:class:`~lightning_gradguard.GradientCheck`. A check runs once per ``fit``, in ``on_train_start``, where
+it applies (:meth:`PreflightCheck.applies`: not under ``fast_dev_run``, not on a resume of a run it
+already checked, automatic optimization only, not under a sharded strategy such as FSDP or DeepSpeed).
+It ends with :meth:`PreflightCheck.conclude` on every rank, even one that could not run it: the
+verdict is reduced across ranks (one collective), so when one rank fails every rank acts alike (the
+ranks that passed say "failed on another rank") and none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+from lightning_gradguard.alerts import Alert, SanityCheckError
+from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.collective import reduce_any
+from lightning_gradguard.core.sharding import is_sharded
+from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
+from lightning_gradguard.monitors.preflight.findings import MAX_LISTED, Finding
+
+__all__ = ["OTHER_RANKS", "PreflightCheck", "Summary", "sharded_message"]
+
+log = logging.getLogger("lightning_gradguard")
+
+#: the hint of an alert that says the check failed on another rank
+OTHER_RANKS = "See the alerts of the other ranks."
+
+
+def sharded_message(name: str, strategy: str) -> str:
+    """The one-time warning of a pre-flight check skipped under a sharded strategy (FSDP, DeepSpeed)."""
+    why = {
+        "OverfitBatchSanity": "its trial steps train this rank's first batch alone, for as many steps as "
+        "this rank needs, so the strategy's all-gathers would run out of step with the other ranks",
+        "GradientCheck": "it checks a float64 deep copy of the model, and a rank holds only pieces of the "
+        "sharded parameters (a sharded module cannot be copied whole)",
+    }.get(name, "a rank holds only pieces of the sharded parameters")
+    return (
+        f"{name} does not run under {strategy}: {why}. The check was skipped; training goes on untouched. "
+        "Run it on the same model with one device or under DDP (a short fit with devices=1), or call "
+        "lightning_gradguard.gradient_check(model, batch, loss_fn) on the unwrapped model."
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summary:
+    """The closing alert of a check: its kind, what it says and the numbers behind it.
+
+    Its severity is set by :meth:`PreflightCheck.conclude`: ``error`` when the check failed on some rank,
+    ``warning`` when it passed with a reservation.
+    """
+
+    kind: str
+    message: str
+    hint: str
+    data: dict[str, float] = field(default_factory=dict)
+
+
+class PreflightCheck(GradGuardCallback):
+    """Base of the pre-flight checks: once per fit where it applies, one verdict reduced across ranks.
+
+    Args:
+        action: ``"raise"`` (a failure raises :class:`~lightning_gradguard.SanityCheckError` on every
+            rank), ``"warn"`` or ``"stop"``.
+    """
+
+    error_type = SanityCheckError
+
+    def __init__(self, action: str = "raise") -> None:
+        super().__init__(action=action, cooldown_steps=0)
+        self._in_checkpoint = False  # set by load_state_dict: the resumed run had this check
+
+    def applies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether the check runs in this fit: not under ``fast_dev_run`` (a smoke test), not on a
+        resume of a run it already checked, only under automatic optimization and not under a sharded
+        strategy (FSDP, DeepSpeed) (else a one-time warning naming the strategy; the run goes on)."""
+        checked_before, self._in_checkpoint = self._in_checkpoint, False
+        name = type(self).__name__
+        if skipped_for_fast_dev_run(trainer, name, "the pre-flight check"):
+            return False
+        if not self.fresh_run(trainer) and checked_before:
+            if trainer.is_global_zero:
+                log.info("%s: fit resumes from a checkpoint; the check is not repeated", name)
+            return False
+        if not pl_module.automatic_optimization:
+            warn_once(
+                trainer,
+                f"{name}_manual",
+                f"{name} needs automatic optimization (training_step returning the loss); the check was "
+                "skipped. Under manual optimization, call lightning_gradguard.gradient_check(model, batch, "
+                "loss_fn) yourself.",
+            )
+            return False
+        if is_sharded(trainer):  # before the model is touched: nothing to restore, no collective to match
+            warn_once(trainer, f"{name}_sharded", sharded_message(name, type(trainer.strategy).__name__))
+            return False
+        return True
+
+    def report_findings(self, trainer: pl.Trainer, findings: list[Finding]) -> list[Alert]:
+        """Report every finding as an alert of its kind and severity, where: its names (the first few)."""
+        alerts: list[Alert] = []
+        for f in findings:
+            where = ", ".join(f.names[:MAX_LISTED]) + (", ..." if len(f.names) > MAX_LISTED else "")
+            alert = self.report(trainer, f.kind, f.severity, where or None, f.message, f.hint, f.data)
+            if alert is not None:
+                alerts.append(alert)
+        return alerts
+
+    def conclude(
+        self,
+        trainer: pl.Trainer,
+        alerts: list[Alert],
+        *,
+        failed_here: bool,
+        on_failure: Summary | None,
+        passed_line: str | None,
+        on_success: Summary | None = None,
+    ) -> None:
+        """End the check on every rank alike: reduce the verdict (one collective), report, then act.
+
+        Args:
+            trainer: the trainer.
+            alerts: what this rank already reported (its findings).
+            failed_here: whether the check failed on this rank (``False`` for a rank that could not run it).
+            on_failure: reported as an error when the check failed on some rank (``None``: nothing more).
+            passed_line: logged (INFO, global rank zero) when it passed on every rank: silence after
+                success reads as "did it run?" (``None``: nothing, e.g. the check did not run here).
+            on_success: reported as a warning when it passed on every rank with a reservation.
+        """
+        if reduce_any(trainer, failed_here):
+            if on_failure is not None:
+                alert = self.report(
+                    trainer,
+                    on_failure.kind,
+                    "error",
+                    None,
+                    on_failure.message,
+                    on_failure.hint,
+                    on_failure.data,
+                )
+                if alert is not None:
+                    alerts.append(alert)
+        else:
+            if on_success is not None:
+                self.report(
+                    trainer,
+                    on_success.kind,
+                    "warning",
+                    None,
+                    on_success.message,
+                    on_success.hint,
+                    on_success.data,
+                )
+            if passed_line is not None and trainer.is_global_zero:
+                log.info(passed_line)
+        self.act(trainer, alerts)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._in_checkpoint = True  # the run being resumed had this check: it is not repeated

@@ -1,0 +1,205 @@
+"""``spikes.json``: every batch LossSpikeGuard kept out of the run, in a form a resumed run reads back.
+
+The file holds one entry per spike: the optimizer step, the epoch, the batch indices of the step's
+micro-batches, the loss and gradient norm with their z-scores, and what was done. A later run (a restart
+from an earlier checkpoint, or the same run resumed) given the file as ``skip_batches_path`` drops the
+updates of the steps that contain those batches again, so the batches that spiked never reach the
+weights. Batches are named by ``(epoch, batch index)``: the data order must be the same (a seeded
+sampler), as for Lightning's ``exclude_batches_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from lightning_gradguard.alerts import Severity
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.batch import batch_size_of
+from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.functional.spikes import SpikeScore
+from lightning_gradguard.monitors.spike.rules import explain_spike
+
+__all__ = [
+    "FORMAT",
+    "SpikeRecord",
+    "StepInputs",
+    "log_spike_scalars",
+    "read_skip_batches",
+    "record_spike",
+    "spike_alert",
+    "write_spikes",
+]
+
+#: the ``format`` field of the file
+FORMAT = "lightning_gradguard.spikes/1"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpikeRecord:
+    """One spike: where it happened, how large it was, and what was done about it.
+
+    Attributes:
+        step: ``trainer.global_step`` of the optimizer step.
+        epoch: the epoch.
+        batch_idx: the batch indices of the step's micro-batches (one without accumulation).
+        loss: the step's training loss (mean over its micro-batches and ranks), ``None`` when not judged.
+        loss_zscore: its robust z-score against the recent steps.
+        grad_norm: the total gradient norm before clipping, ``None`` when not judged.
+        grad_norm_zscore: its robust z-score.
+        action: ``"warn"``, ``"skip"``, ``"rollback"``, ``"raise"`` or ``"replayed"`` (a batch a former
+            run recorded, skipped again).
+    """
+
+    step: int
+    epoch: int
+    batch_idx: list[int] = field(default_factory=list)
+    loss: float | None = None
+    loss_zscore: float | None = None
+    grad_norm: float | None = None
+    grad_norm_zscore: float | None = None
+    action: str = "skip"
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready: non-finite numbers become ``None``."""
+        out = asdict(self)
+        for key, value in out.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                out[key] = None
+        return out
+
+
+def write_spikes(path: str, records: list[SpikeRecord]) -> None:
+    """Write every record to ``path`` (the whole list: the file is always complete)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"format": FORMAT, "spikes": [r.to_dict() for r in records]}, fh, indent=2)
+
+
+def read_skip_batches(path: str) -> set[tuple[int, int]]:
+    """The ``(epoch, batch index)`` pairs whose update a ``spikes.json`` says was kept out of the run.
+
+    Every entry but ``"warn"`` (a warned spike was applied): skipped, rolled back, raised and replayed.
+    """
+    wrong = f"`skip_batches_path` must be a spikes.json written by LossSpikeGuard; got {path!r}"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            content = json.load(fh)
+    except ValueError as err:  # not JSON (or not text)
+        raise ValueError(f"{wrong} (not JSON: {err})") from None
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise ValueError(wrong)
+    try:
+        spikes = [s for s in content["spikes"] if s.get("action") != "warn"]
+        return {(int(s["epoch"]), int(i)) for s in spikes for i in s["batch_idx"]}
+    except (KeyError, TypeError, ValueError) as err:  # an entry without its fields
+        raise ValueError(f"{wrong} (malformed entry: {type(err).__name__}: {err})") from None
+
+
+def record_spike(
+    trainer: pl.Trainer,
+    records: list[SpikeRecord],
+    *,
+    batches: list[int],
+    values: dict[str, float],
+    scores: dict[str, SpikeScore],
+    action: str,
+) -> None:
+    """Append this step's record and rewrite ``<log_dir>/spikes.json`` (global rank zero)."""
+    records.append(
+        SpikeRecord(
+            step=int(trainer.global_step),
+            epoch=int(trainer.current_epoch),
+            batch_idx=list(batches),
+            loss=values.get("loss"),
+            loss_zscore=scores["loss"].zscore if "loss" in scores else None,
+            grad_norm=values.get("grad_norm"),
+            grad_norm_zscore=scores["grad_norm"].zscore if "grad_norm" in scores else None,
+            action=action,
+        )
+    )
+    if trainer.is_global_zero:
+        try:
+            write_spikes(os.path.join(_emit.log_dir(trainer), "spikes.json"), records)
+        except OSError as err:  # a read-only log dir loses the file, never the run
+            warn_once(trainer, "spikes_json", f"LossSpikeGuard could not write spikes.json: {err}")
+
+
+def log_spike_scalars(
+    trainer: pl.Trainer, scores: dict[str, SpikeScore], skipped: int, rollbacks: int, force: bool
+) -> None:
+    """``spike/*`` on Lightning's logging steps (and, with ``force``, at a spike): z-scores and counters."""
+    at = log_step(trainer)
+    if not (force or on_logging_step(at, logging_interval(trainer))):
+        return
+    metrics = {f"spike/{k}_zscore": s.zscore for k, s in scores.items() if math.isfinite(s.zscore)}
+    metrics |= {"spike/skipped_steps": float(skipped), "spike/rollbacks": float(rollbacks)}
+    _emit.log_scalars(trainer, metrics, at)
+
+
+class StepInputs:
+    """What LossSpikeGuard gathers of one optimizer step's micro-batches before judging it.
+
+    Their batch indices (and whether an earlier run's ``spikes.json`` names one of them), their samples,
+    whether the last is the epoch's last batch, and the sum of their losses as Lightning gives them to
+    ``on_before_backward`` (divided by ``accumulate_grad_batches``, times the GradScaler's scale).
+    """
+
+    def __init__(self, full: int = 0) -> None:
+        self.full = full  # the most samples a step has had (a partial last batch has fewer)
+        self.clear()
+
+    def clear(self) -> None:
+        self.batches: list[int] = []
+        self.replay = self.last = False
+        self.samples = self.micro = 0
+        self.loss: Tensor | None = None
+
+    def add_batch(
+        self, trainer: pl.Trainer, batch: object, batch_idx: int, skip: set[tuple[int, int]]
+    ) -> None:
+        self.batches.append(batch_idx)
+        self.replay |= (int(trainer.current_epoch), batch_idx) in skip
+        self.samples += batch_size_of(batch) or 0
+        self.last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+    def add_loss(self, loss: Tensor) -> None:
+        value = loss.detach().float().reshape(())
+        self.loss = value if self.loss is None else self.loss + value
+        self.micro += 1
+
+    def take(
+        self, accumulate: int, scale: float | None, manual: bool
+    ) -> tuple[Tensor | None, list[int], bool, bool]:
+        """At the optimizer step: the micro-batches' mean loss (also over a last accumulation window cut
+        short, and unscaled), their batch indices, whether one is replayed, whether the step is a partial
+        last batch of the epoch under half the usual samples (noisier by sqrt(full / samples)).
+
+        Under manual optimization a batch's optimizers share its batch indices: cleared at its end.
+        """
+        loss = None
+        if self.loss is not None and self.micro:
+            loss = self.loss * (accumulate / self.micro) / (1.0 if scale is None else scale)
+        short = self.last and 0 < self.samples < self.full / 2
+        self.full = max(self.full, self.samples)
+        out = (loss, [*self.batches], self.replay, short)
+        self.loss, self.micro = None, 0
+        if not manual:
+            self.clear()
+        return out
+
+
+def spike_alert(
+    step: int, action: str, values: dict[str, float], scores: dict[str, SpikeScore], streak: int
+) -> tuple[Severity, None, str, str, dict[str, float]]:
+    """The ``loss_spike`` alert's severity, place (none), message, hint and data."""
+    message, hint = explain_spike(step, action, values, scores, streak)
+    data = {f"{k}_zscore": s.zscore for k, s in scores.items()} | {"streak": float(streak)}
+    severity: Severity = "error" if action == "raise" else "warning"
+    return severity, None, message, hint, data

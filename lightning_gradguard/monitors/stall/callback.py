@@ -1,0 +1,230 @@
+r"""
+StallDetector
+=============
+
+Says when a run has quietly stopped learning (no crash, no NaN: the loss just stops moving) and names
+the likely cause: an LR the scheduler drove to ~0 or never let rise, an LR that jumped, updates that are
+zero or clipped to nothing, a loss stuck at the chance level, a loader sorted by class. The rules are
+:mod:`lightning_gradguard.monitors.stall.rules`; the measuring is :mod:`lightning_gradguard.monitors.stall.probe`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import fields
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.cadence import log_step, optimizer_index
+from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.validate import check_float, check_int
+from lightning_gradguard.monitors.stall.probe import StallProbe, lr_configured, lr_now
+from lightning_gradguard.monitors.stall.rules import StallCheck, StallRules, StallState
+
+__all__ = ["StallDetector"]
+
+
+class StallDetector(GradGuardCallback):
+    r"""Alert when training has stopped learning, with the likely cause and the fix.
+
+    It keeps, on the device and without a sync, the sum of the training losses, and on the host the LR
+    of every step (free: it is a Python number). Every ``check_every_n_steps`` optimizer steps it takes
+    one check: the update/weight ratio of every layer (a snapshot of the weights before the update, as
+    GradientNormLogger takes it, from the shared statistics), the gradient norm before clipping and the
+    norm of the gradient the optimizer used, the mean loss since the last check and the class counts of
+    the batch (when its targets are class indices), read in one transfer (one collective under DDP:
+    losses and labels are summed over the ranks, so every rank reaches the same verdict).
+
+    Alerts (each at most once per run; see :mod:`~lightning_gradguard.monitors.stall.rules` for the rules):
+    ``no_update``, ``clipped_updates``, ``lr_decayed`` / ``updates_collapsed``, ``chance_level``,
+    ``loss_plateau``, ``lr_jump``, ``warmup_never_ends``, ``sorted_labels``, all of severity warning.
+
+    Args:
+        check_every_n_steps: take a check every this many optimizer steps (Lightning's logging rule:
+            ``(step + 1) % n == 0``, and step 0).
+        patience: consecutive checks a condition must hold.
+        warmup_steps: no ``chance_level`` / ``loss_plateau`` verdict before this step.
+        num_classes: the number of classes, for the chance level when the targets cannot be read from
+            the batch (``None``: from the labels seen; without labels the chance rule is off).
+        collapse_factor: an update ratio this many times below its highest level has collapsed.
+        clip_factor: a used gradient this many times smaller than the raw one is clipped to nothing.
+        lr_jump_factor: an LR this many times the configured maximum is a jump.
+        warmup_lr_fraction: an LR never above this fraction of the configured one is a warm-up that never
+            ends.
+        plateau_checks: checks without a new best loss before ``loss_plateau``.
+        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``: what a finding does.
+        cooldown_steps: minimum steps between two alerts of the same kind.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import StallDetector
+
+        Trainer(callbacks=[stall := StallDetector()]).fit(model)
+        print(stall.alerts)
+    """
+
+    state_key_args = ("check_every_n_steps",)
+
+    def __init__(
+        self,
+        check_every_n_steps: int = 10,
+        patience: int = 3,
+        warmup_steps: int = 40,
+        num_classes: int | None = None,
+        collapse_factor: float = 100.0,
+        clip_factor: float = 100.0,
+        lr_jump_factor: float = 10.0,
+        warmup_lr_fraction: float = 0.05,
+        plateau_checks: int = 30,
+        action: Literal["warn", "stop", "raise"] = "warn",
+        cooldown_steps: int = 100,
+    ) -> None:
+        super().__init__(action=action, cooldown_steps=cooldown_steps)
+        self.check_every_n_steps: int = check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.patience: int = check_int("patience", patience, 1)
+        self.warmup_steps: int = check_int("warmup_steps", warmup_steps, 0)
+        self.num_classes: int | None = check_int("num_classes", num_classes, 2, allow_none=True)
+        self.collapse_factor: float = check_float("collapse_factor", collapse_factor, 1.0, low_open=True)
+        self.clip_factor: float = check_float("clip_factor", clip_factor, 1.0, low_open=True)
+        self.lr_jump_factor: float = check_float("lr_jump_factor", lr_jump_factor, 1.0, low_open=True)
+        self.warmup_lr_fraction: float = check_float(
+            "warmup_lr_fraction", warmup_lr_fraction, 0.0, 1.0, low_open=True
+        )
+        self.plateau_checks: int = check_int("plateau_checks", plateau_checks, 1)
+        self._new_run()
+
+    def _new_run(self) -> None:
+        names = {f.name for f in fields(StallRules)}
+        rules = StallRules(**{k: v for k, v in vars(self).items() if k in names})
+        self.state = StallState(rules, self.num_classes)
+        self.lr_max = 0.0  # the largest LR any step used so far
+        self._lr_used = 0.0  # the LR of the current step
+        self.lr_configured = 0.0
+        self._probe = StallProbe()
+        self._checking = False  # the current optimizer step is a check
+        self._checked_at = -1
+        self.last_logged: dict[str, float] = {}
+        #: what the latest check measured (per-layer update ratios, clip ratio, loss, labels, LRs)
+        self.last_check: StallCheck | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether logging step ``step`` is a check."""
+        return step == 0 or (step + 1) % self.check_every_n_steps == 0
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):
+            self._new_run()
+
+    @override
+    @guarded
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.lr_configured = max(self.lr_configured, lr_configured(trainer))  # schedulers exist now
+
+    @override
+    @guarded
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._lr_used = lr_now(trainer)  # the LR this step will use (a scheduler changes it after)
+        self.lr_max = max(self.lr_max, self._lr_used)
+        at = log_step(trainer)
+        if self.due(at) and at != self._checked_at:
+            self._probe.note_labels(batch)  # the labels of every micro-batch of the check's step
+
+    @override
+    @guarded
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        at = log_step(trainer)
+        if not self.due(at) or at == self._checked_at or optimizer_index(trainer, optimizer) != 0:
+            return
+        self._checking, self._checked_at = True, at
+        self._probe.start(step_stats(trainer, pl_module, optimizer), pl_module.automatic_optimization)
+
+    @override
+    @guarded
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            self._probe.add_loss(loss * scale)  # Lightning divided it by accumulate_grad_batches
+        if not self._checking:
+            return
+        self._checking = False
+        reading = self._probe.read(trainer, pl_module.device)
+        self.lr_configured = max(self.lr_configured, lr_configured(trainer))
+        planned = trainer.estimated_stepping_batches
+        check = StallCheck(
+            step=self._checked_at,
+            lr=self._lr_used,
+            lr_max=self.lr_max,
+            lr_configured=self.lr_configured,
+            loss=reading.loss,
+            update_ratios=reading.update_ratios,
+            update_total=reading.update_total,
+            clip_ratio=reading.clip_ratio,
+            labels=reading.labels,
+            planned_steps=int(planned) if planned != float("inf") else None,
+        )
+        self.last_check = check
+        found = self.state.observe(check)
+        self._emit(trainer, check)
+        alerts = []
+        for f in found:
+            alert = self.report(
+                trainer, f.kind, "warning", f.where, f.message, f.hint, f.data, step=check.step
+            )
+            if alert is not None:
+                alerts.append(alert)
+        self.act(trainer, alerts)
+
+    def _emit(self, trainer: pl.Trainer, c: StallCheck) -> None:
+        """The check's numbers on the dashboard (rank zero writes)."""
+        ratios = sorted(v for v in c.update_ratios.values() if math.isfinite(v))
+        values = {
+            "stall/loss": c.loss,
+            "stall/chance_level": self.state.chance(),
+            "stall/update_ratio_median": statistics.median(ratios) if ratios else None,
+            "stall/clip_ratio": c.clip_ratio,
+        }
+        self.last_logged = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
+        _emit.log_scalars(trainer, self.last_logged, c.step)
+
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        return {
+            "Stalled learning: training loss vs the chance level": ["stall/loss", "stall/chance_level"],
+            "Stalled learning: median update/weight ratio and clip ratio (use the log y axis)": [
+                "stall/update_ratio_median",
+                "stall/clip_ratio",
+            ],
+        }
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "lr_max": self.lr_max,
+            "lr_configured": self.lr_configured,
+            "rules_state": self.state.state(),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.lr_max = float(state_dict.get("lr_max", 0.0))
+        self.lr_configured = float(state_dict.get("lr_configured", 0.0))
+        self.state.load(state_dict.get("rules_state", {}))

@@ -1,0 +1,216 @@
+"""What StallDetector measures of a run, on the device, read in one transfer per check.
+
+* :func:`lr_now` and :func:`lr_configured`: the LR in use (host numbers, free) and the highest LR the
+  optimizers and their schedulers were configured to reach (``lr``, ``initial_lr``, ``max_lr``, a
+  ``CyclicLR``'s ``max_lrs``);
+* :func:`class_targets`: the class-index targets of a batch, when it has them;
+* :class:`StallProbe`: one check's measurements: the update/weight ratio of every layer (on a strided
+  sample of each parameter, the weights copied before the update), the ratio of the gradient the
+  optimizer used to the raw one (on the first entries of each gradient, before and after clipping),
+  the mean loss since the last check and the label counts, all in one
+  :class:`~lightning_gradguard.core.transfer.HostTransfer` (losses and labels summed across ranks).
+  Under sharding the update ratios come from the logger's ``core.grad_norms.NormSample`` instead,
+  which combines the ranks' pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_gradguard.core.stats import StepStats
+from lightning_gradguard.core.transfer import HostTransfer
+from lightning_gradguard.functional.stats import foreach_norms, reduce_norms
+from lightning_gradguard.functional.updates import update_norms, update_ratio, weight_snapshot
+from lightning_gradguard.monitors.gradients.norms import NormSample, NormSpec
+
+__all__ = ["MAX_CLASSES", "StallProbe", "StallReading", "class_targets", "lr_configured", "lr_now"]
+
+#: class indices at or above this are not counted (the label rules then see none of that batch)
+MAX_CLASSES = 1024
+#: the update of a tensor above this many entries is measured on a strided sample: the rules compare
+#: update ratios across orders of magnitude, so a few percent of error (1.3 % in the tests) is plenty
+SAMPLE_ENTRIES = 1 << 16
+#: the clip ratio is read on the first this many entries of each gradient, before and after clipping
+CLIP_ENTRIES = 4096
+_TARGET_KEYS = ("y", "target", "targets", "label", "labels")
+
+
+def lr_now(trainer: pl.Trainer) -> float:
+    """The largest LR of any param group of any optimizer, now."""
+    lrs = [float(g["lr"]) for opt in trainer.optimizers for g in opt.param_groups]
+    return max(lrs, default=0.0)
+
+
+def lr_configured(trainer: pl.Trainer) -> float:
+    """The highest LR the optimizers are configured to reach now: a scheduled group's ``initial_lr`` /
+    ``max_lr`` (the base its scheduler scales), a ``CyclicLR``'s ``max_lrs``, and the ``lr`` of a group
+    no scheduler drives (a change there is deliberate: the user's, or a tuner's such as LRFinderPlus,
+    which rescales the scheduler's bases as well)."""
+    best = 0.0
+    for opt in trainer.optimizers:
+        for g in opt.param_groups:
+            bases = [float(g[k]) for k in ("initial_lr", "max_lr") if isinstance(g.get(k), (int, float))]
+            best = max(best, *bases) if bases else max(best, float(g["lr"]))
+    for config in trainer.lr_scheduler_configs:
+        for lr in getattr(config.scheduler, "max_lrs", None) or []:
+            best = max(best, float(lr))
+    return best
+
+
+def class_targets(batch: Any) -> Tensor | None:
+    """The class-index targets of a batch: an integer vector as long as the batch (the last such element
+    of a tuple or list, or a ``y`` / ``target(s)`` / ``label(s)`` entry of a dict); ``None`` otherwise."""
+    if isinstance(batch, Mapping):
+        candidates = [batch[k] for k in _TARGET_KEYS if k in batch]
+    elif isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        candidates = list(batch[1:])[::-1]
+    else:
+        return None
+    first = next(
+        (t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, Tensor)), None
+    )
+    n = first.shape[0] if first is not None and first.dim() else None
+    for t in candidates:
+        integer = isinstance(t, Tensor) and not t.is_floating_point() and t.dtype != torch.bool
+        if integer and t.dim() == 1 and (n is None or t.shape[0] == n):
+            return t
+    return None
+
+
+@dataclass
+class StallReading:
+    """One check on the host: the loss, update ratios and total, clip ratio and label counts."""
+
+    loss: float | None = None
+    update_ratios: dict[str, float] = field(default_factory=dict)
+    update_total: float | None = None
+    clip_ratio: float | None = None
+    labels: list[float] | None = None
+
+
+class _UpdateSample:
+    """The update of one step on a strided sample of every parameter (not sharded), and the clip ratio
+    on the first ``CLIP_ENTRIES`` entries of each gradient.
+
+    The weight norms come from the same sample as the update norms (no extra pass over the weights); the
+    clip ratio from a small contiguous slice of each gradient, before and after clipping: clipping by
+    norm scales every entry alike, so any part of the gradient gives its ratio (by value, a close one).
+    """
+
+    def __init__(self, stats: StepStats, automatic: bool) -> None:
+        self.params = stats.local_params()
+        self.labels, index = stats.groups(stats.names, None, False)
+        self.snapshot = weight_snapshot(self.params, SAMPLE_ENTRIES)
+        device = self.params[0].device
+        self.index = torch.tensor(index, dtype=torch.long, device=device)
+        scales = torch.tensor([math.sqrt(k) for k in self.snapshot.scales], device=device)
+        weights = foreach_norms(self.snapshot.values) * scales  # the sampled norms, scaled up
+        self.weight_layers = reduce_norms(weights, self.index, len(self.labels))
+        self.graded = [p for p in stats.params if p.grad is not None]
+        raw = [p.grad for p in self.graded]
+        self.raw = foreach_norms(_heads(raw)).norm().reshape(1) if automatic and raw else None  # type: ignore[arg-type]
+
+    def queue(self, transfer: HostTransfer) -> None:
+        update = update_norms(self.snapshot, self.params, self.index, len(self.labels))
+        transfer.add("update_layers", update.layers)
+        transfer.add("update_total", update.total)
+        transfer.add("weight_layers", self.weight_layers)
+        used = [p.grad for p in self.graded if p.grad is not None]
+        if self.raw is not None and len(used) == len(self.graded):  # .grad: what the optimizer used
+            transfer.add("clip", torch.cat([self.raw, foreach_norms(_heads(used)).norm().reshape(1)]))
+
+    def read(self, host: dict[Any, Tensor], reading: StallReading) -> None:
+        pairs = zip(self.labels, host["update_layers"].tolist(), host["weight_layers"].tolist(), strict=True)
+        reading.update_ratios = {label: update_ratio(u, w) for label, u, w in pairs}
+        reading.update_total = float(host["update_total"][0])
+        if "clip" in host:
+            raw, used = (float(x) for x in host["clip"])
+            reading.clip_ratio = used / raw if raw > 0 and math.isfinite(raw) else None
+
+
+def _heads(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.detach().reshape(-1)[:CLIP_ENTRIES] for t in tensors]
+
+
+class StallProbe:
+    """The device side of one check: started in ``on_before_optimizer_step``, read at the batch's end."""
+
+    def __init__(self) -> None:
+        self.loss_sum: Tensor | None = None
+        self.loss_count = 0
+        self.sample: _UpdateSample | NormSample | None = None
+        self.labels: Tensor | None = None
+
+    def add_loss(self, loss: Tensor) -> None:
+        """Add one micro-batch's loss (on the device; no sync)."""
+        value = loss.detach().float().reshape(())
+        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
+        self.loss_count += 1
+
+    def note_labels(self, batch: Any) -> None:
+        """Count the class-index targets of ``batch`` (when it has them), on the device."""
+        targets = class_targets(batch)
+        if targets is not None:
+            t = targets[(targets >= 0) & (targets < MAX_CLASSES)]
+            counts = torch.bincount(t, minlength=MAX_CLASSES).float()
+            self.labels = counts if self.labels is None else self.labels + counts
+
+    def start(self, stats: StepStats, automatic: bool) -> None:
+        """The check's step is about to update: a sample of its weights and of its gradient's norm.
+
+        Under sharding each rank holds pieces: the logger's :class:`NormSample` combines their norms
+        across the ranks (no clip ratio there)."""
+        if stats.unsupported is not None or not stats.params:
+            return
+        if stats.sharding is None:
+            self.sample = _UpdateSample(stats, automatic)
+        else:
+            self.sample = NormSample(
+                stats, NormSpec(weights=True, update=True, sample_entries=SAMPLE_ENTRIES)
+            )
+
+    def read(self, trainer: pl.Trainer, device: torch.device) -> StallReading:
+        """After the update: everything in one transfer (one collective under DDP).
+
+        The gradient the optimizer used is still in ``.grad`` here under automatic optimization (Lightning
+        zeroes it before the next backward); under manual optimization the user may have zeroed it after
+        ``step()``, so the clip ratio is not measured there."""
+        transfer = HostTransfer()
+        sample, self.sample = self.sample, None
+        if isinstance(sample, _UpdateSample):
+            sample.queue(transfer)
+        elif sample is not None:
+            sample.queue(transfer, "norms")
+        world = trainer.world_size > 1
+        if self.loss_sum is not None:
+            transfer.add(
+                "loss",
+                torch.stack([self.loss_sum, self.loss_sum.new_tensor(float(self.loss_count))]),
+                reduce="sum" if world else None,
+            )
+        if self.labels is not None:
+            transfer.add("labels", self.labels, reduce="sum" if world else None)
+        host = transfer.fetch(trainer, device=device) if len(transfer) or world else {}
+        self.loss_sum, self.loss_count, self.labels = None, 0, None
+        reading = StallReading()
+        if isinstance(sample, _UpdateSample):
+            sample.read(host, reading)
+        elif sample is not None:
+            norms = sample.read(host, "norms")
+            reading.update_ratios = dict(norms.update_ratios)
+            if norms.update_ratio_total is not None and norms.weight_total is not None:
+                reading.update_total = norms.update_ratio_total * max(norms.weight_total, 1e-30)
+        if "loss" in host and float(host["loss"][1]) > 0:
+            reading.loss = float(host["loss"][0]) / float(host["loss"][1])
+        if "labels" in host:
+            counts = host["labels"].tolist()
+            last = max((i for i, c in enumerate(counts) if c > 0), default=-1)
+            reading.labels = counts[: last + 1] if last >= 0 else None
+        return reading

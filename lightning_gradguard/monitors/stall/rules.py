@@ -1,0 +1,395 @@
+"""When a run has quietly stopped learning, and why: rules on host numbers a few checks apart.
+
+A stalled run neither crashes nor goes NaN; its loss just stops moving. The causes leave traces in
+numbers a monitor has anyway: the learning rate (which the scheduler may have driven to ~0, or never
+let rise), the size of the applied update against the weights (the update/weight ratio, which collapses
+when the LR or the clipping shrinks every step, and is exactly 0 when nothing moves), the gradient
+before and after clipping, the loss against the chance level of a classifier, and the labels of the
+batches (a loader sorted by class feeds one class at a time). :class:`StallState` takes one
+:class:`StallCheck` every few steps and returns the :class:`StallFinding` s that hold. Pure host math:
+no Trainer, no device.
+
+The rules (thresholds in :class:`~lightning_gradguard.monitors.stall.check.StallRules`):
+
+* ``no_update``: the update of every parameter was exactly 0 on ``patience`` checks in a row;
+* ``clipped_updates``: the gradient the optimizer used was ``clip_factor`` times smaller than the raw
+  one on ``patience`` checks in a row;
+* ``lr_decayed``: most layers' update ratio fell ``collapse_factor`` times below the highest level it
+  reached, for ``patience`` checks and ``collapse_share`` of the steps so far, with the LR down by a
+  similar factor within the first quarter of the planned run, and the loss no longer improving;
+  without the LR fall the same finding is ``updates_collapsed``;
+* ``chance_level``: after ``warmup_steps`` the smoothed loss is still within ``chance_margin`` of the
+  chance level (the entropy of the labels seen, or ``log(num_classes)``) on ``patience`` checks; armed
+  only when the first loss was near the chance level, as a classifier's is;
+* ``loss_plateau``: no new best smoothed loss for ``plateau_checks`` checks while the loss is
+  ``plateau_factor`` times its best, or still at its initial level;
+* ``lr_jump``: the LR went past ``lr_jump_factor`` times the highest LR the optimizer was configured
+  with (a scheduled group's ``initial_lr`` / ``max_lr``, a ``CyclicLR``'s ``max_lrs``);
+* ``warmup_never_ends``: the LR has stayed under ``warmup_lr_fraction`` of the configured LR, and a
+  warm-up rising at the pace it kept so far would reach the configured LR only after the planned run
+  (judged from ``warmup_min_steps`` on; with the plan unknown, at ``warmup_lr_steps``);
+* ``sorted_labels``: on ``patience`` checks in a row a batch was (almost) one class while that class
+  is a minority of the labels seen so far (a batch on a class boundary neither counts nor breaks the
+  streak).
+
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from lightning_gradguard.monitors.stall.check import (
+    HINTS,
+    StallCheck,
+    StallFinding,
+    StallRules,
+    batch_purity,
+    label_entropy,
+    spread,
+)
+
+__all__ = ["StallCheck", "StallFinding", "StallRules", "StallState", "label_entropy"]
+
+
+#: what :meth:`StallState.state` saves
+_SAVED = (
+    "streaks",
+    "peak_ratio",
+    "collapsed_since",
+    "smoothed",
+    "first_loss",
+    "best",
+    "checks_since_best",
+    "best_raw",
+    "checks_since_best_raw",
+    "lr_fell_at",
+    "label_counts",
+    "lr_history",
+    "fired",
+)
+
+
+class StallState:
+    """The history the rules need, fed one :class:`StallCheck` at a time (:meth:`observe`)."""
+
+    def __init__(self, rules: StallRules, num_classes: int | None = None) -> None:
+        self.rules, self.num_classes = rules, num_classes
+        self.streaks: dict[str, int] = {}
+        self.peak_ratio: dict[str, float] = {}  # per layer: the highest update ratio seen
+        self.collapsed_since: int | None = None
+        self.smoothed: float | None = None  # EMA of the check losses
+        self.first_loss: float | None = None
+        self.best = math.inf
+        self.checks_since_best = 0
+        self.best_raw = math.inf  # the lowest check loss (no smoothing: no lag)
+        self.checks_since_best_raw = 0
+        self.lr_fell_at: int | None = None  # the first check where the LR was under 1/collapse of its max
+        self.label_counts: list[float] = []
+        self.lr_history: list[tuple[int, float]] = []  # (step, LR) at every check
+        self.fired: set[str] = set()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def state(self) -> dict[str, Any]:
+        """Everything the rules remember, as plain Python values (for a checkpoint)."""
+        out = {k: copy.deepcopy(getattr(self, k)) for k in _SAVED}
+        out["fired"] = sorted(self.fired)
+        out["lr_history"] = [list(x) for x in self.lr_history]
+        return out
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state` (missing entries keep their fresh values)."""
+        for k in _SAVED:
+            if k in state:
+                setattr(self, k, copy.deepcopy(state[k]))
+        self.fired = set(self.fired)
+        self.lr_history = [(int(s), float(lr)) for s, lr in self.lr_history]
+
+    def _streak(self, kind: str, holds: bool) -> bool:
+        self.streaks[kind] = self.streaks.get(kind, 0) + 1 if holds else 0
+        return self.streaks[kind] >= self.rules.patience
+
+    def _loss(self, loss: float | None) -> None:
+        if loss is None or not math.isfinite(loss):
+            return
+        if self.first_loss is None:
+            self.first_loss = loss
+        if loss < self.best_raw * (1 - self.rules.improvement):
+            self.best_raw, self.checks_since_best_raw = loss, 0
+        else:
+            self.checks_since_best_raw += 1
+        self.smoothed = loss if self.smoothed is None else 0.7 * self.smoothed + 0.3 * loss
+        if self.smoothed < self.best * (1 - self.rules.improvement):
+            self.best, self.checks_since_best = self.smoothed, 0
+        else:
+            self.best = min(self.best, self.smoothed)
+            self.checks_since_best += 1
+
+    def _improving(self) -> bool:
+        return self.checks_since_best_raw < self.rules.patience
+
+    def _far_from_done(self) -> bool:
+        """The loss is still above half its first value (a run that learned and converged is not stalled)."""
+        return (
+            self.smoothed is not None
+            and self.first_loss is not None
+            and self.smoothed > 0.5 * self.first_loss
+        )
+
+    def _lr_fell_early(self, c: StallCheck) -> bool:
+        """The LR fell ``collapse_factor`` times below its maximum within the first ``early_phase`` of the
+        planned run (a schedule that decays over the run gets there near its end); unknown plan: the loss
+        decides."""
+        if self.lr_fell_at is None:
+            return False
+        if c.planned_steps is not None:
+            return self.lr_fell_at < self.rules.early_phase * c.planned_steps
+        return self._far_from_done()
+
+    def chance(self) -> float:
+        """The chance-level loss: the labels' entropy, else ``log(num_classes)``; NaN if neither."""
+        if len([c for c in self.label_counts if c > 0]) >= 2:
+            return label_entropy(self.label_counts)
+        return math.log(self.num_classes) if self.num_classes and self.num_classes > 1 else math.nan
+
+    # ------------------------------------------------------------------ the rules
+    def observe(self, c: StallCheck) -> list[StallFinding]:
+        """Take one check; the findings that hold now (each kind once per run)."""
+        self.lr_history.append((c.step, c.lr))
+        if len(self.lr_history) > 512:  # a long run keeps every other entry: the first and the spread stay
+            self.lr_history = self.lr_history[::2]
+        if c.lr_max > 0 and c.lr < c.lr_max / self.rules.collapse_factor:
+            self.lr_fell_at = c.step if self.lr_fell_at is None else self.lr_fell_at
+        else:
+            self.lr_fell_at = None
+        self._loss(c.loss)
+        if c.labels is not None:
+            counts = list(c.labels)
+            if len(counts) > len(self.label_counts):
+                self.label_counts += [0.0] * (len(counts) - len(self.label_counts))
+            for i, n in enumerate(counts):
+                self.label_counts[i] += n
+        causes = (self._no_update, self._clipped, self._collapse, self._lr_jump, self._warmup, self._sorted)
+        found = []
+        for rule in (*causes, self._chance, self._plateau):  # symptoms last: they defer to a cause found
+            f = rule(c)
+            if f is not None and f.kind not in self.fired:
+                found.append(f)
+                self.fired.add(f.kind)
+        return found
+
+    def _no_update(self, c: StallCheck) -> StallFinding | None:
+        if c.update_total is None or not self._streak("no_update", c.update_total == 0.0):
+            return None
+        if self._lr_fell_early(c) or (c.lr_max > 0 and 0.0 < c.lr < c.lr_max * 1e-6):
+            return self._lr_finding(c, share=1.0, why="every update was exactly 0")
+        n = self.streaks["no_update"]
+        lr_zero = c.lr == 0.0
+        return StallFinding(
+            "no_update",
+            f"No parameter changed in {n} checked optimizer steps in a row (step {c.step}): every update "
+            f"was exactly 0{' (the LR is 0)' if lr_zero else ''}.",
+            "The LR is 0: check the scheduler and the optimizer's lr."
+            if lr_zero
+            else "The optimizer stepped without gradients. In manual optimization, call "
+            "`opt.zero_grad()` before `self.manual_backward(loss)`, never between it and `opt.step()`; "
+            "check also that the loss depends on the parameters (a `.detach()`, `torch.no_grad()`).",
+            {"checks": float(n), "lr": c.lr},
+        )
+
+    def _clipped(self, c: StallCheck) -> StallFinding | None:
+        shrunk = c.clip_ratio is not None and c.clip_ratio < 1.0 / self.rules.clip_factor
+        if not self._streak("clipped_updates", shrunk) or c.clip_ratio is None:
+            return None
+        return StallFinding(
+            "clipped_updates",
+            f"The gradient the optimizer used was {1 / max(c.clip_ratio, 1e-30):.3g}x smaller than the "
+            f"raw gradient on {self.streaks['clipped_updates']} checks in a row (step {c.step}): clipping "
+            "shrinks every update.",
+            HINTS["clipped_updates"],
+            {"clip_ratio": c.clip_ratio},
+        )
+
+    def _collapse(self, c: StallCheck) -> StallFinding | None:
+        r = self.rules
+        ratios = {k: v for k, v in c.update_ratios.items() if math.isfinite(v)}
+        if not ratios:
+            return None
+        for name, v in ratios.items():
+            if v > self.peak_ratio.setdefault(name, v):
+                self.peak_ratio[name] = v
+        low = [k for k, v in ratios.items() if v < self.peak_ratio[k] / r.collapse_factor]
+        collapsed = len(low) > r.collapse_layers * len(ratios)
+        if collapsed and self.collapsed_since is None:
+            self.collapsed_since = c.step
+        if not collapsed:
+            self.collapsed_since = None
+        late = c.planned_steps is not None and c.step >= (1 - r.final_phase) * c.planned_steps
+        lasted = (
+            self.collapsed_since is not None and c.step - self.collapsed_since >= r.collapse_share * c.step
+        )
+        lr_fell = self._lr_fell_early(c)
+        # the LR fell early in the plan: the schedule did it; else the loss must still be far from done
+        evidence = lr_fell or (self._far_from_done() and lasted and not late)
+        holds = collapsed and evidence and not self._improving()
+        if not self._streak("collapse", holds):
+            return None
+        share = len(low) / len(ratios)
+        why = (
+            f"the update/weight ratio of {share:.0%} of the layers fell more than {r.collapse_factor:g}x "
+            "below its highest level"
+        )
+        if lr_fell:
+            return self._lr_finding(c, share, why)
+        history = ", ".join(f"{lr:.3g} at step {s}" for s, lr in spread(self.lr_history, 5))
+        return StallFinding(
+            "updates_collapsed",
+            f"Since step {self.collapsed_since} {why}, while the LR did not, and the loss stopped improving "
+            f"(best {self.best:.4g}, first {self.first_loss:.4g}). LR: {history}.",
+            HINTS["updates_collapsed"],
+            {"collapsed_share": share, "lr": c.lr, "best_loss": self.best},
+        )
+
+    def _lr_finding(self, c: StallCheck, share: float, why: str) -> StallFinding:
+        history = ", ".join(f"{lr:.3g} at step {s}" for s, lr in spread(self.lr_history, 5))
+        planned = f" of {c.planned_steps} planned" if c.planned_steps is not None else ""
+        message = (
+            f"The LR fell to {c.lr:.3g}, {c.lr_max / max(c.lr, 1e-300):.3g}x below its highest "
+            f"{c.lr_max:.3g}, by step {self.lr_fell_at}{planned}, and {why}; the loss stopped improving "
+            f"(best {self.best_raw:.4g}). LR: {history}."
+        )
+        hint = HINTS["lr_decayed"]
+        data = {"collapsed_share": share, "lr": c.lr, "lr_max": c.lr_max, "best_loss": self.best_raw}
+        return StallFinding("lr_decayed", message, hint, data)
+
+    def _lr_jump(self, c: StallCheck) -> StallFinding | None:
+        factor = c.lr_max / c.lr_configured if c.lr_configured > 0 else 0.0
+        if factor < self.rules.lr_jump_factor:
+            return None
+        return StallFinding(
+            "lr_jump",
+            f"The LR reached {c.lr_max:.3g}, {factor:.3g}x the highest LR the optimizer and its scheduler "
+            f"were configured with ({c.lr_configured:.3g}); it is {c.lr:.3g} at step {c.step}.",
+            HINTS["lr_jump"],
+            {"lr_max": c.lr_max, "lr_configured": c.lr_configured, "factor": factor},
+        )
+
+    def _warmup(self, c: StallCheck) -> StallFinding | None:
+        r = self.rules
+        low = c.lr_configured > 0 and c.lr_max <= r.warmup_lr_fraction * c.lr_configured
+        if not low or c.step < r.warmup_min_steps:
+            return None
+        # a warm-up rising linearly from 0 at the pace it has kept so far ends at this step
+        reach = (c.step + 1) * c.lr_configured / max(c.lr_max, 1e-300)
+        if c.planned_steps is not None:
+            late = reach > c.planned_steps
+            ends = (
+                f"at this pace it would reach it around step {reach:.3g}, after the planned {c.planned_steps}"
+            )
+        else:
+            late = c.step >= r.warmup_lr_steps
+            ends = f"at this pace it would reach it around step {reach:.3g}"
+        if not late:
+            return None
+        share = c.lr_max / c.lr_configured
+        return StallFinding(
+            "warmup_never_ends",
+            f"After {c.step + 1} steps the LR has never been above {share:.2%} of the configured "
+            f"{c.lr_configured:.3g} (highest so far {c.lr_max:.3g}); {ends}.",
+            HINTS["warmup_never_ends"],
+            {"lr_max": c.lr_max, "lr_configured": c.lr_configured, "share": share, "reach_step": reach},
+        )
+
+    def _chance(self, c: StallCheck) -> StallFinding | None:
+        r, chance = self.rules, self.chance()
+        warm = c.lr_configured <= 0 or c.lr_max > r.warmup_lr_fraction * c.lr_configured
+        # a classifier's loss starts near ln C (CS231n): a first loss far from the chance level says the
+        # loss is not a cross-entropy over these labels (a regression on integer targets, say)
+        armed = self.num_classes is not None or (
+            self.first_loss is not None
+            and chance / r.chance_ceiling <= self.first_loss <= r.chance_ceiling * chance
+        )
+        stuck = (
+            warm  # while the LR has not risen yet no learning is expected (see warmup_never_ends)
+            and armed
+            and not self.fired & _CAUSES  # a symptom of a cause already named
+            and c.loss is not None
+            and c.step >= r.warmup_steps
+            and math.isfinite(chance)
+            and self.smoothed is not None
+            and (1 - r.chance_margin) * chance <= self.smoothed <= r.chance_ceiling * chance
+            and not self._improving()  # a slow learner still sets new lows: a stuck one does not
+        )
+        if not self._streak("chance_level", stuck) or self.smoothed is None:
+            return None
+        return StallFinding(
+            "chance_level",
+            f"By step {c.step} the training loss ({self.smoothed:.4g}) is still at the chance level "
+            f"({chance:.4g}: the loss of predicting only the class frequencies).",
+            "Nothing about the inputs is being learned: check that each target belongs to its input (a "
+            "shifted or shuffled label pipeline), that the model's parameters are in the optimizer and "
+            f"not frozen, and the LR (now {c.lr:.3g}).",
+            {"loss": self.smoothed, "chance": chance, "lr": c.lr},
+        )
+
+    def _plateau(self, c: StallCheck) -> StallFinding | None:
+        r = self.rules
+        if self.smoothed is None or self.first_loss is None or c.step < r.warmup_steps:
+            return None
+        regressed = self.smoothed > r.plateau_factor * self.best
+        never = self.smoothed >= 0.9 * self.first_loss
+        if self.checks_since_best < r.plateau_checks or not (regressed or never) or self.fired:
+            return None
+        return StallFinding(
+            "loss_plateau",
+            f"The smoothed training loss ({self.smoothed:.4g}) has not improved for {self.checks_since_best} "
+            f"checks; its best was {self.best:.4g}, its first {self.first_loss:.4g}.",
+            HINTS["loss_plateau"],
+            {"loss": self.smoothed, "best": self.best, "first": self.first_loss},
+        )
+
+    def _sorted(self, c: StallCheck) -> StallFinding | None:
+        r, labels = self.rules, c.labels
+        if labels is None or not labels or sum(labels) < 8:
+            return None
+        total, seen = sum(labels), sum(self.label_counts)
+        order = sorted(range(len(labels)), key=lambda i: -labels[i])
+        one, two = batch_purity(labels)
+        classes_seen = sum(n > 0 for n in self.label_counts)
+
+        def minority(i: int) -> bool:
+            return seen > 0 and self.label_counts[i] <= r.sorted_minority * seen
+
+        pure = one >= r.sorted_purity and minority(order[0])
+        # a batch on a class boundary (two classes) neither adds to the streak nor breaks it
+        boundary = (
+            not pure and classes_seen >= 4 and total >= 16 and two >= r.sorted_purity and minority(order[1])
+        )
+        if boundary:
+            return None
+        if not self._streak("sorted_labels", pure):
+            return None
+        top = order[0]
+        return StallFinding(
+            "sorted_labels",
+            f"{self.streaks['sorted_labels']} checked batches in a row were almost one class each (step "
+            f"{c.step}: {labels[top] / total:.0%} class {top}), while that class is "
+            f"{self.label_counts[top] / seen:.0%} of the labels seen.",
+            HINTS["sorted_labels"],
+            {"majority": labels[top] / total, "class_share": self.label_counts[top] / seen},
+        )
+
+
+#: findings that name a cause; a loss at chance or on a plateau after one of them is its symptom
+_CAUSES = frozenset(
+    {
+        "no_update",
+        "clipped_updates",
+        "lr_decayed",
+        "updates_collapsed",
+        "lr_jump",
+        "warmup_never_ends",
+        "sorted_labels",
+    }
+)

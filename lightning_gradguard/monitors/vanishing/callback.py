@@ -1,0 +1,300 @@
+r"""
+VanishingExplodingDetector
+==========================
+
+Says when the shared per-layer gradient norms explode or vanish, where, and what to do about it, and
+logs ``grad_flow/<layer>`` = ``log10(layer norm / largest layer norm)``: where the gradient dies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_gradguard.alerts import Alert
+from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
+from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.transfer import HostTransfer
+from lightning_gradguard.core.validate import check_bool, check_float, check_int
+from lightning_gradguard.functional.layers import log_distance_scores
+from lightning_gradguard.functional.stats import clean_name
+from lightning_gradguard.monitors.vanishing.norms import LayerNorms, read_layer_norms, watched_norms
+from lightning_gradguard.monitors.vanishing.order import ForwardOrder
+from lightning_gradguard.monitors.vanishing.rules import VerdictRules, explain, judge, opening_layers
+
+__all__ = ["VanishingExplodingDetector"]
+
+
+class VanishingExplodingDetector(GradGuardCallback):
+    r"""Alert on exploding and vanishing gradients, measured where the numbers are true.
+
+    It reads the shared per-layer gradient norms of ``on_before_optimizer_step`` (accumulated, unscaled,
+    all-reduced, not yet clipped) in one small transfer on the steps it checks: every step for the first
+    ``dense_steps`` steps, then where ``(step + 1) % check_every_n_steps == 0``, counting steps as Lightning
+    does for logging (so ``grad_flow/*`` points share the x of the loss; with several optimizers, each one's
+    own steps).
+
+    **Exploding** (alert ``exploding_gradient``, severity error) and **vanishing** (``vanishing_gradient``,
+    severity error) when a rule of :mod:`lightning_gradguard.monitors.vanishing.rules` holds on
+    ``patience`` consecutive checks; the first layer is the first in forward order, found once by watching
+    the first training forward pass. ``where`` names the layers, the hint says what to try (and a clip
+    value, from the 90th percentile of this run's healthy norms).
+
+    A check whose total norm is NaN/inf gives no verdict (NaNSentinel's finding, or the GradScaler's skip)
+    and neither counts towards ``patience`` nor resets it.
+
+    Args:
+        check_every_n_steps: after the dense start, check the steps where ``(step + 1)`` is a multiple of
+            this (Lightning's logging rule).
+        dense_steps: check every step while the step (Lightning's logging step) is below this.
+        max_norm: ceiling on the total gradient norm (``None``: off).
+        spike_factor: a total norm this many times the run's median is a spike (``None``: off).
+        growth_factor: a steady rise by more than this factor over ``growth_window`` checks (``None``: off).
+        growth_window: checks the growth test looks at.
+        warmup_checks: checks before the spike test has a baseline (and the checks of its current level).
+        history_size: how many recent checked norms the baseline uses.
+        depth_ratio_floor: first/last layer norm ratio below which gradients vanish (``None``: off).
+        first_layer_floor: ... provided the first layer's norm is also below this.
+        min_rms: RMS gradient floor per layer (``None``: off).
+        relative_floor: per-layer floor relative to the largest layer norm (``None``: off).
+        patience: consecutive checks a condition must hold before it is reported.
+        log_every_n_steps: ``grad_flow/*`` points on the checked steps Lightning logs on (default: the
+            Trainer's; ``0``, here or on the Trainer: none, while the checks and alerts go on).
+        log_gradient_flow: log the ``grad_flow/*`` scalars.
+        include: the layers judged and charted (regular expressions on layer names; ``None``: all; the
+            total norm rules see every layer): see :class:`~lightning_gradguard.core.layers.LayerSelection`.
+        exclude: layers neither judged nor charted.
+        max_layers: a cap on the ``grad_flow/*`` curves (``None``: no cap).
+        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; with ``"stop"``/``"raise"`` under DDP the
+            flags are all-reduced before acting, so every rank acts at the same step.
+        cooldown_steps: minimum steps between two alerts of the same kind.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_gradguard import VanishingExplodingDetector
+
+        Trainer(callbacks=[detector := VanishingExplodingDetector()]).fit(model)
+        # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
+    """
+
+    state_key_args = ("check_every_n_steps", "action")
+
+    def __init__(
+        self,
+        check_every_n_steps: int = 5,
+        dense_steps: int = 20,
+        max_norm: float | None = 100.0,
+        spike_factor: float | None = 10.0,
+        growth_factor: float | None = 100.0,
+        growth_window: int = 10,
+        warmup_checks: int = 5,
+        history_size: int = 50,
+        depth_ratio_floor: float | None = 1e-3,
+        first_layer_floor: float = 1e-4,
+        min_rms: float | None = 1e-7,
+        relative_floor: float | None = 1e-5,
+        patience: int = 2,
+        log_every_n_steps: int | None = None,
+        log_gradient_flow: bool = True,
+        include: str | list[str] | None = None,
+        exclude: str | list[str] | None = None,
+        max_layers: int | None = None,
+        action: Literal["warn", "stop", "raise"] = "warn",
+        cooldown_steps: int = 100,
+    ) -> None:
+        super().__init__(action=action, cooldown_steps=cooldown_steps)
+        self.check_every_n_steps: int = check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.dense_steps: int = check_int("dense_steps", dense_steps, 0)
+        opt = {"low_open": True, "allow_none": True}  # a positive number, or None for "off"
+        self.max_norm: float | None = check_float("max_norm", max_norm, 0.0, **opt)
+        self.spike_factor: float | None = check_float("spike_factor", spike_factor, 1.0, **opt)
+        self.growth_factor: float | None = check_float("growth_factor", growth_factor, 1.0, **opt)
+        self.growth_window: int = check_int("growth_window", growth_window, 3)
+        self.warmup_checks: int = check_int("warmup_checks", warmup_checks, 1)
+        self.history_size: int = check_int("history_size", history_size, 2)
+        self.depth_ratio_floor: float | None = check_float("depth_ratio_floor", depth_ratio_floor, 0.0, **opt)
+        self.first_layer_floor: float = check_float("first_layer_floor", first_layer_floor, 0, low_open=True)
+        self.min_rms: float | None = check_float("min_rms", min_rms, 0.0, **opt)
+        self.relative_floor: float | None = check_float("relative_floor", relative_floor, 0.0, **opt)
+        self.patience: int = check_int("patience", patience, 1)
+        self.log_every_n_steps: int | None = check_int(
+            "log_every_n_steps", log_every_n_steps, 0, allow_none=True
+        )
+        self.log_gradient_flow = check_bool("log_gradient_flow", log_gradient_flow)
+        self.layers = LayerSelection(include, exclude, max_layers)
+        self._watch: ForwardOrder | None = None
+        self._new_run()
+
+    def _new_run(self) -> None:
+        """Forget the run: a new run (perhaps of a new model) is judged on its own numbers."""
+        self.history: dict[int, list[float]] = {}  # per optimizer: recent finite total norms of checks
+        self.strikes: dict[str, int] = {}  # per optimizer and kind: consecutive checks with the condition
+        self.forward_order: dict[str, int] = {}  # of the modules owning parameters (first training batch)
+        self.last_check: dict[str, Any] = {}  # the last verdict, for inspection
+        #: layers whose gradient started at exactly 0 (behind a zero-initialized weight) and is still
+        #: growing: layer -> its first non-zero norm (0.0 while it is still 0)
+        self.opening: dict[str, float] = {}
+        self._seen_layers: set[str] = set()
+        self._order_seen = False
+        self._last_flow_at: dict[int, int] = {}
+        self._embedding_layers: set[str] | None = None  # their gradient rows are mostly 0 on a batch
+
+    @override
+    def layout_charts(self) -> dict[str, list[str]]:
+        return {"Gradient flow: log10(layer norm / largest layer norm)": ["grad_flow/.*"]}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):
+            self._new_run()
+
+    @override
+    @guarded
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._order_seen:
+            return
+        self._order_seen = True  # one training forward pass is watched (the forward order), once per detector
+        self._watch = ForwardOrder(pl_module)
+        self.forward_order = self._watch.order
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+
+    def due(self, step: int) -> bool:
+        """Whether logging step ``step`` (:func:`~lightning_gradguard.core.cadence.log_step`) is checked."""
+        return step < self.dense_steps or (step + 1) % self.check_every_n_steps == 0
+
+    @override
+    @guarded
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        step = int(trainer.global_step)
+        if not self.due(log_step(trainer)):
+            return
+        norms = read_layer_norms(step_stats(trainer, pl_module, optimizer))  # the one transfer of a check
+        if norms is not None and self.layers.filters:
+            norms = watched_norms(norms, self.layers)
+        if norms is None:
+            return
+        if self._embedding_layers is None:
+            tables = (nn.Embedding, nn.EmbeddingBag)
+            self._embedding_layers = {
+                clean_name(name) for name, m in pl_module.named_modules() if isinstance(m, tables)
+            }
+        opt_idx = optimizer_index(trainer, optimizer)
+        rules = VerdictRules(**{f.name: getattr(self, f.name) for f in fields(VerdictRules)})
+        opening = opening_layers(norms.labels, norms.values, self.opening, self._seen_layers)  # from all-0
+        if finite := math.isfinite(norms.total):
+            self.opening, self._seen_layers = opening.opening, opening.seen
+        verdict = judge(
+            labels=norms.labels,
+            values=norms.values,
+            total=norms.total,
+            numels=norms.numels,
+            history=self.history.get(opt_idx, []),
+            rules=rules,
+            forward_order=self.forward_order,
+            opening=opening.positions if finite else set(),
+            embeddings=self._embedding_layers,
+        )
+        flags = [bool(verdict.exploding), bool(verdict.vanishing)]
+        # The gradients are all-reduced, so every rank computes the same verdict from the same numbers.
+        # When the verdict can stop the run, make sure of it: one collective on the packed flags.
+        if trainer.world_size > 1 and self.action != "warn":
+            packed = HostTransfer()
+            packed.add("flags", torch.tensor([float(f) for f in flags], device=norms.device))
+            flags = [bool(x > 0) for x in packed.fetch(trainer, reduce_op="sum")["flags"].tolist()]
+        self.last_check = {"step": step, **{f.name: getattr(verdict, f.name) for f in fields(verdict)}}
+        if not math.isfinite(verdict.total):
+            # No verdict on a NaN/inf norm: that is NaNSentinel's finding (or, under 16-mixed, a step the
+            # GradScaler skips). It neither counts towards patience nor resets it, so finite evidence on
+            # both sides of a skipped step still adds up, and nothing is reported twice. (The gradients
+            # are all-reduced, so every rank takes this branch together.)
+            return
+        self._log_flow(trainer, norms, verdict.flow, opt_idx)
+        alerts: list[Alert] = []
+        for kind, flag in zip(("exploding_gradient", "vanishing_gradient"), flags, strict=True):
+            key = f"{opt_idx}:{kind}"
+            self.strikes[key] = self.strikes.get(key, 0) + 1 if flag else 0
+            if self.strikes[key] >= self.patience:
+                e = explain(kind, verdict, self.patience, self.history.get(opt_idx, []), rules)
+                # one cooldown per optimizer and kind: ``where`` (the top layers) moves from check to check
+                alert = self.report(
+                    trainer, kind, "error", e.where, e.message, e.hint, e.data, step=step, cooldown_key=key
+                )
+                if alert is not None:
+                    alerts.append(alert)
+        # a spike does not move the baseline it is measured against, until it has been reported
+        adopt = not verdict.spike or self.strikes.get(f"{opt_idx}:exploding_gradient", 0) >= self.patience
+        if adopt and verdict.total > 0:
+            hist = self.history.setdefault(opt_idx, [])
+            hist.append(verdict.total)
+            del hist[: -self.history_size]
+        self.act(trainer, alerts)
+
+    def _log_flow(self, trainer: pl.Trainer, norms: LayerNorms, flow: list[float], opt_idx: int) -> None:
+        at, every = log_step(trainer), logging_interval(trainer, self.log_every_n_steps)
+        # Lightning's own rule (plus the first step, as GradientNormLogger): the loss of this batch is
+        # logged at the same x. Once per optimizer and step (an optimizer may step twice in a batch).
+        if self.log_gradient_flow and on_logging_step(at, every) and self._last_flow_at.get(opt_idx) != at:
+            self._last_flow_at[opt_idx] = at
+            shown = self.layers.show(norms.labels, log_distance_scores(norms.values))
+            metrics = {
+                f"grad_flow/{n}": v
+                for n, v in zip(norms.labels, flow, strict=True)
+                if math.isfinite(v) and n in shown
+            }
+            metrics.update(self.layers.aggregates("grad_flow", dict(zip(norms.labels, flow, strict=True))))
+            _emit.log_scalars(trainer, metrics, at)
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "history": {k: list(v) for k, v in self.history.items()},
+            "strikes": dict(self.strikes),
+            "forward_order": dict(self.forward_order),
+            "opening": dict(self.opening),
+            "seen_layers": sorted(self._seen_layers),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.history = {int(k): list(v) for k, v in state_dict.get("history", {}).items()}
+        self.strikes = dict(state_dict.get("strikes", {}))
+        self.forward_order = dict(state_dict.get("forward_order", {}))
+        self._order_seen = bool(self.forward_order)
+        self.opening = {str(k): float(v) for k, v in state_dict.get("opening", {}).items()}
+        self._seen_layers = set(state_dict.get("seen_layers", []))

@@ -1,0 +1,79 @@
+"""The per-layer gradient norms a VanishingExplodingDetector check reads, in one transfer.
+
+:func:`read_layer_norms` brings the step's per-layer 2-norms and their total to the host from the shared
+:class:`~lightning_gradguard.core.stats.StepStats` (no second pass over the gradients);
+:func:`watched_norms` keeps the layers the detector's ``include`` / ``exclude`` watch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+
+from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.stats import StepStats
+from lightning_gradguard.core.transfer import HostTransfer
+from lightning_gradguard.functional.stats import group_index, layer_names
+
+__all__ = ["LayerNorms", "read_layer_norms", "watched_norms"]
+
+
+@dataclass(frozen=True)
+class LayerNorms:
+    """Per-layer gradient 2-norms of one step on the host (model order), their total and element counts.
+
+    ``device`` is where the gradients live (a follow-up collective needs a tensor there).
+    """
+
+    labels: list[str]
+    values: list[float]
+    total: float
+    numels: list[int]
+    device: torch.device
+
+
+@functools.lru_cache(maxsize=16)
+def _layer_numels(names: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """Elements per layer (cached while the parameters with a gradient are the same)."""
+    labels, index = group_index(layer_names(names))
+    numels = [0] * len(labels)
+    for i, n in zip(index, sizes, strict=True):
+        numels[i] += n
+    return tuple(numels)
+
+
+def read_layer_norms(stats: StepStats) -> LayerNorms | None:
+    """The step's per-layer gradient 2-norms and total on the host, in one transfer; ``None`` without any.
+
+    The norms are the shared ones of :class:`~lightning_gradguard.core.stats.StepStats` (no second pass);
+    under sharding the transfer combines the ranks' shares (every rank must call this alike).
+    """
+    labels, norms = stats.grad_groups(2.0)
+    if not labels:
+        return None
+    transfer = HostTransfer()
+    transfer.add_norms("norms", norms)
+    transfer.add_norms("total", stats.grad_total(2.0))
+    host = transfer.fetch()  # the one device -> host transfer of this check
+    return LayerNorms(
+        labels=labels,
+        values=host["norms"].tolist(),
+        total=float(host["total"]),
+        numels=list(_layer_numels(tuple(stats.grad_names), tuple(stats.grad_numels()))),
+        device=norms.values.device,
+    )
+
+
+def watched_norms(norms: LayerNorms, selection: LayerSelection) -> LayerNorms | None:
+    """``norms`` of the watched layers only (the total still covers every layer); ``None`` if none is."""
+    keep = [i for i, n in enumerate(norms.labels) if selection.watches(n)]
+    if not keep:
+        return None
+    return replace(
+        norms,
+        labels=[norms.labels[i] for i in keep],
+        values=[norms.values[i] for i in keep],
+        numels=[norms.numels[i] for i in keep],
+    )

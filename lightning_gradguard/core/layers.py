@@ -127,5 +127,3 @@ def cap_scalars(selection: LayerSelection, scalars: Mapping[str, float], family:
     out = {t: v for t, v in scalars.items() if not t.startswith(head) or t[len(head) :] in shown}
     out.update(selection.aggregates(family, values))
     return out
-
-

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_gradguard.core.compile import Uncompiled
 
-__all__ = ['NextCall', 'ScopedHooks']
+__all__ = ["NextCall", "ScopedHooks"]
 
 
 class ScopedHooks(AbstractContextManager[Any]):

@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 from lightning_gradguard.core.state import trainer_state
 from lightning_gradguard.core.trial import drop_update
 
-__all__ = ['SKIP_CAUSES', 'skip_update', 'skipped_updates']
+__all__ = ["SKIP_CAUSES", "skip_update", "skipped_updates"]
 
 
 #: why an update was dropped: the GradScaler found inf/NaN, NaNSentinel's skip, LossSpikeGuard's skip/rollback

@@ -9,11 +9,20 @@ Norms come as :class:`~lightning_gradguard.core.sharding.PendingNorms`: the norm
 process and under DDP; under FSDP1 / FSDP2 this rank's shares of the whole tensors' norms, computed on
 its pieces, which the caller's one transfer combines across the ranks
 (:meth:`~lightning_gradguard.core.transfer.HostTransfer.add_norms`). Every rank must then ask alike.
+
+The update of the step is measured once too: the first monitor that wants it asks
+:meth:`StepStats.take_update_sample` before ``optimizer.step()`` (one :class:`UpdateSample`: a strided
+sample of every weight, and on request of its gradient at the same entries); after the step every monitor
+reads the same per-parameter update norms (:meth:`StepStats.update_norms`, grouped like the weights by
+:meth:`StepStats.update_groups`), so GradientNormLogger, OptimizerMonitor and StallDetector report the same
+``||delta w|| / ||w||`` for the same layer on the same step. The weights the ratio divides by are the exact
+norms before the step.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +50,15 @@ from lightning_gradguard.functional.stats import (
     reduce_norms,
     total_share,
 )
+from lightning_gradguard.functional.updates import (
+    SAMPLE_ENTRIES,
+    WeightSnapshot,
+    foreach_dots,
+    sampled,
+    weight_snapshot,
+)
 
-__all__ = ["StepStats", "active_scaler", "clear_step_stats", "step_stats"]
+__all__ = ["StepStats", "UpdateSample", "active_scaler", "clear_step_stats", "step_stats"]
 
 
 @dataclass
@@ -141,6 +157,72 @@ def _grad_scale(trainer: pl.Trainer, optimizer: Any) -> Tensor | None:
         return scale
     except (AttributeError, KeyError, ImportError):
         return None
+
+
+class UpdateSample:
+    """The update one optimizer step applies, sampled once for every monitor that asks.
+
+    Made before ``optimizer.step()`` from this rank's weights (its pieces under sharding): a copy of every
+    parameter, or of an odd-strided sample of ``SAMPLE_ENTRIES`` of its entries when it is larger
+    (:func:`~lightning_gradguard.functional.updates.weight_snapshot`); :meth:`sample_grads` adds the
+    gradient at the same entries. Read after the step: :meth:`norms` (``||delta w||`` per parameter, scaled
+    up from the sample) and :meth:`grad_geometry`. The copies are dropped with the step's statistics.
+    """
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params
+        self._before: WeightSnapshot | None = weight_snapshot(params, SAMPLE_ENTRIES)
+        self.strides, self.scales = list(self._before.strides), list(self._before.scales)
+        #: the parameters whose gradient was sampled (strided, dense gradients), and the samples
+        self.with_grad: list[int] = []
+        self._grads: list[Tensor] | None = None
+        self._diff: list[Tensor] | None = None
+        self._norms: dict[float, Tensor] = {}
+
+    def sample_grads(self, grads: list[Tensor | None]) -> None:
+        """Copy the gradient of each parameter (``grads[i]`` or ``None``) at the weights' sampled entries.
+
+        Call before the step; a second call does nothing."""
+        if self._grads is not None:
+            return
+        self.with_grad = [i for i, g in enumerate(grads) if g is not None and g.layout == torch.strided]
+        picked = [grads[i] for i in self.with_grad]
+        views = sampled(picked, [self.strides[i] for i in self.with_grad])  # type: ignore[arg-type]
+        self._grads = list(torch._foreach_mul(views, 1.0)) if views else []
+
+    def diff(self) -> list[Tensor]:
+        """``w_before - w_after`` on the sampled entries (computed once, after the step)."""
+        if self._diff is None:
+            before, self._before = self._before, None
+            assert before is not None
+            torch._foreach_sub_(before.values, sampled(self.params, self.strides))
+            self._diff = before.values
+        return self._diff
+
+    def norms(self, norm_type: float = 2.0) -> Tensor:
+        """``||delta w||`` of every parameter (a float32 vector on the device), scaled up from the sample
+        (``(numel / sampled) ** (1 / p)``; the infinity norm is not scaled)."""
+        if norm_type not in self._norms:
+            diff = self.diff()
+            norms = foreach_norms(diff, norm_type) if diff else torch.zeros(0)
+            if math.isfinite(norm_type) and any(s != 1.0 for s in self.scales):
+                factors = torch.tensor([s ** (1.0 / norm_type) for s in self.scales], dtype=norms.dtype)
+                norms = norms * factors.to(norms.device)
+            self._norms[norm_type] = norms
+        return self._norms[norm_type]
+
+    def grad_geometry(self) -> tuple[Tensor, Tensor]:
+        """``(||g_i||^2, <delta w_i, -g_i>)`` of the parameters in :attr:`with_grad`, scaled up from the
+        sample (float32 vectors on the device); empty without :meth:`sample_grads`."""
+        diff, grads = self.diff(), self._grads or []
+        if not grads:
+            empty = torch.zeros(0, device=diff[0].device if diff else None)
+            return empty, empty
+        device = grads[0].device
+        scales = torch.tensor([self.scales[i] for i in self.with_grad], dtype=torch.float32).to(device)
+        grad_sq = foreach_norms(grads, 2.0).square() * scales
+        descent = foreach_dots([diff[i] for i in self.with_grad], grads) * scales  # diff holds -delta w
+        return grad_sq, descent
 
 
 class StepStats:
@@ -292,6 +374,52 @@ class StepStats:
             return labels, self.grouped(self.weight_norms(norm_type), index, len(labels))
 
         return self._memo(("weight_groups", float(norm_type), depth, per_parameter), compute)
+
+    # ------------------------------------------------------------------ the update
+    def take_update_sample(self, with_grads: bool = False) -> UpdateSample | None:
+        """The step's :class:`UpdateSample`, taken now (before ``optimizer.step()``) by the first caller;
+        ``with_grads`` also samples the gradients (not under sharding). The weights' 2-norms are computed
+        now too, so the ratio divides by the weights before the update. ``None`` without parameters."""
+        if not self.params:
+            return None
+        sample: UpdateSample = self._memo(("update_sample",), lambda: UpdateSample(self.local_params()))
+        self.weight_norms(2.0)
+        if with_grads and self.sharding is None:
+            sample.sample_grads([p.grad for p in self.params])
+        return sample
+
+    @property
+    def update_sample(self) -> UpdateSample | None:
+        """The update sample taken this step, if some monitor took one."""
+        sample: UpdateSample | None = self._cache.get(("update_sample",))
+        return sample
+
+    def update_norms(self, norm_type: float = 2.0) -> PendingNorms:
+        """Per-parameter ``||delta w||`` (model order), after the step; requires :meth:`take_update_sample`
+        before it."""
+        sample = self.update_sample
+        assert sample is not None, "take_update_sample() must run before optimizer.step()"
+        return self._memo(
+            ("update", float(norm_type)), lambda: self.pending(sample.norms(norm_type), norm_type)
+        )
+
+    def update_total(self, norm_type: float = 2.0) -> PendingNorms:
+        """``||delta w||`` over every trainable parameter of this optimizer (0-dim), after the step."""
+        return self._memo(
+            ("update_total", float(norm_type)), lambda: self.total(self.update_norms(norm_type))
+        )
+
+    def update_groups(
+        self, norm_type: float = 2.0, depth: int | None = None, per_parameter: bool = False
+    ) -> tuple[list[str], PendingNorms]:
+        """``||delta w||`` per layer (grouped like :meth:`weight_groups`) and the layer names; after the
+        step."""
+
+        def compute() -> tuple[list[str], PendingNorms]:
+            labels, index = self.groups(self.names, depth, per_parameter)
+            return labels, self.grouped(self.update_norms(norm_type), index, len(labels))
+
+        return self._memo(("update_groups", float(norm_type), depth, per_parameter), compute)
 
 
 @functools.lru_cache(maxsize=32)

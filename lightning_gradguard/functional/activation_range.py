@@ -245,5 +245,3 @@ def mha_max_logit(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         padding = padding.reshape(batch, 1, 1, source)
         mask = padding if mask is None else mask + padding
     return max_attention_logit(q, k, attn_mask=mask)
-
-

@@ -96,5 +96,3 @@ def clip_window_stats(window: Tensor, clip_val: float) -> ClipWindowStats | None
         steps=int(finite.numel()),
         largest=float(finite.max()),
     )
-
-

@@ -91,5 +91,3 @@ class NoiseScaleEstimate:
     trace_sigma: float
     b_simple: float | None
     weight: float
-
-

@@ -1,12 +1,10 @@
 r"""What an optimizer step did and what the optimizer keeps: step size, direction, moments, and two rules.
 
-Pure math, no Trainer. The device half works on a
-:class:`~lightning_gradguard.functional.updates.WeightSnapshot` of the weights and one of the gradient
-taken before ``optimizer.step()`` (:func:`update_geometry`: per
+Pure math on host numbers, no Trainer: :func:`layer_geometry` and :func:`layer_moments` turn the
+per-parameter sums a monitor measured on the step's update sample (``core.stats.UpdateSample``: per
 parameter, the squared update norm, the squared gradient norm and the inner product of the update with
-the negative gradient, in a few fused kernels). The host half turns per-parameter numbers into per-layer
-ones (:func:`layer_geometry`, :func:`layer_moments`) and judges them (:func:`epsilon_dominated`,
-:func:`ratio_outliers`, in words: :func:`epsilon_finding`, :func:`outlier_finding`).
+the negative gradient) into per-layer numbers, and :func:`epsilon_dominated` / :func:`ratio_outliers`
+judge them.
 
 Definitions (``Δw = w_after - w_before``, ``g`` the gradient the step used, ``lr_i`` the learning rate of
 the param group of parameter ``i``):
@@ -21,12 +19,9 @@ the param group of parameter ``i``):
   entries, the typical size of Adam's denominator before ``eps`` is added (``max_exp_avg_sq`` under
   AMSGrad, which is what divides there).
 
-Sampling: a tensor above ``OPTIMIZER_SAMPLE_ENTRIES`` (65 536) entries is measured on an odd-strided
-sample of its entries (``functional.updates``), the same entries for the weights, the gradient and the
-optimizer's moments; its sums are scaled by ``numel / sampled``. Below that size everything is exact.
-On a dense update the estimates are within about ``1 / sqrt(2 * 65536)`` = 0.3 % (a 1024 x 600 layer
-sampled with stride 11: 0.1-0.4 % in the tests); the sample cuts a measured step's cost about 3x on a
-5 M-parameter model (docs/benchmarks.md).
+Sampling: a tensor above ``functional.updates.SAMPLE_ENTRIES`` (65 536) entries is measured on an
+odd-strided sample of its entries, the same entries for the weights, the gradient and the optimizer's
+moments; its sums are scaled by ``numel / sampled``. Below that size everything is exact.
 """
 
 from __future__ import annotations
@@ -36,75 +31,14 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor
-
-from lightning_gradguard.functional.stats import foreach_norms
-from lightning_gradguard.functional.updates import WeightSnapshot, sampled
-
 __all__ = [
-    "OPTIMIZER_SAMPLE_ENTRIES",
     "LayerGeometry",
     "LayerMoments",
-    "UpdateGeometry",
     "epsilon_dominated",
-    "foreach_dots",
     "layer_geometry",
     "layer_moments",
     "ratio_outliers",
-    "update_geometry",
 ]
-
-
-#: a parameter with more entries than this is measured on a strided sample (see the module docstring)
-OPTIMIZER_SAMPLE_ENTRIES = 1 << 16
-
-
-@dataclass(frozen=True)
-class UpdateGeometry:
-    """Per-parameter sums of one step on the device (float32), scaled up from a sample where sampled.
-
-    Attributes:
-        update_sq: ``||Δw_i||^2``, one per parameter of the weight snapshot.
-        grad_sq: ``||g_i||^2``, one per parameter that had a gradient (``with_grad`` order).
-        descent: ``<Δw_i, -g_i>``, aligned with ``grad_sq``.
-    """
-
-    update_sq: Tensor
-    grad_sq: Tensor
-    descent: Tensor
-
-
-def foreach_dots(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
-    """``<a_i, b_i>`` for every pair, as one float32 vector: one ``torch.dot`` per pair (one read of each
-    tensor, nothing written; BLAS's accumulation, so a cosine is good to float32's rounding)."""
-    if not a:
-        return torch.zeros(0)
-    return torch.stack(
-        [torch.dot(x.reshape(-1).float(), y.reshape(-1).float()) for x, y in zip(a, b, strict=True)]
-    )
-
-
-def update_geometry(
-    weights: WeightSnapshot, params: Sequence[Tensor], grads: WeightSnapshot, with_grad: Sequence[int]
-) -> UpdateGeometry:
-    """The step's geometry from snapshots taken before it (``weights`` of ``params``, ``grads`` of the
-    gradients of ``params[i] for i in with_grad``, same sampling); call after the step. ``weights`` is
-    overwritten with ``w_before - w_after``."""
-    current = sampled(params, weights.strides)
-    torch._foreach_sub_(weights.values, current)  # w_before - w_after = -Δw
-    back = weights.values
-    dev = back[0].device if back else torch.device("cpu")
-    scales = torch.tensor(weights.scales, dtype=torch.float32).to(dev)
-    update_sq = foreach_norms(back, 2.0).square() * scales if back else torch.zeros(0, device=dev)
-    if not with_grad:
-        empty = torch.zeros(0, device=dev)
-        return UpdateGeometry(update_sq, empty, empty)
-    picked = scales[torch.tensor(list(with_grad), dtype=torch.long).to(dev)]
-    grad_sq = foreach_norms(grads.values, 2.0).square() * picked
-    # <-Δw, g> = <Δw, -g>: the snapshot already holds -Δw
-    descent = foreach_dots([back[i] for i in with_grad], grads.values) * picked
-    return UpdateGeometry(update_sq, grad_sq, descent)
 
 
 @dataclass(frozen=True)
@@ -262,5 +196,3 @@ def ratio_outliers(ratios: dict[str, float], factor: float) -> tuple[float, dict
         return median, {}
     out = {k: v / median for k, v in ratios.items() if math.isfinite(v) and v >= 0}
     return median, {k: r for k, r in out.items() if r > factor or r < 1.0 / factor}
-
-

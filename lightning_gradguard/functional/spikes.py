@@ -77,5 +77,3 @@ def is_spike(score: SpikeScore, threshold: float, min_ratio: float) -> bool:
     if score.log_space:
         return score.ratio >= min_ratio
     return score.value >= score.level + (min_ratio - 1.0) * abs(score.level)
-
-

@@ -20,7 +20,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
 from lightning_gradguard import LossSpikeGuard, NaNSentinel, OptimizerMonitor
-from lightning_gradguard.monitors.optimizer import sample as core_optimizer_state
+from lightning_gradguard.core import stats as core_stats
 
 
 def _layer(name: str) -> str:
@@ -135,9 +135,12 @@ def test_every_value_equals_a_brute_force_computation(
 ) -> None:
     torch.manual_seed(0)
     snapshots: list[int] = []
-    real = core_optimizer_state.weight_snapshot
+    real = core_stats.weight_snapshot
+    monkeypatch.setattr(core_stats, "weight_snapshot", lambda ps, *a: snapshots.append(len(ps)) or real(ps, *a))
+    grads: list[int] = []
+    real_grads = core_stats.UpdateSample.sample_grads
     monkeypatch.setattr(
-        core_optimizer_state, "weight_snapshot", lambda ps, *a: snapshots.append(len(ps)) or real(ps, *a)
+        core_stats.UpdateSample, "sample_grads", lambda self, gs: grads.append(len(gs)) or real_grads(self, gs)
     )
     logger, brute = MemoryLogger(), Brute()
     with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
@@ -146,7 +149,8 @@ def test_every_value_equals_a_brute_force_computation(
         )
     steps = sorted(s for s, m in logger.calls if "optimizer/step_size/total" in m)
     assert steps == [0, 2, 5, 8]  # Lightning's rule plus the first step, nothing measured in between
-    assert len(snapshots) == 2 * len(steps)  # weights and gradient, on logging steps only
+    # one update sample (weights, and the gradient at the same entries) on logging steps only
+    assert len(snapshots) == len(grads) == len(steps)
     for family in families:
         assert _check(logger, brute, family) == len(steps) * 3, family  # net.0, net.2 and the total
     logged = {t.split("/")[1] for _, m in logger.calls for t in m if t.startswith("optimizer/")}

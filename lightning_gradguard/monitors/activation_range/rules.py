@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from lightning_gradguard.functional.activation_range import BlockRange
 
-__all__ = ['HEADROOM_HINT', 'LOGIT_HINT', 'RangeFinding', 'headroom_verdict', 'logit_verdict']
+__all__ = ["HEADROOM_HINT", "LOGIT_HINT", "RangeFinding", "headroom_verdict", "logit_verdict"]
 
 
 # ---------------------------------------------------------------------------------------------- the rules

@@ -255,5 +255,3 @@ class ActivationCapture(ScopedHooks):
         else:
             counts, per_unit = activity_counts(x, dim)
         pool(self.records, {key: UnitCounts(saturation=saturation, counts=counts, samples=per_unit)})
-
-

@@ -12,7 +12,7 @@ from typing import Literal
 
 from lightning_gradguard.functional.clipping import ClipWindowStats
 
-__all__ = ['ClipFinding', 'clip_verdict']
+__all__ = ["ClipFinding", "clip_verdict"]
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,9 @@ from lightning_gradguard.functional.stats import (
     device_histograms,
     nonfinite_counts,
 )
-from lightning_gradguard.functional.updates import SAMPLE_ENTRIES, update_norms, update_ratio, weight_snapshot
+from lightning_gradguard.functional.updates import update_ratio
 
 __all__ = [
-    "norm_charts",
-    "select_reading",
     "ClipRing",
     "ClipSetting",
     "HistogramRows",
@@ -44,7 +42,9 @@ __all__ = [
     "NormSample",
     "NormSpec",
     "clip_setting",
+    "norm_charts",
     "parse_norm_type",
+    "select_reading",
 ]
 
 _HIST_PARTS = ("stats", "edges", "counts")  # a histogram's NaN/inf counts are the grad_nonfinite scalars
@@ -151,7 +151,6 @@ class NormSpec:
     update: bool = True
     histogram_bins: int | None = None  # None: no histograms
     histogram_layers: frozenset[str] | None = None  # None: every layer gets histograms
-    sample_entries: int = SAMPLE_ENTRIES  # the update of a larger tensor is measured on a strided sample
 
 
 @dataclass(frozen=True)
@@ -220,16 +219,11 @@ class NormSample:
         self.device["grad_params"] = stats.grad_norms(nt)
         self.device["grad_total"] = stats.grad_total(nt).reshape(1)
         self.weight_labels: list[str] = []
-        self.weight_index: list[int] = []
         if spec.weights or spec.update:
             self.weight_labels, self.device["weight_layers"] = stats.weight_groups(nt, depth, per_param)
             self.device["weight_total"] = stats.weight_total(nt).reshape(1)
-            _, self.weight_index = stats.groups(stats.names, depth, per_param)
-        self.snapshot = (
-            weight_snapshot(stats.local_params(), spec.sample_entries)
-            if spec.update and stats.params
-            else None
-        )
+        # the step's one update sample, shared with every other monitor that measures the update
+        self.updated = spec.update and stats.take_update_sample() is not None
         self.histograms = self._histograms() if spec.histogram_bins is not None else {}
 
     def _histograms(self) -> dict[str, Any]:
@@ -259,23 +253,11 @@ class NormSample:
         """Queue every value under ``(key, name)``; call after ``optimizer.step()`` applied the update."""
         for name, t in self.device.items():
             transfer.add_norms((key, name), t)
-        if self.snapshot is not None:
-            nt, n, params = self.spec.norm_type, len(self.weight_labels), self.stats.local_params()
-            device = self.device["weight_layers"].values.device
-            if self.stats.sharding is None:
-                idx = torch.tensor(self.weight_index, dtype=torch.long, device=device)
-                upd = update_norms(self.snapshot, params, idx, n, nt)
-                layers, total = PendingNorms(upd.layers, nt), PendingNorms(upd.total, nt)
-            else:  # per piece (each its own group), then this rank's shares of the whole updates
-                own = torch.arange(len(params), device=device)
-                per = self.stats.pending(update_norms(self.snapshot, params, own, len(params), nt).layers, nt)
-                layers, total = (
-                    self.stats.grouped(per, self.weight_index, n),
-                    self.stats.total(per).reshape(1),
-                )
-            transfer.add_norms((key, "update_layers"), layers)
-            transfer.add_norms((key, "update_total"), total)
-            self.snapshot = None
+        if self.updated:
+            nt, depth, per_param = self.spec.norm_type, self.spec.group_depth, self.spec.per_parameter
+            transfer.add_norms((key, "update_layers"), self.stats.update_groups(nt, depth, per_param)[1])
+            transfer.add_norms((key, "update_total"), self.stats.update_total(nt).reshape(1))
+            self.updated = False
         for kind, (_, spec) in self.histograms.items():
             for part in _HIST_PARTS:
                 transfer.add((key, f"hist:{kind}:{part}"), getattr(spec, part))

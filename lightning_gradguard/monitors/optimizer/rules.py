@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ['OptimizerFinding', 'epsilon_finding', 'outlier_finding']
+__all__ = ["OptimizerFinding", "epsilon_finding", "outlier_finding"]
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,15 +28,13 @@ from lightning_gradguard.core.stats import StepStats, active_scaler
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.layers import log_distance_scores
 from lightning_gradguard.functional.optimizer_state import (
-    OPTIMIZER_SAMPLE_ENTRIES,
     LayerGeometry,
     LayerMoments,
     layer_geometry,
     layer_moments,
-    update_geometry,
 )
 from lightning_gradguard.functional.stats import foreach_norms
-from lightning_gradguard.functional.updates import WeightSnapshot, sampled, weight_snapshot
+from lightning_gradguard.functional.updates import sampled, update_ratio
 
 __all__ = [
     "OptimizerReading",
@@ -147,57 +145,65 @@ class OptimizerSample:
         group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self.groups = [group_of.get(id(p), {}) for p in self.params]
         self.lrs = [_host_number(g.get("lr", 0.0)) for g in self.groups]
-        self.with_grad = [
-            i for i, p in enumerate(self.params) if p.grad is not None and p.grad.layout == torch.strided
-        ]
-        self.weights: Any = weight_snapshot(stats.local_params(), OPTIMIZER_SAMPLE_ENTRIES)
-        self.strides, self.scales = list(self.weights.strides), list(self.weights.scales)
-        grads = [self.params[i].grad for i in self.with_grad]
-        self.grads: Any = (
-            weight_snapshot(grads, OPTIMIZER_SAMPLE_ENTRIES) if grads else WeightSnapshot([], [], [])  # type: ignore[arg-type]
-        )
+        # the step's one update sample (shared with the other monitors), with the gradient at its entries
+        sample = stats.take_update_sample(with_grads=True)
+        assert sample is not None  # the monitor measures only a step with parameters
+        self.sample = sample
         self.keeps: frozenset[str] = frozenset()
         self._moment_index: dict[str, list[int]] = {}
         self._second: dict[int, tuple[float | Tensor, float, float]] = {}  # step, beta2, eps
 
     def queue(self, transfer: HostTransfer, key: Hashable) -> None:
         """Queue the step's geometry and the optimizer's moments under ``(key, name)``; after the step."""
-        geometry = update_geometry(self.weights, self.params, self.grads, self.with_grad)
-        self.weights = self.grads = None  # the copies are not needed any more
-        transfer.add((key, "update_sq"), geometry.update_sq)
-        transfer.add((key, "grad_sq"), geometry.grad_sq)
-        transfer.add((key, "descent"), geometry.descent)
+        grad_sq, descent = self.sample.grad_geometry()
+        transfer.add((key, "update_sq"), self.sample.norms(2.0).square())
+        transfer.add((key, "grad_sq"), grad_sq)
+        transfer.add((key, "descent"), descent)
         transfer.add_norms((key, "weight"), self.stats.weight_norms(2.0))
+        # the update/weight ratio every monitor reports: the shared per-layer norms, not a sum of our own
+        transfer.add_norms((key, "update_layers"), self.stats.update_groups(2.0)[1])
+        transfer.add_norms((key, "weight_layers"), self.stats.weight_groups(2.0)[1])
+        transfer.add_norms((key, "update_total"), self.stats.update_total(2.0).reshape(1))
+        transfer.add_norms((key, "weight_total"), self.stats.weight_total(2.0).reshape(1))
         for i, lr in enumerate(self.lrs):
             if isinstance(lr, Tensor):
                 transfer.add((key, f"lr:{i}"), lr)
+        moments = self._moments(transfer, key)
+        for name, tensors in moments.items():
+            if tensors:
+                transfer.add((key, name), self._moment_norms(name, tensors))
+        self.keeps = frozenset(name for name, tensors in moments.items() if tensors)
+
+    def _moments(self, transfer: HostTransfer, key: Hashable) -> dict[str, list[Tensor]]:
+        """The moments the optimizer keeps, per family, noting which parameter each belongs to (and, for
+        Adam's second moment, its step, ``beta2`` and ``eps``: the step queued when it is a tensor)."""
         moments: dict[str, list[Tensor]] = {"exp_avg": [], "exp_avg_sq": [], "momentum_buffer": []}
-        index: dict[str, list[int]] = {name: [] for name in moments}
+        self._moment_index = {name: [] for name in moments}
         for i, p in enumerate(self.params):
             state, group = self.opt.state.get(p, {}), self.groups[i]
             for name in ("exp_avg", "momentum_buffer"):
                 if isinstance(state.get(name), Tensor):
                     moments[name].append(state[name])
-                    index[name].append(i)
-            v = state.get("max_exp_avg_sq", state.get("exp_avg_sq"))
+                    self._moment_index[name].append(i)
+            v = state.get("max_exp_avg_sq", state.get("exp_avg_sq"))  # what divides under AMSGrad
             if isinstance(v, Tensor) and "betas" in group and "step" in state:
                 moments["exp_avg_sq"].append(v)
-                index["exp_avg_sq"].append(i)
+                self._moment_index["exp_avg_sq"].append(i)
                 step = _host_number(state["step"])
                 if isinstance(step, Tensor):
                     transfer.add((key, f"step:{i}"), step)
                 self._second[i] = (step, float(group["betas"][1]), float(group.get("eps", 0.0)))
-        for name, tensors in moments.items():
-            if tensors:  # on the weights' sample; exp_avg_sq is >= 0: its 1-norm is its sum
-                order = 1.0 if name == "exp_avg_sq" else 2.0
-                views = sampled(tensors, [self.strides[i] for i in index[name]])
-                norms = foreach_norms(views, order)
-                if any(self.scales[i] != 1.0 for i in index[name]):
-                    factor = torch.tensor([self.scales[i] ** (1.0 / order) for i in index[name]])
-                    norms = norms * factor.to(norms.device)
-                transfer.add((key, name), norms)
-        self.keeps = frozenset(name for name, tensors in moments.items() if tensors)
-        self._moment_index = index
+        return moments
+
+    def _moment_norms(self, name: str, tensors: list[Tensor]) -> Tensor:
+        """Norms of one moment family on the update sample's entries, scaled up where sampled
+        (``exp_avg_sq`` is >= 0: its 1-norm is its sum)."""
+        index, order = self._moment_index[name], 1.0 if name == "exp_avg_sq" else 2.0
+        norms = foreach_norms(sampled(tensors, [self.sample.strides[i] for i in index]), order)
+        if any(self.sample.scales[i] != 1.0 for i in index):
+            factor = torch.tensor([self.sample.scales[i] ** (1.0 / order) for i in index])
+            norms = norms * factor.to(norms.device)
+        return norms
 
     def read(self, host: dict[Any, Tensor], key: Hashable) -> OptimizerReading:
         """The step's per-layer numbers from the transfer's host values."""
@@ -211,8 +217,9 @@ class OptimizerSample:
             v["update_sq"].tolist(),
             [w * w for w in weight],
             lrs,
-            {i: (g, d) for i, g, d in zip(self.with_grad, grad_sq, descent, strict=True)},
+            {i: (g, d) for i, g, d in zip(self.sample.with_grad, grad_sq, descent, strict=True)},
         )
+        geometry = replace(geometry, **_shared_ratios(self.labels, v))
         per: dict[str, dict[int, float]] = {}
         for name, idx in self._moment_index.items():
             values = v[name].tolist() if name in v else []
@@ -228,5 +235,15 @@ class OptimizerSample:
             {i: x * x for i, x in per.get("momentum_buffer", {}).items()},
             second,
         )
-        graded = frozenset(self.labels[self.index[i]] for i in self.with_grad)
+        graded = frozenset(self.labels[self.index[i]] for i in self.sample.with_grad)
         return OptimizerReading(self.stats.step, geometry, moments, self.keeps, graded)
+
+
+def _shared_ratios(labels: list[str], v: dict[str, Tensor]) -> dict[str, Any]:
+    """The update/weight ratios from the step's shared per-layer norms (the numbers every monitor reads)."""
+    pairs = zip(labels, v["update_layers"].tolist(), v["weight_layers"].tolist(), strict=True)
+    total_w = float(v["weight_total"][0])
+    return {
+        "update_ratio": {name: update_ratio(u, w) for name, u, w in pairs if w > 0},
+        "update_ratio_total": update_ratio(float(v["update_total"][0]), total_w) if total_w > 0 else None,
+    }

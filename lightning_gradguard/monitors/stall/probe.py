@@ -4,13 +4,13 @@
   optimizers and their schedulers were configured to reach (``lr``, ``initial_lr``, ``max_lr``, a
   ``CyclicLR``'s ``max_lrs``);
 * :func:`class_targets`: the class-index targets of a batch, when it has them;
-* :class:`StallProbe`: one check's measurements: the update/weight ratio of every layer (on a strided
-  sample of each parameter, the weights copied before the update), the ratio of the gradient the
-  optimizer used to the raw one (on the first entries of each gradient, before and after clipping),
-  the mean loss since the last check and the label counts, all in one
-  :class:`~lightning_gradguard.core.transfer.HostTransfer` (losses and labels summed across ranks).
-  Under sharding the update ratios come from the logger's ``core.grad_norms.NormSample`` instead,
-  which combines the ranks' pieces.
+* :class:`StallProbe`: one check's measurements: the update/weight ratio of every layer (from the step's
+  shared update sample, :meth:`~lightning_gradguard.core.stats.StepStats.take_update_sample`: the same
+  numbers GradientNormLogger and OptimizerMonitor report; under sharding the ranks' pieces are combined
+  in the check's transfer), the ratio of the gradient the optimizer used to the raw one (on the first
+  entries of each gradient, before and after clipping), the mean loss since the last check and the
+  label counts, all in one :class:`~lightning_gradguard.core.transfer.HostTransfer` (losses and labels
+  summed across ranks).
 """
 
 from __future__ import annotations
@@ -26,17 +26,13 @@ from torch import Tensor
 
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.functional.stats import foreach_norms, reduce_norms
-from lightning_gradguard.functional.updates import update_norms, update_ratio, weight_snapshot
-from lightning_gradguard.monitors.gradients.norms import NormSample, NormSpec
+from lightning_gradguard.functional.stats import foreach_norms
+from lightning_gradguard.functional.updates import update_ratio
 
 __all__ = ["MAX_CLASSES", "StallProbe", "StallReading", "class_targets", "lr_configured", "lr_now"]
 
 #: class indices at or above this are not counted (the label rules then see none of that batch)
 MAX_CLASSES = 1024
-#: the update of a tensor above this many entries is measured on a strided sample: the rules compare
-#: update ratios across orders of magnitude, so a few percent of error (1.3 % in the tests) is plenty
-SAMPLE_ENTRIES = 1 << 16
 #: the clip ratio is read on the first this many entries of each gradient, before and after clipping
 CLIP_ENTRIES = 4096
 _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
@@ -95,39 +91,34 @@ class StallReading:
     labels: list[float] | None = None
 
 
-class _UpdateSample:
-    """The update of one step on a strided sample of every parameter (not sharded), and the clip ratio
-    on the first ``CLIP_ENTRIES`` entries of each gradient.
+class _StepSample:
+    """The check step's update, from the step's shared update sample (the same per-layer ratios every
+    monitor reports), and the clip ratio on the first ``CLIP_ENTRIES`` entries of each gradient.
 
-    The weight norms come from the same sample as the update norms (no extra pass over the weights); the
-    clip ratio from a small contiguous slice of each gradient, before and after clipping: clipping by
-    norm scales every entry alike, so any part of the gradient gives its ratio (by value, a close one).
+    The clip ratio compares a small contiguous slice of each gradient before and after clipping: clipping
+    by norm scales every entry alike, so any part of the gradient gives its ratio (by value, a close one).
+    It is not measured under sharding (a rank's slice is its own piece) nor in manual optimization.
     """
 
     def __init__(self, stats: StepStats, automatic: bool) -> None:
-        self.params = stats.local_params()
-        self.labels, index = stats.groups(stats.names, None, False)
-        self.snapshot = weight_snapshot(self.params, SAMPLE_ENTRIES)
-        device = self.params[0].device
-        self.index = torch.tensor(index, dtype=torch.long, device=device)
-        scales = torch.tensor([math.sqrt(k) for k in self.snapshot.scales], device=device)
-        weights = foreach_norms(self.snapshot.values) * scales  # the sampled norms, scaled up
-        self.weight_layers = reduce_norms(weights, self.index, len(self.labels))
+        self.stats = stats
+        stats.take_update_sample()
         self.graded = [p for p in stats.params if p.grad is not None]
         raw = [p.grad for p in self.graded]
-        self.raw = foreach_norms(_heads(raw)).norm().reshape(1) if automatic and raw else None  # type: ignore[arg-type]
+        measure_clip = automatic and raw and stats.sharding is None
+        self.raw = foreach_norms(_heads(raw)).norm().reshape(1) if measure_clip else None  # type: ignore[arg-type]
 
     def queue(self, transfer: HostTransfer) -> None:
-        update = update_norms(self.snapshot, self.params, self.index, len(self.labels))
-        transfer.add("update_layers", update.layers)
-        transfer.add("update_total", update.total)
-        transfer.add("weight_layers", self.weight_layers)
+        transfer.add_norms("update_layers", self.stats.update_groups(2.0)[1])
+        transfer.add_norms("weight_layers", self.stats.weight_groups(2.0)[1])
+        transfer.add_norms("update_total", self.stats.update_total(2.0).reshape(1))
         used = [p.grad for p in self.graded if p.grad is not None]
         if self.raw is not None and len(used) == len(self.graded):  # .grad: what the optimizer used
             transfer.add("clip", torch.cat([self.raw, foreach_norms(_heads(used)).norm().reshape(1)]))
 
     def read(self, host: dict[Any, Tensor], reading: StallReading) -> None:
-        pairs = zip(self.labels, host["update_layers"].tolist(), host["weight_layers"].tolist(), strict=True)
+        labels = self.stats.update_groups(2.0)[0]
+        pairs = zip(labels, host["update_layers"].tolist(), host["weight_layers"].tolist(), strict=True)
         reading.update_ratios = {label: update_ratio(u, w) for label, u, w in pairs}
         reading.update_total = float(host["update_total"][0])
         if "clip" in host:
@@ -145,7 +136,7 @@ class StallProbe:
     def __init__(self) -> None:
         self.loss_sum: Tensor | None = None
         self.loss_count = 0
-        self.sample: _UpdateSample | NormSample | None = None
+        self.sample: _StepSample | None = None
         self.labels: Tensor | None = None
 
     def add_loss(self, loss: Tensor) -> None:
@@ -163,18 +154,10 @@ class StallProbe:
             self.labels = counts if self.labels is None else self.labels + counts
 
     def start(self, stats: StepStats, automatic: bool) -> None:
-        """The check's step is about to update: a sample of its weights and of its gradient's norm.
-
-        Under sharding each rank holds pieces: the logger's :class:`NormSample` combines their norms
-        across the ranks (no clip ratio there)."""
-        if stats.unsupported is not None or not stats.params:
-            return
-        if stats.sharding is None:
-            self.sample = _UpdateSample(stats, automatic)
-        else:
-            self.sample = NormSample(
-                stats, NormSpec(weights=True, update=True, sample_entries=SAMPLE_ENTRIES)
-            )
+        """The check's step is about to update: take (or share) the step's update sample, and the raw
+        gradient's norm for the clip ratio."""
+        if stats.unsupported is None and stats.params:
+            self.sample = _StepSample(stats, automatic)
 
     def read(self, trainer: pl.Trainer, device: torch.device) -> StallReading:
         """After the update: everything in one transfer (one collective under DDP).
@@ -184,10 +167,8 @@ class StallProbe:
         ``step()``, so the clip ratio is not measured there."""
         transfer = HostTransfer()
         sample, self.sample = self.sample, None
-        if isinstance(sample, _UpdateSample):
+        if sample is not None:
             sample.queue(transfer)
-        elif sample is not None:
-            sample.queue(transfer, "norms")
         world = trainer.world_size > 1
         if self.loss_sum is not None:
             transfer.add(
@@ -200,13 +181,8 @@ class StallProbe:
         host = transfer.fetch(trainer, device=device) if len(transfer) or world else {}
         self.loss_sum, self.loss_count, self.labels = None, 0, None
         reading = StallReading()
-        if isinstance(sample, _UpdateSample):
+        if sample is not None:
             sample.read(host, reading)
-        elif sample is not None:
-            norms = sample.read(host, "norms")
-            reading.update_ratios = dict(norms.update_ratios)
-            if norms.update_ratio_total is not None and norms.weight_total is not None:
-                reading.update_total = norms.update_ratio_total * max(norms.weight_total, 1e-30)
         if "loss" in host and float(host["loss"][1]) > 0:
             reading.loss = float(host["loss"][0]) / float(host["loss"][1])
         if "labels" in host:

@@ -289,7 +289,7 @@ def test_the_first_snapshot_is_taken_at_the_end_of_the_warmup(tmp_path: Path) ->
 def test_loss_only_guard_skips_the_gradient_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """grad_norm_threshold=None: the loss alone is judged (its jump is 1.8x: min_ratio 1.5) and the
     gradients are never read."""
-    import lightning_gradguard.monitors.spike.callback as module
+    import lightning_gradguard.monitors.spike.step as module
 
     calls: list[int] = []
     real = module.step_stats
@@ -459,7 +459,11 @@ def test_resume_restores_windows_counters_and_records(tmp_path: Path) -> None:
     _fit(first, guard, tmp_path / "run1", n=128, max_epochs=2, enable_checkpointing=True, callbacks=[ckpts])
     assert [(r.step, r.epoch, r.batch_idx) for r in guard.records] == [(12, 0, [12]), (20, 1, [4])]
     path = tmp_path / "ckpt" / "epoch=0-step=16.ckpt"
-    assert "LossSpikeGuard{}" in torch.load(path, weights_only=False)["callbacks"]
+    saved = torch.load(path, weights_only=False)["callbacks"]["LossSpikeGuard{}"]
+    assert saved["counters"] == {
+        "skipped_steps": 1, "rollbacks": 0, "streak": 0, "judged": 16, "cooldown_left": 0, "calm": 3
+    }  # fmt: skip
+    assert saved["probation"] is False and saved["step"] == {"full": 8}
 
     resumed = LossSpikeGuard(action="skip", **THRESHOLDS)
     probe = GuardState(resumed)

@@ -1,4 +1,5 @@
-"""The spike math (functional.spikes) and spikes.json (callbacks.spike_records) against hand computations."""
+"""The spike score (functional.spikes), LossSpikeGuard's rules and alert wording (monitors.spike.rules) and
+spikes.json (monitors.spike.records) against hand computations."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from lightning_gradguard.monitors.spike.records import (
     read_skip_batches,
     write_spikes,
 )
-from lightning_gradguard.monitors.spike.rules import escalated_action, snapshot_due
+from lightning_gradguard.monitors.spike.rules import SPIKE_HINTS, escalated_action, snapshot_due, spike_alert
 
 
 def _hand_score(value: float, window: list[float], log: bool) -> tuple[float, float]:
@@ -162,3 +163,17 @@ def test_snapshot_due_at_warmup_end_then_every_n_and_after_a_held_rollback() -> 
         130,
         140,
     ]
+
+
+def test_spike_alert_says_the_numbers_the_streak_and_the_action() -> None:
+    scores = {"loss": _score(3.0, 1.0, 9.0), "grad_norm": _score(40.0, 2.0, 12.5)}
+    values = {"loss": 3.0, "grad_norm": 40.0}
+    alert = spike_alert(step=7, action="rollback", values=values, scores=scores, streak=2)
+    assert alert.message == (
+        "Spike at step 7: loss 3 is 3x the recent median 1 (robust z-score 9.0); "
+        "grad norm 40 is 20x the recent median 2 (robust z-score 12.5); 2 spikes in a row. Action: rollback."
+    )
+    assert (alert.severity, alert.hint) == ("warning", SPIKE_HINTS["rollback"])
+    assert alert.data == {"loss_zscore": 9.0, "grad_norm_zscore": 12.5, "streak": 2.0}
+    first = spike_alert(step=3, action="raise", values=values, scores={"loss": scores["loss"]}, streak=1)
+    assert first.severity == "error" and "in a row" not in first.message and first.message.endswith("raise.")

@@ -5,12 +5,18 @@ LossSpikeGuard
 Catches a spike of the training loss or of the gradient norm before the optimizer applies it, and
 recovers: warn, skip the update, roll back to a recent snapshot, or raise; escalating while spikes keep
 coming, so that a real divergence is not skipped forever.
+
+The callback holds the hooks, the windows, the counters and its checkpoint state, and logs the ``spike/*``
+scalars. What a step gathers and reads is :mod:`~lightning_gradguard.monitors.spike.step`, the escalation
+and the alert's words :mod:`~lightning_gradguard.monitors.spike.rules`, ``spikes.json``
+:mod:`~lightning_gradguard.monitors.spike.records`, the score :mod:`lightning_gradguard.functional.spikes`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -18,30 +24,42 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradguard.alerts import LossSpikeError
+from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import GradGuardCallback
-from lightning_gradguard.core.cadence import optimizer_index
+from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.lr import rescale_learning_rates
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.snapshot import TrainingSnapshot, rollback_point
-from lightning_gradguard.core.stats import active_scaler, step_stats
-from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_choice, check_float, check_int, check_path
-from lightning_gradguard.functional.spikes import (
-    SpikeScore,
-    is_spike,
-    spike_score,
-)
-from lightning_gradguard.monitors.spike.records import (
-    SpikeRecord,
-    StepInputs,
-    log_spike_scalars,
-    read_skip_batches,
-    record_spike,
-    spike_alert,
-)
-from lightning_gradguard.monitors.spike.rules import escalated_action, snapshot_due
+from lightning_gradguard.functional.spikes import SpikeScore, is_spike, spike_score
+from lightning_gradguard.monitors.spike.records import SpikeRecord, read_skip_batches, record_spike
+from lightning_gradguard.monitors.spike.rules import escalated_action, snapshot_due, spike_alert
+from lightning_gradguard.monitors.spike.step import StepInputs, read_step_values
 
 __all__ = ["LossSpikeGuard"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Judged:
+    """One step scored against its windows.
+
+    Attributes:
+        batches: the batch indices of its micro-batches.
+        values: its host values by name (``"loss"``, ``"grad_norm"``), judged or not.
+        scores: the judged values' scores against their windows.
+        suffix: whose windows and streak: ``""``, or under manual optimization ``"@<optimizer index>"``.
+        spike: whether the windows were warm and a score made a spike.
+    """
+
+    batches: list[int]
+    values: dict[str, float]
+    scores: dict[str, SpikeScore]
+    suffix: str
+    spike: bool
+
+    @property
+    def manual(self) -> bool:
+        return bool(self.suffix)
 
 
 class LossSpikeGuard(GradGuardCallback):
@@ -71,7 +89,8 @@ class LossSpikeGuard(GradGuardCallback):
         lr_cooldown_factor: after a rollback, multiply the learning rate by this (``None``: unchanged).
         lr_cooldown_steps: how many applied updates the lower learning rate lasts.
         skip_batches_path: a ``spikes.json`` of an earlier run whose batches are skipped again.
-        cooldown_steps: minimum steps between two alerts of the same kind and place.
+        cooldown_steps: minimum steps between two alerts of the same kind and place. ``0`` by default:
+            every spike is an intervention whose alert must be reported.
 
     Example::
 
@@ -124,6 +143,7 @@ class LossSpikeGuard(GradGuardCallback):
         self.lr_cooldown_steps: int = check_int("lr_cooldown_steps", lr_cooldown_steps, 1)
         self.skip_batches_path: str | None = check_path("skip_batches_path", skip_batches_path)
         self._skip: set[tuple[int, int]] = set()
+        self._step = StepInputs()
         self._reset()
 
     def _reset(self) -> None:
@@ -139,7 +159,7 @@ class LossSpikeGuard(GradGuardCallback):
     def _forget(self) -> None:
         """What lives within one fit only: the rollback point and the step being gathered."""
         self._snapshot: TrainingSnapshot | None = None
-        self._step = StepInputs(getattr(getattr(self, "_step", None), "full", 0))
+        self._step.clear()  # keeps `full`, the most samples a step has had
         self._outcome: str | None = None  # this step: "calm", "applied" (a warned spike) or "dropped"
 
     @override
@@ -179,80 +199,27 @@ class LossSpikeGuard(GradGuardCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         manual = not pl_module.automatic_optimization
-        scale = getattr(active_scaler(trainer), "_scale", None)  # 16-mixed: backward got the loss x scale
-        loss, batches, replay, short = self._step.take(trainer.accumulate_grad_batches, scale, manual)
+        step = self._step.take(trainer, manual)
         self._outcome = "applied"
-        transfer = HostTransfer()
-        judged_loss = loss if loss is not None and not manual else None
-        if self.grad_norm_threshold is not None or judged_loss is None:  # the shared statistics pass
-            stats = step_stats(trainer, pl_module, optimizer)  # DeepSpeed: none (then the loss alone)
-            if stats.unsupported is None or judged_loss is None:
-                transfer.add_norms(
-                    "grad_norm", total := stats.grad_total(2.0)
-                )  # sharded: summed in the fetch
-                anchor = total.values
-        if judged_loss is not None:
-            transfer.add("loss", anchor := judged_loss)
-        transfer.add("short", anchor.new_full((1,), float(short)))  # any rank's: every rank passes alike
-        host = transfer.fetch(trainer, reduce_op="mean")  # the one transfer (and collective) of the step
-        values = {k: float(v) for k, v in host.items() if k != "short"}
-        if replay:  # a batch an earlier run recorded: its update is dropped again, unjudged
-            skip_update(trainer, optimizer, "loss_spike")
-            self._outcome = "dropped"
-            self.skipped_steps += 1
-            record_spike(trainer, self.records, batches=batches, values=values, scores={}, action="replayed")
-            return
-        if not all(math.isfinite(v) for v in values.values()):
+        read = read_step_values(
+            trainer,
+            pl_module,
+            optimizer,
+            loss=None if manual else step.loss,  # manual: no telling which optimizer a loss belongs to
+            grad_norm=self.grad_norm_threshold is not None,
+            short=step.short,
+        )  # the one transfer (and collective) of the step, on every path
+        if step.replay:  # a batch an earlier run recorded: its update is dropped again, unjudged
+            self._drop_replayed(trainer, optimizer, step.batches, read.values)
+        elif not read.finite:
             self._outcome = "dropped"  # NaN/inf: the GradScaler's skip or NaNSentinel's finding, no spike
-            return
-        if float(host["short"]) > 0:
-            return
-        suffix = f"@{optimizer_index(trainer, optimizer)}" if manual else ""
-        thresholds = {"loss": self.loss_threshold, "grad_norm": self.grad_norm_threshold}
-        judged = {k: v for k, v in values.items() if thresholds[k] is not None}
-        windows = {k: self.windows.setdefault(k + suffix, deque(maxlen=self.window)) for k in judged}
-        scores = {k: spike_score(v, windows[k]) for k, v in judged.items()}
-        self.last_scores = scores
-        self.judged += 1
-        warm = all(len(w) >= min(self.warmup_steps, self.window) for w in windows.values())
-        spike = warm and any(is_spike(scores[k], thresholds[k] or 0.0, self.min_ratio) for k in judged)
-        if not spike:
-            for k, v in judged.items():
-                windows[k].append(v)
-            self.calm += 1
-            if manual:
-                self.manual_streaks[suffix] = 0
-            elif not self.probation:  # after a rollback the streak lasts until the run earns a new snapshot
-                self.streak = 0
-            self._outcome = "calm"
-            log_spike_scalars(trainer, scores, self.skipped_steps, self.rollbacks, force=False)
-            return
-        if manual:
-            streak = self.manual_streaks[suffix] = self.manual_streaks.get(suffix, 0) + 1
-        else:
-            self.streak, self.calm = self.streak + 1, 0
-            streak = self.streak
-        can_roll_back = self._snapshot is not None and not manual
-        action = escalated_action(self.action, streak, self.patience, can_roll_back)
-        self.skipped_steps += action != "warn"
-        record_spike(trainer, self.records, batches=batches, values=values, scores=scores, action=action)
-        log_spike_scalars(trainer, scores, self.skipped_steps, self.rollbacks, force=True)
-        self.report(
-            trainer, "loss_spike", *spike_alert(int(trainer.global_step), action, values, scores, streak)
-        )
-        if action == "raise":
-            raise LossSpikeError(self.alerts[-1].format() if self.alerts else "loss spike", self.alerts[-1:])
-        if action == "rollback" and self._snapshot is not None:
-            self._snapshot.restore(mid_step=True)  # taken outside any cool-down: the schedule's own LRs
-            self.rollbacks += 1
-            self.probation = True
-            if self.lr_cooldown_factor is not None:
-                factor = self.lr_cooldown_factor
-                rescale_learning_rates(trainer, optimizer, lambda v: v * factor)
-                self.cooldown_left = self.lr_cooldown_steps
-        if action in ("skip", "rollback"):
-            skip_update(trainer, optimizer, "loss_spike")
-            self._outcome = "dropped"
+        elif not read.short:
+            suffix = f"@{optimizer_index(trainer, optimizer)}" if manual else ""
+            judged = self._judge(step.batches, read.values, suffix)
+            if judged.spike:
+                self._on_spike(trainer, optimizer, judged)
+            else:
+                self._on_calm(trainer, judged)
 
     @override
     def on_train_batch_end(
@@ -260,39 +227,176 @@ class LossSpikeGuard(GradGuardCallback):
     ) -> None:
         outcome, self._outcome = self._outcome, None
         if not pl_module.automatic_optimization:
-            self._step.clear()
-        if outcome is None or not pl_module.automatic_optimization:
+            self._step.clear()  # the batch's optimizers have all stepped
             return
-        if self.cooldown_left and self.lr_cooldown_factor is not None and outcome != "dropped":
-            self.cooldown_left -= 1
-            if self.cooldown_left == 0:  # the cool-down is over: the schedule's own learning rate again
-                factor = self.lr_cooldown_factor
-                rescale_learning_rates(trainer, trainer.optimizers[0], lambda v: v / factor)
-        every = self.snapshot_every_n_steps
-        have = self._snapshot is not None  # not in a checkpoint: a resumed run takes one at once
-        due = snapshot_due(
-            self.judged, self.warmup_steps, every, self.streak, self.calm, self.probation, have
-        )
-        if outcome == "calm" and not self.cooldown_left and due:
+        if outcome is None:
+            return
+        if outcome != "dropped":
+            self._count_down_lr(trainer)
+        if outcome == "calm" and not self.cooldown_left and self._snapshot_due():
             self._snapshot = rollback_point(pl_module, trainer, self.snapshot_device)
             self.streak, self.probation = 0, False
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ one step
+    def _judge(self, batches: list[int], values: dict[str, float], suffix: str) -> _Judged:
+        """Score the judged values against their windows; a spike needs warm windows."""
+        thresholds = {"loss": self.loss_threshold, "grad_norm": self.grad_norm_threshold}
+        scores: dict[str, SpikeScore] = {}
+        warm = True
+        for key, value in values.items():
+            if thresholds[key] is None:
+                continue
+            window = self.windows.setdefault(key + suffix, deque(maxlen=self.window))
+            scores[key] = spike_score(value, window)
+            warm &= len(window) >= min(self.warmup_steps, self.window)
+        self.last_scores = scores
+        self.judged += 1
+        spike = warm and any(
+            is_spike(score, thresholds[key] or 0.0, self.min_ratio) for key, score in scores.items()
+        )
+        return _Judged(batches=batches, values=values, scores=scores, suffix=suffix, spike=spike)
+
+    def _on_calm(self, trainer: pl.Trainer, judged: _Judged) -> None:
+        """A healthy step: its values join their windows and the streak ends (not while on probation)."""
+        for key, score in judged.scores.items():
+            self.windows[key + judged.suffix].append(score.value)
+        self.calm += 1
+        if judged.manual:
+            self.manual_streaks[judged.suffix] = 0
+        elif not self.probation:  # after a rollback the streak lasts until the run earns a new snapshot
+            self.streak = 0
+        self._outcome = "calm"
+        self._log_scalars(trainer, judged.scores, force=False)
+
+    def _on_spike(self, trainer: pl.Trainer, optimizer: Any, judged: _Judged) -> None:
+        """A spike: one more in its streak, the action that streak has escalated to, a record, an alert,
+        and the action carried out."""
+        streak = self._lengthen_streak(judged)
+        can_roll_back = self._snapshot is not None and not judged.manual
+        action = escalated_action(self.action, streak, self.patience, can_roll_back)
+        self.skipped_steps += action != "warn"
+        record_spike(
+            trainer,
+            self.records,
+            batches=judged.batches,
+            values=judged.values,
+            scores=judged.scores,
+            action=action,
+        )
+        self._log_scalars(trainer, judged.scores, force=True)
+        alert = spike_alert(
+            step=int(trainer.global_step),
+            action=action,
+            values=judged.values,
+            scores=judged.scores,
+            streak=streak,
+        )
+        self.report(trainer, "loss_spike", alert.severity, None, alert.message, alert.hint, alert.data)
+        self._act(trainer, optimizer, action)
+
+    def _lengthen_streak(self, judged: _Judged) -> int:
+        """The spike's place in its streak: the optimizer's own under manual optimization, else the run's
+        (which also ends the calm)."""
+        if judged.manual:
+            self.manual_streaks[judged.suffix] = self.manual_streaks.get(judged.suffix, 0) + 1
+            return self.manual_streaks[judged.suffix]
+        self.streak, self.calm = self.streak + 1, 0
+        return self.streak
+
+    def _act(self, trainer: pl.Trainer, optimizer: Any, action: str) -> None:
+        """Raise; or roll back and drop the update; or drop it; or (``"warn"``) let it be applied."""
+        if action == "raise":
+            raise LossSpikeError(self.alerts[-1].format() if self.alerts else "loss spike", self.alerts[-1:])
+        if action == "rollback" and self._snapshot is not None:
+            self._roll_back(trainer, optimizer, self._snapshot)
+        if action in ("skip", "rollback"):
+            skip_update(trainer, optimizer, "loss_spike")
+            self._outcome = "dropped"
+
+    def _roll_back(self, trainer: pl.Trainer, optimizer: Any, snapshot: TrainingSnapshot) -> None:
+        """Restore the rollback point, go on probation and start the LR cool-down (when one is set)."""
+        snapshot.restore(mid_step=True)  # taken outside any cool-down: the schedule's own LRs
+        self.rollbacks += 1
+        self.probation = True
+        if self.lr_cooldown_factor is not None:
+            factor = self.lr_cooldown_factor
+            rescale_learning_rates(trainer, optimizer, lambda v: v * factor)
+            self.cooldown_left = self.lr_cooldown_steps
+
+    def _drop_replayed(
+        self, trainer: pl.Trainer, optimizer: Any, batches: list[int], values: dict[str, float]
+    ) -> None:
+        """Drop the update of a step whose batch an earlier run's ``spikes.json`` names, and record it."""
+        skip_update(trainer, optimizer, "loss_spike")
+        self._outcome = "dropped"
+        self.skipped_steps += 1
+        record_spike(trainer, self.records, batches=batches, values=values, scores={}, action="replayed")
+
+    def _count_down_lr(self, trainer: pl.Trainer) -> None:
+        """One applied update of the LR cool-down less; at its end, the schedule's own learning rate."""
+        if not self.cooldown_left or self.lr_cooldown_factor is None:
+            return
+        self.cooldown_left -= 1
+        if self.cooldown_left == 0:
+            factor = self.lr_cooldown_factor
+            rescale_learning_rates(trainer, trainer.optimizers[0], lambda v: v / factor)
+
+    def _snapshot_due(self) -> bool:
+        """Whether a calm step that ended outside a cool-down is followed by a new rollback point."""
+        return snapshot_due(
+            self.judged,
+            self.warmup_steps,
+            self.snapshot_every_n_steps,
+            streak=self.streak,
+            calm=self.calm,
+            probation=self.probation,
+            have=self._snapshot is not None,  # not in a checkpoint: a resumed run takes one at once
+        )
+
+    def _log_scalars(self, trainer: pl.Trainer, scores: dict[str, SpikeScore], force: bool) -> None:
+        """``spike/*`` on Lightning's logging steps (and, with ``force``, at a spike): z-scores, counters."""
+        at = log_step(trainer)
+        if not (force or on_logging_step(at, logging_interval(trainer))):
+            return
+        metrics = {f"spike/{k}_zscore": s.zscore for k, s in scores.items() if math.isfinite(s.zscore)}
+        metrics |= {
+            "spike/skipped_steps": float(self.skipped_steps),
+            "spike/rollbacks": float(self.rollbacks),
+        }
+        _emit.log_scalars(trainer, metrics, at)
+
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        windows, records = {k: list(v) for k, v in self.windows.items()}, [r.to_dict() for r in self.records]
-        counters = [self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left]
-        counters += [self.calm, int(self.probation), self._step.full]
-        extra = {"manual_streaks": dict(self.manual_streaks)}
-        return super().state_dict() | {"windows": windows, "records": records, "counters": counters} | extra
+        counters = {
+            "skipped_steps": self.skipped_steps,
+            "rollbacks": self.rollbacks,
+            "streak": self.streak,
+            "judged": self.judged,
+            "cooldown_left": self.cooldown_left,
+            "calm": self.calm,
+        }
+        return super().state_dict() | {
+            "windows": {k: list(v) for k, v in self.windows.items()},
+            "records": [r.to_dict() for r in self.records],
+            "counters": counters,
+            "probation": self.probation,
+            "manual_streaks": dict(self.manual_streaks),
+            "step": self._step.state_dict(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.windows = {k: deque(v, maxlen=self.window) for k, v in state_dict.get("windows", {}).items()}
         self.records = [SpikeRecord(**r) for r in state_dict.get("records", [])]
-        counters = [int(c) for c in state_dict.get("counters", [])] + [0] * 8  # an older state: fewer
-        self.skipped_steps, self.rollbacks, self.streak, self.judged, self.cooldown_left = counters[:5]
-        self.calm, self.probation, self._step.full = counters[5], bool(counters[6]), counters[7]
+        counters = {k: int(v) for k, v in state_dict.get("counters", {}).items()}
+        self.skipped_steps = counters.get("skipped_steps", 0)
+        self.rollbacks = counters.get("rollbacks", 0)
+        self.streak = counters.get("streak", 0)
+        self.judged = counters.get("judged", 0)
+        self.cooldown_left = counters.get("cooldown_left", 0)
+        self.calm = counters.get("calm", 0)
+        self.probation = bool(state_dict.get("probation", False))
         self.manual_streaks = {k: int(v) for k, v in state_dict.get("manual_streaks", {}).items()}
+        self._step.load_state_dict(state_dict.get("step", {}))

@@ -6,6 +6,9 @@ from an earlier checkpoint, or the same run resumed) given the file as ``skip_ba
 updates of the steps that contain those batches again, so the batches that spiked never reach the
 weights. Batches are named by ``(epoch, batch index)``: the data order must be the same (a seeded
 sampler), as for Lightning's ``exclude_batches_path``.
+
+:class:`SpikeRecord` is one entry; :func:`record_spike` appends a step's record and rewrites the file
+(:func:`write_spikes`); :func:`read_skip_batches` reads back the batches a later run drops again.
 """
 
 from __future__ import annotations
@@ -16,26 +19,12 @@ import os
 from dataclasses import asdict, dataclass, field
 
 import lightning.pytorch as pl
-from torch import Tensor
 
-from lightning_gradguard.alerts import Severity
 from lightning_gradguard.core import emit as _emit
-from lightning_gradguard.core.batch import batch_size_of
-from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.functional.spikes import SpikeScore
-from lightning_gradguard.monitors.spike.rules import explain_spike
 
-__all__ = [
-    "FORMAT",
-    "SpikeRecord",
-    "StepInputs",
-    "log_spike_scalars",
-    "read_skip_batches",
-    "record_spike",
-    "spike_alert",
-    "write_spikes",
-]
+__all__ = ["FORMAT", "SpikeRecord", "read_skip_batches", "record_spike", "write_spikes"]
 
 #: the ``format`` field of the file
 FORMAT = "lightning_gradguard.spikes/1"
@@ -129,77 +118,3 @@ def record_spike(
             write_spikes(os.path.join(_emit.log_dir(trainer), "spikes.json"), records)
         except OSError as err:  # a read-only log dir loses the file, never the run
             warn_once(trainer, "spikes_json", f"LossSpikeGuard could not write spikes.json: {err}")
-
-
-def log_spike_scalars(
-    trainer: pl.Trainer, scores: dict[str, SpikeScore], skipped: int, rollbacks: int, force: bool
-) -> None:
-    """``spike/*`` on Lightning's logging steps (and, with ``force``, at a spike): z-scores and counters."""
-    at = log_step(trainer)
-    if not (force or on_logging_step(at, logging_interval(trainer))):
-        return
-    metrics = {f"spike/{k}_zscore": s.zscore for k, s in scores.items() if math.isfinite(s.zscore)}
-    metrics |= {"spike/skipped_steps": float(skipped), "spike/rollbacks": float(rollbacks)}
-    _emit.log_scalars(trainer, metrics, at)
-
-
-class StepInputs:
-    """What LossSpikeGuard gathers of one optimizer step's micro-batches before judging it.
-
-    Their batch indices (and whether an earlier run's ``spikes.json`` names one of them), their samples,
-    whether the last is the epoch's last batch, and the sum of their losses as Lightning gives them to
-    ``on_before_backward`` (divided by ``accumulate_grad_batches``, times the GradScaler's scale).
-    """
-
-    def __init__(self, full: int = 0) -> None:
-        self.full = full  # the most samples a step has had (a partial last batch has fewer)
-        self.clear()
-
-    def clear(self) -> None:
-        self.batches: list[int] = []
-        self.replay = self.last = False
-        self.samples = self.micro = 0
-        self.loss: Tensor | None = None
-
-    def add_batch(
-        self, trainer: pl.Trainer, batch: object, batch_idx: int, skip: set[tuple[int, int]]
-    ) -> None:
-        self.batches.append(batch_idx)
-        self.replay |= (int(trainer.current_epoch), batch_idx) in skip
-        self.samples += batch_size_of(batch) or 0
-        self.last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-
-    def add_loss(self, loss: Tensor) -> None:
-        value = loss.detach().float().reshape(())
-        self.loss = value if self.loss is None else self.loss + value
-        self.micro += 1
-
-    def take(
-        self, accumulate: int, scale: float | None, manual: bool
-    ) -> tuple[Tensor | None, list[int], bool, bool]:
-        """At the optimizer step: the micro-batches' mean loss (also over a last accumulation window cut
-        short, and unscaled), their batch indices, whether one is replayed, whether the step is a partial
-        last batch of the epoch under half the usual samples (noisier by sqrt(full / samples)).
-
-        Under manual optimization a batch's optimizers share its batch indices: cleared at its end.
-        """
-        loss = None
-        if self.loss is not None and self.micro:
-            loss = self.loss * (accumulate / self.micro) / (1.0 if scale is None else scale)
-        short = self.last and 0 < self.samples < self.full / 2
-        self.full = max(self.full, self.samples)
-        out = (loss, [*self.batches], self.replay, short)
-        self.loss, self.micro = None, 0
-        if not manual:
-            self.clear()
-        return out
-
-
-def spike_alert(
-    step: int, action: str, values: dict[str, float], scores: dict[str, SpikeScore], streak: int
-) -> tuple[Severity, None, str, str, dict[str, float]]:
-    """The ``loss_spike`` alert's severity, place (none), message, hint and data."""
-    message, hint = explain_spike(step, action, values, scores, streak)
-    data = {f"{k}_zscore": s.zscore for k, s in scores.items()} | {"streak": float(streak)}
-    severity: Severity = "error" if action == "raise" else "warning"
-    return severity, None, message, hint, data

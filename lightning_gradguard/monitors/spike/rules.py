@@ -1,13 +1,19 @@
-"""LossSpikeGuard's policy: how a run of spikes escalates, when a rollback point is due, and a spike in words.
+"""LossSpikeGuard's rules and their wording: escalation, rollback points, the ``loss_spike`` alert.
 
-The score of one value against its window is :mod:`lightning_gradguard.functional.spikes`.
+:func:`escalated_action` is how a run of spikes climbs ``skip -> rollback -> raise``; :func:`snapshot_due`
+says when a rollback point is taken; :func:`spike_alert` puts a spike into words (:class:`SpikeAlert`,
+with :data:`SPIKE_HINTS`). Whether a value is a spike at all is the pure score of
+:mod:`lightning_gradguard.functional.spikes`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from lightning_gradguard.alerts import Severity
 from lightning_gradguard.functional.spikes import SpikeScore
 
-__all__ = ['ESCALATION', 'SPIKE_HINTS', 'escalated_action', 'explain_spike', 'snapshot_due']
+__all__ = ["ESCALATION", "SPIKE_HINTS", "SpikeAlert", "escalated_action", "snapshot_due", "spike_alert"]
 
 
 #: what a run of spikes escalates through, mildest first ("warn" never escalates)
@@ -54,14 +60,36 @@ SPIKE_HINTS = {
 }
 
 
-def explain_spike(
-    step: int, action: str, values: dict[str, float], scores: dict[str, SpikeScore], streak: int
-) -> tuple[str, str]:
-    """The alert's message (what was seen, with the numbers) and hint (what was done, what to try)."""
+@dataclass(frozen=True, kw_only=True)
+class SpikeAlert:
+    """The ``loss_spike`` alert of one spike (it names no place: the whole step spiked).
+
+    Attributes:
+        severity: ``"error"`` when the spike raises, else ``"warning"``.
+        message: what was seen, with the numbers.
+        hint: what was done, and what to try.
+        data: each judged value's z-score (``<name>_zscore``) and the ``streak``.
+    """
+
+    severity: Severity
+    message: str
+    hint: str
+    data: dict[str, float]
+
+
+def spike_alert(
+    *, step: int, action: str, values: dict[str, float], scores: dict[str, SpikeScore], streak: int
+) -> SpikeAlert:
+    """The alert of the ``streak``-th spike in a row, at ``step``, that got ``action``."""
     parts = [
         f"{k.replace('_', ' ')} {values[k]:.4g} is {s.ratio:.3g}x the recent median {s.level:.4g} "
         f"(robust z-score {s.zscore:.1f})"
         for k, s in scores.items()
     ]
     run = f"; {streak} spikes in a row" if streak > 1 else ""
-    return f"Spike at step {step}: " + "; ".join(parts) + f"{run}. Action: {action}.", SPIKE_HINTS[action]
+    return SpikeAlert(
+        severity="error" if action == "raise" else "warning",
+        message=f"Spike at step {step}: " + "; ".join(parts) + f"{run}. Action: {action}.",
+        hint=SPIKE_HINTS[action],
+        data={f"{k}_zscore": s.zscore for k, s in scores.items()} | {"streak": float(streak)},
+    )

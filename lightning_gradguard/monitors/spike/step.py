@@ -1,0 +1,153 @@
+"""What LossSpikeGuard gathers of one optimizer step, and the step's numbers read in one transfer.
+
+:class:`StepInputs` follows the micro-batches of the step being run: their batch indices (and whether an
+earlier run's ``spikes.json`` names one of them), their samples, whether the last is the epoch's last
+batch, and the sum of their losses as Lightning hands them to ``on_before_backward``. At the optimizer
+step :meth:`StepInputs.take` hands them over as a :class:`GatheredStep`. :func:`read_step_values` then
+brings the step's loss and total gradient norm (the shared statistics pass) to the host as
+:class:`StepValues`: one all-reduce (the mean over the ranks) and one device -> host transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from lightning_gradguard.core.batch import batch_size_of
+from lightning_gradguard.core.stats import active_scaler, step_stats
+from lightning_gradguard.core.transfer import HostTransfer
+
+__all__ = ["GatheredStep", "StepInputs", "StepValues", "read_step_values"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatheredStep:
+    """What one optimizer step's micro-batches left, at the optimizer step.
+
+    Attributes:
+        loss: their mean loss (also over a last accumulation window cut short), unscaled (16-mixed);
+            ``None`` when no loss went through ``on_before_backward``. Still on the device.
+        batches: their batch indices.
+        replay: whether an earlier run's ``spikes.json`` names one of them.
+        short: whether the step is a partial last batch of the epoch with under half the usual samples
+            (its numbers are noisier by sqrt(full / samples): it is not judged).
+    """
+
+    loss: Tensor | None
+    batches: list[int]
+    replay: bool
+    short: bool
+
+
+class StepInputs:
+    """Gathers the micro-batches of the optimizer step being run (see :class:`GatheredStep`).
+
+    ``full``, the most samples a step has had, outlives the steps (and the fits): a partial last batch is
+    measured against it. It is in the checkpoint (:meth:`state_dict`).
+    """
+
+    def __init__(self) -> None:
+        self.full = 0
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the step being gathered (``full`` stays)."""
+        self.batches: list[int] = []
+        self.replay = self.last = False
+        self.samples = self.micro = 0
+        self.loss: Tensor | None = None
+
+    def add_batch(
+        self, trainer: pl.Trainer, batch: object, batch_idx: int, skip: set[tuple[int, int]]
+    ) -> None:
+        """A micro-batch starts; ``skip`` holds the ``(epoch, batch index)`` pairs to drop again."""
+        self.batches.append(batch_idx)
+        self.replay |= (int(trainer.current_epoch), batch_idx) in skip
+        self.samples += batch_size_of(batch) or 0
+        self.last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+    def add_loss(self, loss: Tensor) -> None:
+        """A micro-batch's loss as Lightning gives it to ``backward`` (divided by
+        ``accumulate_grad_batches``, times the GradScaler's scale under 16-mixed)."""
+        value = loss.detach().float().reshape(())
+        self.loss = value if self.loss is None else self.loss + value
+        self.micro += 1
+
+    def take(self, trainer: pl.Trainer, manual: bool) -> GatheredStep:
+        """At the optimizer step: what its micro-batches left; the losses are cleared for the next one.
+
+        Under manual optimization a batch's optimizers share its batch indices: they are cleared at the
+        batch's end (:meth:`clear`), not here.
+        """
+        scale = getattr(active_scaler(trainer), "_scale", None)  # 16-mixed: backward got the loss x scale
+        loss = None
+        if self.loss is not None and self.micro:  # each micro-batch's loss came divided by `accumulate`
+            mean = self.loss * (trainer.accumulate_grad_batches / self.micro)
+            loss = mean if scale is None else mean / scale
+        short = self.last and 0 < self.samples < self.full / 2
+        self.full = max(self.full, self.samples)
+        gathered = GatheredStep(loss=loss, batches=[*self.batches], replay=self.replay, short=short)
+        self.loss, self.micro = None, 0
+        if not manual:
+            self.clear()
+        return gathered
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"full": self.full}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.full = int(state.get("full", 0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepValues:
+    """The step's numbers on the host, the mean over the ranks.
+
+    Attributes:
+        values: by name: ``"loss"`` (when it was read) and ``"grad_norm"`` (the total gradient norm before
+            clipping, when it was read).
+        short: whether any rank's step was a short last batch (then no rank judges it).
+    """
+
+    values: dict[str, float]
+    short: bool
+
+    @property
+    def finite(self) -> bool:
+        """Whether every value is finite (NaN/inf: the GradScaler's skip or NaNSentinel's finding)."""
+        return all(math.isfinite(v) for v in self.values.values())
+
+
+def read_step_values(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    optimizer: Any,
+    *,
+    loss: Tensor | None,
+    grad_norm: bool,
+    short: bool,
+) -> StepValues:
+    """The step's ``loss`` (``None``: not read) and, when ``grad_norm`` or without a loss, its total
+    gradient norm, with the ``short`` flag: one transfer, the step's one collective.
+
+    Under DeepSpeed the statistics pass measures nothing: with a loss, the loss alone is read. Every path
+    reads at least one tensor, which places the flag on the step's device.
+    """
+    transfer = HostTransfer()
+    if grad_norm or loss is None:  # the shared statistics pass
+        stats = step_stats(trainer, pl_module, optimizer)
+        if stats.unsupported is None or loss is None:
+            total = stats.grad_total(2.0)
+            transfer.add_norms("grad_norm", total)  # sharded: summed in the fetch
+            anchor = total.values
+    if loss is not None:
+        transfer.add("loss", loss)
+        anchor = loss
+    transfer.add("short", anchor.new_full((1,), float(short)))  # any rank's: every rank passes alike
+    host = transfer.fetch(trainer, reduce_op="mean")
+    values = {k: float(v) for k, v in host.items() if k != "short"}
+    return StepValues(values=values, short=float(host["short"]) > 0)

@@ -169,9 +169,27 @@ _SECTIONS: list[tuple[str, Callable[[RunData], bytes | None], str]] = [
 ]
 
 
+#: the columns of the spike and alert tables (the first 200 spikes, the first 500 alerts)
+_SPIKE_KEYS = ["step", "epoch", "batch_idx", "loss", "loss_zscore", "grad_norm", "grad_norm_zscore", "action"]
+_ALERT_KEYS = ["step", "severity", "kind", "source", "where", "message", "hint"]
+
+
 def render_html(run: RunData) -> str:
     """The whole page."""
     parts = [
+        *_head(run),
+        _verdict_table(run),
+        *_nan_reports(run),
+        *_figures(run),
+        *_records(run),
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def _head(run: RunData) -> list[str]:
+    """The document head, the title and the line that says which run this is."""
+    return [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>gradguard report: {html.escape(os.path.basename(run.path) or run.path)}</title>",
         f"<style>{_CSS}</style></head><body>",
@@ -179,45 +197,55 @@ def render_html(run: RunData) -> str:
         f"{len(run.alerts)} alert(s). Made {datetime.datetime.now():%Y-%m-%d %H:%M}.</p>",
         "<h2>Verdict per monitor</h2>",
     ]
-    rows = []
-    for v in verdicts(run):
-        first = v.first or {}
-        found = ""
-        if first:
-            where = f" ({first['where']})" if first.get("where") else ""
-            found = f"[{first.get('severity')}] {first.get('kind')}{where} at step {first.get('step')}: "
-            found += str(first.get("message"))
-        rows.append((v, found, first.get("hint", "")))
-    table = "".join(
+
+
+def _first_alert(first: dict[str, Any]) -> str:
+    """The verdict table's "first alert" cell: severity, kind, place, step and message."""
+    if not first:
+        return ""
+    where = f" ({first['where']})" if first.get("where") else ""
+    head = f"[{first.get('severity')}] {first.get('kind')}{where} at step {first.get('step')}"
+    return f"{head}: {first.get('message')}"
+
+
+def _verdict_table(run: RunData) -> str:
+    """One row per monitor that left a trace: its verdict, alert count, first alert and that alert's hint."""
+    rows = [
         f"<tr><td>{html.escape(v.monitor)}</td><td class='{v.status}'>{v.status}</td><td>{v.alerts}</td>"
-        f"<td>{html.escape(found)}</td><td>{html.escape(hint)}</td></tr>"
-        for v, found, hint in rows
-    )
-    parts.append(
+        f"<td>{html.escape(_first_alert(v.first or {}))}</td>"
+        f"<td>{html.escape((v.first or {}).get('hint', ''))}</td></tr>"
+        for v in verdicts(run)
+    ]
+    if not rows:
+        return "<p>No GradGuard monitor left a trace in this run.</p>"
+    return (
         "<table><tr><th>monitor</th><th>verdict</th><th>alerts</th><th>first alert</th><th>hint</th></tr>"
-        f"{table}</table>"
-        if rows
-        else "<p>No GradGuard monitor left a trace in this run.</p>"
+        f"{''.join(rows)}</table>"
     )
+
+
+def _nan_reports(run: RunData) -> list[str]:
+    """A heading and a one-row table per NaN report."""
+    parts = []
     for report in run.nan_reports:
         origin = report.get("origin") or {}
+        row = [
+            report.get("kind"),
+            report.get("step"),
+            report.get("epoch"),
+            report.get("batch_idx"),
+            origin.get("module", origin.get("where", "")),
+            origin.get("op", ""),
+            report.get("folder"),
+        ]
         parts.append("<h2>NaN report</h2>")
-        parts.append(
-            _table(
-                ["kind", "step", "epoch", "batch", "origin", "op", "folder"],
-                [
-                    [
-                        report.get("kind"),
-                        report.get("step"),
-                        report.get("epoch"),
-                        report.get("batch_idx"),
-                        origin.get("module", origin.get("where", "")),
-                        origin.get("op", ""),
-                        report.get("folder"),
-                    ]
-                ],
-            )
-        )
+        parts.append(_table(["kind", "step", "epoch", "batch", "origin", "op", "folder"], [row]))
+    return parts
+
+
+def _figures(run: RunData) -> list[str]:
+    """The sections of :data:`_SECTIONS` that have a picture, then one LR range test per recorded curve."""
+    parts = []
     for title, draw, caption in _SECTIONS:
         image = draw(run)
         if image is not None:
@@ -226,22 +254,16 @@ def render_html(run: RunData) -> str:
         image = figures.lr_range_test(run, name)
         caption = "Dotted: every suggestion; green: the LR the run trained with."
         parts.append(f"<h2>LR range test</h2>{_img(image, name, caption)}")
+    return parts
+
+
+def _records(run: RunData) -> list[str]:
+    """The tables of recorded spikes and of alerts, where there are any."""
+    parts = []
     if run.spikes:
         parts.append("<h2>Spikes recorded</h2>")
-        keys = [
-            "step",
-            "epoch",
-            "batch_idx",
-            "loss",
-            "loss_zscore",
-            "grad_norm",
-            "grad_norm_zscore",
-            "action",
-        ]
-        parts.append(_table(keys, [[s.get(k) for k in keys] for s in run.spikes[:200]]))
+        parts.append(_table(_SPIKE_KEYS, [[s.get(k) for k in _SPIKE_KEYS] for s in run.spikes[:200]]))
     if run.alerts:
         parts.append("<h2>Alerts</h2>")
-        keys = ["step", "severity", "kind", "source", "where", "message", "hint"]
-        parts.append(_table(keys, [[a.get(k) for k in keys] for a in run.alerts[:500]]))
-    parts.append("</body></html>")
-    return "\n".join(parts)
+        parts.append(_table(_ALERT_KEYS, [[a.get(k) for k in _ALERT_KEYS] for a in run.alerts[:500]]))
+    return parts

@@ -234,7 +234,6 @@ CHOICES = [
     (NaNSentinel, "action", {"raise", "stop", "warn", "skip"}),
     (VanishingExplodingDetector, "action", {"warn", "stop", "raise"}),
     (DeadReLUMonitor, "action", {"warn", "stop", "raise"}),
-    (LRFinderPlus, "action", {"warn", "stop", "raise"}),
     (LRFinderPlus, "mode", {"exponential", "linear"}),
     (LRFinderPlus, "method", {"valley", "steep", "minimum", "slide"}),
     (OverfitBatchSanity, "action", {"raise", "warn", "stop"}),

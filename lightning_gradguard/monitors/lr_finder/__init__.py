@@ -1,1 +1,12 @@
-"""TODO"""
+"""The learning-rate range test: ``LRFinderPlus`` and ``lr_find``.
+
+* ``callback``: ``LRFinderPlus`` (when a test runs, its alert, its state) and ``lr_find`` (one test before
+  training, in a throwaway Trainer).
+* ``engine``: the range test itself: which setups it supports, the sweep, the decision, applying the LR.
+* ``divergence``: ``DivergenceMonitor``, the sweep's online smoothing and stop rule.
+* ``result``: ``LRFinderResult``, the outcome of one test, and its figure.
+* ``output``: where a result goes on rank 0: scalars, the summary line, CSV, figure, hyperparameters.
+
+The stateless math (the LR schedule, the smoothing of the curve, the suggestions) is
+:mod:`lightning_gradguard.functional.lr_suggest`.
+"""

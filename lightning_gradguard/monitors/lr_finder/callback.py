@@ -10,8 +10,10 @@ buffers, gradients, optimizer state, schedulers, the GradScaler, metric states a
 generators. The Trainer's loops never see the sweep, so step counters and logged metrics are untouched
 and the rest of the run is identical to one started with the suggested learning rate.
 
-This module is the face (when a test runs, alerts, output); the range test itself is
-:mod:`lightning_gradguard.monitors.lr_finder.engine`. :func:`lr_find` runs one before training in a throwaway Trainer.
+This module holds the callback (when a test runs, its alert, its state) and :func:`lr_find`, which runs
+one test before training in a throwaway Trainer. The range test itself is
+:mod:`~lightning_gradguard.monitors.lr_finder.engine`; where its result goes,
+:mod:`~lightning_gradguard.monitors.lr_finder.output`.
 """
 
 from __future__ import annotations
@@ -113,9 +115,9 @@ class LRFinderPlus(GradGuardCallback):
         plot: bool = True,
         progress: bool = True,
         min_points: int | None = None,
-        action: Literal["warn", "stop", "raise"] = "warn",
     ) -> None:
-        super().__init__(action=action, cooldown_steps=0)
+        # every finding is a warning, and a failed test already leaves the LR alone: nothing to act on
+        super().__init__(action="warn", cooldown_steps=0)
         self.min_lr: float = check_float("min_lr", min_lr, 0.0, low_open=True)
         self.max_lr: float = check_float("max_lr", max_lr, 0.0, low_open=True)
         if self.max_lr <= self.min_lr:
@@ -223,7 +225,7 @@ class LRFinderPlus(GradGuardCallback):
 
     def _alert(self, trainer: pl.Trainer, epoch: int, message: str, hint: str, points: int) -> None:
         """The ``lr_finder_failed`` alert: no LR was applied (an unsupported setup, or no suggestion)."""
-        alert = self.report(
+        self.report(
             trainer,
             "lr_finder_failed",
             "warning",
@@ -232,7 +234,6 @@ class LRFinderPlus(GradGuardCallback):
             hint,
             data={"points": float(points)},
         )
-        self.act(trainer, [alert] if alert else [])
 
     # ------------------------------------------------------------------ state
     @override

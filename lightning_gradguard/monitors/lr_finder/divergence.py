@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-__all__ = ['DivergenceMonitor']
+__all__ = ["DivergenceMonitor"]
 
 
 class DivergenceMonitor:

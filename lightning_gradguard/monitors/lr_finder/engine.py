@@ -1,4 +1,4 @@
-"""The learning-rate range test itself: the sweep, the decision, and applying the learning rate.
+"""The learning-rate range test itself: which setups it supports, the sweep, the decision, applying the LR.
 
 The sweep runs its own small loop over the training dataloader (the one Lightning has already set up,
 with its distributed sampler); it does not re-enter ``Trainer.fit`` and does not swap loggers, which is
@@ -6,8 +6,10 @@ what makes Lightning's own finder fail after training has started. Each sweep st
 trial steps of :mod:`lightning_gradguard.core.trial` (through the strategy, so DDP all-reduces the
 gradients and FSDP gathers and reduce-scatters as in the run), on batches prepared in Lightning's
 order by :func:`~lightning_gradguard.core.batch.prepare_batch`; a
-:class:`~lightning_gradguard.core.snapshot.TrainingSnapshot` puts everything back afterwards. The math
-(schedule, stop rule, suggestions) is :mod:`lightning_gradguard.functional.lr_suggest`.
+:class:`~lightning_gradguard.core.snapshot.TrainingSnapshot` puts everything back afterwards. The stop
+rule is :class:`~lightning_gradguard.monitors.lr_finder.divergence.DivergenceMonitor`; the schedule and
+the suggestions are :mod:`lightning_gradguard.functional.lr_suggest`. Also here: the two helpers of
+:func:`~lightning_gradguard.lr_find` (ending its throwaway fit, writing the suggestion to the model).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -106,69 +108,32 @@ class RangeTest:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, base: list[float]
     ) -> SweepResult:
         """Raise the LR step by step (group ratios kept) and record the loss until done or diverged."""
-        ratios = [b / base[0] for b in base] if base[0] > 0 else [1.0] * len(base)
         schedule = sweep_lrs(self.min_lr, self.max_lr, self.num_training, self.mode)
-        monitor = DivergenceMonitor(
-            self.beta, self.divergence_threshold, warmup=max(2, self.num_training // 10)
+        show = self.progress and trainer.is_global_zero
+        sweep = _Sweep(
+            trainer=trainer,
+            pl_module=pl_module,
+            optimizer=optimizer,
+            ratios=[b / base[0] for b in base] if base[0] > 0 else [1.0] * len(base),
+            accumulate=max(1, int(trainer.accumulate_grad_batches)),
+            batches=_batches(trainer.train_dataloader),
+            monitor=DivergenceMonitor(
+                self.beta, self.divergence_threshold, warmup=max(2, self.num_training // 10)
+            ),
+            bar=_progress_bar(trainer, len(schedule)) if show else None,
         )
-        accumulate = max(1, int(trainer.accumulate_grad_batches))
-        lrs: list[float] = []
-        losses: list[float] = []
-        skipped = 0
-        stop_reason = "completed"
-        batches = _batches(trainer.train_dataloader)
-        bar = _progress_bar(trainer, len(schedule)) if self.progress and trainer.is_global_zero else None
         # the sweep's losses are not the run's metrics (also what the batch hooks would log)
         with quiet_logging(pl_module):
             try:
-                for lr in schedule:
-                    for group, ratio in zip(optimizer.param_groups, ratios, strict=True):
-                        group["lr"] = lr * ratio
-                    optimizer.zero_grad(set_to_none=True)
-                    total = None
-                    for _ in range(accumulate):
-                        try:
-                            batch, batch_idx = next(batches)
-                        except StopIteration:
-                            stop_reason = "no data"
-                            break
-                        batch = prepare_batch(trainer, batch, dataloader_idx=0)
-                        loss = trial_loss(trainer, pl_module, batch, batch_idx, through_strategy=True)
-                        if loss is None:
-                            stop_reason = "no loss"
-                            break
-                        value = loss.detach().float()
-                        total = value if total is None else total + value
-                        trial_backward(trainer, loss, accumulate)
-                    if stop_reason != "completed" or total is None:
-                        if stop_reason == "completed":
-                            stop_reason = "no loss"
-                        break
-                    mean = total / accumulate
-                    if trainer.world_size > 1:
-                        mean = trainer.strategy.reduce(mean, reduce_op="mean")
-                    value_f = float(mean)
-                    if not math.isfinite(value_f):
-                        stop_reason = "non-finite loss"
-                        break
-                    step_skipped = trial_optimizer_step(trainer, optimizer)
-                    if bar is not None:
-                        bar.set_postfix({"lr": f"{lr:.2e}", "loss": f"{value_f:.4g}"}, refresh=False)
-                        bar.update(1)
-                    if step_skipped:
-                        skipped += 1
-                        continue
-                    lrs.append(lr)
-                    losses.append(value_f)
-                    if monitor.update(value_f):
-                        stop_reason = monitor.reason
-                        break
+                stop_reason = sweep.through(schedule)
             finally:
-                if bar is not None:
-                    bar.close()
-                optimizer.zero_grad(set_to_none=True)
+                sweep.close()
         return SweepResult(
-            lrs=lrs, losses=losses, smoothed=list(monitor.smoothed), stop_reason=stop_reason, skipped=skipped
+            lrs=sweep.lrs,
+            losses=sweep.losses,
+            smoothed=list(sweep.monitor.smoothed),
+            stop_reason=stop_reason,
+            skipped=sweep.skipped,
         )
 
     def decide(self, sweep: SweepResult, epoch: int) -> LRFinderResult:
@@ -219,21 +184,121 @@ class RangeTest:
         )
 
 
+class _SweepStopped(Exception):
+    """Ends a sweep before its schedule does; ``reason`` is the sweep's stop reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(kw_only=True)
+class _Sweep:
+    """One sweep in progress: what it drives, and the points it has recorded so far."""
+
+    trainer: pl.Trainer
+    pl_module: pl.LightningModule
+    optimizer: Any
+    ratios: list[float]  # each group's LR relative to group 0's, kept while the LR rises
+    accumulate: int
+    batches: Iterator[tuple[Any, int]]
+    monitor: DivergenceMonitor
+    bar: Tqdm | None
+    lrs: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    skipped: int = 0
+
+    def through(self, schedule: list[float]) -> str:
+        """A step per LR of ``schedule`` until the schedule ends or the sweep stops; returns why it ended."""
+        try:
+            for lr in schedule:
+                if self.step(lr):
+                    return self.monitor.reason
+        except _SweepStopped as stopped:
+            return stopped.reason
+        return "completed"
+
+    def step(self, lr: float) -> bool:
+        """One optimizer step at ``lr``, recorded unless the GradScaler skipped it; ``True``: stop now."""
+        for group, ratio in zip(self.optimizer.param_groups, self.ratios, strict=True):
+            group["lr"] = lr * ratio
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._loss()
+        step_skipped = trial_optimizer_step(self.trainer, self.optimizer)
+        if self.bar is not None:
+            self.bar.set_postfix({"lr": f"{lr:.2e}", "loss": f"{loss:.4g}"}, refresh=False)
+            self.bar.update(1)
+        if step_skipped:
+            self.skipped += 1
+            return False
+        self.lrs.append(lr)
+        self.losses.append(loss)
+        return self.monitor.update(loss)
+
+    def _loss(self) -> float:
+        """Forward and backward over one step's micro-batches: their mean loss, averaged across ranks."""
+        total = None
+        for _ in range(self.accumulate):
+            try:
+                batch, batch_idx = next(self.batches)
+            except StopIteration:
+                raise _SweepStopped("no data") from None
+            batch = prepare_batch(self.trainer, batch, dataloader_idx=0)
+            loss = trial_loss(self.trainer, self.pl_module, batch, batch_idx, through_strategy=True)
+            if loss is None:
+                raise _SweepStopped("no loss")
+            value = loss.detach().float()
+            total = value if total is None else total + value
+            trial_backward(self.trainer, loss, self.accumulate)
+        if total is None:
+            raise _SweepStopped("no loss")
+        mean = total / self.accumulate
+        if self.trainer.world_size > 1:
+            mean = self.trainer.strategy.reduce(mean, reduce_op="mean")
+        value_f = float(mean)
+        if not math.isfinite(value_f):
+            raise _SweepStopped("non-finite loss")
+        return value_f
+
+    def close(self) -> None:
+        """Remove the progress bar and the sweep's last gradients."""
+        if self.bar is not None:
+            self.bar.close()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 def unsupported_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:
     """Why the sweep cannot run in this setup, or ``None`` when it can."""
-    if not pl_module.automatic_optimization:
-        return Unsupported(
-            message="LRFinderPlus needs automatic optimization (training_step returning the loss): the range "
-            "test drives the optimizer itself, and this module uses manual optimization",
-            hint="Set the learning rate by hand, or run lr_find() on an automatic-optimization version of "
-            "the model and use its suggestion.",
-        )
-    if len(trainer.optimizers) != 1:
-        return Unsupported(
-            message=f"LRFinderPlus needs exactly one optimizer, found {len(trainer.optimizers)}",
-            hint="Set the learning rate by hand, or run lr_find() on a version of the model with one "
-            "optimizer and use its suggestion.",
-        )
+    for check in (_optimization_problem, _optimizer_problem, _strategy_problem, _data_problem):
+        problem = check(trainer, pl_module)
+        if problem is not None:
+            return problem
+    _warn_about_persistent_workers(trainer)
+    return None
+
+
+def _optimization_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:
+    if pl_module.automatic_optimization:
+        return None
+    return Unsupported(
+        message="LRFinderPlus needs automatic optimization (training_step returning the loss): the range "
+        "test drives the optimizer itself, and this module uses manual optimization",
+        hint="Set the learning rate by hand, or run lr_find() on an automatic-optimization version of "
+        "the model and use its suggestion.",
+    )
+
+
+def _optimizer_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:
+    if len(trainer.optimizers) == 1:
+        return None
+    return Unsupported(
+        message=f"LRFinderPlus needs exactly one optimizer, found {len(trainer.optimizers)}",
+        hint="Set the learning rate by hand, or run lr_find() on a version of the model with one "
+        "optimizer and use its suggestion.",
+    )
+
+
+def _strategy_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:
     from lightning.pytorch.strategies import (
         DDPStrategy,
         DeepSpeedStrategy,
@@ -247,34 +312,41 @@ def unsupported_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Uns
     # copies each rank's pieces back into the live parameters: tested against DDP's curve
     strategy = trainer.strategy
     supported = (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy)
-    if not isinstance(strategy, supported) or isinstance(strategy, DeepSpeedStrategy):
-        return Unsupported(
-            message=f"LRFinderPlus runs on a single device, under DDP or under FSDP, not under "
-            f"{type(strategy).__name__}",
-            hint="Run lr_find() on the model with one device (trainer_kwargs={'devices': 1}) or under DDP, "
-            "and set its suggestion as this run's learning rate.",
-        )
-    if trainer.train_dataloader is None:
-        return Unsupported(
-            message="LRFinderPlus found no training dataloader to sweep over",
-            hint="Give Trainer.fit the training data (train_dataloaders or a datamodule with "
-            "train_dataloader) and keep limit_train_batches above 0.",
-        )
+    if isinstance(strategy, supported) and not isinstance(strategy, DeepSpeedStrategy):
+        return None
+    return Unsupported(
+        message=f"LRFinderPlus runs on a single device, under DDP or under FSDP, not under "
+        f"{type(strategy).__name__}",
+        hint="Run lr_find() on the model with one device (trainer_kwargs={'devices': 1}) or under DDP, "
+        "and set its suggestion as this run's learning rate.",
+    )
+
+
+def _data_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:
+    if trainer.train_dataloader is not None:
+        return None
+    return Unsupported(
+        message="LRFinderPlus found no training dataloader to sweep over",
+        hint="Give Trainer.fit the training data (train_dataloaders or a datamodule with "
+        "train_dataloader) and keep limit_train_batches above 0.",
+    )
+
+
+def _warn_about_persistent_workers(trainer: pl.Trainer) -> None:
+    """The sweep restarts a persistent worker pool's iterator: say once that the batch order may change."""
     loaders = trainer.train_dataloader
     flat = loaders.flattened if isinstance(loaders, CombinedLoader) else [loaders]
     if isinstance(loaders, (list, tuple)):
         flat = list(loaders)
     elif isinstance(loaders, dict):
         flat = list(loaders.values())
-    for dl in flat:
-        if getattr(dl, "persistent_workers", False) and getattr(dl, "num_workers", 0) > 0:
-            warn_once(
-                trainer,
-                "lr_finder_persistent_workers",
-                "LRFinderPlus: a dataloader with persistent_workers=True restarts its shared iterator "
-                "for the sweep; the first epoch's batch order may differ from a run without the finder.",
-            )
-    return None
+    if any(getattr(dl, "persistent_workers", False) and getattr(dl, "num_workers", 0) > 0 for dl in flat):
+        warn_once(
+            trainer,
+            "lr_finder_persistent_workers",
+            "LRFinderPlus: a dataloader with persistent_workers=True restarts its shared iterator "
+            "for the sweep; the first epoch's batch order may differ from a run without the finder.",
+        )
 
 
 def _batches(loader: Any) -> Iterator[tuple[Any, int]]:

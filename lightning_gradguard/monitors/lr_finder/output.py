@@ -30,8 +30,26 @@ def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log
     if not trainer.is_global_zero:
         return
     suffix = "" if result.epoch == 0 else f"_epoch{result.epoch}"
-    curve = result.lrs if log_curve else []
-    for i, (lr, loss, smooth) in enumerate(zip(curve, result.losses, result.smoothed, strict=False)):
+    if log_curve:
+        _log_curve(trainer, result, suffix)
+    if result.suggestion is not None and trainer.loggers:
+        _emit.log_scalars(trainer, {"lr_finder/suggested_lr": result.suggestion}, log_step(trainer))
+    if result.applied_lr is not None:
+        hparams: dict[str, Any] = {f"lr_finder/applied_lr{suffix}": result.applied_lr}
+        hparams[f"lr_finder/method{suffix}"] = result.method
+        _log_hparams(trainer, hparams)
+    _log_summary(result)
+    if not trainer.loggers:  # no log directory: the curve stays in ``self.results``
+        return
+    folder = _emit.log_dir(trainer)
+    _write_csv(folder, result, suffix)
+    if plot and result.lrs:
+        _write_figure(trainer, folder, result, suffix)
+
+
+def _log_curve(trainer: pl.Trainer, result: LRFinderResult, suffix: str) -> None:
+    """The raw and smoothed loss and the LR of every recorded point, against the sweep step."""
+    for i, (lr, loss, smooth) in enumerate(zip(result.lrs, result.losses, result.smoothed, strict=False)):
         _emit.log_scalars(
             trainer,
             {
@@ -41,12 +59,10 @@ def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log
             },
             i,
         )
-    if result.suggestion is not None and trainer.loggers:
-        _emit.log_scalars(trainer, {"lr_finder/suggested_lr": result.suggestion}, log_step(trainer))
-    if result.applied_lr is not None:
-        hparams: dict[str, Any] = {f"lr_finder/applied_lr{suffix}": result.applied_lr}
-        hparams[f"lr_finder/method{suffix}"] = result.method
-        _log_hparams(trainer, hparams)
+
+
+def _log_summary(result: LRFinderResult) -> None:
+    """The one INFO line on the ``lightning_gradguard`` logger."""
     chosen = f"{result.suggestion:.3e}" if result.suggestion is not None else "none"
     if result.applied:  # only then: with apply=False (and in lr_find) the optimizer is not touched
         chosen += " applied"
@@ -61,9 +77,10 @@ def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log
         result.stop_reason,
         result.seconds,
     )
-    if not trainer.loggers:  # no log directory: the curve stays in ``self.results``
-        return
-    folder = _emit.log_dir(trainer)
+
+
+def _write_csv(folder: str, result: LRFinderResult, suffix: str) -> None:
+    """``lr_finder<suffix>.csv`` in ``folder`` (created if needed): one row per recorded point."""
     try:
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"lr_finder{suffix}.csv"), "w", newline="") as fh:
@@ -75,8 +92,10 @@ def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log
                 writer.writerow([i, *row])
     except OSError as err:  # pragma: no cover - read-only log dirs
         log.warning("LRFinderPlus: could not write the CSV to %s: %s", folder, err)
-    if not plot or not result.lrs:
-        return
+
+
+def _write_figure(trainer: pl.Trainer, folder: str, result: LRFinderResult, suffix: str) -> None:
+    """``lr_finder<suffix>.png`` in ``folder`` and on TensorBoard; nothing without matplotlib."""
     try:
         fig = result.plot()
     except ImportError:

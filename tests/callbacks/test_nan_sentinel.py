@@ -195,6 +195,52 @@ def test_grad_scaler_that_keeps_skipping_is_a_collapse(tmp_path: Path) -> None:
     assert err.report["grad_scaler"]["consecutive"] == 4
 
 
+class SentinelStates(pl.Callback):
+    """The sentinel's ``state_dict`` at the start and at the end of every batch (placed after it)."""
+
+    def __init__(self, sentinel: NaNSentinel) -> None:
+        self.sentinel = sentinel
+        self.start: dict[int, dict[str, Any]] = {}
+        self.end: dict[int, dict[str, Any]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.start[trainer.global_step] = copy.deepcopy(self.sentinel.state_dict())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        self.end[trainer.global_step - 1] = copy.deepcopy(self.sentinel.state_dict())
+
+
+@pytest.mark.parametrize("action", ["skip", "stop"])
+def test_last_good_checkpoint_holds_the_sentinel_before_the_bad_step_and_the_live_one_counts_it(
+    action: Literal["skip", "stop"], tmp_path: Path
+) -> None:
+    """The failure path writes last_good.ckpt while the sentinel is still as it was before the bad step
+    (the skip counters before it, no cooldown for the finding), and only then records the finding and
+    counts the step. It used to record first and write the checkpoint through an override of its own
+    ``state_dict``: this checks both sides, so that the loop cannot come back unnoticed.
+
+    Under a GradScaler every step from 2 on overflows: step 5 is the 4th skip in a row, a collapse."""
+    sentinel = NaNSentinel(action=action, max_consecutive_skips=4)
+    states = SentinelStates(sentinel)
+    trainer = make_trainer(
+        [sentinel, states],
+        MemoryLogger(str(tmp_path)),
+        default_root_dir=str(tmp_path),
+        plugins=[_scaler_plugin()],
+    )
+    trainer.fit(OverflowOnce(set(range(2, 100))), random_loader(n=128))
+    assert [(a.kind, a.step) for a in sentinel.alerts] == [("loss_scale_collapse", 5)]
+    assert trainer.global_step == (6 if action == "stop" else 16)
+    before = {"last_reported": {}, "skipped_steps": 3, "consecutive_skips": 3}
+    assert states.start[5] == before
+    saved = torch.load(tmp_path / "nan_report" / "step_5" / "last_good.ckpt", weights_only=False)
+    assert saved["callbacks"][sentinel.state_key] == before
+    after = {"last_reported": {"loss_scale_collapse": 5}, "skipped_steps": 4, "consecutive_skips": 4}
+    assert states.end[5] == after  # the live sentinel counts the bad step, and has it in its cooldown
+    report = json.loads((tmp_path / "nan_report" / "step_5" / "report.json").read_text())
+    assert report["grad_scaler"]["skipped_steps"] == report["grad_scaler"]["consecutive"] == 4
+
+
 def test_warn_logs_and_continues(tmp_path: Path) -> None:
     sentinel = NaNSentinel(action="warn", save_checkpoint=False)
     trainer = make_trainer([sentinel], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path))

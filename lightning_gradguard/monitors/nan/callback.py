@@ -3,8 +3,11 @@ NaNSentinel
 ===========
 
 Fails a run the moment a loss, gradient or parameter turns NaN/inf: on every rank, before the optimizer
-applies the poisoned update, with a forensic report that says where the value was born. What it sees of a
-step is :mod:`lightning_gradguard.monitors.nan.step`; the report is :mod:`lightning_gradguard.monitors.nan.report`.
+applies the poisoned update, with a forensic report that says where the value was born. This module holds
+the callback: its hooks, and the failure path in its order (the verdict, the report and its files while
+the callback is still as it was before the bad step, then the alert and the skip counters, then the
+action). What it sees of a step, and the verdict, are :mod:`lightning_gradguard.monitors.nan.step`; the
+report and its files are :mod:`lightning_gradguard.monitors.nan.report`.
 """
 
 from __future__ import annotations
@@ -22,8 +25,14 @@ from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.validate import check_bool, check_float, check_int, check_path
 from lightning_gradguard.monitors.nan import step as _nan
-from lightning_gradguard.monitors.nan.report import Filed, file_report
-from lightning_gradguard.monitors.nan.step import Finding, Flags, MicroBatch
+from lightning_gradguard.monitors.nan.report import (
+    Filed,
+    NaNReport,
+    ReportSettings,
+    build_report,
+    write_report,
+)
+from lightning_gradguard.monitors.nan.step import Finding, Flags, MicroBatch, SkipCounters
 
 __all__ = ["NaNSentinel"]
 
@@ -91,7 +100,9 @@ class NaNSentinel(GradGuardCallback):
         check_micro_batches: under ``accumulate_grad_batches > 1``, also judge the gradients after every
             micro-batch, so a gradient finding names the micro-batch that poisoned them (one extra pass
             over the gradients per micro-batch; off by default).
-        cooldown_steps: minimum steps between two alerts of the same kind.
+        cooldown_steps: minimum optimizer steps between two findings of the same kind (default 1000,
+            wherever their origin): within it a repeated finding is neither reported nor replayed and
+            writes no files, only the action applies (``"raise"`` always reports).
 
     Example::
 
@@ -123,7 +134,7 @@ class NaNSentinel(GradGuardCallback):
         loss_scale_floor: float = 1.0,
         max_consecutive_skips: int = 16,
         check_micro_batches: bool = False,
-        cooldown_steps: int = 100,
+        cooldown_steps: int = 1000,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
         self.check_loss = check_bool("check_loss", check_loss)
@@ -139,21 +150,29 @@ class NaNSentinel(GradGuardCallback):
         self.loss_scale_floor: float = check_float("loss_scale_floor", loss_scale_floor, 0.0, low_open=True)
         self.max_consecutive_skips: int = check_int("max_consecutive_skips", max_consecutive_skips, 1)
         self.check_micro_batches = check_bool("check_micro_batches", check_micro_batches)
-        self.skipped_steps = self.consecutive_skips = 0
+        # the GradScaler's skipped steps, in all and in a row (``skipped_steps``, ``consecutive_skips``)
+        self._skips = SkipCounters()
         self.last_report_dir: str | None = None
         self._step = _nan.StepTrack()
         #: the recent total gradient norms a report lists (on the device until a report reads them)
         self.norm_history = _nan.NormRing(self.history_size)
-        # the skip counters before the step being judged, and the state the last-good checkpoint holds
-        self._counters_before = (0, 0)
-        self._state_override: dict[str, Any] | None = None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps the GradScaler skipped under 16-mixed (non-finite gradients), in this run."""
+        return self._skips.skipped_steps
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Steps the GradScaler skipped in a row, up to the last one."""
+        return self._skips.consecutive_skips
 
     # ------------------------------------------------------------------ hooks
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         if self.fresh_run(trainer):  # the report of this run lists this run's steps only
-            self.skipped_steps = self.consecutive_skips = 0
+            self._skips = SkipCounters()
             self.norm_history = _nan.NormRing(self.history_size)
         # a fit never starts inside an optimizer step (one stopped mid-accumulation leaves this behind)
         self._step = _nan.StepTrack()
@@ -224,7 +243,8 @@ class NaNSentinel(GradGuardCallback):
         if not every or not stepped or trainer.global_step == 0 or trainer.global_step % every:
             return
         if _nan.params_nonfinite(trainer, pl_module):  # one collective, one host read
-            self._fail(trainer, Finding(kind="nonfinite_parameter", culprit=0, micro=micro, can_replay=False))
+            found = Finding(kind="nonfinite_parameter", culprit=0, micro=micro, can_replay=False)
+            self._fail(trainer, found, self._skips)
 
     # ------------------------------------------------------------------ the verdict
     def _decide(
@@ -232,68 +252,107 @@ class NaNSentinel(GradGuardCallback):
     ) -> None:
         """Act on the flags (reduced across ranks, read once): the same verdict on every rank.
 
-        ``opt`` is ``None`` for a micro-batch judged under accumulation (``on_before_backward``); there
-        ``flags.earlier_ranks`` says whether the gradients summed over the step's earlier micro-batches are
-        non-finite, which names ``previous`` (the micro-batch just before ``current``) as the culprit.
+        ``opt`` is ``None`` for a micro-batch judged under accumulation (``on_before_backward``), and
+        ``previous`` the micro-batch before ``current``: see
+        :func:`~lightning_gradguard.monitors.nan.step.decide`, which takes the decision.
         """
-        self._counters_before = (self.skipped_steps, self.consecutive_skips)
-        found = None
-        if flags.earlier_ranks and previous is not None:  # the first poisoned micro-batch is the previous one
-            self._step.poisoned = previous
-            found = Finding(kind="nonfinite_gradient", culprit=flags.earlier_ranks[0], micro=previous)
-        elif flags.loss_ranks:
-            if opt is None:  # under accumulation: the rest of this optimizer step is not judged
-                self._step.poisoned = current
-            found = Finding(kind="nonfinite_loss", culprit=flags.loss_ranks[0], micro=current, optimizer=opt)
-        elif flags.scale is not None:  # a GradScaler is active: non-finite gradients mean "skip this step"
-            self.consecutive_skips = self.consecutive_skips + 1 if flags.grads_bad else 0
-            self.skipped_steps += int(flags.grads_bad)
-            if flags.scale < self.loss_scale_floor or self.consecutive_skips >= self.max_consecutive_skips:
-                kind, scale = "loss_scale_collapse", flags.scale
-                found = Finding(kind=kind, culprit=0, micro=current, optimizer=opt, scale=scale)
-        elif flags.grads_bad and opt is not None:
-            found = Finding(kind="nonfinite_gradient", culprit=None, micro=current, optimizer=opt)
-        if found is not None:
-            self._fail(trainer, found)
+        verdict = _nan.decide(
+            flags,
+            current=current,
+            previous=previous,
+            optimizer=opt,
+            counters=self._skips,
+            loss_scale_floor=self.loss_scale_floor,
+            max_consecutive_skips=self.max_consecutive_skips,
+        )
+        if verdict.finding is None:
+            self._skips = verdict.counters
+            return
+        if opt is None:  # under accumulation: the rest of this optimizer step is not judged
+            self._step.poisoned = verdict.finding.micro
+        self._fail(trainer, verdict.finding, verdict.counters)
 
     # ------------------------------------------------------------------ the failure path and the action
-    def _fail(self, trainer: pl.Trainer, finding: Finding) -> None:
-        """Report ``finding`` (in this rank's micro-batch), and apply the action."""
-        kind, optimizer, last = finding.kind, finding.optimizer, self._last_reported.get(finding.kind)
-        # Reported within the cooldown (a "warn"/"skip" run that keeps meeting NaNs): no replay, no gather,
-        # no files, only the action. Every rank has the same cooldown, so all skip alike.
-        filed = Filed(message="", report={}, folder=None)
-        if self.action == "raise" or last is None or trainer.global_step - last >= self.cooldown_steps:
-            # The last-good checkpoint holds this callback as it was before the bad step: without this
-            # failure in the cooldown (a resumed run that meets the same NaN must report it in full) and
-            # with the skip counters before this step.
-            last_good = self.state_dict()
-            last_good["skipped_steps"], last_good["consecutive_skips"] = self._counters_before
-            history = self.norm_history.records()
-            self._state_override = last_good
-            try:
-                filed = file_report(self, trainer, trainer.lightning_module, finding, history)
-            finally:
-                self._state_override = None
-            self.last_report_dir = filed.folder or self.last_report_dir
-        if self.action == "raise":
-            alerts = [a for a in self.alerts if a.kind == kind][-1:]
-            raise NonFiniteError(filed.message, alerts, filed.report, filed.folder)
+    def _fail(self, trainer: pl.Trainer, finding: Finding, counters: SkipCounters) -> None:
+        """Report ``finding`` (in this rank's micro-batch), take the skip ``counters``, apply the action.
+
+        Within the cooldown (a "warn"/"skip"/"stop" run that keeps meeting NaNs) no replay, no gather, no
+        files: only the action. Every rank has the same cooldown, so all skip alike. ``action="raise"``
+        always builds the report (the error carries it); its files too, unless within the cooldown.
+        """
+        due = self._due(finding.kind, int(trainer.global_step))
+        filed = self._file(trainer, finding, counters, due) if due or self.action == "raise" else None
+        self._skips = counters  # last_good.ckpt is written: the counters may count this step now
+        if filed is not None and self.action == "raise":  # "raise" always has its report
+            alerts = [a for a in self.alerts if a.kind == finding.kind][-1:]
+            raise NonFiniteError(filed.message(), alerts, filed.report.to_dict(), filed.folder)
         if self.action == "stop":  # Lightning ends the run after this batch (see the class docstring)
             trainer.should_stop = True
-        if self.action in ("skip", "stop") and optimizer is not None and kind != "nonfinite_parameter":
-            skip_update(trainer, optimizer, "nan_sentinel")  # accumulation, no optimizer here: at the step
+        if (
+            self.action in ("skip", "stop")
+            and finding.optimizer is not None
+            and finding.kind != "nonfinite_parameter"
+        ):
+            skip_update(trainer, finding.optimizer, "nan_sentinel")  # accumulation, no optimizer: at the step
+
+    def _due(self, kind: str, step: int) -> bool:
+        """Whether a finding of ``kind`` at ``step`` is past its cooldown, so that :meth:`report` records it:
+        the test ``report`` makes (``kind`` is the cooldown key), asked without recording anything."""
+        last = self._last_reported.get(kind)
+        return last is None or step - last >= self.cooldown_steps
+
+    def _file(self, trainer: pl.Trainer, finding: Finding, counters: SkipCounters, write: bool) -> Filed:
+        """Build the report of ``finding``; with ``write``, write its files and then record its alert.
+
+        The files come first: ``last_good.ckpt`` holds this callback as it was before the bad step, without
+        this finding in the cooldown (a resumed run that meets the same NaN reports it in full) and with
+        the skip counters before the step.
+        """
+        settings = ReportSettings(
+            action=self.action,
+            check_loss=self.check_loss,
+            find_origin=self.find_origin,
+            report_dir=self.report_dir,
+            save_batch=self.save_batch,
+            save_checkpoint=self.save_checkpoint,
+            counters=counters,
+        )
+        history = self.norm_history.records()
+        report = build_report(trainer, trainer.lightning_module, finding, settings, history)
+        if not write:
+            return Filed(report=report, folder=None)
+        filed = write_report(trainer, report, finding.micro, settings)
+        self._alert(trainer, report)
+        self.last_report_dir = filed.folder
+        return filed
+
+    def _alert(self, trainer: pl.Trainer, report: NaNReport) -> None:
+        """Record the alert of ``report``: one finding of a kind per cooldown, wherever the origin moves."""
+        step = report.step
+        data = {"step": float(step), "rank": float(report.rank)}
+        where, hint = report.where(), report.hint()
+        self.report(
+            trainer,
+            report.kind,
+            report.severity(),
+            where,
+            report.message(),
+            hint,
+            data,
+            step=step,
+            cooldown_key=report.kind,
+        )
 
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self._state_override is not None:  # while the last-good checkpoint is written
-            return dict(self._state_override)
         state = super().state_dict()
         return {**state, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.consecutive_skips = int(state_dict.get("consecutive_skips", 0))
+        self._skips = SkipCounters(
+            skipped_steps=int(state_dict.get("skipped_steps", 0)),
+            consecutive_skips=int(state_dict.get("consecutive_skips", 0)),
+        )

@@ -1,13 +1,15 @@
 """NaNSentinel's failure path: the forensic report of a NaN/inf, and the files that keep nothing lost.
 
-Runs only on the rare failing step, never on the happy path. :func:`build_report` gathers what every rank
-knows (its loss, its non-finite tensors in model order, the origin found by replaying the offending
-micro-batch with :func:`~lightning_gradguard.monitors.nan.forensics.replay_origin`, its recent total gradient
-norms) in one object all-gather, and makes a :class:`NaNReport` of the culprit rank's findings: the
-message, the hint and the place an alert names. :func:`write_report` writes ``report.json``, the
-offending batch (``batch.pt``) and ``last_good.ckpt``. :meth:`NaNReport.to_dict` is the report as
-``report.json`` and ``NonFiniteError.report`` hold it. :func:`file_report` is the whole path: report,
-alert, files."""
+Runs only on the rare failing step, never on the happy path, and reads nothing of the callback: what it
+needs of it comes as :class:`ReportSettings` (its settings and its skip counters, as values).
+:func:`build_report` gathers what every rank knows (its loss, its non-finite tensors in model order, the
+origin found by replaying the offending micro-batch with
+:func:`~lightning_gradguard.monitors.nan.forensics.replay_origin`, its recent total gradient norms) in one
+object all-gather, and makes a :class:`NaNReport` of the culprit rank's findings: the message, the hint,
+the severity and the place an alert names. :func:`write_report` writes ``report.json``, the offending
+batch (``batch.pt``) and ``last_good.ckpt`` into the finding's folder and gives it back as :class:`Filed`.
+:meth:`NaNReport.to_dict` is the report as ``report.json`` and ``NonFiniteError.report`` hold it.
+"""
 
 from __future__ import annotations
 
@@ -15,14 +17,14 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_gradguard.alerts import Alert, Severity
+from lightning_gradguard.alerts import Severity
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core import sharding as _sharding
 from lightning_gradguard.core.collective import gather
@@ -36,6 +38,7 @@ from lightning_gradguard.monitors.nan.step import (
     MicroBatch,
     NonFiniteTensor,
     NormRecord,
+    SkipCounters,
     add_up_pieces,
     named_grads,
 )
@@ -45,10 +48,9 @@ __all__ = [
     "NaNReport",
     "NonFiniteTensor",
     "RankFindings",
+    "ReportSettings",
     "ScalerState",
-    "Sentinel",
     "build_report",
-    "file_report",
     "write_report",
 ]
 
@@ -194,9 +196,14 @@ class NaNReport:
             return str(origin["op"])
         return self.nonfinite_parameters[0].name if self.nonfinite_parameters else None
 
+    def severity(self) -> Severity:
+        """The alert's severity: critical, but a GradScaler that keeps skipping is an error."""
+        return "error" if self.kind == "loss_scale_collapse" else "critical"
 
-class Sentinel(Protocol):
-    """What the failure path reads of the sentinel: its settings, its skip counters, its alert bus."""
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """What the failure path needs of the sentinel, as values: its settings and its skip counters."""
 
     action: str
     check_loss: bool
@@ -204,79 +211,34 @@ class Sentinel(Protocol):
     report_dir: str | None
     save_batch: bool
     save_checkpoint: bool
-    skipped_steps: int
-    consecutive_skips: int
-
-    def report(
-        self,
-        trainer: pl.Trainer,
-        kind: str,
-        severity: Severity,
-        where: str | None,
-        message: str,
-        hint: str,
-        data: dict[str, float] | None = None,
-        step: int | None = None,
-        cooldown_key: str | None = None,
-    ) -> Alert | None: ...
+    #: the GradScaler's skip counters after the step being judged (the report's ``grad_scaler``)
+    counters: SkipCounters
 
 
 @dataclass(frozen=True)
 class Filed:
-    """A finding, reported: the error message, the report (as ``NonFiniteError.report``), its folder."""
+    """A finding's report, and the folder its files went to."""
 
-    message: str
-    report: dict[str, Any]
-    #: ``None`` when the alert fell within the cooldown (already reported: no files)
+    report: NaNReport
+    #: ``None`` when no files were written (a finding within the cooldown)
     folder: str | None
 
-
-def file_report(
-    sentinel: Sentinel,
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    finding: Finding,
-    history: list[NormRecord],
-) -> Filed:
-    """Report ``finding`` (in this rank's micro-batch): gather, alert, write the files. Every rank alike.
-
-    Writing ``last_good.ckpt`` calls the sentinel's ``state_dict``: the caller makes it the state before
-    the bad step first.
-    """
-    report = build_report(trainer, pl_module, finding, sentinel, history)
-    step, kind, message = report.step, report.kind, report.message()
-    alert = sentinel.report(
-        trainer,
-        kind,
-        "critical" if kind != "loss_scale_collapse" else "error",
-        report.where(),
-        message,
-        report.hint(),
-        {"step": float(step), "rank": float(report.rank)},
-        step=step,
-        cooldown_key=kind,  # one finding of a kind per cooldown, wherever the origin moves
-    )
-    if alert is None:  # within the cooldown: already reported
-        return Filed(message=message, report=report.to_dict(), folder=None)
-    folder = os.path.join(
-        sentinel.report_dir or os.path.join(_emit.log_dir(trainer), "nan_report"), f"step_{step}"
-    )
-    report.files = write_report(
-        trainer, folder, report, finding.micro, sentinel.save_batch, sentinel.save_checkpoint
-    )
-    return Filed(message=message + f" Report: {folder}", report=report.to_dict(), folder=folder)
+    def message(self) -> str:
+        """The error's message: the report's, and where its files are."""
+        message = self.report.message()
+        return message if self.folder is None else f"{message} Report: {self.folder}"
 
 
 def build_report(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
     finding: Finding,
-    sentinel: Sentinel,
+    settings: ReportSettings,
     history: list[NormRecord],
 ) -> NaNReport:
     """Gather every rank's findings (one object all-gather under DDP) into the report of the culprit."""
     kind, micro, sharded = finding.kind, finding.micro, _sharding.is_sharded(trainer)
-    replay, opt = sentinel.find_origin and finding.can_replay, finding.optimizer
+    replay, opt = settings.find_origin and finding.can_replay, finding.optimizer
     local = _local_findings(trainer, pl_module, kind, opt, micro, replay and not sharded, history)
     findings: list[RankFindings] = gather(trainer, local)
     if sharded:  # no replay (its collectives would differ between ranks); add up the ranks' pieces
@@ -288,15 +250,17 @@ def build_report(
     mine = findings[culprit]
     scaler = None
     if finding.scale is not None:
-        skips = sentinel.skipped_steps, sentinel.consecutive_skips
-        scaler = ScalerState(scale=finding.scale, skipped_steps=skips[0], consecutive=skips[1])
+        skips = settings.counters
+        scaler = ScalerState(
+            scale=finding.scale, skipped_steps=skips.skipped_steps, consecutive=skips.consecutive_skips
+        )
     return NaNReport(
         kind=kind,
         step=int(trainer.global_step),
         epoch=int(trainer.current_epoch),
         batch_idx=mine.batch_idx,
         micro_batches=list(micro.among),
-        losses_checked=sentinel.check_loss,
+        losses_checked=settings.check_loss,
         rank=culprit,
         world_size=trainer.world_size,
         precision=str(trainer.precision),
@@ -306,7 +270,7 @@ def build_report(
         origin=mine.origin,
         recent_total_grad_norms=mine.history,
         grad_scaler=scaler,
-        weights=_weights_note(kind, sentinel.action),
+        weights=_weights_note(kind, settings.action),
     )
 
 
@@ -362,32 +326,36 @@ def _local_findings(
 
 
 def write_report(
-    trainer: pl.Trainer,
-    folder: str,
-    report: NaNReport,
-    micro: MicroBatch,
-    save_batch: bool,
-    save_checkpoint: bool,
-) -> dict[str, str]:
-    """Write ``batch.pt`` (the culprit rank), ``last_good.ckpt`` (every rank) and ``report.json`` (rank 0)."""
+    trainer: pl.Trainer, report: NaNReport, micro: MicroBatch, settings: ReportSettings
+) -> Filed:
+    """Write the files of ``report`` into ``<report_dir>/step_<k>``: every rank alike.
+
+    ``batch.pt`` (the culprit rank), ``last_good.ckpt`` (every rank: ``trainer.save_checkpoint`` is a
+    collective under DDP, and holds every callback's ``state_dict`` as it is now) and ``report.json``
+    (rank 0, with the file list). Sets ``report.files``.
+    """
+    root = settings.report_dir or os.path.join(_emit.log_dir(trainer), "nan_report")
+    folder = os.path.join(root, f"step_{report.step}")
     files: dict[str, str] = {}
-    if trainer.global_rank == report.rank and save_batch and micro.batch is not None:
+    save_batch = settings.save_batch and micro.batch is not None
+    if trainer.global_rank == report.rank and save_batch:
         os.makedirs(folder, exist_ok=True)
         files["batch"] = os.path.join(folder, "batch.pt")
         torch.save(apply_to_collection(micro.batch, Tensor, lambda t: t.detach().cpu()), files["batch"])
-    if save_checkpoint and _sharding.fsdp_checkpoint_on_cpu(trainer):
+    if settings.save_checkpoint and _sharding.fsdp_checkpoint_on_cpu(trainer):
         warn_once(trainer, "nan:fsdp_cpu_checkpoint", _sharding.FSDP_CPU_CHECKPOINT)
-    elif save_checkpoint and report.kind != "nonfinite_parameter":
+    elif settings.save_checkpoint and report.kind != "nonfinite_parameter":
         files["checkpoint"] = os.path.join(folder, "last_good.ckpt")
         trainer.save_checkpoint(files["checkpoint"])  # every rank calls it (a barrier under DDP)
-    if save_batch and micro.batch is not None:
+    if save_batch:
         files["batch"] = os.path.join(folder, "batch.pt")  # written by the culprit rank
     if trainer.is_global_zero:
         os.makedirs(folder, exist_ok=True)
         files["report"] = os.path.join(folder, "report.json")
         with open(files["report"], "w", encoding="utf-8") as fh:
             json.dump({**report.to_dict(), "files": files}, fh, indent=2, default=str)
-    return files
+    report.files = files
+    return Filed(report=report, folder=folder)
 
 
 def _weights_note(kind: str, action: str) -> str:

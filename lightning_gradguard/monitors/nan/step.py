@@ -1,4 +1,4 @@
-"""What NaNSentinel sees of an optimizer step: its micro-batches, the flags it judges them by, a finding.
+"""What NaNSentinel sees of an optimizer step: its micro-batches, the flags it judges them by, the verdict.
 
 :class:`StepTrack` follows the optimizer step being judged (the batch Lightning started, the micro-batch
 whose backward ran last, under accumulation the step's micro-batches and the one found poisoned).
@@ -6,9 +6,14 @@ whose backward ran last, under accumulation the step's micro-batches and the one
 one per rank for the gradients summed over the step's earlier micro-batches, one for the step's
 gradients, all-reduced in one collective and read, with the GradScaler's scale beside them (never
 summed), in one device -> host transfer (:class:`~lightning_gradguard.core.transfer.HostTransfer`).
-A verdict that finds something names it as a :class:`Finding`, what the failure path
-(:mod:`~lightning_gradguard.monitors.nan.report`) reports. :func:`remember_norm` keeps the recent total
-gradient norms on the device (a ring), :func:`recent_norms` reads them for a report.
+:func:`decide` turns the :class:`Flags` into a :class:`Verdict`, a pure function of them and the
+:class:`SkipCounters`: the :class:`Finding`, if any (its kind, culprit rank and micro-batch: what the
+failure path, :mod:`~lightning_gradguard.monitors.nan.report`, reports), and the skip counters the step
+implies. What the flags are made of: the :class:`Check` of the losses, of the step's gradients and of the
+earlier micro-batches' gradients (:func:`loss_check`, :func:`grads_check`, :func:`earlier_check`), and
+:func:`params_nonfinite`, the parameter check after an update. :class:`NormRing` keeps the recent total
+gradient norms on the device for a report; :func:`named_grads` and :func:`add_up_pieces` give a report
+its non-finite tensors.
 """
 
 from __future__ import annotations
@@ -36,8 +41,11 @@ __all__ = [
     "NonFiniteTensor",
     "NormRecord",
     "NormRing",
+    "SkipCounters",
     "StepTrack",
+    "Verdict",
     "add_up_pieces",
+    "decide",
     "earlier_check",
     "grads_check",
     "loss_check",
@@ -284,6 +292,68 @@ class Finding:
     can_replay: bool = True
     #: the GradScaler's scale, for a finding under 16-mixed
     scale: float | None = None
+
+
+@dataclass(frozen=True)
+class SkipCounters:
+    """The steps a GradScaler skipped (non-finite gradients under 16-mixed): in all, and in a row."""
+
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+
+    def after(self, skipped: bool) -> SkipCounters:
+        """The counters after a step the scaler skipped (``skipped``) or took."""
+        return SkipCounters(
+            skipped_steps=self.skipped_steps + int(skipped),
+            consecutive_skips=self.consecutive_skips + 1 if skipped else 0,
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the flags of a step (or micro-batch) imply: a finding, if any, and the skip counters after it."""
+
+    finding: Finding | None
+    counters: SkipCounters
+
+
+def decide(
+    flags: Flags,
+    *,
+    current: MicroBatch,
+    previous: MicroBatch | None,
+    optimizer: Any,
+    counters: SkipCounters,
+    loss_scale_floor: float,
+    max_consecutive_skips: int,
+) -> Verdict:
+    """The verdict of ``flags`` (reduced across ranks, read once: the same on every rank); changes nothing.
+
+    ``optimizer`` is ``None`` for a micro-batch judged under accumulation (``on_before_backward``); there
+    ``flags.earlier_ranks`` says whether the gradients summed over the step's earlier micro-batches are
+    non-finite, which names ``previous`` (the micro-batch just before ``current``) as the culprit.
+    ``counters`` are the skip counters before the step; the verdict holds them after it.
+    """
+    if flags.earlier_ranks and previous is not None:  # the first poisoned micro-batch is the previous one
+        found = Finding(kind="nonfinite_gradient", culprit=flags.earlier_ranks[0], micro=previous)
+        return Verdict(finding=found, counters=counters)
+    if flags.loss_ranks:
+        found = Finding(
+            kind="nonfinite_loss", culprit=flags.loss_ranks[0], micro=current, optimizer=optimizer
+        )
+        return Verdict(finding=found, counters=counters)
+    if flags.scale is not None:  # a GradScaler is active: non-finite gradients mean "skip this step"
+        after, scale = counters.after(flags.grads_bad), flags.scale
+        if scale < loss_scale_floor or after.consecutive_skips >= max_consecutive_skips:
+            found = Finding(
+                kind="loss_scale_collapse", culprit=0, micro=current, optimizer=optimizer, scale=scale
+            )
+            return Verdict(finding=found, counters=after)
+        return Verdict(finding=None, counters=after)
+    if flags.grads_bad and optimizer is not None:
+        found = Finding(kind="nonfinite_gradient", culprit=None, micro=current, optimizer=optimizer)
+        return Verdict(finding=found, counters=counters)
+    return Verdict(finding=None, counters=counters)
 
 
 def params_nonfinite(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:

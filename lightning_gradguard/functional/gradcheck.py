@@ -1,19 +1,20 @@
-"""Gradient checking math: a Taylor test and symmetric finite differences with a relative error.
+"""Gradient checking math: finite differences and the Taylor test, with one relative error.
 
-Both tests take a closure ``loss_fn()`` that recomputes a scalar loss from the *current* values of some
-tensors (usually parameters) and perturb those tensors in place, restoring them bit for bit afterwards.
-Run them in float64: in float32 the finite-difference estimate drowns in rounding error before it gets
-accurate enough to be compared with autograd. No Trainer, no Lightning: usable on any closure.
+Every test here takes a closure ``loss_fn()`` that recomputes a scalar loss from the *current* values of
+some tensors (usually parameters), perturbs those tensors in place and restores them bit for bit
+afterwards. Run them in float64: in float32 a finite-difference estimate drowns in rounding error before
+it gets accurate enough to be compared with autograd. No Trainer, no Lightning: usable on any closure.
 
-* :func:`taylor_test` follows the loss along one random direction ``v``. With a correct gradient ``g``
-  the remainder ``|L(θ + h v) - L(θ) - h <g, v>|`` shrinks like ``h**2``; with a wrong one it shrinks
-  only like ``h`` once ``h`` is small. The observed order is the slope of ``log(remainder)`` against
-  ``log(h)``.
+* :func:`relative_error` is the one comparison: ``|a - n| / max(|a|, |n|, tiny)``.
 * :func:`finite_difference_check` compares ``g`` with ``(L(θ + ε e_i) - L(θ - ε e_i)) / (2 ε)`` on a
-  bounded sample of coordinates ``i`` per tensor, with the relative error
-  ``|a - n| / max(|a|, |n|, tiny)``.
+  bounded sample of coordinates ``i`` per tensor (:func:`sample_coordinates`: the largest ``|g|`` and
+  random ones).
 * :func:`directional_difference` compares ``<g, v>`` with ``(L(θ + ε v) - L(θ - ε v)) / (2 ε)``: one
   finite difference that covers every coordinate the direction touches.
+* :func:`taylor_test` follows the loss along one random direction ``v``. With a correct gradient ``g``
+  the remainder ``|L(θ + h v) - L(θ) - h <g, v>|`` shrinks like ``h**2``; with a wrong one it shrinks
+  only like ``h`` once ``h`` is small. The observed order (:func:`observed_order`) is the slope of
+  ``log(remainder)`` against ``log(h)``.
 * :func:`taylor_check` is the Taylor test made safe for piecewise-linear models (ReLU, max-pooling):
   a step that crosses a kink adds a remainder linear in ``h`` although the gradient is right. When the
   Taylor test misses, the directional finite difference along the same ``v`` decides (a wrong gradient
@@ -32,8 +33,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "DirectionalResult",
     "EPS64",
+    "DirectionalResult",
     "FiniteDifferenceResult",
     "TaylorCheckResult",
     "TaylorResult",
@@ -54,6 +55,9 @@ LossFn = Callable[[], Tensor]
 EPS64 = float(torch.finfo(torch.float64).eps)
 
 
+# ----------------------------------------------------------------------------------------- shared parts
+
+
 def relative_error(analytic: float, numeric: float, tiny: float = 1e-8) -> float:
     """``|analytic - numeric| / max(|analytic|, |numeric|, tiny)``: 0 when equal, about 1 when unrelated.
 
@@ -68,6 +72,7 @@ def relative_error(analytic: float, numeric: float, tiny: float = 1e-8) -> float
 
 
 def loss_value(loss_fn: LossFn) -> float:
+    """``loss_fn()`` without autograd, as a Python float (float64); a ``ValueError`` unless a scalar."""
     with torch.no_grad():
         out = loss_fn()
     if not isinstance(out, Tensor) or out.numel() != 1:
@@ -76,103 +81,32 @@ def loss_value(loss_fn: LossFn) -> float:
 
 
 def dot(grads: Sequence[Tensor | None], direction: Sequence[Tensor]) -> float:
+    """``<g, v>`` over every tensor, in float64 (a ``None`` gradient counts as zero)."""
     return sum(
         float((g.double() * d.double()).sum()) for g, d in zip(grads, direction, strict=True) if g is not None
     )
 
 
-@dataclass
-class DirectionalResult:
-    """Outcome of :func:`directional_difference`.
-
-    Attributes:
-        analytic: ``<g, d> / (2 ε)``, the directional derivative autograd claims, over the displacement
-            ``d = θ₊ - θ₋`` actually applied (``2 ε v`` up to the rounding of ``θ ± ε v``).
-        numeric: ``(L(θ₊) - L(θ₋)) / (2 ε)``.
-        error: ``|analytic - numeric| / max(|analytic|, |numeric|, tiny)``.
-        step: ``ε``.
-        tiny: the denominator floor of the relative error.
-        evaluations: loss evaluations spent.
-    """
-
-    analytic: float
-    numeric: float
-    error: float
-    step: float
-    tiny: float
-    evaluations: int
+def _noise_floor(loss: float, step: float) -> float:
+    """The default ``tiny``: at least ``1e-8``, and the rounding noise of a difference quotient of ``loss``
+    with ``step`` (``1e4 * eps64 * |L| / step``), so two gradients both at rounding level agree."""
+    return max(1e-8, 1e4 * EPS64 * max(abs(loss), 1.0) / step)
 
 
-def directional_difference(
-    loss_fn: LossFn,
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor | None],
-    direction: Sequence[Tensor],
-    *,
-    eps: float = 1e-6,
-    tiny: float | None = None,
-    base: float | None = None,
-) -> DirectionalResult:
-    """Compare ``<g, v>`` with the symmetric difference ``(L(θ + ε v) - L(θ - ε v)) / (2 ε)``.
+def _place(params: Sequence[Tensor], saved: Sequence[Tensor], direction: Sequence[Tensor], h: float) -> None:
+    """Set every tensor of ``params`` to ``saved + h * direction``, in place."""
+    with torch.no_grad():
+        for p, s, d in zip(params, saved, direction, strict=True):
+            p.copy_(s + h * d)
 
-    Unlike :func:`finite_difference_check`, which samples a few coordinates, this covers every
-    coordinate ``v`` touches: a gradient wrong on coordinates the sample missed still moves ``<g, v>``
-    (with the default direction of :func:`taylor_test`, tilted toward ``g``, by about the share of
-    ``|g|²`` that is wrong). Its error is ``O(ε²)`` on a smooth loss, and a kink matters only if it lies
-    within ``ε`` of ``θ`` along ``v``, whereas a Taylor step crosses every kink within ``h``.
 
-    Args:
-        loss_fn: recomputes the scalar loss from the current values of ``params``.
-        params: the tensors to move (in place; restored exactly).
-        grads: autograd's gradient for each tensor of ``params`` (``None`` = zero).
-        direction: one tensor per parameter, usually of unit norm (e.g. ``TaylorResult.direction``).
-        eps: the step, relative: ``ε = eps * max(1, max |θ|)``.
-        tiny: the denominator floor of the relative error. Default: as in
-            :func:`finite_difference_check`, the larger of ``1e-8`` and ``1e4 * eps64 * |L| / ε``.
-        base: ``L(θ)`` when already known (only used for the default ``tiny``; saves an evaluation).
+def _restore(params: Sequence[Tensor], saved: Sequence[Tensor]) -> None:
+    with torch.no_grad():
+        for p, s in zip(params, saved, strict=True):
+            p.copy_(s)
 
-    Returns:
-        A :class:`DirectionalResult`.
-    """
-    if eps <= 0:
-        raise ValueError(f"`eps` must be > 0; got {eps!r}")
-    if len(params) != len(grads) or len(params) != len(direction):
-        raise ValueError("`params`, `grads` and `direction` must have the same length")
-    scale = max([1.0] + [float(p.detach().abs().max()) for p in params if p.numel()])
-    step = eps * scale
-    saved = [p.detach().clone() for p in params]
-    evaluations = 2
-    try:
-        if base is None and tiny is None:
-            base = loss_value(loss_fn)
-            evaluations += 1
-        with torch.no_grad():
-            for p, s, d in zip(params, saved, direction, strict=True):
-                p.copy_(s + step * d)
-        plus_at = [p.detach().clone() for p in params]
-        plus = loss_value(loss_fn)
-        with torch.no_grad():
-            for p, s, d in zip(params, saved, direction, strict=True):
-                p.copy_(s - step * d)
-        # the displacement actually applied, after rounding θ ± ε v to the parameter's precision
-        moved = [a - p.detach() for a, p in zip(plus_at, params, strict=True)]
-        minus = loss_value(loss_fn)
-    finally:
-        with torch.no_grad():
-            for p, s in zip(params, saved, strict=True):
-                p.copy_(s)
-    analytic = dot(grads, moved) / (2 * step)
-    numeric = (plus - minus) / (2 * step)
-    if tiny is None:
-        tiny = max(1e-8, 1e4 * EPS64 * max(abs(float(base or 0.0)), 1.0) / step)
-    return DirectionalResult(
-        analytic=analytic,
-        numeric=numeric,
-        error=relative_error(analytic, numeric, tiny),
-        step=step,
-        tiny=tiny,
-        evaluations=evaluations,
-    )
+
+# ------------------------------------------------------------------------- finite differences, per index
 
 
 def sample_coordinates(
@@ -255,28 +189,11 @@ def finite_difference_check(
         raise ValueError("`param` must be contiguous to be perturbed coordinate by coordinate")
     flat = param.detach().view(-1)
     g = grad.detach().reshape(-1) if grad is not None else None
-    analytic: list[float] = []
-    numeric: list[float] = []
     base = loss_value(loss_fn)
-    evaluations = 1
-    for i in indices:
-        orig = flat[i].clone()
-        step = eps * max(1.0, abs(float(orig)))
-        try:
-            with torch.no_grad():
-                flat[i] = orig + step
-            plus = loss_value(loss_fn)
-            with torch.no_grad():
-                flat[i] = orig - step
-            minus = loss_value(loss_fn)
-        finally:
-            with torch.no_grad():
-                flat[i] = orig
-        evaluations += 2
-        numeric.append((plus - minus) / (2 * step))
-        analytic.append(float(g[i]) if g is not None else 0.0)
+    numeric = [_coordinate_difference(loss_fn, flat, i, eps) for i in indices]
+    analytic = [float(g[i]) if g is not None else 0.0 for i in indices]
     if tiny is None:
-        tiny = max(1e-8, 1e4 * EPS64 * max(abs(base), 1.0) / eps)
+        tiny = _noise_floor(base, eps)
     errors = [relative_error(a, n, tiny) for a, n in zip(analytic, numeric, strict=True)]
     worst = max(range(len(errors)), key=errors.__getitem__) if errors else -1
     return FiniteDifferenceResult(
@@ -287,11 +204,126 @@ def finite_difference_check(
         max_error=errors[worst] if errors else 0.0,
         worst=worst,
         tiny=tiny,
+        evaluations=1 + 2 * len(numeric),
+    )
+
+
+def _coordinate_difference(loss_fn: LossFn, flat: Tensor, i: int, eps: float) -> float:
+    """``(L(θ + ε e_i) - L(θ - ε e_i)) / (2 ε)`` with ``ε = eps * max(1, |θ_i|)``; ``θ_i`` put back."""
+    orig = flat[i].clone()
+    step = eps * max(1.0, abs(float(orig)))
+    try:
+        with torch.no_grad():
+            flat[i] = orig + step
+        plus = loss_value(loss_fn)
+        with torch.no_grad():
+            flat[i] = orig - step
+        minus = loss_value(loss_fn)
+    finally:
+        with torch.no_grad():
+            flat[i] = orig
+    return (plus - minus) / (2 * step)
+
+
+# ------------------------------------------------------------------ a finite difference along a direction
+
+
+@dataclass
+class DirectionalResult:
+    """Outcome of :func:`directional_difference`.
+
+    Attributes:
+        analytic: ``<g, d> / (2 ε)``, the directional derivative autograd claims, over the displacement
+            ``d = θ₊ - θ₋`` actually applied (``2 ε v`` up to the rounding of ``θ ± ε v``).
+        numeric: ``(L(θ₊) - L(θ₋)) / (2 ε)``.
+        error: ``|analytic - numeric| / max(|analytic|, |numeric|, tiny)``.
+        step: ``ε``.
+        tiny: the denominator floor of the relative error.
+        evaluations: loss evaluations spent.
+    """
+
+    analytic: float
+    numeric: float
+    error: float
+    step: float
+    tiny: float
+    evaluations: int
+
+
+def directional_difference(
+    loss_fn: LossFn,
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    direction: Sequence[Tensor],
+    *,
+    eps: float = 1e-6,
+    tiny: float | None = None,
+    base: float | None = None,
+) -> DirectionalResult:
+    """Compare ``<g, v>`` with the symmetric difference ``(L(θ + ε v) - L(θ - ε v)) / (2 ε)``.
+
+    Unlike :func:`finite_difference_check`, which samples a few coordinates, this covers every
+    coordinate ``v`` touches: a gradient wrong on coordinates the sample missed still moves ``<g, v>``
+    (with the default direction of :func:`taylor_test`, tilted toward ``g``, by about the share of
+    ``|g|²`` that is wrong). Its error is ``O(ε²)`` on a smooth loss, and a kink matters only if it lies
+    within ``ε`` of ``θ`` along ``v``, whereas a Taylor step crosses every kink within ``h``.
+
+    Args:
+        loss_fn: recomputes the scalar loss from the current values of ``params``.
+        params: the tensors to move (in place; restored exactly).
+        grads: autograd's gradient for each tensor of ``params`` (``None`` = zero).
+        direction: one tensor per parameter, usually of unit norm (e.g. ``TaylorResult.direction``).
+        eps: the step, relative: ``ε = eps * max(1, max |θ|)``.
+        tiny: the denominator floor of the relative error. Default: as in
+            :func:`finite_difference_check`, the larger of ``1e-8`` and ``1e4 * eps64 * |L| / ε``.
+        base: ``L(θ)`` when already known (only used for the default ``tiny``; saves an evaluation).
+
+    Returns:
+        A :class:`DirectionalResult`.
+    """
+    if eps <= 0:
+        raise ValueError(f"`eps` must be > 0; got {eps!r}")
+    if len(params) != len(grads) or len(params) != len(direction):
+        raise ValueError("`params`, `grads` and `direction` must have the same length")
+    step = eps * max([1.0] + [float(p.detach().abs().max()) for p in params if p.numel()])
+    evaluations = 2
+    if base is None and tiny is None:
+        base = loss_value(loss_fn)
+        evaluations += 1
+    plus, minus, moved = _symmetric_difference(loss_fn, params, direction, step)
+    analytic = dot(grads, moved) / (2 * step)
+    numeric = (plus - minus) / (2 * step)
+    if tiny is None:
+        tiny = _noise_floor(base or 0.0, step)
+    return DirectionalResult(
+        analytic=analytic,
+        numeric=numeric,
+        error=relative_error(analytic, numeric, tiny),
+        step=step,
+        tiny=tiny,
         evaluations=evaluations,
     )
 
 
-LossFn = Callable[[], Tensor]
+def _symmetric_difference(
+    loss_fn: LossFn, params: Sequence[Tensor], direction: Sequence[Tensor], step: float
+) -> tuple[float, float, list[Tensor]]:
+    """``L(θ + ε v)``, ``L(θ - ε v)`` and the displacement ``θ₊ - θ₋`` actually applied; ``θ`` put back."""
+    saved = [p.detach().clone() for p in params]
+    try:
+        _place(params, saved, direction, step)
+        plus_at = [p.detach().clone() for p in params]
+        plus = loss_value(loss_fn)
+        _place(params, saved, direction, -step)
+        # the displacement actually applied, after rounding θ ± ε v to the parameter's precision
+        moved = [a - p.detach() for a, p in zip(plus_at, params, strict=True)]
+        minus = loss_value(loss_fn)
+    finally:
+        _restore(params, saved)
+    return plus, minus, moved
+
+
+# ---------------------------------------------------------------------------------------- the Taylor test
 
 
 def observed_order(hs: Sequence[float], remainders: Sequence[float], floor: float = 0.0) -> float:
@@ -350,11 +382,6 @@ class TaylorResult:
     loss: float = math.nan
 
 
-def _unit(tensors: Sequence[Tensor]) -> list[Tensor] | None:
-    norm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors))
-    return [t / norm for t in tensors] if norm > 0 and math.isfinite(norm) else None
-
-
 def taylor_test(
     loss_fn: LossFn,
     params: Sequence[Tensor],
@@ -393,6 +420,35 @@ def taylor_test(
     On a piecewise-linear model (ReLU, max-pooling) a miss does not prove a wrong gradient: the steps
     may have crossed kinks. :func:`taylor_check` arbitrates a miss with finite differences.
     """
+    line = _taylor_line(
+        loss_fn,
+        params,
+        grads,
+        direction=direction,
+        generator=generator,
+        h0=h0,
+        num_steps=num_steps,
+        factor=factor,
+        min_order=min_order,
+        tolerance=tolerance,
+    )
+    return line.test(h0, base=None)
+
+
+def _taylor_line(
+    loss_fn: LossFn,
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor | None],
+    *,
+    direction: Sequence[Tensor] | None,
+    generator: torch.Generator | None,
+    h0: float,
+    num_steps: int,
+    factor: float,
+    min_order: float,
+    tolerance: float,
+) -> _TaylorLine:
+    """The arguments of :func:`taylor_test`, checked, with the direction fixed (default: tilted toward g)."""
     if num_steps < 2:
         raise ValueError(f"`num_steps` must be >= 2; got {num_steps!r}")
     if not 0 < factor < 1:
@@ -403,12 +459,22 @@ def taylor_test(
         raise ValueError("`params` and `grads` must have the same length")
     if direction is None:
         direction = _default_direction(params, grads, generator)
-    return _taylor(loss_fn, params, grads, list(direction), None, h0, num_steps, factor, min_order, tolerance)
+    return _TaylorLine(
+        loss_fn=loss_fn,
+        params=params,
+        grads=grads,
+        direction=list(direction),
+        num_steps=num_steps,
+        factor=factor,
+        min_order=min_order,
+        tolerance=tolerance,
+    )
 
 
 def _default_direction(
     params: Sequence[Tensor], grads: Sequence[Tensor | None], generator: torch.Generator | None
 ) -> list[Tensor]:
+    """A random unit direction tilted toward the claimed gradient: ``v ∝ g/|g| + r/|r|``."""
     noise = [
         torch.randn(p.shape, generator=generator, dtype=torch.float64).to(device=p.device, dtype=p.dtype)
         for p in params
@@ -421,55 +487,67 @@ def _default_direction(
     return direction or rand
 
 
-def _taylor(
-    loss_fn: LossFn,
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor | None],
-    direction: list[Tensor],
-    base: float | None,
-    h0: float,
-    num_steps: int,
-    factor: float,
-    min_order: float,
-    tolerance: float,
-) -> TaylorResult:
-    """One Taylor test along ``direction``; ``base`` is ``L(θ)`` when already known (saves an evaluation)."""
-    directional = dot(grads, direction)
-    saved = [p.detach().clone() for p in params]
-    hs = [h0 * factor**k for k in range(num_steps)]
-    remainders: list[float] = []
-    evaluations = num_steps
-    try:
+def _unit(tensors: Sequence[Tensor]) -> list[Tensor] | None:
+    norm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors))
+    return [t / norm for t in tensors] if norm > 0 and math.isfinite(norm) else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TaylorLine:
+    """The line ``θ + h v`` Taylor tests run along, and how they step and judge (see :func:`taylor_test`)."""
+
+    loss_fn: LossFn
+    params: Sequence[Tensor]
+    grads: Sequence[Tensor | None]
+    direction: list[Tensor]
+    num_steps: int
+    factor: float
+    min_order: float
+    tolerance: float
+
+    def test(self, h0: float, base: float | None) -> TaylorResult:
+        """One Taylor test from the largest step ``h0``; ``base`` is ``L(θ)`` when known (one evaluation
+        fewer)."""
+        directional = dot(self.grads, self.direction)
+        hs = [h0 * self.factor**k for k in range(self.num_steps)]
+        evaluations = self.num_steps
         if base is None:
-            base = loss_value(loss_fn)
+            base = loss_value(self.loss_fn)
             evaluations += 1
-        for h in hs:
-            with torch.no_grad():
-                for p, s, d in zip(params, saved, direction, strict=True):
-                    p.copy_(s + h * d)
-            remainders.append(abs(loss_value(loss_fn) - base - h * directional))
-    finally:
-        with torch.no_grad():
-            for p, s in zip(params, saved, strict=True):
-                p.copy_(s)
-    # Rounding level of L(θ+hv) - L(θ): a few ulps of the loss (and of the linear term).
-    floor = 64 * EPS64 * max(abs(base), abs(hs[0] * directional), 1e-30)
-    order = observed_order(hs, remainders, floor)
-    linear_error = remainders[-1] / hs[-1] / max(abs(directional), floor / hs[-1], 1e-30)
-    finite = all(math.isfinite(r) for r in remainders)
-    passed = finite and (math.isnan(order) or order >= min_order or linear_error <= tolerance)
-    return TaylorResult(
-        hs=hs,
-        remainders=remainders,
-        order=order,
-        floor=floor,
-        directional=directional,
-        linear_error=linear_error,
-        passed=passed,
-        evaluations=evaluations,
-        direction=direction,
-        loss=base,
-    )
+        remainders = self._remainders(hs, base, directional)
+        # Rounding level of L(θ+hv) - L(θ): a few ulps of the loss (and of the linear term).
+        floor = 64 * EPS64 * max(abs(base), abs(hs[0] * directional), 1e-30)
+        order = observed_order(hs, remainders, floor)
+        linear_error = remainders[-1] / hs[-1] / max(abs(directional), floor / hs[-1], 1e-30)
+        finite = all(math.isfinite(r) for r in remainders)
+        passed = finite and (math.isnan(order) or order >= self.min_order or linear_error <= self.tolerance)
+        return TaylorResult(
+            hs=hs,
+            remainders=remainders,
+            order=order,
+            floor=floor,
+            directional=directional,
+            linear_error=linear_error,
+            passed=passed,
+            evaluations=evaluations,
+            direction=self.direction,
+            loss=base,
+        )
+
+    def _remainders(self, hs: list[float], base: float, directional: float) -> list[float]:
+        """``|L(θ + h v) - L(θ) - h <g, v>|`` for each ``h``; ``θ`` put back."""
+        saved = [p.detach().clone() for p in self.params]
+        remainders: list[float] = []
+        try:
+            for h in hs:
+                _place(self.params, saved, self.direction, h)
+                remainders.append(abs(loss_value(self.loss_fn) - base - h * directional))
+        finally:
+            _restore(self.params, saved)
+        return remainders
+
+
+# --------------------------------------------------------------- the Taylor test, arbitrated at a miss
 
 
 @dataclass
@@ -517,20 +595,15 @@ def taylor_check(
 ) -> TaylorCheckResult:
     """A Taylor test that a kink cannot fail: finite differences arbitrate a miss.
 
-    1. :func:`taylor_test` along ``v`` (default: random, tilted toward ``g``). If it passes, done
+    1. :func:`taylor_test` along ``v`` (default: random, tilted toward ``g``); if it passes, done
        (``num_steps + 1`` evaluations).
-    2. It missed: either ``g`` is wrong along ``v``, or the steps crossed kinks (ReLU, max-pooling,
-       absolute values; batch statistics couple every sample, so one kink moves the whole batch's
-       loss). :func:`directional_difference` along the same ``v`` decides: if it disagrees with
-       ``<g, v>`` by more than ``tolerance``, the check fails (2 more evaluations).
-    3. It agreed: the Taylor test is repeated ``retries`` times along the same ``v``, each time with the
-       largest step ``shrink`` times the previous one, until the steps stay clear of the kinks and the
-       remainder behaves (``num_steps`` evaluations each). If none passes, the check passes as
-       *inconclusive*.
-
-    A gradient wrong along ``v`` by more than ``tolerance`` cannot pass a miss: step 2 measures
-    ``<g, v>`` to ``O(ε²)`` and runs before any retry (smaller Taylor steps would only sharpen the
-    ``h``-linear part of the remainder a wrong gradient leaves).
+    2. It missed: ``g`` is wrong along ``v``, or the steps crossed kinks (ReLU, max-pooling, absolute
+       values; batch statistics couple every sample, so one kink moves the whole batch's loss).
+       :func:`directional_difference` along ``v`` decides, before any retry: off ``<g, v>`` (measured to
+       ``O(ε²)``) by more than ``tolerance``, the check fails (2 more evaluations).
+    3. It agreed: the Taylor test is repeated ``retries`` times along ``v``, each time with the largest
+       step ``shrink`` times the previous one, until the steps stay clear of the kinks and the remainder
+       behaves (``num_steps`` evaluations each). If none passes, the check passes as *inconclusive*.
 
     The arguments ``loss_fn`` to ``min_order`` and ``generator`` are those of :func:`taylor_test`.
 
@@ -550,18 +623,27 @@ def taylor_check(
         raise ValueError(f"`shrink` must be in (0, 1); got {shrink!r}")
     if tolerance <= 0:
         raise ValueError(f"`tolerance` must be > 0; got {tolerance!r}")
-    first = taylor_test(
+    line = _taylor_line(
         loss_fn,
         params,
         grads,
         direction=direction,
+        generator=generator,
         h0=h0,
         num_steps=num_steps,
         factor=factor,
         min_order=min_order,
         tolerance=taylor_tolerance,
-        generator=generator,
     )
+    return _arbitrated(line, h0, eps=eps, tolerance=tolerance, retries=retries, shrink=shrink)
+
+
+def _arbitrated(
+    line: _TaylorLine, h0: float, *, eps: float, tolerance: float, retries: int, shrink: float
+) -> TaylorCheckResult:
+    """:func:`taylor_check` along ``line``: a miss goes to the directional finite difference, then the
+    Taylor test is repeated with smaller steps."""
+    first = line.test(h0, base=None)
     if first.passed:
         return TaylorCheckResult(
             taylor=first,
@@ -571,44 +653,23 @@ def taylor_check(
             inconclusive=False,
             evaluations=first.evaluations,
         )
-    evaluations = first.evaluations
-    base = first.loss
-    arbiter = directional_difference(loss_fn, params, grads, first.direction, eps=eps, base=base)
-    evaluations += arbiter.evaluations
-    if arbiter.error > tolerance:
-        return TaylorCheckResult(
-            taylor=first,
-            h0s=[h0],
-            directional=arbiter,
-            passed=False,
-            inconclusive=False,
-            evaluations=evaluations,
-        )
+    arbiter = directional_difference(
+        line.loss_fn, line.params, line.grads, line.direction, eps=eps, base=first.loss
+    )
+    evaluations = first.evaluations + arbiter.evaluations
+    agreed = arbiter.error <= tolerance  # else the gradient is wrong along v: no retry
     last, h0s = first, [h0]
-    for _ in range(retries):
+    for _ in range(retries if agreed else 0):
         h0s.append(h0s[-1] * shrink)
-        last = _taylor(
-            loss_fn,
-            params,
-            grads,
-            first.direction,
-            base,
-            h0s[-1],
-            num_steps,
-            factor,
-            min_order,
-            taylor_tolerance,
-        )
+        last = line.test(h0s[-1], base=first.loss)
         evaluations += last.evaluations
         if last.passed:
-            return TaylorCheckResult(
-                taylor=last,
-                h0s=h0s,
-                directional=arbiter,
-                passed=True,
-                inconclusive=False,
-                evaluations=evaluations,
-            )
+            break
     return TaylorCheckResult(
-        taylor=last, h0s=h0s, directional=arbiter, passed=True, inconclusive=True, evaluations=evaluations
+        taylor=last,
+        h0s=h0s,
+        directional=arbiter,
+        passed=agreed,
+        inconclusive=agreed and not last.passed,
+        evaluations=evaluations,
     )

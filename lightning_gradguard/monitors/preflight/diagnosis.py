@@ -5,7 +5,10 @@
 * :func:`initial_loss_finding`: the initial loss against ``ln C`` (and a loss summed over the batch);
 * :func:`not_shrinking`: the gradient norm did not shrink while the batch was learned;
 * :func:`failed_finding`: the diagnosis of a batch not learned, from the curve's shape;
-* :func:`passed_line`: the one line that says the overfit check passed.
+* :func:`missed_target`: that diagnosis as the check's verdict: an error, or a warning when the model
+  learns after all (the fallback optimizer memorised the batch, or the loss kept falling).
+
+Each finding's wording (message, hint, likely causes) is here, next to its rule.
 """
 
 from __future__ import annotations
@@ -19,16 +22,17 @@ from torch import Tensor
 
 from lightning_gradguard.alerts import Severity
 from lightning_gradguard.core.batch import tensors_in
-from lightning_gradguard.functional.overfit import oscillates
-from lightning_gradguard.monitors.preflight.findings import HINTS, Finding, OverfitResult
+from lightning_gradguard.functional.overfit import oscillates, still_learning
+from lightning_gradguard.monitors.preflight.findings import OverfitResult
+from lightning_gradguard.monitors.preflight.verdict import Finding
 
 __all__ = [
     "chance_loss",
     "failed_finding",
     "initial_loss_finding",
     "labels_of",
+    "missed_target",
     "not_shrinking",
-    "passed_line",
 ]
 
 
@@ -56,6 +60,28 @@ def chance_loss(labels: Tensor, num_classes: int) -> float:
     return float(-(freq * freq.log()).sum())
 
 
+#: why the initial loss is off ``ln C``, by the severity of the finding (``{n}``: the batch size)
+_INITIAL_LOSS_WHY: dict[Severity, str] = {
+    "error": (
+        "The loss is {n}x the mean cross-entropy of the logits, the batch size: it is summed over "
+        "the batch (reduction='sum') instead of averaged. Use reduction='mean' (or divide by the "
+        "batch size), otherwise the effective learning rate grows with the batch size."
+    ),
+    "warning": (
+        "The model is confidently wrong at the start: the logits are far from zero (scale down the "
+        "last layer's initial weights), softmax is applied twice or before a loss that expects "
+        "logits, or the loss is summed over more than the batch dimension. Expected when fine-tuning "
+        "a model trained on other data or labels."
+    ),
+    "info": (
+        "The loss starts below chance: expected when the model is pretrained (fine-tuning) or the "
+        "loss is not a softmax cross-entropy over the C outputs (binary / multi-label BCE, focal "
+        "loss); otherwise the labels leak into the inputs or the loss is averaged over more "
+        "elements than samples."
+    ),
+}
+
+
 def initial_loss_finding(
     batch: Any, logits: Tensor | None, initial: float, n: int, *, num_classes: int | None, tolerance: float
 ) -> list[Finding]:
@@ -72,37 +98,10 @@ def initial_loss_finding(
     ce: float | None = None
     if labels is not None and logits is not None and logits.dim() == 2 and logits.shape == (n, c):
         ce = float(torch.nn.functional.cross_entropy(logits.float(), labels.long()))
-    summed = ce is not None and n >= 2 and abs(initial - n * ce) <= 0.05 * n * ce
-    if ce is None:
-        summed = n >= 4 and abs(ratio - n) <= 0.25 * n
-    elif not summed and abs(initial - ce) > 0.05 * max(ce, 1e-3):
+    summed = _summed(initial, ratio, n, ce)
+    if summed is None or (not summed and abs(initial - expected) <= tolerance * expected):
         return []
-    if not summed and abs(initial - expected) <= tolerance * expected:
-        return []
-    severity: Severity
-    if summed:
-        severity = "error"
-        why = (
-            f"The loss is {n}x the mean cross-entropy of the logits, the batch size: it is summed over "
-            "the batch (reduction='sum') instead of averaged. Use reduction='mean' (or divide by the "
-            "batch size), otherwise the effective learning rate grows with the batch size."
-        )
-    elif ratio > 1:
-        severity = "warning"
-        why = (
-            "The model is confidently wrong at the start: the logits are far from zero (scale down the "
-            "last layer's initial weights), softmax is applied twice or before a loss that expects "
-            "logits, or the loss is summed over more than the batch dimension. Expected when fine-tuning "
-            "a model trained on other data or labels."
-        )
-    else:
-        severity = "info"
-        why = (
-            "The loss starts below chance: expected when the model is pretrained (fine-tuning) or the "
-            "loss is not a softmax cross-entropy over the C outputs (binary / multi-label BCE, focal "
-            "loss); otherwise the labels leak into the inputs or the loss is averaged over more "
-            "elements than samples."
-        )
+    severity: Severity = "error" if summed else "warning" if ratio > 1 else "info"
     return [
         Finding(
             kind="initial_loss_mismatch",
@@ -110,10 +109,23 @@ def initial_loss_finding(
             names=[],
             message=f"Initial loss {initial:.4g} is {ratio:.3g}x the ln({c}) = {expected:.4g} a fresh "
             f"{c}-class classifier scores by predicting the uniform distribution.",
-            hint=why + " If this is not a classification loss, pass check_initial_loss=False.",
+            hint=_INITIAL_LOSS_WHY[severity].format(n=n)
+            + " If this is not a classification loss, pass check_initial_loss=False.",
             data={"initial_loss": initial, "expected": expected, "ratio": ratio, "num_classes": float(c)},
         )
     ]
+
+
+def _summed(initial: float, ratio: float, n: int, ce: float | None) -> bool | None:
+    """Whether the loss is summed over the batch: ``N`` times the mean cross-entropy ``ce`` of the logits
+    (without ``ce``: ``N`` times ``ln C``, ``ratio`` being ``initial / ln C``). ``None``: the loss is
+    neither the mean nor the sum cross-entropy of the logits."""
+    if ce is None:
+        return n >= 4 and abs(ratio - n) <= 0.25 * n
+    summed = n >= 2 and abs(initial - n * ce) <= 0.05 * n * ce
+    if not summed and abs(initial - ce) > 0.05 * max(ce, 1e-3):
+        return None
+    return summed
 
 
 def not_shrinking(grad_norms: list[float], initial: float, final: float) -> list[Finding]:
@@ -132,65 +144,76 @@ def not_shrinking(grad_norms: list[float], initial: float, final: float) -> list
             names=[],
             message=f"The gradient norm went from {grad_norms[0]:.3g} to {grad_norms[-1]:.3g} while the "
             f"loss fell from {initial:.4g} to {final:.4g}.",
-            hint=HINTS["gradient_not_shrinking"],
+            hint="While the batch was learned, the gradient norm did not shrink: the loss may have a floor "
+            "the model cannot reach (label noise within the batch, a regularisation term), or the LR is so "
+            "high that the optimizer bounces around the minimum.",
             data={"initial_grad_norm": grad_norms[0], "final_grad_norm": grad_norms[-1]},
         )
     ]
 
 
-def failed_finding(result: OverfitResult) -> Finding:
-    """``overfit_failed``: the batch was not learned, with the likely causes from the curve's shape."""
-    losses = result.losses
+#: the likely causes of a batch not learned, by the shape of its loss curve
+_CAUSES: dict[str, list[str]] = {
+    "diverged": [
+        "learning rate too high (lower it 10x)",
+        "log(0) or a division by zero in the loss (use cross_entropy on logits, add eps)",
+    ],
+    "chance": [
+        "labels not matching their inputs (misaligned, or shuffled separately from the inputs): the "
+        "model learned only how often each label occurs, nothing from the inputs",
+        "the inputs do not reach the output (a `.detach()`, a constant input, inputs zeroed by a transform)",
+        "the optimizer is not connected to the model's parameters, or its LR is 0 / far too low",
+    ],
+    "flat": [
+        "labels not matching their inputs (misaligned or shuffled labels)",
+        "the loss is not connected to the parameters (a `.detach()`, `torch.no_grad()`, `.item()`)",
+        "the optimizer is not connected to the model's parameters, or its LR is 0 / far too low",
+        "the loss is computed on the wrong tensors or axis",
+        "inputs not normalised (mean 0, std 1)",
+    ],
+    "oscillating": [
+        "learning rate too high (lower it 10x)",
+        "loss scaled by the batch size (reduction='sum')",
+    ],
+    "slow": [
+        "learning rate too low or too few steps (raise max_steps)",
+        "the model is too small or too regularised (dropout, weight decay) to memorise a few samples",
+        "identical inputs with different labels in the batch",
+    ],
+}
+
+#: the first likely cause when ``training_step`` draws its targets at random (``randomness="targets"``)
+_RANDOM_TARGETS = (
+    "training_step draws its targets at random: called twice, the model's output was the same "
+    "but the loss was not (labels shuffled or drawn on every call; sampled negatives, which "
+    "are fine — then use action='warn')"
+)
+
+
+def _shape(result: OverfitResult) -> str:
+    """The shape of a curve that missed the target: a key of :data:`_CAUSES`."""
     initial, final = result.initial_loss, result.final_loss
-    causes: list[str] = []
-    shape = "slow"
     if not math.isfinite(final):
-        shape = "diverged"
-        causes = [
-            "learning rate too high (lower it 10x)",
-            "log(0) or a division by zero in the loss (use cross_entropy on logits, add eps)",
-        ]
-    elif (
+        return "diverged"
+    if (
         result.chance_loss is not None
         and result.num_classes is not None
         and abs(final - result.chance_loss) <= 0.15 * math.log(result.num_classes)
     ):
+        return "chance"
+    if math.isfinite(initial) and final >= 0.9 * initial:
+        return "flat"
+    return "oscillating" if oscillates(result.losses) else "slow"
+
+
+def failed_finding(result: OverfitResult) -> Finding:
+    """``overfit_failed``: the batch was not learned, with the likely causes from the curve's shape."""
+    shape = _shape(result)
+    causes = [_RANDOM_TARGETS] if result.randomness == "targets" else []
+    causes += _CAUSES[shape]
+    if shape == "chance":
         shape = f"stuck at chance level: the label-frequency entropy {result.chance_loss:.4g}"
-        causes = [
-            "labels not matching their inputs (misaligned, or shuffled separately from the inputs): the "
-            "model learned only how often each label occurs, nothing from the inputs",
-            "the inputs do not reach the output (a `.detach()`, a constant input, inputs zeroed by a "
-            "transform)",
-            "the optimizer is not connected to the model's parameters, or its LR is 0 / far too low",
-        ]
-    elif math.isfinite(initial) and final >= 0.9 * initial:
-        shape = "flat"
-        causes = [
-            "labels not matching their inputs (misaligned or shuffled labels)",
-            "the loss is not connected to the parameters (a `.detach()`, `torch.no_grad()`, `.item()`)",
-            "the optimizer is not connected to the model's parameters, or its LR is 0 / far too low",
-            "the loss is computed on the wrong tensors or axis",
-            "inputs not normalised (mean 0, std 1)",
-        ]
-    elif oscillates(losses):
-        shape = "oscillating"
-        causes = [
-            "learning rate too high (lower it 10x)",
-            "loss scaled by the batch size (reduction='sum')",
-        ]
-    else:
-        causes = [
-            "learning rate too low or too few steps (raise max_steps)",
-            "the model is too small or too regularised (dropout, weight decay) to memorise a few samples",
-            "identical inputs with different labels in the batch",
-        ]
-    if result.randomness == "targets":
-        causes.insert(
-            0,
-            "training_step draws its targets at random: called twice, the model's output was the same "
-            "but the loss was not (labels shuffled or drawn on every call; sampled negatives, which "
-            "are fine — then use action='warn')",
-        )
+    initial, final = result.initial_loss, result.final_loss
     return Finding(
         kind="overfit_failed",
         severity="error",
@@ -208,18 +231,30 @@ def failed_finding(result: OverfitResult) -> Finding:
     )
 
 
-def passed_line(result: OverfitResult) -> str:
-    """The one line that says the check ran and passed, with the numbers behind the verdict."""
-    if result.reached_target:
-        how = f"reached the target {result.target_loss:.4g}"
-    elif result.memorised:
-        how = "memorised the batch (every sample classified right)"
-    elif result.converged:
-        how = "converged to a loss floor above the target"
-    else:
-        how = "missed the target but kept learning"
-    return (
-        f"OverfitBatchSanity: passed - loss {result.initial_loss:.4g} -> {result.final_loss:.4g} in "
-        f"{result.steps} steps on {result.num_samples} samples with {result.optimizer} ({how}; "
-        f"{result.seconds:.1f} s)."
-    )
+def missed_target(result: OverfitResult, fallback_lr: float) -> Finding:
+    """``overfit_failed`` for a batch not learned: :func:`failed_finding`, an error, or a warning when the
+    model learns after all: ``Adam(fallback_lr)`` from the same weights memorised the batch
+    (``result.fallback_reached``: the user's LR is slow), or the loss was still falling steadily and had
+    at least halved (a slow objective)."""
+    failed = failed_finding(result)
+    if result.fallback_reached:
+        failed.severity = "warning"
+        failed.message += (
+            f" Adam(lr={fallback_lr:g}) from the same weights did memorise it: the model, loss "
+            "and data can learn; your optimizer's LR is slow for memorising one batch."
+        )
+        failed.hint = (
+            "Fine for a small fine-tuning LR or a run that relies on warm-up; otherwise raise the LR "
+            "(an LR range test tells how far) or max_steps."
+        )
+    elif still_learning(result.losses, result.chance_loss, result.num_classes):
+        failed.severity = "warning"
+        failed.message += (
+            " The loss was still falling steadily and had at least halved: the model learns from its "
+            "inputs, more slowly than the check's budget."
+        )
+        failed.hint = (
+            "Objectives such as a VAE's ELBO or a regression on unnormalised targets take longer "
+            "to memorise a batch; raise max_steps (or the LR) to see the target reached."
+        )
+    return failed

@@ -1,12 +1,14 @@
-"""What the pre-flight checks find: :class:`Finding`, :class:`OverfitResult`, and the specific problems.
+"""What the overfit-one-batch check finds besides the loss curve: :class:`OverfitResult`, and the
+findings about the parameters and the data.
 
-* :func:`parameter_findings`: parameters that get no gradient, or never move although they have one;
+* :func:`parameter_findings`: parameters that get no gradient, or never move although they have one
+  (from a :class:`ParameterRecord` of the trial);
 * :func:`label_stability`: the same samples drawn twice, with the same inputs but other labels;
-* :func:`batch_mixing`: one sample's output depends on another sample's input;
-* :func:`mismatch_findings`: the parameters whose gradient failed the gradient check.
+* :func:`batch_mixing`: one sample's output depends on another sample's input.
 
-The findings about the loss curve (initial loss, chance level, why the batch was not learned) are in
-:mod:`~lightning_gradguard.monitors.preflight.diagnosis`.
+Each finding's hint is in :data:`HINTS`, under its kind. The findings about the loss curve (initial loss,
+chance level, why the batch was not learned) are in :mod:`~lightning_gradguard.monitors.preflight.diagnosis`;
+:class:`~lightning_gradguard.monitors.preflight.verdict.Finding` itself is shared with the gradient check.
 """
 
 from __future__ import annotations
@@ -21,50 +23,21 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-from lightning_gradguard.alerts import Severity
 from lightning_gradguard.core.batch import batch_size_of, tensors_in
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import quiet_logging, training_step_of
-from lightning_gradguard.monitors.preflight.gradcheck_module import GradientCheckResult
-from lightning_gradguard.monitors.preflight.gradcheck_report import MISMATCH_HINT, describe, pattern
 from lightning_gradguard.monitors.preflight.modules import LeafOutputs
+from lightning_gradguard.monitors.preflight.verdict import MAX_LISTED, Finding
 
 __all__ = [
     "HINTS",
-    "MAX_LISTED",
-    "Finding",
     "OverfitResult",
+    "ParameterRecord",
     "batch_mixing",
     "label_stability",
     "listed",
-    "mismatch_findings",
     "parameter_findings",
 ]
-
-MAX_LISTED = 8
-
-
-@dataclass
-class Finding:
-    """One specific problem the check found.
-
-    Attributes:
-        kind: alert kind (``unused_parameter``, ``parameter_not_updated``, ``initial_loss_mismatch``,
-            ``batch_mixing``, ``labels_unstable``, ``gradient_not_shrinking``, ``overfit_failed``; the
-            gradient check's ``gradient_mismatch``).
-        severity: ``"error"`` fails the check; ``"warning"`` is reported only.
-        names: the parameters (or samples) concerned.
-        message: what was seen, with the numbers.
-        hint: what to do about it.
-        data: the numbers behind the message.
-    """
-
-    kind: str
-    severity: Severity
-    names: list[str]
-    message: str
-    hint: str
-    data: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -154,11 +127,6 @@ HINTS = {
         "from the inputs (an index into the label array that is not the sample's index, a shuffle applied "
         "to one array only, a random label transform). A model cannot learn labels that change under it."
     ),
-    "gradient_not_shrinking": (
-        "While the batch was learned, the gradient norm did not shrink: the loss may have a floor the "
-        "model cannot reach (label noise within the batch, a regularisation term), or the LR is so high "
-        "that the optimizer bounces around the minimum."
-    ),
 }
 
 
@@ -197,39 +165,60 @@ def label_stability(first: Any, second: Any) -> list[Finding]:
     return []
 
 
-def _ignored(name: str, ignore: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, pat) for pat in ignore)
+@dataclass(frozen=True, kw_only=True)
+class ParameterRecord:
+    """What the trial saw of the trainable parameters, one entry per parameter in each list.
+
+    Attributes:
+        names: their qualified names.
+        params: the parameters, after the trial.
+        start: their values before the first step.
+        got_grad: whether each received a gradient at some step.
+        nonzero_grad: whether each had a non-zero gradient at some step.
+        called: the modules that ran in the first ``training_step``.
+    """
+
+    names: list[str]
+    params: list[nn.Parameter]
+    start: list[Tensor]
+    got_grad: list[bool]
+    nonzero_grad: list[bool]
+    called: set[str]
 
 
 def parameter_findings(
-    optimizer: torch.optim.Optimizer,
-    names: list[str],
-    params: list[nn.Parameter],
-    start: list[Tensor],
-    got_grad: Tensor,
-    nonzero_grad: Tensor,
-    called: set[str],
-    ignore: list[str],
+    optimizer: torch.optim.Optimizer, record: ParameterRecord, ignore: list[str]
 ) -> list[Finding]:
     """The parameters that got no gradient (``unused_parameter``) or never moved although they had one
-    (``parameter_not_updated``), from what the trial recorded; names matching ``ignore`` are left out."""
-    findings: list[Finding] = []
+    (``parameter_not_updated``); names matching an ``fnmatch`` pattern of ``ignore`` are left out."""
+    kept = [not any(fnmatch.fnmatchcase(n, pat) for pat in ignore) for n in record.names]
+    return [
+        *_without_gradient(optimizer, record, kept),
+        *_zero_gradient(record, kept),
+        *_not_updated(optimizer, record, kept),
+    ]
+
+
+def _without_gradient(
+    optimizer: torch.optim.Optimizer, record: ParameterRecord, kept: list[bool]
+) -> list[Finding]:
+    """``unused_parameter``: a warning for those left untrained on purpose (in no param group, or their
+    module never ran), an error for the rest."""
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     no_grad, not_trained, outside = [], [], []
-    for name, p, g in zip(names, params, got_grad.tolist(), strict=True):
-        if g or _ignored(name, ignore):
+    for name, p, g, keep in zip(record.names, record.params, record.got_grad, kept, strict=True):
+        if g or not keep:
             continue
         owner = name.rsplit(".", 1)[0] if "." in name else ""
         if id(p) not in in_optimizer:
             not_trained.append(name)  # no gradient and no optimizer: consistently left untrained
-        elif owner and owner not in called:
+        elif owner and owner not in record.called:
             outside.append(name)  # its module never ran in training_step (e.g. a validation head)
         else:
             no_grad.append(name)
+    findings = []
     if not_trained or outside:
-        parts = []
-        if not_trained:
-            parts.append(f"in no param group of the optimizer either: {listed(not_trained)}")
+        parts = [f"in no param group of the optimizer either: {listed(not_trained)}"] if not_trained else []
         if outside:
             parts.append(f"their module never runs in training_step: {listed(outside)}")
         findings.append(
@@ -245,11 +234,6 @@ def parameter_findings(
                 data={"count": float(len(not_trained) + len(outside))},
             )
         )
-    zero_grad = [
-        n
-        for n, g, nz in zip(names, got_grad.tolist(), nonzero_grad.tolist(), strict=True)
-        if g and not nz and not _ignored(n, ignore)
-    ]
     if no_grad:
         findings.append(
             Finding(
@@ -262,26 +246,44 @@ def parameter_findings(
                 data={"count": float(len(no_grad))},
             )
         )
-    if zero_grad:
-        findings.append(
-            Finding(
-                kind="unused_parameter",
-                severity="warning",
-                names=zero_grad,
-                message=f"{len(zero_grad)} parameter(s) got a gradient that was exactly zero at every step: "
-                f"{listed(zero_grad)} (dead units, a multiplication by zero, or a constant branch).",
-                hint=HINTS["unused_parameter"],
-                data={"count": float(len(zero_grad))},
-            )
+    return findings
+
+
+def _zero_gradient(record: ParameterRecord, kept: list[bool]) -> list[Finding]:
+    """``unused_parameter`` (warning): a gradient at some step, but exactly zero at every one."""
+    zero_grad = [
+        n
+        for n, g, nz, keep in zip(record.names, record.got_grad, record.nonzero_grad, kept, strict=True)
+        if g and not nz and keep
+    ]
+    if not zero_grad:
+        return []
+    return [
+        Finding(
+            kind="unused_parameter",
+            severity="warning",
+            names=zero_grad,
+            message=f"{len(zero_grad)} parameter(s) got a gradient that was exactly zero at every step: "
+            f"{listed(zero_grad)} (dead units, a multiplication by zero, or a constant branch).",
+            hint=HINTS["unused_parameter"],
+            data={"count": float(len(zero_grad))},
         )
+    ]
+
+
+def _not_updated(
+    optimizer: torch.optim.Optimizer, record: ParameterRecord, kept: list[bool]
+) -> list[Finding]:
+    """``parameter_not_updated``: a non-zero gradient, but the value never changed, and why."""
     lr_of: dict[int, float] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             lr = group.get("lr", math.nan)
             lr_of[id(p)] = float(lr.item() if isinstance(lr, Tensor) else lr)
     missing, zero_lr, other = [], [], []
-    for name, p, s, nz in zip(names, params, start, nonzero_grad.tolist(), strict=True):
-        if not nz or _ignored(name, ignore) or not torch.equal(p.detach(), s):
+    rows = zip(record.names, record.params, record.start, record.nonzero_grad, kept, strict=True)
+    for name, p, s, nz, keep in rows:
+        if not nz or not keep or not torch.equal(p.detach(), s):
             continue
         if id(p) not in lr_of:
             missing.append(name)
@@ -289,9 +291,10 @@ def parameter_findings(
             zero_lr.append(name)
         else:
             other.append(name)
-    parts = []
-    if missing:
-        parts.append(f"not in any param group of {type(optimizer).__name__}: {listed(missing)}")
+    stuck = missing + zero_lr + other
+    if not stuck:
+        return []
+    parts = [f"not in any param group of {type(optimizer).__name__}: {listed(missing)}"] if missing else []
     if zero_lr:
         parts.append(f"in a param group with lr=0: {listed(zero_lr)}")
     if other:
@@ -299,23 +302,20 @@ def parameter_findings(
             "unchanged by optimizer.step() although their gradient was non-zero (or every update was "
             "below the weights' floating-point resolution: bf16/fp16 weights, a tiny LR): " + listed(other)
         )
-    if parts:
-        stuck = missing + zero_lr + other
-        findings.append(
-            Finding(
-                kind="parameter_not_updated",
-                severity="error",
-                names=stuck,
-                message=f"{len(stuck)} parameter(s) with a gradient never changed; " + "; ".join(parts) + ".",
-                hint=HINTS["parameter_not_updated"],
-                data={
-                    "count": float(len(stuck)),
-                    "not_in_optimizer": float(len(missing)),
-                    "lr_zero": float(len(zero_lr)),
-                },
-            )
+    return [
+        Finding(
+            kind="parameter_not_updated",
+            severity="error",
+            names=stuck,
+            message=f"{len(stuck)} parameter(s) with a gradient never changed; " + "; ".join(parts) + ".",
+            hint=HINTS["parameter_not_updated"],
+            data={
+                "count": float(len(stuck)),
+                "not_in_optimizer": float(len(missing)),
+                "lr_zero": float(len(zero_lr)),
+            },
         )
-    return findings
+    ]
 
 
 def batch_mixing(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Finding]:
@@ -329,30 +329,12 @@ def batch_mixing(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any)
         warn_once(trainer, "overfit_batch_mixing_input", "batch-mixing check skipped: no float input batch")
         return []
     x = source.detach().clone().requires_grad_(True)
-    probe = apply_to_collection(batch, Tensor, lambda t: x if t is source else t)
-    leaf = LeafOutputs(pl_module, n)
-    pl_module.eval()
-    try:
-        with torch.enable_grad(), quiet_logging(pl_module):
-            training_step_of(pl_module, probe)
-    finally:
-        leaf.remove()
-        pl_module.train()
+    leaf = _eval_outputs(pl_module, apply_to_collection(batch, Tensor, lambda t: x if t is source else t), n)
     out = leaf.last
     if out is None or not out.requires_grad:
         warn_once(trainer, "overfit_batch_mixing_output", "batch-mixing check skipped: no per-sample output")
         return []
-    gen = torch.Generator().manual_seed(0)
-    mixed: dict[int, list[int]] = {}
-    for i in sorted({0, n // 2}):
-        weights = torch.randn(out[i].shape, generator=gen).to(out)
-        (g,) = torch.autograd.grad((out[i] * weights).sum(), x, retain_graph=True, allow_unused=True)
-        if g is None:
-            continue
-        rows = g.detach().reshape(n, -1).abs().amax(dim=1)
-        others = [j for j in range(n) if j != i and float(rows[j]) > 0]
-        if others:
-            mixed[i] = others
+    mixed = _mixed_samples(out, x, n)
     if not mixed:
         return []
     desc = "; ".join(f"sample {i} <- samples {js[:MAX_LISTED]}" for i, js in mixed.items())
@@ -369,23 +351,32 @@ def batch_mixing(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any)
     ]
 
 
-def mismatch_findings(result: GradientCheckResult) -> list[Finding]:
-    """One ``gradient_mismatch`` error per parameter whose gradient failed the gradient check."""
-    return [
-        Finding(
-            kind="gradient_mismatch",
-            severity="error",
-            names=[check.name],
-            message="Autograd and finite differences disagree: " + describe(check) + ".",
-            hint=MISMATCH_HINT + pattern(check),
-            data={
-                "relative_error": check.max_rel_error,
-                "analytic": check.analytic,
-                "numeric": check.numeric,
-                "taylor_order": check.taylor_order,
-                "taylor_linear_error": check.taylor_linear_error,
-                "directional_error": check.directional_error,
-            },
-        )
-        for check in result.failures
-    ]
+def _eval_outputs(pl_module: pl.LightningModule, probe: Any, n: int) -> LeafOutputs:
+    """``training_step`` on ``probe`` in eval mode, with autograd: its last per-sample output (hooks
+    removed, the model back in train mode)."""
+    leaf = LeafOutputs(pl_module, n)
+    pl_module.eval()
+    try:
+        with torch.enable_grad(), quiet_logging(pl_module):
+            training_step_of(pl_module, probe)
+    finally:
+        leaf.remove()
+        pl_module.train()
+    return leaf
+
+
+def _mixed_samples(out: Tensor, x: Tensor, n: int) -> dict[int, list[int]]:
+    """For samples 0 and ``n // 2``: the other samples whose input moves a random projection of their
+    output (the rows ``j != i`` of its gradient with respect to the input batch that are not zero)."""
+    gen = torch.Generator().manual_seed(0)
+    mixed: dict[int, list[int]] = {}
+    for i in sorted({0, n // 2}):
+        weights = torch.randn(out[i].shape, generator=gen).to(out)
+        (g,) = torch.autograd.grad((out[i] * weights).sum(), x, retain_graph=True, allow_unused=True)
+        if g is None:
+            continue
+        rows = g.detach().reshape(n, -1).abs().amax(dim=1)
+        others = [j for j in range(n) if j != i and float(rows[j]) > 0]
+        if others:
+            mixed[i] = others
+    return mixed

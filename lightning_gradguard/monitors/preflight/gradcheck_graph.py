@@ -4,8 +4,9 @@ The gradient check (:mod:`~lightning_gradguard.monitors.preflight.gradcheck_modu
 likely to have a wrong backward: those whose forward applies a custom ``torch.autograd.Function`` or that
 carry a backward hook. :class:`GraphOwners` attributes every autograd node to the innermost module whose
 forward created it (forward hooks, removed right after); :func:`find_custom_functions` exposes the
-detection on any module and closure. :func:`copy64` makes the float64 copy the check works on, and
-:class:`Float64Mode` keeps a loss computation in float64 when it makes lower-precision tensors itself.
+detection on any module and closure. :func:`copy64` makes the float64 copy the check works on (taken off
+``torch.compile`` by :func:`uncompiled`, with dropout and spectral norm's power iteration switched off),
+and :class:`Float64Mode` keeps a loss computation in float64 when it makes lower-precision tensors itself.
 """
 
 from __future__ import annotations

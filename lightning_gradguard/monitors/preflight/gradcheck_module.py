@@ -1,12 +1,54 @@
 """The gradient check of an ``nn.Module``: autograd against finite differences, in float64 on a copy.
 
-No Trainer: :func:`gradcheck_module` takes the module and a closure that computes its loss, and returns a
-:class:`GradientCheckResult`. The model is deep-copied and the copy converted to float64; the original
-and its gradients are untouched. :func:`~lightning_gradguard.gradient_check` is the face over it (the
-batch cut and converted, a ``LightningModule``'s ``training_step`` as the default loss, the caller's RNG
-states restored, the arguments validated); :class:`~lightning_gradguard.GradientCheck` runs it at the
-start of ``fit``. The math is in :mod:`~lightning_gradguard.functional.gradcheck`, the detection of the
-modules to check in :mod:`~lightning_gradguard.monitors.preflight.gradcheck_graph`.
+No Trainer: :func:`gradcheck_module` takes the module, a closure that computes its loss and the
+:class:`GradientCheckSettings`, and returns a :class:`GradientCheckResult` (one :class:`ParameterCheck`
+per checked tensor). The model is deep-copied and the copy converted to float64
+(:func:`~lightning_gradguard.monitors.preflight.gradcheck_graph.copy64`); the original and its gradients
+are untouched. :func:`~lightning_gradguard.gradient_check`
+(:mod:`~lightning_gradguard.monitors.preflight.gradient_check`) is the face over it: it validates the
+arguments, cuts the batch and converts it to float64, supplies the loss (a ``LightningModule``'s
+``training_step`` by default) and restores the caller's RNG states;
+:class:`~lightning_gradguard.GradientCheck` runs it at the start of ``fit``. The math is in
+:mod:`~lightning_gradguard.functional.gradcheck`, the detection of the modules to check in
+:mod:`~lightning_gradguard.monitors.preflight.gradcheck_graph`.
+
+**How each tensor is checked.** (a) A Taylor test along a random unit direction ``v`` in that tensor,
+tilted toward the claimed gradient (``h = 1e-2 * 0.5**k``, k = 0..5): the remainder should shrink with an
+observed order of at least ``min_order``, or else its part linear in ``h`` stay within
+``taylor_tolerance`` of the directional derivative. (b) Symmetric finite differences (step
+``eps * max(1, |θ_i|)``) on up to ``samples_per_tensor`` coordinates (half the largest ``|grad|``, half
+random), with relative error ``|a - n| / max(|a|, |n|, tiny)`` that must stay at or below ``tolerance``.
+
+A Taylor miss is not a verdict: steps that cross ReLU kinks (many of them where BatchNorm centres the
+pre-activations on 0 and couples the samples) miss on correct gradients. After a miss, the symmetric
+finite difference along the same ``v``, ``(L(θ + εv) - L(θ - εv)) / (2ε)``, is compared with
+``<g, v>``: above ``tolerance`` the parameter fails. Otherwise the Taylor test is repeated with 100x
+smaller steps (twice at most, budget permitting) until the remainder behaves; if it never does, the
+Taylor test is *inconclusive* and the parameter passes on finite differences
+(``ParameterCheck.taylor_inconclusive``); see :func:`~lightning_gradguard.functional.gradcheck.taylor_check`.
+So a parameter fails when finite differences disagree with autograd: on a sampled coordinate, or along
+the Taylor direction after a Taylor miss.
+
+**Which tensors.** The target modules are ``modules`` when given (qualified names, ``""`` = the whole
+model); otherwise the modules whose forward applies a custom ``autograd.Function`` (see
+:func:`~lightning_gradguard.monitors.preflight.gradcheck_graph.find_custom_functions`) or that carry a
+backward hook; if there are none, the whole model. Checked are the target modules' own parameters *and*
+every parameter whose gradient flows through a custom Function or backward hook their forward created
+(found by walking the autograd graph): a wrong *input* gradient of a custom Function (e.g. a
+parameter-free custom activation) shows up only upstream. A target with neither and no parameters of its
+own is checked through every parameter upstream of it. A parameter that autograd gives no gradient at
+all is left out (``GradientCheckResult.not_in_graph``).
+
+**The budget.** Each tensor is planned at 7 evaluations (the Taylor test) + 2 (the directional finite
+difference after a miss) + 2k + 1 (k coordinates); when ``max_evaluations`` is short, fewer coordinates
+per tensor are checked, then tensors are left out (``GradientCheckResult.skipped``). A Taylor test
+repeated after a miss costs 6 and runs only on what the tensors after it leave over.
+
+**One function.** Every evaluation sees the same function of the parameters: ``reseed(seed)`` first,
+the buffers a forward pass updates (spectral norm's power-iteration vectors, BatchNorm's running
+statistics, counters) put back, and, when the loss computation makes lower-precision tensors of its own,
+every op's output promoted to float64
+(:class:`~lightning_gradguard.monitors.preflight.gradcheck_graph.Float64Mode`).
 """
 
 from __future__ import annotations
@@ -28,7 +70,13 @@ from lightning_gradguard.monitors.preflight.gradcheck_graph import (
     unwrapped_name,
 )
 
-__all__ = ["GradientCheckResult", "ModuleLossFn", "ParameterCheck", "gradcheck_module"]
+__all__ = [
+    "GradientCheckResult",
+    "GradientCheckSettings",
+    "ModuleLossFn",
+    "ParameterCheck",
+    "gradcheck_module",
+]
 
 #: ``loss_fn(model)``: the scalar loss of ``model`` (the float64 copy) on a fixed float64 batch, or
 #: ``None`` when there is none
@@ -134,68 +182,17 @@ class GradientCheckResult:
         return [p for p in self.parameters if p.passed and p.taylor_inconclusive]
 
 
-def gradcheck_module(
-    module: nn.Module,
-    loss_fn: ModuleLossFn,
-    *,
-    modules: list[str] | None = None,
-    samples_per_tensor: int = 6,
-    max_evaluations: int = 2000,
-    tolerance: float = 1e-3,
-    min_order: float = 1.5,
-    eps: float = 1e-6,
-    seed: int = 0,
-    taylor_tolerance: float = 1e-2,
-    reseed: Callable[[int], object] | None = torch.manual_seed,
-) -> GradientCheckResult:
-    """Check autograd's gradients of ``module`` against finite differences, in float64, on a copy.
+# ---------------------------------------------------------------------------------------------- engine
 
-    The engine under :func:`~lightning_gradguard.gradient_check`, which validates the arguments, cuts
-    the batch, converts it to float64, supplies the loss (a ``LightningModule``'s ``training_step`` by
-    default) and restores the caller's RNG states. ``module`` is deep-copied and the copy converted to
-    float64 (see :func:`~lightning_gradguard.monitors.preflight.gradcheck_graph.copy64`); the original and its
-    gradients are untouched.
 
-    For each checked parameter tensor: (a) a Taylor test along a random unit direction ``v`` in that
-    tensor, tilted toward the claimed gradient (``h = 1e-2 * 0.5**k``, k = 0..5): the remainder should
-    shrink with an observed order of at least ``min_order``, or else its part linear in ``h`` stay
-    within ``taylor_tolerance`` of the directional derivative; (b) symmetric finite differences (step
-    ``eps * max(1, |θ_i|)``) on up to ``samples_per_tensor`` coordinates (half the largest ``|grad|``,
-    half random), with relative error ``|a - n| / max(|a|, |n|, tiny)`` that must stay at or below
-    ``tolerance``.
+@dataclass(frozen=True, kw_only=True)
+class GradientCheckSettings:
+    """How :func:`gradcheck_module` checks each parameter tensor: the arguments of
+    :func:`~lightning_gradguard.gradient_check` (which validates them) from ``samples_per_tensor`` on.
 
-    A Taylor miss is not a verdict: steps that cross ReLU kinks (many of them where BatchNorm centres
-    the pre-activations on 0 and couples the samples) miss on correct gradients. After a miss, the
-    symmetric finite difference along the same ``v``, ``(L(θ + εv) - L(θ - εv)) / (2ε)``, is compared
-    with ``<g, v>``: above ``tolerance`` the parameter fails. Otherwise the Taylor test is repeated with
-    100x smaller steps (twice at most, budget permitting) until the remainder behaves; if it never does,
-    the Taylor test is *inconclusive* and the parameter passes on finite differences
-    (``ParameterCheck.taylor_inconclusive``). See
-    :func:`~lightning_gradguard.functional.gradcheck.taylor_check`.
-
-    A parameter fails when finite differences disagree with autograd: on a sampled coordinate, or along
-    the Taylor direction after a Taylor miss.
-
-    Which parameters: the target modules are ``modules`` when given (qualified names, ``""`` = the whole
-    model); otherwise the modules whose forward applies a custom ``autograd.Function`` (see
-    :func:`find_custom_functions`) or that carry a backward hook; if there are none, the whole model.
-    Checked are the target modules' own parameters *and* every parameter whose gradient flows through
-    a custom Function or backward hook their forward created (found by walking the autograd graph): a
-    wrong *input* gradient of a custom Function (e.g. a parameter-free custom activation) shows up only
-    upstream. A target with neither and no parameters of its own is checked through every parameter
-    upstream of it.
-
-    Args:
-        module: the model; the float64 copy of it is what ``loss_fn`` receives.
-        loss_fn: ``loss_fn(model) -> scalar loss`` of the float64 copy ``model`` on a fixed batch whose
-            floating-point tensors are float64 (``None``, or a tensor with more than one element: a
-            ``ValueError``).
-        modules: qualified names of the modules to check (default: detected, see above).
+    Attributes:
         samples_per_tensor: coordinates compared with finite differences per parameter tensor.
-        max_evaluations: bound on loss evaluations; when the budget is short, fewer coordinates per
-            tensor are checked, then tensors are left out (listed in ``skipped``). Each tensor is planned
-            at 7 (Taylor test) + 2 (the directional finite difference after a miss) + 2k + 1 (k
-            coordinates); a Taylor test repeated after a miss costs 6 and runs only on what is left over.
+        max_evaluations: bound on loss evaluations (how they are spent: the module's docstring).
         tolerance: the largest relative error accepted (seed texts: < 1e-5 correct, > 1e-3 a bug).
         min_order: the smallest observed Taylor order accepted.
         eps: the relative finite-difference step.
@@ -205,14 +202,45 @@ def gradcheck_module(
             above it the Taylor test missed and finite differences arbitrate. Healthy ReLU MLPs
             measured up to 8e-4, healthy Conv + BatchNorm + ReLU networks up to 0.12, wrong backwards
             0.5 and more.
-
         reseed: called with ``seed`` before every loss evaluation, so that any randomness in the loss is
             the same in every evaluation (the face re-seeds torch, NumPy and ``random``); ``None``:
             nothing is re-seeded.
+    """
+
+    samples_per_tensor: int = 6
+    max_evaluations: int = 2000
+    tolerance: float = 1e-3
+    min_order: float = 1.5
+    eps: float = 1e-6
+    seed: int = 0
+    taylor_tolerance: float = 1e-2
+    reseed: Callable[[int], object] | None = torch.manual_seed
+
+
+def gradcheck_module(
+    module: nn.Module,
+    loss_fn: ModuleLossFn,
+    *,
+    modules: list[str] | None = None,
+    settings: GradientCheckSettings | None = None,
+) -> GradientCheckResult:
+    """Check autograd's gradients of ``module`` against finite differences, in float64, on a copy.
+
+    How each tensor is checked, and which tensors: see the module's docstring.
+
+    Args:
+        module: the model; the float64 copy of it is what ``loss_fn`` receives.
+        loss_fn: ``loss_fn(model) -> scalar loss`` of the float64 copy ``model`` on a fixed batch whose
+            floating-point tensors are float64 (``None``, or a tensor with more than one element: a
+            ``ValueError``).
+        modules: qualified names of the modules to check (default: those with a custom
+            ``autograd.Function`` or a backward hook, else the whole model).
+        settings: how each tensor is checked (default: :class:`GradientCheckSettings`'s defaults).
 
     Returns:
         A :class:`GradientCheckResult` (``seconds`` left at 0: the caller times the whole check).
     """
+    settings = settings if settings is not None else GradientCheckSettings()
     model = copy64(module)
     names = dict(model.named_modules())
     if modules is not None:  # the copy is uncompiled: ``net._orig_mod.0`` is ``net.0`` there
@@ -220,121 +248,191 @@ def gradcheck_module(
         unknown = [m for m in modules if m not in names]
         if unknown:
             raise ValueError(f"`modules` names unknown modules {unknown}; known: {sorted(names)[:20]}")
-
-    promote = [True]  # the first evaluation finds out whether float64 must be enforced
-    # Buffers a forward pass updates (spectral norm's power-iteration vectors, BatchNorm's running
-    # statistics, counters) are put back before every evaluation: each one sees the same function.
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-
-    def raw_loss() -> Tensor:
-        if reseed is not None:
-            reseed(seed)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        mode = Float64Mode() if promote[0] else None
-        with mode if mode is not None else nullcontext():
-            loss = loss_fn(model)
-        if mode is not None and len(promote) == 1:
-            promote.append(mode.promoted)
-            promote[0] = mode.promoted  # nothing was promoted: the mode changes nothing, drop its cost
-        if loss is None or loss.numel() != 1:
-            raise ValueError("the loss must be a scalar tensor (training_step returned none)")
-        return loss.reshape(())
-
-    owners = GraphOwners(model)
-    try:
-        with torch.enable_grad():
-            loss = raw_loss()
-            owners.claim(loss, "")
-    finally:
-        owners.remove()
-    custom = owners.custom_functions()
-    hooked = [n for n, m in model.named_modules() if has_backward_hooks(m)]
+    loss = _CopyLoss(model, loss_fn, settings)
+    value, graph = _first_evaluation(model, loss, modules, names)
+    result = GradientCheckResult(
+        passed=True,
+        custom_functions=graph.custom,
+        hooked_modules=graph.hooked,
+        evaluations=1,
+        promoted=bool(loss.promoted),
+        loss=float(value.detach()),
+    )
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    result = GradientCheckResult(passed=True, custom_functions=custom, hooked_modules=hooked, evaluations=1)
-    result.promoted = promote[0]
-    result.loss = float(loss.detach())
-    if not params:
+    if not named:
         return result
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    del loss
-    grad_of = {id(p): g for p, g in zip(params, grads, strict=True)}
-
-    targets = list(modules) if modules is not None else sorted(set(custom) | set(hooked))
-    if not targets:
-        targets = [""]
-    chosen = owners.upstream_parameters(targets, names)
-    del owners
-    for t in targets:
-        chosen.update(id(p) for p in names[t].parameters())
+    grads = torch.autograd.grad(value, [p for _, p in named], allow_unused=True)
+    del value
+    result.targets = graph.targets
     # A parameter the loss's graph does not reach (used under no_grad, behind a .detach(), or not at all)
     # has no gradient to check: it is held constant on purpose (a teacher, a target network) or it is a
     # bug OverfitBatchSanity names (unused_parameter). Finite differences would only "discover" that the
     # loss depends on it.
-    result.not_in_graph = [n for n, p in named if id(p) in chosen and grad_of[id(p)] is None]
-    check_list = [(n, p) for n, p in named if id(p) in chosen and grad_of[id(p)] is not None]
-    result.targets = targets
+    chosen = [(n, p, g) for (n, p), g in zip(named, grads, strict=True) if id(p) in graph.chosen]
+    result.not_in_graph = [n for n, _, g in chosen if g is None]
+    _check_tensors(result, [(n, p, g) for n, p, g in chosen if g is not None], loss, settings)
+    result.passed = all(c.passed for c in result.parameters)
+    return result
 
-    # Evaluation budget: (num_steps + 1) for the Taylor test and 2 for the directional finite difference
-    # that arbitrates a miss, 2k + 1 for k finite-difference coordinates. Repeating a missed Taylor test
-    # with smaller steps (num_steps each) is paid from what the other tensors leave over.
-    taylor_cost = _TAYLOR_STEPS + 1 + _ARBITER_COST
-    budget = max_evaluations - 1
-    per_tensor = budget // max(len(check_list), 1)
-    k = max(1, min(samples_per_tensor, (per_tensor - taylor_cost - 1) // 2))
-    costs = [taylor_cost + 2 * min(k, p.numel()) + 1 for _, p in check_list]
 
-    def closure() -> Tensor:
+class _CopyLoss:
+    """The loss of the float64 copy: the same function of its parameters at every evaluation.
+
+    Before each evaluation: ``reseed(seed)``, and the buffers put back. The first evaluation runs under
+    :class:`Float64Mode`; the later ones only when it promoted a tensor (``promoted``).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: ModuleLossFn, settings: GradientCheckSettings) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.seed = settings.seed
+        self.reseed = settings.reseed
+        # Buffers a forward pass updates (spectral norm's power-iteration vectors, BatchNorm's running
+        # statistics, counters) are put back before every evaluation: each one sees the same function.
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers()]
+        self.promoted: bool | None = None  # not known before the first evaluation
+
+    def __call__(self) -> Tensor:
+        if self.reseed is not None:
+            self.reseed(self.seed)
         with torch.no_grad():
-            return raw_loss()
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        mode = Float64Mode() if self.promoted is not False else None
+        with mode if mode is not None else nullcontext():
+            loss = self.loss_fn(self.model)
+        if mode is not None and self.promoted is None:
+            self.promoted = mode.promoted  # nothing was promoted: the mode changes nothing, drop its cost
+        if loss is None or loss.numel() != 1:
+            raise ValueError("the loss must be a scalar tensor (training_step returned none)")
+        return loss.reshape(())
 
-    gen = torch.Generator().manual_seed(seed)
-    for i, (name, p) in enumerate(check_list):
-        g = grad_of[id(p)]
-        kk = min(k, p.numel())
+    def without_grad(self) -> Tensor:
+        """One evaluation without autograd: the closure of the Taylor tests and the finite differences."""
+        with torch.no_grad():
+            return self()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Graph:
+    """What the first evaluation showed of the copy's autograd graph.
+
+    Attributes:
+        custom: ``{module: [custom Function names]}`` found in the forward pass.
+        hooked: modules with backward hooks.
+        targets: the modules whose parameters are checked (``""`` = the whole model).
+        chosen: ``id`` of every parameter to check: the targets' own, and every one whose gradient
+            passes through a custom Function or backward hook that a target's forward created.
+    """
+
+    custom: dict[str, list[str]]
+    hooked: list[str]
+    targets: list[str]
+    chosen: set[int]
+
+
+def _first_evaluation(
+    model: nn.Module, loss: _CopyLoss, modules: list[str] | None, names: dict[str, nn.Module]
+) -> tuple[Tensor, _Graph]:
+    """The loss at the checked point, with its graph, and what the graph says about the modules."""
+    owners = GraphOwners(model)
+    try:
+        with torch.enable_grad():
+            value = loss()
+            owners.claim(value, "")
+    finally:
+        owners.remove()
+    custom = owners.custom_functions()
+    hooked = [n for n, m in model.named_modules() if has_backward_hooks(m)]
+    targets = list(modules) if modules is not None else sorted(set(custom) | set(hooked))
+    if not targets:
+        targets = [""]
+    chosen = owners.upstream_parameters(targets, names)
+    for t in targets:
+        chosen.update(id(p) for p in names[t].parameters())
+    return value, _Graph(custom=custom, hooked=hooked, targets=targets, chosen=chosen)
+
+
+def _check_tensors(
+    result: GradientCheckResult,
+    tensors: list[tuple[str, nn.Parameter, Tensor]],
+    loss: _CopyLoss,
+    settings: GradientCheckSettings,
+) -> None:
+    """Check each ``(name, parameter, gradient)`` in turn, within the evaluation budget.
+
+    Each tensor is planned at ``num_steps + 1`` evaluations for the Taylor test, 2 for the directional
+    finite difference that arbitrates a miss and ``2k + 1`` for ``k`` coordinates; a tensor the budget
+    has no room for is ``skipped``. Repeating a missed Taylor test with smaller steps (``num_steps``
+    each) is paid from what the tensors after it leave over.
+    """
+    taylor_cost = _TAYLOR_STEPS + 1 + _ARBITER_COST
+    budget = settings.max_evaluations - 1  # the first evaluation is spent
+    per_tensor = budget // max(len(tensors), 1)
+    k = max(1, min(settings.samples_per_tensor, (per_tensor - taylor_cost - 1) // 2))
+    costs = [taylor_cost + 2 * min(k, p.numel()) + 1 for _, p, _ in tensors]
+    gen = torch.Generator().manual_seed(settings.seed)
+    for i, (name, p, g) in enumerate(tensors):
         if budget < costs[i]:
             result.skipped.append(name)
             continue
         spare = budget - costs[i] - sum(costs[i + 1 :])
-        taylor = taylor_check(
-            closure,
-            [p],
-            [g],
-            num_steps=_TAYLOR_STEPS,
-            min_order=min_order,
-            taylor_tolerance=taylor_tolerance,
-            eps=eps,
-            tolerance=tolerance,
-            retries=max(0, min(_TAYLOR_RETRIES, spare // _TAYLOR_STEPS)),
-            shrink=_TAYLOR_SHRINK,
-            generator=gen,
+        retries = max(0, min(_TAYLOR_RETRIES, spare // _TAYLOR_STEPS))
+        check, spent = _check_tensor(
+            loss, name, p, g, k=min(k, p.numel()), retries=retries, gen=gen, settings=settings
         )
-        idx = sample_coordinates(g, p.numel(), kk, gen)
-        fd = finite_difference_check(closure, p, g, idx, eps=eps)
-        budget -= taylor.evaluations + fd.evaluations
-        result.evaluations += taylor.evaluations + fd.evaluations
-        worst = fd.indices[fd.worst] if fd.worst >= 0 else None
-        check = ParameterCheck(
-            name=name,
-            numel=p.numel(),
-            checked=fd.indices,
-            max_rel_error=fd.max_error,
-            worst_index=None if worst is None else _unravel(worst, tuple(p.shape)),
-            analytic=fd.analytic[fd.worst] if fd.worst >= 0 else math.nan,
-            numeric=fd.numeric[fd.worst] if fd.worst >= 0 else math.nan,
-            taylor_order=taylor.taylor.order,
-            taylor_remainders=taylor.taylor.remainders,
-            taylor_linear_error=taylor.taylor.linear_error,
-            passed=fd.max_error <= tolerance and taylor.passed,
-            taylor_h0=taylor.h0s,
-            directional_error=math.nan if taylor.directional is None else taylor.directional.error,
-            taylor_inconclusive=taylor.inconclusive,
-        )
+        budget -= spent
+        result.evaluations += spent
         result.parameters.append(check)
-    result.passed = all(c.passed for c in result.parameters)
-    return result
+
+
+def _check_tensor(
+    loss: _CopyLoss,
+    name: str,
+    p: nn.Parameter,
+    g: Tensor,
+    *,
+    k: int,
+    retries: int,
+    gen: torch.Generator,
+    settings: GradientCheckSettings,
+) -> tuple[ParameterCheck, int]:
+    """The arbitrated Taylor test and finite differences on ``k`` coordinates of one tensor, and the loss
+    evaluations they spent."""
+    taylor = taylor_check(
+        loss.without_grad,
+        [p],
+        [g],
+        num_steps=_TAYLOR_STEPS,
+        min_order=settings.min_order,
+        taylor_tolerance=settings.taylor_tolerance,
+        eps=settings.eps,
+        tolerance=settings.tolerance,
+        retries=retries,
+        shrink=_TAYLOR_SHRINK,
+        generator=gen,
+    )
+    fd = finite_difference_check(
+        loss.without_grad, p, g, sample_coordinates(g, p.numel(), k, gen), eps=settings.eps
+    )
+    worst = fd.worst >= 0
+    check = ParameterCheck(
+        name=name,
+        numel=p.numel(),
+        checked=fd.indices,
+        max_rel_error=fd.max_error,
+        worst_index=_unravel(fd.indices[fd.worst], tuple(p.shape)) if worst else None,
+        analytic=fd.analytic[fd.worst] if worst else math.nan,
+        numeric=fd.numeric[fd.worst] if worst else math.nan,
+        taylor_order=taylor.taylor.order,
+        taylor_remainders=taylor.taylor.remainders,
+        taylor_linear_error=taylor.taylor.linear_error,
+        passed=fd.max_error <= settings.tolerance and taylor.passed,
+        taylor_h0=taylor.h0s,
+        directional_error=math.nan if taylor.directional is None else taylor.directional.error,
+        taylor_inconclusive=taylor.inconclusive,
+    )
+    return check, taylor.evaluations + fd.evaluations
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,9 +1,10 @@
-"""What a gradient check's result says, in words: one line per parameter, the known patterns, the hint.
+"""What a gradient check's result says, in words: its findings, the known patterns, the passed line.
 
-The alerts of :class:`~lightning_gradguard.GradientCheck` are built from these: :func:`describe` (a
-failing parameter, its two gradient values and its Taylor order), :func:`pattern` (a straight-through
-estimator, a gradient-reversal layer, a constant factor), :data:`MISMATCH_HINT` (where to look), and
-:func:`passed_line` (the INFO line of a check that passed).
+The alerts of :class:`~lightning_gradguard.GradientCheck` are built here: :func:`mismatch_findings` (one
+``gradient_mismatch`` error per failing parameter) from :func:`describe` (the parameter, its two gradient
+values and its Taylor order), :data:`MISMATCH_HINT` (where to look) and :func:`pattern` (a
+straight-through estimator, a gradient-reversal layer, a constant factor); :func:`passed_line` is the
+INFO line of a check that passed.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import math
 
 from lightning_gradguard.monitors.preflight.gradcheck_module import GradientCheckResult, ParameterCheck
+from lightning_gradguard.monitors.preflight.verdict import Finding
 
-__all__ = ["MISMATCH_HINT", "describe", "passed_line", "pattern"]
+__all__ = ["MISMATCH_HINT", "describe", "mismatch_findings", "passed_line", "pattern"]
 
 MISMATCH_HINT = (
     "The backward pass of this parameter disagrees with the loss it differentiates. In a custom "
@@ -21,6 +23,28 @@ MISMATCH_HINT = (
     "missing sum over a broadcast dimension, or a sign. A backward hook must return a gradient of the "
     "same meaning, not a rescaled one."
 )
+
+
+def mismatch_findings(result: GradientCheckResult) -> list[Finding]:
+    """One ``gradient_mismatch`` error per parameter whose gradient failed the gradient check."""
+    return [
+        Finding(
+            kind="gradient_mismatch",
+            severity="error",
+            names=[check.name],
+            message="Autograd and finite differences disagree: " + describe(check) + ".",
+            hint=MISMATCH_HINT + pattern(check),
+            data={
+                "relative_error": check.max_rel_error,
+                "analytic": check.analytic,
+                "numeric": check.numeric,
+                "taylor_order": check.taylor_order,
+                "taylor_linear_error": check.taylor_linear_error,
+                "directional_error": check.directional_error,
+            },
+        )
+        for check in result.failures
+    ]
 
 
 def describe(check: ParameterCheck) -> str:
@@ -96,6 +120,3 @@ def passed_line(result: GradientCheckResult) -> str:
             "finite differences along its direction agree"
         )
     return line + "."
-
-
-# --------------------------------------------------------------------------------------------- callback

@@ -6,6 +6,12 @@ Pre-flight check of the backward pass: compares autograd's gradients with finite
 float64 on a tiny slice of a batch, for the modules most likely to be wrong (those with a custom
 ``torch.autograd.Function`` or a backward hook). Usable as a callback (at the start of ``fit``) or as a
 plain function on any module and batch.
+
+This module holds both faces: :func:`gradient_check` (the arguments validated, the batch cut and
+converted to float64, the caller's RNG states put back) and :class:`GradientCheck`, which runs it on the
+first batch of ``fit``. The engine under both is
+:mod:`~lightning_gradguard.monitors.preflight.gradcheck_module`; the alerts' words are in
+:mod:`~lightning_gradguard.monitors.preflight.gradcheck_report`.
 """
 
 from __future__ import annotations
@@ -24,14 +30,14 @@ from lightning_gradguard.core.snapshot import RNGState, train_loader_generators
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of
 from lightning_gradguard.core.validate import check_float, check_int, check_str_list
-from lightning_gradguard.monitors.preflight.findings import mismatch_findings
 from lightning_gradguard.monitors.preflight.gradcheck_graph import unwrapped_name
 from lightning_gradguard.monitors.preflight.gradcheck_module import (
     GradientCheckResult,
+    GradientCheckSettings,
     ModuleLossFn,
     gradcheck_module,
 )
-from lightning_gradguard.monitors.preflight.gradcheck_report import passed_line
+from lightning_gradguard.monitors.preflight.gradcheck_report import mismatch_findings, passed_line
 from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, PreflightCheck, Summary
 
 __all__ = ["GradientCheck", "gradient_check"]
@@ -77,18 +83,15 @@ def gradient_check(
     """Check autograd's gradients of ``module`` against finite differences, in float64.
 
     The module is deep-copied and the copy converted to float64; the original, its gradients and the
-    caller's RNG states are untouched. The copy stays in train mode, so BatchNorm normalises with the
-    statistics of the (fixed) batch slice, a deterministic function of the parameters; its running
-    statistics change on the copy only. ``nn.Dropout`` modules are switched to eval, and before every
-    loss evaluation torch, NumPy and ``random`` are re-seeded with ``seed``, so any randomness left
-    (functional dropout, noise) is the same in every evaluation and the finite differences see one
-    deterministic function.
+    caller's RNG states are untouched. The copy stays in train mode (BatchNorm normalises with the
+    statistics of the fixed batch slice; its running statistics change on the copy only), its
+    ``nn.Dropout`` modules are switched to eval, and torch, NumPy and ``random`` are re-seeded with
+    ``seed`` before every loss evaluation: the finite differences see one deterministic function.
 
-    How each parameter tensor is checked (a Taylor test, and finite differences on sampled coordinates
-    and along the Taylor direction, which arbitrate a Taylor miss) and which tensors (those of the
-    modules with a custom ``autograd.Function`` or a backward hook, and every parameter upstream of
-    them): see :func:`~lightning_gradguard.monitors.preflight.gradcheck_module.gradcheck_module`, the engine this
-    function runs, which also documents the arguments from ``modules`` on.
+    How each tensor is checked (a Taylor test; finite differences on sampled coordinates, and along the
+    Taylor direction to arbitrate a miss) and which (the modules with a custom ``autograd.Function`` or a
+    backward hook, and every parameter upstream of them): the engine this function runs,
+    :mod:`~lightning_gradguard.monitors.preflight.gradcheck_module`. Other arguments: :class:`GradientCheck`.
 
     Args:
         module: the model (a ``LightningModule`` or any ``nn.Module``).
@@ -111,6 +114,30 @@ def gradient_check(
     _validate(
         max_samples, samples_per_tensor, max_evaluations, tolerance, min_order, eps, seed, taylor_tolerance
     )
+    settings = GradientCheckSettings(
+        samples_per_tensor=samples_per_tensor,
+        max_evaluations=max_evaluations,
+        tolerance=tolerance,
+        min_order=min_order,
+        eps=eps,
+        seed=seed,
+        taylor_tolerance=taylor_tolerance,
+        reseed=seed_all,
+    )
+    return _run(module, batch, loss_fn, modules=modules, max_samples=max_samples, settings=settings)
+
+
+def _run(
+    module: nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None,
+    *,
+    modules: list[str] | None,
+    max_samples: int | None,
+    settings: GradientCheckSettings,
+) -> GradientCheckResult:
+    """:func:`gradient_check` once its numbers are valid: check what it is to run on, cut the batch and
+    convert it to float64, run the engine on a float64 copy and time it, put the caller's RNG states back."""
     modules = check_str_list("modules", modules)
     if loss_fn is None and not isinstance(module, pl.LightningModule):
         raise ValueError(
@@ -124,17 +151,7 @@ def gradient_check(
             batch, Tensor, lambda t: t.detach().double() if t.is_floating_point() else t
         )
         result = gradcheck_module(
-            module,
-            _copy_loss(module, batch, loss_fn),
-            modules=modules,
-            samples_per_tensor=samples_per_tensor,
-            max_evaluations=max_evaluations,
-            tolerance=tolerance,
-            min_order=min_order,
-            eps=eps,
-            seed=seed,
-            taylor_tolerance=taylor_tolerance,
-            reseed=seed_all,
+            module, _copy_loss(module, batch, loss_fn), modules=modules, settings=settings
         )
     finally:
         rng.restore()
@@ -189,7 +206,8 @@ class GradientCheck(PreflightCheck):
         min_order: smallest observed Taylor order accepted before finite differences arbitrate.
         eps: relative finite-difference step.
         seed: seed of the check's own randomness.
-        taylor_tolerance: see :func:`~lightning_gradguard.monitors.preflight.gradcheck_module.gradcheck_module`.
+        taylor_tolerance: the largest Taylor remainder linear in ``h`` still blamed on kinks (see
+            :class:`~lightning_gradguard.monitors.preflight.gradcheck_module.GradientCheckSettings`).
         action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
 
     Example::
@@ -203,6 +221,10 @@ class GradientCheck(PreflightCheck):
     """
 
     state_key_args = ("modules",)
+    sharded_reason = (
+        "it checks a float64 deep copy of the model, and a rank holds only pieces of the sharded parameters "
+        "(a sharded module cannot be copied whole)"
+    )
 
     def __init__(
         self,

@@ -1,16 +1,14 @@
-"""Forward hooks on the user's model for the pre-flight checks, and the scope every hook of ours runs in.
+"""Forward hooks the overfit-one-batch check puts on the user's model.
 
 * :class:`LeafOutputs`: the last output of a leaf module with the batch's leading dimension (the logits
   of a classifier, the per-sample output the batch-mixing check differentiates);
 * :class:`CalledModules`: which modules ran in a forward pass (a parameter without a gradient whose
-  module never ran is not a bug of the graph);
-* :class:`Uncompiled`: while it is open, ``torch.compile``'d code runs eagerly. Every hook of ours
-  (these, :class:`~lightning_gradguard.monitors.dead_units.capture.ActivationCapture`,
-  :class:`~lightning_gradguard.monitors.vanishing.order.ForwardOrder`) lives inside one, so dynamo never traces a
-  hook of ours: no recompile, no graph break, no cache entry added to the user's compiled code.
+  module never ran is not a bug of the graph).
 
-Both hook classes hold their hook handles; call ``remove()`` in a ``finally``: a hook is never left on the
-model.
+While either is on the model, the model runs uncompiled: each opens an
+:class:`~lightning_gradguard.core.compile.Uncompiled` scope, so dynamo never traces a hook of ours (no
+recompile, no graph break, no cache entry added to the user's compiled code). Both hold their hook
+handles; call ``remove()`` in a ``finally``: a hook is never left on the model.
 """
 
 from __future__ import annotations

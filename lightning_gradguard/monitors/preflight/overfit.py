@@ -5,6 +5,11 @@ OverfitBatchSanity
 Before the real run spends hours, prove in seconds that the model can learn: train on the first batch
 until its loss collapses, check on the way that every parameter gets a gradient and moves, that the
 initial loss is the one a fresh classifier should have, and put everything back exactly as it was.
+
+This module holds the callback: its arguments, when it runs (the first batch drawn and cut, everything
+put back afterwards) and its verdict in words (the closing ``overfit_failed`` alert, the line that says
+it passed). The check itself is
+:func:`~lightning_gradguard.monitors.preflight.overfit_check.run_overfit_check`.
 """
 
 from __future__ import annotations
@@ -23,10 +28,9 @@ from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
-from lightning_gradguard.monitors.preflight.diagnosis import passed_line
-from lightning_gradguard.monitors.preflight.findings import Finding, OverfitResult, label_stability
+from lightning_gradguard.monitors.preflight.findings import OverfitResult, label_stability
 from lightning_gradguard.monitors.preflight.overfit_check import OverfitSettings, run_overfit_check
-from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, PreflightCheck, Summary
+from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, Finding, PreflightCheck, Summary
 
 __all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
 
@@ -123,6 +127,11 @@ class OverfitBatchSanity(PreflightCheck):
             print(err)            # the findings and the likely causes
         print(check.result)       # passed, steps, initial/final loss, curve, seconds
     """
+
+    sharded_reason = (
+        "its trial steps train this rank's first batch alone, for as many steps as this rank needs, so the "
+        "strategy's all-gathers would run out of step with the other ranks"
+    )
 
     def __init__(
         self,
@@ -225,37 +234,13 @@ class OverfitBatchSanity(PreflightCheck):
             _emit.log_scalars(trainer, metrics, i)
         # the summary (overfit_failed) is reported once, by conclude
         alerts = self.report_findings(trainer, [f for f in result.findings if f.kind != "overfit_failed"])
-        failed_here = not result.passed
         summary = next((f for f in result.findings if f.kind == "overfit_failed"), None)
-        if summary is not None:
-            kinds = sorted(
-                {f.kind for f in result.findings if f.severity == "error" and f.kind != "overfit_failed"}
-            )
-            extra = f" Findings: {', '.join(kinds)}." if kinds else ""
-            message, hint, data = summary.message + extra, summary.hint, summary.data
-        elif failed_here:
-            kinds = sorted({f.kind for f in result.findings if f.severity == "error"})
-            how = (
-                "The loss reached the target"
-                if result.reached_target
-                else "The batch was memorised"
-                if result.memorised
-                else "The loss converged to a floor above the target"
-            )
-            message = (
-                f"{how} ({result.initial_loss:.4g} -> {result.final_loss:.4g} in {result.steps} steps) but "
-                f"the check found: {', '.join(kinds)}."
-            )
-            hint, data = "See the findings above.", {"steps": float(result.steps)}
-        else:
-            message = "This rank passed, but the overfit-one-batch check failed on another rank."
-            hint, data = OTHER_RANKS, {}
         self.conclude(
             trainer,
             alerts,
-            failed_here=failed_here,
-            on_failure=Summary(kind="overfit_failed", message=message, hint=hint, data=data),
-            passed_line=passed_line(result),
+            failed_here=not result.passed,
+            on_failure=_failure_summary(result, summary),
+            passed_line=_passed_line(result),
             # a warning: the target was missed, but the model learns (slow LR)
             on_success=None
             if summary is None
@@ -274,3 +259,52 @@ class OverfitBatchSanity(PreflightCheck):
                 "final_loss": self.result.final_loss,
             }
         return state
+
+
+def _failure_summary(result: OverfitResult, summary: Finding | None) -> Summary:
+    """The closing error when the check failed on some rank: this rank's ``overfit_failed`` finding with
+    the kinds of the other errors; the errors alone when the batch was learned; or, when this rank
+    passed, a pointer to the other ranks."""
+    errors = sorted({f.kind for f in result.findings if f.severity == "error" and f.kind != "overfit_failed"})
+    if summary is not None:
+        extra = f" Findings: {', '.join(errors)}." if errors else ""
+        return Summary(
+            kind="overfit_failed", message=summary.message + extra, hint=summary.hint, data=summary.data
+        )
+    if result.passed:
+        message = "This rank passed, but the overfit-one-batch check failed on another rank."
+        return Summary(kind="overfit_failed", message=message, hint=OTHER_RANKS)
+    how = (
+        "The loss reached the target"
+        if result.reached_target
+        else "The batch was memorised"
+        if result.memorised
+        else "The loss converged to a floor above the target"
+    )
+    message = (
+        f"{how} ({result.initial_loss:.4g} -> {result.final_loss:.4g} in {result.steps} steps) but "
+        f"the check found: {', '.join(errors)}."
+    )
+    return Summary(
+        kind="overfit_failed",
+        message=message,
+        hint="See the findings above.",
+        data={"steps": float(result.steps)},
+    )
+
+
+def _passed_line(result: OverfitResult) -> str:
+    """The one line that says the check ran and passed, with the numbers behind the verdict."""
+    if result.reached_target:
+        how = f"reached the target {result.target_loss:.4g}"
+    elif result.memorised:
+        how = "memorised the batch (every sample classified right)"
+    elif result.converged:
+        how = "converged to a loss floor above the target"
+    else:
+        how = "missed the target but kept learning"
+    return (
+        f"OverfitBatchSanity: passed - loss {result.initial_loss:.4g} -> {result.final_loss:.4g} in "
+        f"{result.steps} steps on {result.num_samples} samples with {result.optimizer} ({how}; "
+        f"{result.seconds:.1f} s)."
+    )

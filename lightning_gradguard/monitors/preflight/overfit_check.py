@@ -1,17 +1,21 @@
 """The overfit-one-batch check on one batch: the trial, the findings, the fallback, the verdict.
 
 :func:`run_overfit_check` is what :class:`~lightning_gradguard.OverfitBatchSanity` runs on the first
-batch (drawn, cut and restored afterwards by the callback): it trains on the batch with the user's
-optimizer (:func:`~lightning_gradguard.monitors.preflight.overfit_trial.train_on_batch`), collects the findings
-(:mod:`~lightning_gradguard.monitors.preflight.findings`, :mod:`~lightning_gradguard.monitors.preflight.diagnosis`), and
-when the target was missed, tries ``Adam(fallback_lr)`` from the same weights to tell a slow LR from a
-broken pipeline. The settings come from the callback as an :class:`OverfitSettings`.
+batch (drawn, cut and restored afterwards by the callback), with the callback's arguments as an
+:class:`OverfitSettings`. It trains on the batch with the user's optimizer
+(:func:`~lightning_gradguard.monitors.preflight.overfit_trial.train_on_batch`), collects the findings
+(:mod:`~lightning_gradguard.monitors.preflight.findings`,
+:mod:`~lightning_gradguard.monitors.preflight.diagnosis`) and, when the target was missed, tries
+``Adam(fallback_lr)`` from the same weights to tell a slow LR from a broken pipeline. The verdict: the
+batch was learned (the target reached, the batch memorised, the loss on a floor, or a slow learner as
+:func:`~lightning_gradguard.monitors.preflight.diagnosis.missed_target` judges it) and no finding is an
+error.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,16 +25,28 @@ from torch import Tensor, nn
 from lightning_gradguard.core.batch import batch_size_of
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import configured_lr
-from lightning_gradguard.functional.overfit import at_floor, still_learning
+from lightning_gradguard.functional.overfit import at_floor
 from lightning_gradguard.monitors.preflight.diagnosis import (
     chance_loss,
-    failed_finding,
     initial_loss_finding,
     labels_of,
+    missed_target,
     not_shrinking,
 )
-from lightning_gradguard.monitors.preflight.findings import OverfitResult, batch_mixing, parameter_findings
-from lightning_gradguard.monitors.preflight.overfit_trial import choose_optimizer, randomness, train_on_batch
+from lightning_gradguard.monitors.preflight.findings import (
+    OverfitResult,
+    ParameterRecord,
+    batch_mixing,
+    parameter_findings,
+)
+from lightning_gradguard.monitors.preflight.overfit_trial import (
+    TrialCurve,
+    TrialPlan,
+    choose_optimizer,
+    randomness,
+    train_on_batch,
+)
+from lightning_gradguard.monitors.preflight.verdict import Finding
 
 __all__ = ["OverfitSettings", "run_overfit_check"]
 
@@ -54,6 +70,31 @@ class OverfitSettings:
         return self.target * initial if self.target_mode == "relative" else self.target
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Check:
+    """One run of the check: what it trains on, and what it fixed before the first step.
+
+    Attributes:
+        names: the qualified names of the trainable parameters.
+        params: the trainable parameters.
+        start: their values before the first step (the fallback starts again from them).
+        optimizer: the user's first optimizer, or ``Adam(fallback_lr)`` when there is none.
+        randomness: what ``training_step``'s random draws change (see ``OverfitResult.randomness``).
+        plan: the trial with the user's optimizer.
+    """
+
+    trainer: pl.Trainer
+    pl_module: pl.LightningModule
+    batch: Any
+    settings: OverfitSettings
+    names: list[str]
+    params: list[nn.Parameter]
+    start: list[Tensor]
+    optimizer: torch.optim.Optimizer
+    randomness: str
+    plan: TrialPlan
+
+
 def run_overfit_check(
     trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, settings: OverfitSettings
 ) -> OverfitResult:
@@ -61,164 +102,146 @@ def run_overfit_check(
 
     The model, the optimizer and the RNG states are left changed: the caller restores them.
     """
-    named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
-    names = [n for n, _ in named]
-    params = [p for _, p in named]
-    optimizer = choose_optimizer(trainer, params, settings.fallback_lr)
-    configured_lr(optimizer)
-    start = [p.detach().clone() for p in params]
-    n = batch_size_of(batch) or 0
-    pl_module.train()
-    drawn = randomness(trainer, pl_module, batch, n)  # before any hook is left on the model
-    frozen = drawn == "inputs"
-    pl_module.train()
-    curve = train_on_batch(
-        trainer,
-        pl_module,
-        batch,
-        params,
-        optimizer,
-        max_steps=settings.max_steps,
-        target_loss=settings.target_loss,
-        frozen=frozen,
-        batch_size=n,
-        labels_of=(lambda out: labels_of(batch, out, n, settings.num_classes)[1]) if n else None,
-        inspect=True,
-    )
+    check = _prepare(trainer, pl_module, batch, settings)
+    curve = train_on_batch(trainer, pl_module, batch, check.params, check.optimizer, check.plan)
     if curve.stopped == "no_loss":
         warn_once(
             trainer,
             "overfit_batch_no_loss",
             "OverfitBatchSanity: training_step returned no loss; the check was skipped.",
         )
-    losses, grad_norms, logits, reached = curve.losses, curve.grad_norms, curve.logits, curve.reached
-    steps = max(len(losses) - 1, 0)
-    initial = losses[0] if losses else math.nan
-    final = losses[-1] if losses else math.nan
-    # the target was missed, but at the last step every sample is classified correctly with a loss
-    # below the initial one: memorised, above a loss floor (label smoothing)
-    memorised = curve.memorised and not reached and final < initial
-    result = OverfitResult(
-        passed=False,
-        reached_target=reached,
-        memorised=memorised,
-        steps=steps,
-        initial_loss=initial,
-        final_loss=final,
-        target_loss=settings.target_loss(initial),
-        losses=losses,
-        grad_norms=grad_norms,
-        seconds=0.0,
-        num_samples=n,
-        optimizer=type(optimizer).__name__,
-        randomness=drawn,
-    )
-    if not losses:
+    result = _result(check, curve)
+    if not result.losses:
         result.passed = True  # nothing could be checked (warned above)
         return result
-    findings = result.findings
-    if steps > 0:
-        nonzero = curve.nonzero_grad
-        nonzero_grad = nonzero.cpu() if nonzero is not None else torch.zeros(len(params), dtype=torch.bool)
-        findings.extend(
-            parameter_findings(
-                optimizer,
-                names,
-                params,
-                start,
-                curve.got_grad,
-                nonzero_grad,
-                curve.called,
-                settings.ignore_parameters,
-            )
-        )
-    if settings.check_initial_loss and trainer.global_step == 0:  # a resumed model is not a fresh one
-        findings.extend(
-            initial_loss_finding(
-                batch,
-                logits,
-                initial,
-                n,
-                num_classes=settings.num_classes,
-                tolerance=settings.initial_loss_tolerance,
-            )
-        )
-    c, labels = labels_of(batch, logits, n, settings.num_classes)
+    c, labels = labels_of(batch, curve.logits, result.num_samples, settings.num_classes)
     if c is not None and labels is not None:
         result.num_classes = c
         result.chance_loss = chance_loss(labels, c)
-    if reached or memorised:
-        findings.extend(not_shrinking(grad_norms, initial, final))
-    if settings.check_batch_mixing:
-        findings.extend(batch_mixing(trainer, pl_module, batch))
-    result.converged = not (reached or memorised) and at_floor(
-        losses, grad_norms, result.chance_loss, result.num_classes
+    result.findings.extend(_findings(check, curve, result))
+    learned = result.reached_target or result.memorised
+    result.converged = not learned and at_floor(
+        result.losses, result.grad_norms, result.chance_loss, result.num_classes
     )
-    learned = reached or memorised or result.converged
-    if not learned and any(o is optimizer for o in trainer.optimizers):
+    learned = learned or result.converged
+    if not learned and any(o is check.optimizer for o in trainer.optimizers):
         # The user's optimizer missed the target. Is it the pipeline, or only the optimizer's LR (a
         # fine-tuning LR such as 2e-5, a warm-up the check does not run)? Try again from the same
         # weights with Adam(fallback_lr): if that memorises the batch, the model, the loss and the data
         # are fine, and the finding is a warning.
-        learned = _fallback_trial(trainer, pl_module, batch, params, start, labels, frozen, result, settings)
-        result.fallback_reached = learned
-    if not (reached or memorised or result.converged):
-        failed = failed_finding(result)
-        if result.fallback_reached:
-            failed.severity = "warning"
-            failed.message += (
-                f" Adam(lr={settings.fallback_lr:g}) from the same weights did memorise it: the model, loss "
-                "and data can learn; your optimizer's LR is slow for memorising one batch."
-            )
-            failed.hint = (
-                "Fine for a small fine-tuning LR or a run that relies on warm-up; otherwise raise the LR "
-                "(an LR range test tells how far) or max_steps."
-            )
-        elif still_learning(losses, result.chance_loss, result.num_classes):
-            learned = True
-            failed.severity = "warning"
-            failed.message += (
-                " The loss was still falling steadily and had at least halved: the model learns from its "
-                "inputs, more slowly than the check's budget."
-            )
-            failed.hint = (
-                "Objectives such as a VAE's ELBO or a regression on unnormalised targets take longer "
-                "to memorise a batch; raise max_steps (or the LR) to see the target reached."
-            )
-        findings.append(failed)
-    result.passed = learned and not any(f.severity == "error" for f in findings)
+        result.fallback_reached = _fallback_trial(check, labels, result)
+    if not learned:
+        failed = missed_target(result, settings.fallback_lr)
+        result.findings.append(failed)
+        learned = failed.severity == "warning"  # the model learns after all: a slow LR or objective
+    result.passed = learned and not any(f.severity == "error" for f in result.findings)
     return result
 
 
-def _fallback_trial(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    batch: Any,
-    params: list[nn.Parameter],
-    start: list[Tensor],
-    labels: Tensor | None,
-    frozen: bool,
-    result: OverfitResult,
-    settings: OverfitSettings,
-) -> bool:
-    """Train from ``start`` with ``Adam(fallback_lr)``: does it reach the target or memorise the batch?"""
-    with torch.no_grad():
-        for p, s in zip(params, start, strict=True):
-            p.copy_(s)
-    n = result.num_samples
-    curve = train_on_batch(
-        trainer,
-        pl_module,
-        batch,
-        params,
-        torch.optim.Adam(params, lr=settings.fallback_lr),
+def _prepare(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, settings: OverfitSettings
+) -> _Check:
+    """Fix the parameters, their starting values and the optimizer; find out what ``training_step``
+    draws at random (before any hook is left on the model) and plan the trial."""
+    named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    optimizer = choose_optimizer(trainer, params, settings.fallback_lr)
+    configured_lr(optimizer)
+    start = [p.detach().clone() for p in params]
+    n = batch_size_of(batch) or 0
+    pl_module.train()
+    drawn = randomness(trainer, pl_module, batch, n)
+    pl_module.train()
+    plan = TrialPlan(
         max_steps=settings.max_steps,
         target_loss=settings.target_loss,
-        frozen=frozen,
+        frozen=drawn == "inputs",
         batch_size=n,
-        labels_of=(lambda _: labels) if labels is not None and n else None,
-        inspect=False,
+        labels_of=(lambda out: labels_of(batch, out, n, settings.num_classes)[1]) if n else None,
+        inspect=True,
     )
+    return _Check(
+        trainer=trainer,
+        pl_module=pl_module,
+        batch=batch,
+        settings=settings,
+        names=[name for name, _ in named],
+        params=params,
+        start=start,
+        optimizer=optimizer,
+        randomness=drawn,
+        plan=plan,
+    )
+
+
+def _result(check: _Check, curve: TrialCurve) -> OverfitResult:
+    """The result of the user's trial, before the findings and the verdict."""
+    losses = curve.losses
+    initial = losses[0] if losses else math.nan
+    final = losses[-1] if losses else math.nan
+    return OverfitResult(
+        passed=False,
+        reached_target=curve.reached,
+        # the target was missed, but at the last step every sample is classified correctly with a loss
+        # below the initial one: memorised, above a loss floor (label smoothing)
+        memorised=curve.memorised and not curve.reached and final < initial,
+        steps=max(len(losses) - 1, 0),
+        initial_loss=initial,
+        final_loss=final,
+        target_loss=check.settings.target_loss(initial),
+        losses=losses,
+        grad_norms=curve.grad_norms,
+        seconds=0.0,
+        num_samples=check.plan.batch_size,
+        optimizer=type(check.optimizer).__name__,
+        randomness=check.randomness,
+    )
+
+
+def _findings(check: _Check, curve: TrialCurve, result: OverfitResult) -> list[Finding]:
+    """What the user's trial showed besides the loss reaching the target, in the order it is reported."""
+    settings, findings = check.settings, []
+    if result.steps > 0:
+        nonzero = curve.nonzero_grad
+        record = ParameterRecord(
+            names=check.names,
+            params=check.params,
+            start=check.start,
+            got_grad=curve.got_grad.tolist(),
+            nonzero_grad=nonzero.cpu().tolist() if nonzero is not None else [False] * len(check.params),
+            called=curve.called,
+        )
+        findings.extend(parameter_findings(check.optimizer, record, settings.ignore_parameters))
+    if settings.check_initial_loss and check.trainer.global_step == 0:  # a resumed model is not a fresh one
+        findings.extend(
+            initial_loss_finding(
+                check.batch,
+                curve.logits,
+                result.initial_loss,
+                result.num_samples,
+                num_classes=settings.num_classes,
+                tolerance=settings.initial_loss_tolerance,
+            )
+        )
+    if result.reached_target or result.memorised:
+        findings.extend(not_shrinking(result.grad_norms, result.initial_loss, result.final_loss))
+    if settings.check_batch_mixing:
+        findings.extend(batch_mixing(check.trainer, check.pl_module, check.batch))
+    return findings
+
+
+def _fallback_trial(check: _Check, labels: Tensor | None, result: OverfitResult) -> bool:
+    """Train from the starting weights with ``Adam(fallback_lr)``: does it reach the target or memorise
+    the batch (the classifier's ``labels``, ``None`` for another model)?"""
+    with torch.no_grad():
+        for p, s in zip(check.params, check.start, strict=True):
+            p.copy_(s)
+    n = result.num_samples
+    plan = replace(
+        check.plan, labels_of=(lambda _: labels) if labels is not None and n else None, inspect=False
+    )
+    adam = torch.optim.Adam(check.params, lr=check.settings.fallback_lr)
+    curve = train_on_batch(check.trainer, check.pl_module, check.batch, check.params, adam, plan)
     if curve.stopped != "budget":  # reached the target, or diverged, or no loss
         return curve.reached
     initial, final = curve.losses[0], curve.losses[-1]

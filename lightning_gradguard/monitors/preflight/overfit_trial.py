@@ -2,13 +2,15 @@
 
 :func:`train_on_batch` is the one training loop of :class:`~lightning_gradguard.OverfitBatchSanity`: the
 user's optimizer on the first batch, and ``Adam(fallback_lr)`` again from the same weights when that
-missed. Each step is :func:`~lightning_gradguard.core.trial.trial_loss` (``training_step`` under the
+missed; a :class:`TrialPlan` says how far it goes and what it records, a :class:`TrialCurve` is what it
+recorded. Each step is :func:`~lightning_gradguard.core.trial.trial_loss` (``training_step`` under the
 precision context, ``self.log`` swallowed, optionally re-seeded), a plain ``backward`` and the optimizer's
 ``step``: the LR scheduler is not stepped, gradient clipping and loss scaling are not applied. The stop
 rule: a loss at or below the target after the first step, a non-finite loss, or ``max_steps`` steps.
 On the way it records the loss curve, the gradient norms, which parameters got a (non-zero) gradient,
-which modules ran and, for a classifier, whether the batch is memorised. :func:`randomness` tells
-whether ``training_step`` draws random numbers, and where they act.
+which modules ran and, for a classifier, whether the batch is memorised. :func:`choose_optimizer` picks
+the user's optimizer; :func:`randomness` tells whether ``training_step`` draws random numbers, and where
+they act.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of, trial_loss
 from lightning_gradguard.monitors.preflight.modules import CalledModules, LeafOutputs
 
-__all__ = ["FROZEN_SEED", "TrialCurve", "choose_optimizer", "randomness", "train_on_batch"]
+__all__ = ["FROZEN_SEED", "TrialCurve", "TrialPlan", "choose_optimizer", "randomness", "train_on_batch"]
 
 #: the seed every step of the check is re-seeded with when ``training_step``'s randomness is frozen
 FROZEN_SEED = 0x5EED
@@ -90,28 +92,11 @@ def choose_optimizer(
     return torch.optim.Adam(params, lr=fallback_lr)
 
 
-def train_on_batch(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    batch: Any,
-    params: list[nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    *,
-    max_steps: int,
-    target_loss: Callable[[float], float],
-    frozen: bool,
-    batch_size: int,
-    labels_of: Callable[[Tensor | None], Tensor | None] | None,
-    inspect: bool,
-) -> TrialCurve:
-    """Train on ``batch`` with ``optimizer`` until the loss is at or below ``target_loss(initial)``.
+@dataclass(frozen=True, kw_only=True)
+class TrialPlan:
+    """How one trial trains on the batch.
 
-    Args:
-        trainer: the trainer (its precision plugin's train-step context is used).
-        pl_module: the model, in train mode.
-        batch: the batch, as ``training_step`` takes it.
-        params: the trainable parameters (their gradients are recorded).
-        optimizer: the optimizer that steps (``LBFGS`` gets a closure).
+    Attributes:
         max_steps: the most optimizer steps.
         target_loss: the target, from the initial loss.
         frozen: re-seed every generator with :data:`FROZEN_SEED` before each ``training_step``: one fixed
@@ -122,106 +107,170 @@ def train_on_batch(
         inspect: record which parameters get a (non-zero) gradient and which modules run in the first
             ``training_step`` (the user's optimizer; the fallback needs the curve only).
     """
-    got_grad = torch.zeros(len(params), dtype=torch.bool)
-    nonzero_flags: Tensor | None = None
-    losses: list[float] = []
-    grad_norms: list[float] = []
-    leaf = LeafOutputs(pl_module, batch_size) if labels_of is not None else None
-    calls = CalledModules(pl_module) if inspect else None
-    logits: Tensor | None = None
-    labels: Tensor | None = None
-    memorised = False
+
+    max_steps: int
+    target_loss: Callable[[float], float]
+    frozen: bool
+    batch_size: int
+    labels_of: Callable[[Tensor | None], Tensor | None] | None
+    inspect: bool
+
+
+def train_on_batch(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    batch: Any,
+    params: list[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    plan: TrialPlan,
+) -> TrialCurve:
+    """Train on ``batch`` with ``optimizer`` until the loss is at or below ``plan.target_loss(initial)``.
+
+    Args:
+        trainer: the trainer (its precision plugin's train-step context is used).
+        pl_module: the model, in train mode.
+        batch: the batch, as ``training_step`` takes it.
+        params: the trainable parameters (their gradients are recorded).
+        optimizer: the optimizer that steps (``LBFGS`` gets a closure).
+        plan: how many steps, to what target, and what to record.
+    """
+    record = _Record(len(params), plan)
+    outputs = _Outputs(pl_module, plan.batch_size, plan.labels_of) if plan.labels_of is not None else None
+    calls = CalledModules(pl_module) if plan.inspect else None
     stopped: Stop = "budget"
     try:
-        for step in range(max_steps + 1):
+        for step in range(plan.max_steps + 1):
             optimizer.zero_grad(set_to_none=True)
             for p in params:
                 p.grad = None
             # frozen: the same random draws in every step: one fixed batch, one fixed objective
-            loss = trial_loss(trainer, pl_module, batch, seed=FROZEN_SEED if frozen else None)
+            loss = trial_loss(trainer, pl_module, batch, seed=FROZEN_SEED if plan.frozen else None)
             if calls is not None:
-                calls.remove()
-            if leaf is not None and labels_of is not None:
-                out = None if leaf.last is None else leaf.last.detach()
-                leaf.last = None
-                if step == 0:
-                    logits = out
-                    labels = labels_of(logits)
-                    if labels is None or logits is None or logits.dim() != 2:
-                        leaf.remove()  # not a classifier we understand: no accuracy to follow
-                        leaf = None
-                elif (
-                    labels is not None
-                    and out is not None
-                    and logits is not None
-                    and out.shape == logits.shape
-                ):
-                    memorised = bool((out.argmax(dim=1) == labels).all())
+                calls.remove()  # the modules of the first training_step only
+            if outputs is not None:
+                outputs.see(step)
             if loss is None:
                 stopped = "no_loss"
                 break
-            value = float(loss.detach().float())
-            losses.append(value)
-            if not math.isfinite(value):
-                stopped = "diverged"
-                break
-            if step > 0 and value <= target_loss(losses[0]):
-                stopped = "target"
-                break
-            if step == max_steps:
+            stop = record.stop(float(loss.detach().float()), step)
+            if stop is not None:
+                stopped = stop
                 break
             loss.backward()
-            grads = [p.grad for p in params]
-            present = [g for g in grads if g is not None]
-            grad_norms.append(float(torch.nn.utils.get_total_norm(present)) if present else 0.0)
-            if inspect:  # flags stay on the device: one host read at the end, not one per tensor
-                got_grad, nonzero_flags = _note_grads(grads, present, got_grad, nonzero_flags)
-            if isinstance(optimizer, torch.optim.LBFGS):
-
-                def closure() -> Tensor:
-                    optimizer.zero_grad()
-                    if frozen:
-                        seed_all(FROZEN_SEED)
-                    with quiet_logging(pl_module):
-                        out = loss_of(training_step_of(pl_module, batch))
-                    assert out is not None
-                    out.backward()
-                    return out
-
-                optimizer.step(closure)
-            else:
-                optimizer.step()
+            record.gradients(params)
+            _step(optimizer, pl_module, batch, plan.frozen)
     finally:  # never leave a hook on the user's model, even when training_step fails
-        if leaf is not None:
-            leaf.remove()
+        if outputs is not None:
+            outputs.remove()
         if calls is not None:
             calls.remove()
-    return TrialCurve(
-        losses=losses,
-        grad_norms=grad_norms,
-        stopped=stopped,
-        memorised=memorised,
-        logits=logits,
-        labels=labels,
-        got_grad=got_grad,
-        nonzero_grad=nonzero_flags,
-        called=calls.called if calls is not None else set(),
-    )
+    return record.curve(stopped, outputs, calls.called if calls is not None else set())
 
 
-def _note_grads(
-    grads: list[Tensor | None], present: list[Tensor], got_grad: Tensor, nonzero: Tensor | None
-) -> tuple[Tensor, Tensor | None]:
-    """Add this step's gradients to the flags: received one (host), non-zero (on the device)."""
-    with torch.no_grad():
-        got_grad |= torch.tensor([g is not None for g in grads])
-        if present:
-            flags = torch.zeros(len(grads), dtype=torch.bool, device=present[0].device)
-            for i, g in enumerate(grads):
-                if g is not None:
-                    flags[i] = g.ne(0).any().to(flags.device)
-            nonzero = flags if nonzero is None else nonzero | flags
-    return got_grad, nonzero
+class _Record:
+    """The loss curve, the gradient norms and, when inspecting, the gradient flags of one trial."""
+
+    def __init__(self, num_params: int, plan: TrialPlan) -> None:
+        self.plan = plan
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+        self.got_grad = torch.zeros(num_params, dtype=torch.bool)
+        self.nonzero: Tensor | None = None
+
+    def stop(self, value: float, step: int) -> Stop | None:
+        """Record the loss of the evaluation at ``step``; why the trial ends there, or ``None``: a step."""
+        self.losses.append(value)
+        if not math.isfinite(value):
+            return "diverged"
+        if step > 0 and value <= self.plan.target_loss(self.losses[0]):
+            return "target"
+        return "budget" if step == self.plan.max_steps else None
+
+    def gradients(self, params: list[nn.Parameter]) -> None:
+        """Record the gradient norm after ``backward``, and (inspecting) which gradients there are."""
+        grads = [p.grad for p in params]
+        present = [g for g in grads if g is not None]
+        self.grad_norms.append(float(torch.nn.utils.get_total_norm(present)) if present else 0.0)
+        if not self.plan.inspect:
+            return
+        with torch.no_grad():  # flags stay on the device: one host read at the end, not one per tensor
+            self.got_grad |= torch.tensor([g is not None for g in grads])
+            if present:
+                flags = torch.zeros(len(grads), dtype=torch.bool, device=present[0].device)
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        flags[i] = g.ne(0).any().to(flags.device)
+                self.nonzero = flags if self.nonzero is None else self.nonzero | flags
+
+    def curve(self, stopped: Stop, outputs: _Outputs | None, called: set[str]) -> TrialCurve:
+        return TrialCurve(
+            losses=self.losses,
+            grad_norms=self.grad_norms,
+            stopped=stopped,
+            memorised=outputs is not None and outputs.memorised,
+            logits=outputs.logits if outputs is not None else None,
+            labels=outputs.labels if outputs is not None else None,
+            got_grad=self.got_grad,
+            nonzero_grad=self.nonzero,
+            called=called,
+        )
+
+
+class _Outputs:
+    """Follows a classifier's output through a trial: the logits and labels at the first evaluation, and
+    whether the last evaluation classified every sample right (argmax of the logits equals the label)."""
+
+    def __init__(
+        self,
+        pl_module: pl.LightningModule,
+        batch_size: int,
+        labels_of: Callable[[Tensor | None], Tensor | None],
+    ) -> None:
+        self.leaf: LeafOutputs | None = LeafOutputs(pl_module, batch_size)
+        self.labels_of = labels_of
+        self.logits: Tensor | None = None
+        self.labels: Tensor | None = None
+        self.memorised = False
+
+    def see(self, step: int) -> None:
+        """Take the output of the evaluation at ``step``."""
+        if self.leaf is None:
+            return
+        out = None if self.leaf.last is None else self.leaf.last.detach()
+        self.leaf.last = None
+        if step == 0:
+            self.logits = out
+            self.labels = self.labels_of(out)
+            if self.labels is None or out is None or out.dim() != 2:
+                self.remove()  # not a classifier we understand: no accuracy to follow
+            return
+        if out is None or self.labels is None or self.logits is None or out.shape != self.logits.shape:
+            return
+        self.memorised = bool((out.argmax(dim=1) == self.labels).all())
+
+    def remove(self) -> None:
+        if self.leaf is not None:
+            self.leaf.remove()
+            self.leaf = None
+
+
+def _step(optimizer: torch.optim.Optimizer, pl_module: pl.LightningModule, batch: Any, frozen: bool) -> None:
+    """One optimizer step; ``LBFGS`` re-evaluates the loss through a closure (re-seeded alike)."""
+    if not isinstance(optimizer, torch.optim.LBFGS):
+        optimizer.step()
+        return
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        if frozen:
+            seed_all(FROZEN_SEED)
+        with quiet_logging(pl_module):
+            out = loss_of(training_step_of(pl_module, batch))
+        assert out is not None
+        out.backward()
+        return out
+
+    optimizer.step(closure)
 
 
 def randomness(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, n: int) -> str:

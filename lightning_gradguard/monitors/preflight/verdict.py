@@ -1,12 +1,15 @@
-"""What the pre-flight checks share: when a check runs, and how it ends (one verdict, taken together).
+"""What the pre-flight checks share: what they find, when a check runs, and how it ends.
 
-:class:`PreflightCheck` is the base of :class:`~lightning_gradguard.OverfitBatchSanity` and
-:class:`~lightning_gradguard.GradientCheck`. A check runs once per ``fit``, in ``on_train_start``, where
-it applies (:meth:`PreflightCheck.applies`: not under ``fast_dev_run``, not on a resume of a run it
-already checked, automatic optimization only, not under a sharded strategy such as FSDP or DeepSpeed).
-It ends with :meth:`PreflightCheck.conclude` on every rank, even one that could not run it: the
-verdict is reduced across ranks (one collective), so when one rank fails every rank acts alike (the
-ranks that passed say "failed on another rank") and none is left waiting in a collective.
+A :class:`Finding` is one specific problem a check found: the alert it becomes (kind, severity, the
+names concerned, message, hint, numbers). :class:`PreflightCheck` is the base of
+:class:`~lightning_gradguard.OverfitBatchSanity` and :class:`~lightning_gradguard.GradientCheck`. A check
+runs once per ``fit``, in ``on_train_start``, where it applies (:meth:`PreflightCheck.applies`: not under
+``fast_dev_run``, not on a resume of a run it already checked, automatic optimization only, not under a
+sharded strategy such as FSDP or DeepSpeed, where each check says why in ``sharded_reason``). It ends
+with :meth:`PreflightCheck.conclude` on every rank, even one that could not run it: the verdict is
+reduced across ranks (one collective), so when one rank fails every rank acts alike (the ranks that
+passed say "failed on another rank", with a :class:`Summary` of their own) and none is left waiting in a
+collective.
 """
 
 from __future__ import annotations
@@ -18,14 +21,13 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_gradguard.alerts import Alert, SanityCheckError
+from lightning_gradguard.alerts import Alert, SanityCheckError, Severity
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.collective import reduce_any
 from lightning_gradguard.core.sharding import is_sharded
 from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
-from lightning_gradguard.monitors.preflight.findings import MAX_LISTED, Finding
 
-__all__ = ["OTHER_RANKS", "PreflightCheck", "Summary", "sharded_message"]
+__all__ = ["MAX_LISTED", "OTHER_RANKS", "Finding", "PreflightCheck", "Summary"]
 
 log = logging.getLogger("lightning_gradguard")
 
@@ -33,19 +35,31 @@ log = logging.getLogger("lightning_gradguard")
 OTHER_RANKS = "See the alerts of the other ranks."
 
 
-def sharded_message(name: str, strategy: str) -> str:
-    """The one-time warning of a pre-flight check skipped under a sharded strategy (FSDP, DeepSpeed)."""
-    why = {
-        "OverfitBatchSanity": "its trial steps train this rank's first batch alone, for as many steps as "
-        "this rank needs, so the strategy's all-gathers would run out of step with the other ranks",
-        "GradientCheck": "it checks a float64 deep copy of the model, and a rank holds only pieces of the "
-        "sharded parameters (a sharded module cannot be copied whole)",
-    }.get(name, "a rank holds only pieces of the sharded parameters")
-    return (
-        f"{name} does not run under {strategy}: {why}. The check was skipped; training goes on untouched. "
-        "Run it on the same model with one device or under DDP (a short fit with devices=1), or call "
-        "lightning_gradguard.gradient_check(model, batch, loss_fn) on the unwrapped model."
-    )
+#: how many names an alert lists before it says how many more there are
+MAX_LISTED = 8
+
+
+@dataclass
+class Finding:
+    """One specific problem a check found.
+
+    Attributes:
+        kind: alert kind (``unused_parameter``, ``parameter_not_updated``, ``initial_loss_mismatch``,
+            ``batch_mixing``, ``labels_unstable``, ``gradient_not_shrinking``, ``overfit_failed``; the
+            gradient check's ``gradient_mismatch``).
+        severity: ``"error"`` fails the check; ``"warning"`` is reported only.
+        names: the parameters (or samples) concerned.
+        message: what was seen, with the numbers.
+        hint: what to do about it.
+        data: the numbers behind the message.
+    """
+
+    kind: str
+    severity: Severity
+    names: list[str]
+    message: str
+    hint: str
+    data: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +85,8 @@ class PreflightCheck(GradGuardCallback):
     """
 
     error_type = SanityCheckError
+    #: why the check cannot run under a sharded strategy (FSDP, DeepSpeed): the middle of its warning
+    sharded_reason = "a rank holds only pieces of the sharded parameters"
 
     def __init__(self, action: str = "raise") -> None:
         super().__init__(action=action, cooldown_steps=0)
@@ -98,9 +114,18 @@ class PreflightCheck(GradGuardCallback):
             )
             return False
         if is_sharded(trainer):  # before the model is touched: nothing to restore, no collective to match
-            warn_once(trainer, f"{name}_sharded", sharded_message(name, type(trainer.strategy).__name__))
+            warn_once(trainer, f"{name}_sharded", self._sharded_message(type(trainer.strategy).__name__))
             return False
         return True
+
+    def _sharded_message(self, strategy: str) -> str:
+        """The one-time warning of the check skipped under a sharded strategy."""
+        return (
+            f"{type(self).__name__} does not run under {strategy}: {self.sharded_reason}. The check was "
+            "skipped; training goes on untouched. Run it on the same model with one device or under DDP (a "
+            "short fit with devices=1), or call lightning_gradguard.gradient_check(model, batch, loss_fn) "
+            "on the unwrapped model."
+        )
 
     def report_findings(self, trainer: pl.Trainer, findings: list[Finding]) -> list[Alert]:
         """Report every finding as an alert of its kind and severity, where: its names (the first few)."""

@@ -423,7 +423,7 @@ trainer:
         action: stop
     - class_path: lightning_gradguard.monitors.dead_units.callback.DeadReLUMonitor
       init_args:
-        every_n_steps: 25
+        sample_every_n_steps: 25
         threshold: 0.7
         check_saturation: false
 """
@@ -440,7 +440,7 @@ def test_lightning_cli_builds_both_detectors_from_yaml(tmp_path: Path) -> None:
     (det,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, VanishingExplodingDetector)]
     (mon,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, DeadReLUMonitor)]
     assert (det.max_norm, det.spike_factor, det.check_every_n_steps, det.action) == (None, 20.0, 3, "stop")
-    assert (mon.every_n_steps, mon.threshold, mon.check_saturation) == (25, 0.7, False)
+    assert (mon.sample_every_n_steps, mon.threshold, mon.check_saturation) == (25, 0.7, False)
 
 
 # ---------------------------------------------------------------------------------------------- pieces

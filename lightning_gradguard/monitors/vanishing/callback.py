@@ -87,7 +87,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
     """
 
-    state_key_args = ("check_every_n_steps", "action")
+    state_key_args = ("check_every_n_steps",)
 
     def __init__(
         self,

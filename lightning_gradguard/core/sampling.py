@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.compile import Uncompiled
 
@@ -143,7 +143,7 @@ class SamplingMonitor(GradGuardCallback):
     :func:`~lightning_gradguard.core.base.guarded`.
     """
 
-    def __init__(self, action: str = "warn", cooldown_steps: int = 1000) -> None:
+    def __init__(self, action: str = "warn", cooldown_steps: int = DEFAULT_COOLDOWN_STEPS) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
         self._forget_sample()
 

@@ -234,12 +234,12 @@ CHOICES = [
     (NaNSentinel, "action", {"raise", "stop", "warn", "skip"}),
     (VanishingExplodingDetector, "action", {"warn", "stop", "raise"}),
     (DeadReLUMonitor, "action", {"warn", "stop", "raise"}),
-    (LRFinderPlus, "action", {"warn", "stop", "raise"}),
     (LRFinderPlus, "mode", {"exponential", "linear"}),
     (LRFinderPlus, "method", {"valley", "steep", "minimum", "slide"}),
     (OverfitBatchSanity, "action", {"raise", "warn", "stop"}),
     (OverfitBatchSanity, "target_mode", {"relative", "absolute"}),
     (GradientCheck, "action", {"raise", "warn", "stop"}),
+    (StallDetector, "action", {"warn", "stop", "raise"}),
     (LossSpikeGuard, "action", {"skip", "rollback", "warn", "raise"}),
     (LossSpikeGuard, "snapshot_device", {"cpu", "same"}),
 ]
@@ -288,7 +288,7 @@ def test_lightning_cli_shows_and_checks_the_choices(tmp_path: Path, capsys: Any)
 def test_every_callback_has_a_state_key_from_its_identifying_arguments() -> None:
     pairs = [
         (GradientNormLogger(), GradientNormLogger(log_every_n_steps=10)),
-        (VanishingExplodingDetector(), VanishingExplodingDetector(check_every_n_steps=5)),
+        (VanishingExplodingDetector(), VanishingExplodingDetector(check_every_n_steps=10)),
         (DeadReLUMonitor(), DeadReLUMonitor(sample_every_n_steps=10)),
         (ActivationRangeMonitor(), ActivationRangeMonitor(sample_every_n_steps=10)),
         (LRFinderPlus(), LRFinderPlus(milestones=[0, 5])),

@@ -18,6 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS
 from lightning_gradguard.core.cadence import logging_interval, on_logging_step
 from lightning_gradguard.core.layers import LayerSelection, cap_scalars
 from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
@@ -100,7 +101,7 @@ class ActivationRangeMonitor(SamplingMonitor):
         include: str | list[str] | None = None,
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
-        cooldown_steps: int = 1000,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action="warn", cooldown_steps=cooldown_steps)
         self.sample_every_n_steps: int | None = check_int(

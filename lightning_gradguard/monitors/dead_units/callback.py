@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS
 from lightning_gradguard.core.cadence import log_step, logging_interval
 from lightning_gradguard.core.layers import LayerSelection, cap_scalars
 from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
@@ -98,7 +99,7 @@ class DeadReLUMonitor(SamplingMonitor):
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
         action: Literal["warn", "stop", "raise"] = "warn",
-        cooldown_steps: int = 1000,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
         self.sample_every_n_steps: int = check_int("sample_every_n_steps", sample_every_n_steps, 1)

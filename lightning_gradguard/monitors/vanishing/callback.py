@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_gradguard.alerts import Alert
 from lightning_gradguard.core import emit as _emit
-from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.stats import step_stats
@@ -110,7 +110,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
         action: Literal["warn", "stop", "raise"] = "warn",
-        cooldown_steps: int = 100,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
         self.check_every_n_steps: int = check_int("check_every_n_steps", check_every_n_steps, 1)

@@ -470,6 +470,25 @@ def test_judge_on_host_numbers() -> None:
     assert tiny.vanishing_layers == ["a"] and explain("vanishing_gradient", tiny, 2, [], rules).where == "a"
 
 
+def test_a_layer_is_not_called_vanishing_next_to_an_exploding_one() -> None:
+    """A recurrent layer at 9.4e4 (spectral radius 3) and a healthy head at 0.9: the head is 1e-5 of the
+    largest layer, but that is the explosion's doing. Exploding is the finding, not vanishing; the same
+    ratio without an explosion is still vanishing, and the absolute RMS floor still applies."""
+    kwargs: dict[str, Any] = {
+        "labels": ["rnn", "head"],
+        "numels": [400, 40],
+        "history": [],
+        "forward_order": {"rnn": 0, "head": 1},
+    }
+    rules = VerdictRules()
+    exploding = judge(values=[9.4e4, 0.9], total=9.4e4, rules=rules, **kwargs)
+    assert exploding.exploding and exploding.vanishing == []
+    calm = judge(values=[9.4e4, 0.9], total=9.4e4, rules=VerdictRules(max_norm=1e6), **kwargs)
+    assert not calm.exploding and calm.vanishing_layers == ["head"]  # the relative floor, as before
+    dead = judge(values=[9.4e4, 1e-9], total=9.4e4, rules=rules, **kwargs)
+    assert dead.exploding and dead.vanishing_layers == ["head"]  # RMS 1.6e-10: under min_rms regardless
+
+
 def test_opening_layers_returns_new_bookkeeping() -> None:
     opening: dict[str, float] = {}
     seen: set[str] = set()

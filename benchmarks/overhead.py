@@ -305,8 +305,8 @@ VARIANTS: dict[str, Variant] = {
         lambda: Setup([ActivationRangeMonitor()], {}, {}),
     ),
     "activation_range_every_step": Variant(
-        "ActivationRangeMonitor(every_n_steps=1): the cost of one sampled step",
-        lambda: Setup([ActivationRangeMonitor(every_n_steps=1)], {}, {}),
+        "ActivationRangeMonitor(sample_every_n_steps=1): the cost of one sampled step",
+        lambda: Setup([ActivationRangeMonitor(sample_every_n_steps=1)], {}, {}),
         default=False,
     ),
     "loss_spike": Variant(

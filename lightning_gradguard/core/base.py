@@ -25,9 +25,11 @@ from lightning_gradguard.core.state import strict_mode, trainer_state, warn_once
 from lightning_gradguard.core.stats import clear_step_stats
 from lightning_gradguard.core.validate import check_choice, check_int
 
-__all__ = ["ALERT_TEXT_TAG", "GradGuardCallback", "gradguard_callbacks", "guarded"]
+__all__ = ["ALERT_TEXT_TAG", "DEFAULT_COOLDOWN_STEPS", "GradGuardCallback", "gradguard_callbacks", "guarded"]
 
 ALERT_TEXT_TAG = "gradguard/alerts"
+#: the ``cooldown_steps`` default of every monitor (LossSpikeGuard's is 0: each spike is an intervention)
+DEFAULT_COOLDOWN_STEPS = 1000
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
 
@@ -68,19 +70,24 @@ class GradGuardCallback(Callback):
     """Base class: keeps ``alerts``, de-duplicates them within a cooldown and fans them out to the sinks.
 
     Args:
-        action: what a finding of severity ``error`` or above does: ``"warn"`` reports it, ``"stop"``
-            sets ``trainer.should_stop`` (Lightning stops at the end of the current step, after its
-            validation), ``"raise"`` raises a :class:`~lightning_gradguard.GradGuardError` from the hook.
+        action: what a finding does (the same in every callback): ``"warn"`` reports it, ``"stop"`` sets
+            ``trainer.should_stop`` (Lightning stops at the end of the current step, after its
+            validation), ``"raise"`` raises a :class:`~lightning_gradguard.GradGuardError` from the hook
+            on every rank. A finding is an alert of a severity in ``acted_severities`` (``error`` and
+            ``critical``; StallDetector's warnings too). Never part of the ``state_key``.
         cooldown_steps: the same alert kind at the same place is not reported again within this many
             optimizer steps.
     """
 
     error_type: type[GradGuardError] = GradGuardError
     allowed_actions: tuple[str, ...] = ACTIONS
-    #: the ``__init__`` arguments that tell two instances of the callback apart in a checkpoint
+    #: the severities ``action`` applies to
+    acted_severities: frozenset[str] = frozenset({"error", "critical"})
+    #: the ``__init__`` arguments that tell two instances of the callback apart in a checkpoint (never
+    #: ``action``: a run resumed with another action keeps its state)
     state_key_args: tuple[str, ...] = ()
 
-    def __init__(self, action: str = "warn", cooldown_steps: int = 100) -> None:
+    def __init__(self, action: str = "warn", cooldown_steps: int = DEFAULT_COOLDOWN_STEPS) -> None:
         self.action: str = check_choice("action", action, self.allowed_actions)
         self.cooldown_steps: int = check_int("cooldown_steps", cooldown_steps, 0)
         self.alerts: list[Alert] = []
@@ -216,8 +223,8 @@ class GradGuardCallback(Callback):
         return alert
 
     def act(self, trainer: pl.Trainer, alerts: list[Alert]) -> None:
-        """Apply ``action`` to findings of severity error or critical (call it on every rank)."""
-        serious = [a for a in alerts if a.severity in ("error", "critical")]
+        """Apply ``action`` to the alerts of a severity in ``acted_severities`` (call it on every rank)."""
+        serious = [a for a in alerts if a.severity in self.acted_severities]
         if not serious or self.action == "warn":
             return
         if self.action == "stop":

@@ -269,7 +269,7 @@ def test_attention_logit_growth_alerts_follow_the_rule_on_the_true_logits() -> N
     model = Growing(lr=0.0)
     with torch.no_grad():
         model.layers[2].qkv.weight.mul_(3.0)
-    monitor = ActivationRangeMonitor(every_n_steps=1, growth_window=3, cooldown_steps=0)
+    monitor = ActivationRangeMonitor(sample_every_n_steps=1, growth_window=3, cooldown_steps=0)
     make_trainer([monitor], MemoryLogger(), max_steps=8).fit(model, loader())
     peaks = [max(max(v) for v in model.logits[s].values()) for s in range(8)]
     expected = rule(peaks, 100.0, 4.0, 3)

@@ -330,7 +330,7 @@ def test_below_threshold_is_quiet() -> None:
 
 
 def test_hooks_and_mode_exist_only_during_sampled_training_forward() -> None:
-    monitor = DeadReLUMonitor(every_n_steps=4, window=1, patience=1)
+    monitor = DeadReLUMonitor(sample_every_n_steps=4, window=1, patience=1)
     model = run("nn.ReLU", monitor, steps=12, val_check_interval=3, num_sanity_val_steps=1)
     train = {step: (modes, hooks) for where, step, modes, hooks in model.seen if where == "train"}
     # this layer is 75 % dead: each regular sample (4, 8) is followed up at once by window + patience - 1
@@ -436,10 +436,10 @@ def test_action_raise() -> None:
 
 
 def test_cadence_and_state_dict() -> None:
-    monitor = DeadReLUMonitor(every_n_steps=10, window=3, patience=2)
+    monitor = DeadReLUMonitor(sample_every_n_steps=10, window=3, patience=2)
     assert [s for s in range(31) if monitor.due(s)] == [0, 1, 2, 3, 9, 19, 29]
     run("nn.ReLU", monitor)
-    other = DeadReLUMonitor(every_n_steps=10, window=3, patience=2)
+    other = DeadReLUMonitor(sample_every_n_steps=10, window=3, patience=2)
     other.load_state_dict(monitor.state_dict())
     assert other.sampled_batches == monitor.sampled_batches == 4  # steps 0..3 of 8
     assert other._windows.strikes == monitor._windows.strikes
@@ -608,9 +608,9 @@ def rule(
 @pytest.mark.parametrize(
     ("mode", "kill_at", "steps", "kwargs"),
     [
-        ("dead", -1, 8, {"every_n_steps": 100}),  # defaults: window 4, patience 2
-        ("dies", 6, 15, {"every_n_steps": 5, "window": 2, "patience": 2}),  # follow-ups after step 9
-        ("one_micro_batch", -1, 6, {"every_n_steps": 3, "window": 1, "patience": 2}),
+        ("dead", -1, 8, {"sample_every_n_steps": 100}),  # defaults: window 4, patience 2
+        ("dies", 6, 15, {"sample_every_n_steps": 5, "window": 2, "patience": 2}),  # follow-ups after step 9
+        ("one_micro_batch", -1, 6, {"sample_every_n_steps": 3, "window": 1, "patience": 2}),
     ],
 )
 def test_accumulation_samples_windows_and_patience_count_optimizer_steps(
@@ -628,7 +628,7 @@ def test_accumulation_samples_windows_and_patience_count_optimizer_steps(
         assert all(((m > 0).sum(0) == 1).all() for m in per_step)
     pooled = [m.sum(0) for m in per_step]
     sampled, fractions, alert_steps = rule(
-        pooled, monitor.every_n_steps, monitor.window, monitor.patience, monitor.threshold
+        pooled, monitor.sample_every_n_steps, monitor.window, monitor.patience, monitor.threshold
     )
     assert monitor.sampled_batches == len(sampled)
     assert memory_logger.series("dead_relu/net.act") == fractions

@@ -480,14 +480,14 @@ def test_update_norms_measure_the_applied_change() -> None:
 
 @pytest.mark.parametrize("pattern", ["gaussian", "one_column", "sign"])
 def test_a_sampled_snapshot_estimates_the_update_norm(pattern: str) -> None:
-    """A 2048x1024 weight (over the 262 144-entry sample limit) keeps an odd-strided sample of ~262 000
-    entries; its update norm is within 1 % of the exact one (10 % for an update in one column only), and
-    a small tensor is copied whole and exact."""
+    """A 2048x1024 weight (over the 65 536-entry sample limit) keeps an odd-strided sample of ~63 500
+    entries (stride 33); its update norm is within 1 % of the exact one (25 % for an update in one column
+    only: the sample meets that column ~62 times), and a small tensor is copied whole and exact."""
     g = torch.Generator().manual_seed(0)
     big, small = torch.randn(2048, 1024, generator=g), torch.randn(10, generator=g)
     before_big, before_small = big.clone(), small.clone()
     snap = weight_snapshot([big, small])
-    assert snap.strides == [9, 1] and snap.values[0].numel() < 262_144 and snap.scales[1] == 1.0
+    assert snap.strides == [33, 1] and snap.values[0].numel() < 65_536 and snap.scales[1] == 1.0
     if pattern == "gaussian":
         big.add_(1e-3 * torch.randn(2048, 1024, generator=g))
     elif pattern == "one_column":
@@ -497,7 +497,7 @@ def test_a_sampled_snapshot_estimates_the_update_norm(pattern: str) -> None:
     small.mul_(1.5)
     norms = update_norms(snap, [big, small], torch.tensor([0, 1]), 2)
     exact_big = float(torch.linalg.vector_norm(big - before_big))
-    tolerance = 0.10 if pattern == "one_column" else 0.01
+    tolerance = 0.25 if pattern == "one_column" else 0.01
     assert float(norms.layers[0]) == pytest.approx(exact_big, rel=tolerance)
     assert float(norms.layers[1]) == pytest.approx(
         float(torch.linalg.vector_norm(small - before_small)), rel=1e-6

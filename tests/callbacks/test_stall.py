@@ -111,7 +111,7 @@ def test_a_healthy_cosine_run_to_zero_lr_is_quiet() -> None:
     model = Digits()
     detector = fit(model, steps=120)
     assert model.lrs[-1] < 1e-3 * model.lrs[0]  # the LR really went to ~0 at the end
-    assert detector.alerts == [] and detector.state.smoothed is not None and detector.state.smoothed < 0.3
+    assert detector.alerts == [] and detector.rules.smoothed is not None and detector.rules.smoothed < 0.3
 
 
 def test_a_scheduler_stepping_per_batch_is_lr_decayed_early() -> None:
@@ -150,7 +150,7 @@ def test_a_loader_sorted_by_class_is_sorted_labels() -> None:
     for step in [0, *range(9, 80, 10)]:
         at = step % (len(y) // 32)  # the epoch wraps around (drop_last)
         expected += torch.bincount(ordered[32 * at : 32 * (at + 1)], minlength=10).float()
-    got = torch.tensor(detector.state.label_counts + [0.0] * (10 - len(detector.state.label_counts)))
+    got = torch.tensor(detector.rules.label_counts + [0.0] * (10 - len(detector.rules.label_counts)))
     assert torch.equal(got, expected)
 
 

@@ -423,7 +423,7 @@ trainer:
         action: stop
     - class_path: lightning_gradguard.monitors.dead_units.callback.DeadReLUMonitor
       init_args:
-        every_n_steps: 25
+        sample_every_n_steps: 25
         threshold: 0.7
         check_saturation: false
 """
@@ -440,7 +440,7 @@ def test_lightning_cli_builds_both_detectors_from_yaml(tmp_path: Path) -> None:
     (det,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, VanishingExplodingDetector)]
     (mon,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, DeadReLUMonitor)]
     assert (det.max_norm, det.spike_factor, det.check_every_n_steps, det.action) == (None, 20.0, 3, "stop")
-    assert (mon.every_n_steps, mon.threshold, mon.check_saturation) == (25, 0.7, False)
+    assert (mon.sample_every_n_steps, mon.threshold, mon.check_saturation) == (25, 0.7, False)
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -468,6 +468,25 @@ def test_judge_on_host_numbers() -> None:
     assert "gradient_clip_val=1)" in said.hint and said.message.startswith("Gradient norm 180 for 2")
     tiny = judge(values=[1e-12, 1.0], total=1.0, forward_order={"a": 0, "b": 1}, **kwargs)
     assert tiny.vanishing_layers == ["a"] and explain("vanishing_gradient", tiny, 2, [], rules).where == "a"
+
+
+def test_a_layer_is_not_called_vanishing_next_to_an_exploding_one() -> None:
+    """A recurrent layer at 9.4e4 (spectral radius 3) and a healthy head at 0.9: the head is 1e-5 of the
+    largest layer, but that is the explosion's doing. Exploding is the finding, not vanishing; the same
+    ratio without an explosion is still vanishing, and the absolute RMS floor still applies."""
+    kwargs: dict[str, Any] = {
+        "labels": ["rnn", "head"],
+        "numels": [400, 40],
+        "history": [],
+        "forward_order": {"rnn": 0, "head": 1},
+    }
+    rules = VerdictRules()
+    exploding = judge(values=[9.4e4, 0.9], total=9.4e4, rules=rules, **kwargs)
+    assert exploding.exploding and exploding.vanishing == []
+    calm = judge(values=[9.4e4, 0.9], total=9.4e4, rules=VerdictRules(max_norm=1e6), **kwargs)
+    assert not calm.exploding and calm.vanishing_layers == ["head"]  # the relative floor, as before
+    dead = judge(values=[9.4e4, 1e-9], total=9.4e4, rules=rules, **kwargs)
+    assert dead.exploding and dead.vanishing_layers == ["head"]  # RMS 1.6e-10: under min_rms regardless
 
 
 def test_opening_layers_returns_new_bookkeeping() -> None:

@@ -236,7 +236,7 @@ def test_the_deeper_signals_draw_their_charts(driver: Any, tmp_path: Path) -> No
     callbacks = [
         GradientNormLogger(log_every_n_steps=2, histogram_every_n_steps=22, log_noise_scale=True),
         OptimizerMonitor(log_every_n_steps=2),
-        ActivationRangeMonitor(every_n_steps=2),
+        ActivationRangeMonitor(sample_every_n_steps=2),
         StallDetector(check_every_n_steps=2),
     ]
     logdir = tmp_path / "tb"

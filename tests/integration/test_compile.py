@@ -106,7 +106,7 @@ def _monitors() -> list[Any]:
         GradientNormLogger(),
         NaNSentinel(),
         VanishingExplodingDetector(),
-        DeadReLUMonitor(every_n_steps=10),
+        DeadReLUMonitor(sample_every_n_steps=10),
     ]
 
 
@@ -137,12 +137,12 @@ def test_every_callback_together_adds_no_graph_no_recompile_no_break(
         GradientNormLogger(),
         NaNSentinel(),
         VanishingExplodingDetector(),
-        DeadReLUMonitor(every_n_steps=10),
+        DeadReLUMonitor(sample_every_n_steps=10),
         LossSpikeGuard(),
         OverfitBatchSanity(action="warn"),
         check,
         LRFinderPlus(),
-        ranges := ActivationRangeMonitor(every_n_steps=10),
+        ranges := ActivationRangeMonitor(sample_every_n_steps=10),
     ]
     found, _ = _fit(callbacks, True, tmp_path, "all")
     assert found == bare

@@ -143,7 +143,7 @@ def seven(**sentinel: Any) -> list[GradGuardCallback]:
         LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=SWEEP, progress=False, plot=False),
         GradientNormLogger(histogram_every_n_steps=8),
         VanishingExplodingDetector(),
-        DeadReLUMonitor(every_n_steps=5),
+        DeadReLUMonitor(sample_every_n_steps=5),
         NaNSentinel(**sentinel),
     ]
 
@@ -364,7 +364,7 @@ def test_every_alert_in_one_jsonl_and_every_chart_once_in_the_layout(tmp_path: P
         LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=SWEEP, progress=False, plot=False),
         GradientNormLogger(histogram_every_n_steps=8, clip_window=10),
         VanishingExplodingDetector(),
-        DeadReLUMonitor(every_n_steps=2),
+        DeadReLUMonitor(sample_every_n_steps=2),
         NaNSentinel(action="warn", save_checkpoint=False),
     ]
     tb = TensorBoardLogger(str(tmp_path), name="tb", version="run")
@@ -753,7 +753,7 @@ def test_second_fresh_fit_with_the_same_detector_alerts_again(tmp_path: Path) ->
 
 
 def test_second_fresh_fit_with_the_same_relu_monitor_judges_its_own_samples(tmp_path: Path) -> None:
-    relu = DeadReLUMonitor(every_n_steps=2)
+    relu = DeadReLUMonitor(sample_every_n_steps=2)
     for attempt in range(2):
         torch.manual_seed(0)
         trainer_for([relu], tmp_path / str(attempt)).fit(DyingNet(), loader())

@@ -71,7 +71,7 @@ def callbacks() -> list[Any]:
         LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=20, progress=False, plot=False),
         GradientNormLogger(histogram_every_n_steps=4),
         VanishingExplodingDetector(),
-        DeadReLUMonitor(every_n_steps=3),
+        DeadReLUMonitor(sample_every_n_steps=3),
         NaNSentinel(),
     ]
 

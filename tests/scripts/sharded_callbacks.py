@@ -160,7 +160,7 @@ class Recorder(pl.Callback):
 
 def guard_run(kind: str, out: Path) -> None:
     guard = LossSpikeGuard(action="skip", patience=1, warmup_steps=8, window=8, snapshot_every_n_steps=100)
-    relu = DeadReLUMonitor(every_n_steps=1, window=2, patience=1, log_histograms=False)
+    relu = DeadReLUMonitor(sample_every_n_steps=1, window=2, patience=1, log_histograms=False)
     recorder = Recorder(guard, relu)
     t = trainer(kind, out / "guard", [guard, relu, recorder])
     with warnings.catch_warnings(record=True) as caught:

@@ -208,3 +208,17 @@ def test_monitor_packages_hold_no_code_in_their_init() -> None:
         and any(not isinstance(n, ast.Expr) for n in ast.parse(path.read_text(encoding="utf-8")).body)
     ]
     assert not busy
+
+
+def test_state_methods_have_one_name() -> None:
+    """A callback's sub-objects keep their checkpoint state through ``state_dict`` / ``load_state_dict``,
+    as the callbacks themselves and torch do (not ``state`` / ``load``)."""
+    odd = [
+        f"{name}.{node.name}.{fn.name}"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef)
+        for fn in node.body
+        if isinstance(fn, ast.FunctionDef) and fn.name in ("state", "load", "save", "restore_state")
+    ]
+    assert not odd

@@ -14,14 +14,14 @@ import math
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from torch import Tensor, nn
+from torch import nn
 from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
-from lightning_gradguard.core.base import GradGuardCallback, guarded
-from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS
+from lightning_gradguard.core.cadence import logging_interval, on_logging_step
 from lightning_gradguard.core.layers import LayerSelection, cap_scalars
+from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.activation_range import BlockRange
@@ -37,7 +37,7 @@ FP16_PRECISIONS = frozenset({"16-mixed", "16-true", "16"})
 _STATS = ("max_abs", "rms", "kurtosis", "fp16_headroom")
 
 
-class ActivationRangeMonitor(GradGuardCallback):
+class ActivationRangeMonitor(SamplingMonitor):
     r"""Watch the range of every block's output and the largest attention logit, on sampled steps.
 
     On a sampled training step it measures, inside that step's ``training_step`` call only (global forward
@@ -65,7 +65,7 @@ class ActivationRangeMonitor(GradGuardCallback):
     last ``growth_window`` sampled steps.
 
     Args:
-        every_n_steps: sample every this many steps (Lightning's rule plus step 0); ``None``: the
+        sample_every_n_steps: sample every this many steps (Lightning's rule plus step 0); ``None``: the
             Trainer's ``log_every_n_steps``, so the points share the loss's x (with that at 0, nothing is
             logged and the alerts are checked every 50 steps).
         attention: measure attention logits.
@@ -88,11 +88,11 @@ class ActivationRangeMonitor(GradGuardCallback):
         monitor.ranges["encoder.layers.3"].headroom_bits, monitor.max_logits
     """
 
-    state_key_args = ("every_n_steps",)
+    state_key_args = ("sample_every_n_steps",)
 
     def __init__(
         self,
-        every_n_steps: int | None = None,
+        sample_every_n_steps: int | None = None,
         attention: bool = True,
         min_headroom_bits: float = 2.0,
         max_attention_logit: float = 100.0,
@@ -101,10 +101,12 @@ class ActivationRangeMonitor(GradGuardCallback):
         include: str | list[str] | None = None,
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
-        cooldown_steps: int = 1000,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action="warn", cooldown_steps=cooldown_steps)
-        self.every_n_steps: int | None = check_int("every_n_steps", every_n_steps, 1, allow_none=True)
+        self.sample_every_n_steps: int | None = check_int(
+            "sample_every_n_steps", sample_every_n_steps, 1, allow_none=True
+        )
         self.attention = check_bool("attention", attention)
         self.min_headroom_bits: float = check_float("min_headroom_bits", min_headroom_bits, 0.0, 16.0)
         self.max_attention_logit: float = check_float(
@@ -121,9 +123,6 @@ class ActivationRangeMonitor(GradGuardCallback):
         self.sampled_steps = 0
         self._history: list[float] = []  # the largest logit of recent sampled steps
         self._blocks: dict[str, nn.Module] | None = None
-        self._capture: RangeCapture | None = None
-        self._sampled_at: tuple[int, int] | None = None  # (global_step, log step) of the open sample
-        self._stepped = False
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -139,84 +138,34 @@ class ActivationRangeMonitor(GradGuardCallback):
 
     def _cadence(self, trainer: pl.Trainer) -> tuple[int, bool]:
         """(sample every, whether the samples are logged)."""
-        if self.every_n_steps is not None:
-            return self.every_n_steps, True
+        if self.sample_every_n_steps is not None:
+            return self.sample_every_n_steps, True
         every = logging_interval(trainer)
         return (every, True) if every > 0 else (_DETECT_EVERY, False)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._blocks, self._capture, self._sampled_at, self._stepped = None, None, None, False
+        self._blocks = None
         if self.fresh_run(trainer):
             self._history, self.ranges, self.max_logits, self.sampled_steps = [], {}, {}, 0
 
-    # ------------------------------------------------------------------ the sampled forward pass
+    # ------------------------------------------------------------------ the sampled step
     @override
-    @guarded
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        at = log_step(trainer)
-        if self._sampled_at is not None and at != self._sampled_at[1]:
-            self._end_step(trainer)  # a step that ended without on_before_optimizer_step
-        self._stepped = False
-        if not on_logging_step(at, self._cadence(trainer)[0]):
-            return
-        if self._capture is None:
-            if self._blocks is None:
-                self._blocks = {n: m for n, m in find_blocks(pl_module).items() if self.layers.watches(n)}
-            watch = self.layers.watches if self.layers.filters else None
-            self._capture = RangeCapture(pl_module, self._blocks, self.attention, watch)
-            self._sampled_at = (int(trainer.global_step), at)
-        if not self._capture.active:  # one scope around this batch's training_step call
-            self._capture.around_next_call(pl_module, "training_step")
+    def sample_due(self, trainer: pl.Trainer, at: int) -> bool:
+        return on_logging_step(at, self._cadence(trainer)[0])
 
     @override
-    @guarded
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._capture is not None:  # manual optimization: backward runs inside training_step
-            self._capture.close()
+    def new_capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RangeCapture:
+        if self._blocks is None:
+            self._blocks = {n: m for n, m in find_blocks(pl_module).items() if self.layers.watches(n)}
+        watch = self.layers.watches if self.layers.filters else None
+        return RangeCapture(pl_module, self._blocks, self.attention, watch)
 
     @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        self._stepped = True
-
-    @override
-    @guarded
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._capture is not None:
-            self._capture.close()
-        last_micro_batch = self._stepped or not pl_module.automatic_optimization
-        if self._sampled_at is not None and (last_micro_batch or trainer.accumulate_grad_batches <= 1):
-            self._end_step(trainer)
-
-    @override
-    @guarded
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._sampled_at is not None:  # an accumulated step cut short by the epoch's end
-            self._end_step(trainer)
-
-    @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        if self._capture is not None:
-            self._capture.close()
-        self._capture, self._sampled_at = None, None
-
-    # ------------------------------------------------------------------ after the sampled step
-    def _end_step(self, trainer: pl.Trainer) -> None:
+    def end_sample(self, trainer: pl.Trainer, capture: ScopedHooks, sampled_at: tuple[int, int]) -> None:
         """One transfer (under DDP one signature check and one all-reduce first, on every rank alike)."""
-        capture, self._capture = self._capture, None
-        sampled_at, self._sampled_at = self._sampled_at, None
-        if capture is None or sampled_at is None:
-            return
-        capture.close()
+        assert isinstance(capture, RangeCapture)
         if capture.error is not None:
             warn_once(
                 trainer,

@@ -171,12 +171,6 @@ class RangeCapture(ScopedHooks):
         self._blocks = {id(m): name for name, m in blocks.items()}
         self._names: dict[int, str] = {}
         self._stack: list[str] = []
-        self._open = False
-
-    @property
-    def active(self) -> bool:
-        """A scope is open, or waiting for the call :meth:`around_next_call` named."""
-        return self._open or self._next_call is not None
 
     def __enter__(self) -> RangeCapture:
         if self._open:
@@ -193,11 +187,6 @@ class RangeCapture(ScopedHooks):
             self._mode.__enter__()
         self.capturing = self.error is None
         return self
-
-    def close(self) -> None:
-        """End the current scope now (idempotent): the mode, the hooks and a pending next call go."""
-        self._open = False
-        self._release()
 
     # ------------------------------------------------------------------ during the forward pass
     def _pre_hook(self, module: nn.Module, args: Any) -> None:

@@ -11,14 +11,13 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
-from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
-from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS
 from lightning_gradguard.core.cadence import log_step, logging_interval
 from lightning_gradguard.core.layers import LayerSelection, cap_scalars
+from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.stats import device_histograms
@@ -29,7 +28,7 @@ from lightning_gradguard.monitors.dead_units.windows import UnitCounts, UnitWind
 __all__ = ["DeadReLUMonitor"]
 
 
-class DeadReLUMonitor(GradGuardCallback):
+class DeadReLUMonitor(SamplingMonitor):
     r"""Alert when most units of a ReLU layer never fire.
 
     On sampled training steps it watches each ReLU output of the forward pass (``nn.ReLU``, ``nn.ReLU6``,
@@ -37,7 +36,7 @@ class DeadReLUMonitor(GradGuardCallback):
     ``TorchFunctionMode`` and global module hooks that exist only during the sampled ``training_step``
     (:class:`~lightning_gradguard.monitors.dead_units.capture.ActivationCapture`, which also names the layers:
     ``"encoder.block3:relu(fc1)"``, ``"net.act#2"``). Sampled: every step while ``global_step < window +
-    patience - 1``, then every ``every_n_steps``; a sample that finds more than ``threshold`` of a layer
+    patience - 1``, then every ``sample_every_n_steps``; a sample that finds more than ``threshold`` of a layer
     silent is followed up on the next ``window + patience - 1`` steps (follow-ups start none). Calls
     outside every module's ``forward`` (loss code) and outputs of fewer than 2 dimensions are not layers.
 
@@ -58,7 +57,7 @@ class DeadReLUMonitor(GradGuardCallback):
     and alert ``saturated_activation`` (warning) fires above ``saturation_threshold``.
 
     Args:
-        every_n_steps: sample one training step in this many (after the first ``window + patience - 1``).
+        sample_every_n_steps: sample one training step in this many (after the first ``window + patience - 1``).
         window: sampled steps a unit must stay silent in to count as dead.
         threshold: dead fraction of a layer above which it is reported (SageMaker's and the classic 0.5).
         patience: consecutive full-window checks above the threshold before the alert.
@@ -70,7 +69,9 @@ class DeadReLUMonitor(GradGuardCallback):
             see :class:`~lightning_gradguard.core.layers.LayerSelection`.
         exclude: activation layers whose name matches are not watched.
         max_layers: a cap on the curves per chart, the most dead layers first (``None``: no cap).
-        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``, applied to ``dead_relu``.
+        action: what a ``dead_relu`` finding does: ``"warn"`` (default) reports it, ``"stop"`` ends the run
+            (``trainer.should_stop``), ``"raise"`` raises :class:`~lightning_gradguard.GradGuardError`
+            on every rank. Saturation findings are reported only.
         cooldown_steps: minimum steps between two alerts for the same layer.
 
     Example::
@@ -82,11 +83,11 @@ class DeadReLUMonitor(GradGuardCallback):
         print(monitor.dead_fractions)   # {"net.1": 0.03, "net.3": 0.97, ...}
     """
 
-    state_key_args = ("every_n_steps", "action")
+    state_key_args = ("sample_every_n_steps",)
 
     def __init__(
         self,
-        every_n_steps: int = 50,
+        sample_every_n_steps: int = 50,
         window: int = 4,
         threshold: float = 0.5,
         patience: int = 2,
@@ -98,10 +99,10 @@ class DeadReLUMonitor(GradGuardCallback):
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
         action: Literal["warn", "stop", "raise"] = "warn",
-        cooldown_steps: int = 1000,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
-        self.every_n_steps: int = check_int("every_n_steps", every_n_steps, 1)
+        self.sample_every_n_steps: int = check_int("sample_every_n_steps", sample_every_n_steps, 1)
         self.window: int = check_int("window", window, 1)
         self.threshold: float = check_float("threshold", threshold, 0.0, 1.0)
         self.patience: int = check_int("patience", patience, 1)
@@ -116,12 +117,8 @@ class DeadReLUMonitor(GradGuardCallback):
         #: how many optimizer steps were sampled (batches, in manual optimization); micro-batches pooled
         self.sampled_batches = 0
         self._windows = UnitWindows(self.window)  # and the strikes of each finding
-        self._capture: ActivationCapture | None = None  # the sampled step's, pooled over its micro-batches
-        self._stepped = False  # on_before_optimizer_step fired during this batch
-        self._step_sampled = False  # the current optimizer step is a sampled one (on every rank alike)
-        self._sampled_at = (0, 0)
         self._follow_left = 0  # sampled steps still to take at once: a layer looked dead on a sample
-        self._following = False
+        self._following = False  # the open sample is a follow-up
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -131,13 +128,25 @@ class DeadReLUMonitor(GradGuardCallback):
         return charts
 
     def due(self, step: int) -> bool:
-        """Whether logging step ``step`` (see :func:`~lightning_gradguard.core.cadence.log_step`) is sampled.
+        """Whether logging step ``step`` (see :func:`~lightning_gradguard.core.cadence.log_step`) is sampled
+        on the regular cadence.
 
-        Lightning's logging rule, ``(step + 1) % every_n_steps == 0``, so ``dead_relu/*`` points share the
-        x of the loss and of the gradient histograms; every step at the start. Under
+        Lightning's logging rule, ``(step + 1) % sample_every_n_steps == 0``, so ``dead_relu/*`` points share
+        the x of the loss and of the gradient histograms; every step at the start. Under
         ``accumulate_grad_batches`` all micro-batches of a due optimizer step are watched, as one sample.
         """
-        return step < self.window + self.patience - 1 or (step + 1) % self.every_n_steps == 0
+        return step < self.window + self.patience - 1 or (step + 1) % self.sample_every_n_steps == 0
+
+    @override
+    def sample_due(self, trainer: pl.Trainer, at: int) -> bool:
+        return self.due(at) or self._follow_left > 0
+
+    @override
+    def new_capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ActivationCapture:
+        self._following = not self.due(log_step(trainer))
+        say = lambda key, text: warn_once(trainer, f"dead_relu_{key}", f"DeadReLUMonitor: {text}")  # noqa: E731
+        watch = self.layers.watches if self.layers.filters else None
+        return ActivationCapture(pl_module, self.check_saturation, warn=say, watch=watch)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -145,106 +154,36 @@ class DeadReLUMonitor(GradGuardCallback):
         if self.fresh_run(trainer):  # a new run is judged on its own sampled steps
             self._windows = UnitWindows(self.window)
             self.dead_fractions, self.saturated_fractions = {}, {}
-            self.sampled_batches, self._follow_left, self._following = 0, 0, False
-            self._capture, self._stepped, self._step_sampled = None, False, False
-
-    # ------------------------------------------------------------------ the sampled forward pass
-    @override
-    @guarded
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        at = log_step(trainer)
-        if (self._step_sampled or self._following) and at != self._sampled_at[1]:
-            # a step ended without on_before_optimizer_step (an ``optimizer_step`` override that skipped
-            # ``optimizer.step``): close it now, still at the same point on every rank
-            self._end_step(trainer)
-        self._stepped = False
-        regular = self.due(at)
-        if (self._capture is not None and self._capture.active) or not (regular or self._follow_left > 0):
-            return
-        # the micro-batches of one optimizer step share ``at``, so they are all sampled or none is
-        self._following = not regular
-        self._step_sampled = True
-        self._sampled_at = (int(trainer.global_step), at)
-        if self._capture is None:  # what it missed is said once, as ours
-            say = lambda key, text: warn_once(trainer, f"dead_relu_{key}", f"DeadReLUMonitor: {text}")  # noqa: E731
-            watch = self.layers.watches if self.layers.filters else None
-            self._capture = ActivationCapture(pl_module, self.check_saturation, warn=say, watch=watch)
-        # One scope around this batch's forward pass: its ``training_step`` call (from Lightning's loop, or
-        # through the DDP wrapper's forward) runs inside the capture; validation never does.
-        self._capture.around_next_call(pl_module, "training_step")
-
-    @override
-    @guarded
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._capture is not None:  # manual optimization: backward and later forwards run in training_step
-            self._capture.close()
-
-    @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        self._stepped = True  # fires only for the micro-batch that steps (more than once for LBFGS)
-
-    @override
-    @guarded
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._capture is not None:
-            self._capture.close()  # this batch's pass is over (and a training_step call that never came)
-        # One sample per optimizer step: under accumulate_grad_batches the micro-batches before the one that
-        # steps only add to the pooled counts. Without accumulation, and in manual optimization (where
-        # Lightning refuses accumulate_grad_batches), every batch closes its step, as it always did.
-        if self._stepped or not pl_module.automatic_optimization or trainer.accumulate_grad_batches <= 1:
-            self._end_step(trainer)
-
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._capture is not None:  # on_train_batch_start returned -1: that batch never ran
-            self._capture.close()
-        if (self._step_sampled or self._following) and log_step(trainer) != self._sampled_at[1]:
-            self._end_step(trainer)
-        # what is left belongs to a step cut short with the epoch: Lightning drops its gradients too
-        self._capture, self._following, self._stepped, self._step_sampled = None, False, False, False
-
-    @override
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
-        if self._capture is not None:
-            self._capture.close()
-        self._capture = None
+            self.sampled_batches, self._follow_left = 0, 0
+        self._following = False
 
     # ------------------------------------------------------------------ after the sampled step
-    def _end_step(self, trainer: pl.Trainer) -> None:
+    @override
+    def end_sample(self, trainer: pl.Trainer, capture: ScopedHooks, sampled_at: tuple[int, int]) -> None:
         """Close the sampled optimizer step: one flush (one collective under DDP), one follow-up used.
 
         Under DDP every rank of a sampled step flushes, also one that saw no activation (a branch its data
         did not take) or whose capture failed: the flush's collectives must meet on every rank, and its
         signature check then skips the step everywhere instead of leaving the others waiting.
         """
-        self._stepped = False
-        sampled, self._step_sampled = self._step_sampled, False
-        capture, self._capture = self._capture, None
-        error = None if capture is None else capture.error
-        if error is not None:
+        assert isinstance(capture, ActivationCapture)
+        if capture.error is not None:
             warn_once(
                 trainer,
                 "dead_relu_record_error",
-                f"DeadReLUMonitor could not measure an activation ({type(error).__name__}: {error}); the "
-                "sampled steps where that happens are skipped.",
+                f"DeadReLUMonitor could not measure an activation ({type(capture.error).__name__}: "
+                f"{capture.error}); the sampled steps where that happens are skipped.",
             )
-        # a partial capture is no sample
-        records = capture.records if capture is not None and error is None else {}
-        if records or (sampled and trainer.world_size > 1):
-            self._flush(trainer, records)
+        records = capture.records if capture.error is None else {}  # a partial capture is no sample
+        if records or trainer.world_size > 1:
+            self._flush(trainer, records, sampled_at)
         if self._following:
             self._following = False
             self._follow_left = max(self._follow_left - 1, 0)
 
-    def _flush(self, trainer: pl.Trainer, records: dict[str, UnitCounts]) -> None:
+    def _flush(
+        self, trainer: pl.Trainer, records: dict[str, UnitCounts], sampled_at: tuple[int, int]
+    ) -> None:
         summed = sum_counts(trainer, records)
         if not summed.agreed:
             warn_once(
@@ -260,7 +199,7 @@ class DeadReLUMonitor(GradGuardCallback):
         verdict = self._windows.update(summed.records, *limits)
         self.dead_fractions.update(verdict.dead_fractions)
         self.saturated_fractions.update(verdict.saturated_fractions)
-        step, at = self._sampled_at
+        step, at = sampled_at
         alerts = [
             self.report(trainer, f.kind, f.severity, f.where, f.message, f.hint, f.data, step=step)
             for f in verdict.findings

@@ -168,14 +168,10 @@ class ActivationCapture(ScopedHooks):
         self._channel_first = False
         self._calls: dict[str, int] = {}
 
-    @property
-    def active(self) -> bool:
-        """A scope is open, or waiting for the call :meth:`around_next_call` named."""
-        return self._mode is not None or self._next_call is not None
-
     def __enter__(self) -> ActivationCapture:
-        if self._mode is not None:
+        if self._open:
             return self
+        self._open = True
         self._names = {id(m): clean_name(name) for name, m in self.model.named_modules()}
         self._stack, self._calls, self._channel_first = [], {}, False  # names (``#2``) restart each pass
         self._eager.open()  # torch.compile'd code runs eagerly in the scope: dynamo never sees our hooks

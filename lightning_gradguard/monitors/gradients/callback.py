@@ -19,7 +19,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
-from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
@@ -123,7 +123,7 @@ class GradientNormLogger(GradGuardCallback):
         include: str | list[str] | None = None,
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
-        cooldown_steps: int = 1000,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
         log_noise_scale: bool = False,
         noise_scale_beta: float = 0.99,
     ) -> None:
@@ -284,18 +284,17 @@ class GradientNormLogger(GradGuardCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if (norms := self._clip.state()) is not None:
-            state["clip_norms"] = norms
-        state["clip_seen"] = self._clip.seen
-        state["noise_scale"] = self._noise.state()
-        return state
+        return {
+            **super().state_dict(),
+            "clip_window": self._clip.state_dict(),
+            "noise_scale": self._noise.state_dict(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._clip.load(state_dict.get("clip_norms"), int(state_dict.get("clip_seen", 0)))
-        self._noise.load(state_dict.get("noise_scale"))
+        self._clip.load_state_dict(state_dict.get("clip_window", {}))
+        self._noise.load_state_dict(state_dict.get("noise_scale", {}))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -222,12 +222,13 @@ class NoiseScaleTracker:
         return NOISE_SCALE_CHARTS if self.on else {}
 
     # ------------------------------------------------------------------ state
-    def state(self) -> Tensor | None:
+    def state_dict(self) -> dict[str, Any]:
         """The EMA for a checkpoint (on the CPU; under DDP this rank's, equal on every rank at each read)."""
-        return None if self.ema.state is None else self.ema.state.detach().cpu()
+        return {"ema": None if self.ema.state is None else self.ema.state.detach().cpu()}
 
-    def load(self, state: Tensor | None) -> None:
-        self.ema.state = None if state is None else state.detach().clone().float()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ema = state.get("ema")
+        self.ema.state = None if ema is None else ema.detach().clone().float()
 
 
 @dataclass

@@ -128,16 +128,20 @@ class ClipRing:
             self._read[: window.numel()] = window
         return window
 
-    def state(self) -> Tensor | None:
-        """The window for a checkpoint: whole norms on the CPU (under sharding, as last read)."""
+    def state_dict(self) -> dict[str, Any]:
+        """The window for a checkpoint: whole norms on the CPU (under sharding, as last read; ``None``
+        before any), and how many steps were written."""
         if self.shares:
-            return None if self._read is None else self._read.clone()
-        return None if self.values is None else self.values.detach().cpu()
+            norms = None if self._read is None else self._read.clone()
+        else:
+            norms = None if self.values is None else self.values.detach().cpu()
+        return {"norms": norms, "seen": self.seen}
 
-    def load(self, norms: Tensor | None, seen: int) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        norms = state.get("norms")
         if norms is not None and norms.numel() == self.size:
             self.values = norms.clone()
-        self.seen, self.shares, self._read = seen, False, None
+        self.seen, self.shares, self._read = int(state.get("seen", 0)), False, None
 
 
 @dataclass(frozen=True)

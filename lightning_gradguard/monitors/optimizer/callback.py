@@ -20,7 +20,7 @@ import torch
 from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
-from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
@@ -117,7 +117,7 @@ class OptimizerMonitor(GradGuardCallback):
         include: str | list[str] | None = None,
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
-        cooldown_steps: int = 1000,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action="warn", cooldown_steps=cooldown_steps)
         self.log_every_n_steps: int | None = check_int(

@@ -20,7 +20,7 @@ import torch
 from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
-from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, optimizer_index
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.validate import check_float, check_int
@@ -58,7 +58,9 @@ class StallDetector(GradGuardCallback):
         warmup_lr_fraction: an LR never above this fraction of the configured one is a warm-up that never
             ends.
         plateau_checks: checks without a new best loss before ``loss_plateau``.
-        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``: what a finding does.
+        action: what a finding does (every stall finding, although its severity is warning):
+            ``"warn"`` (default) reports it, ``"stop"`` ends the run (``trainer.should_stop``), ``"raise"``
+            raises :class:`~lightning_gradguard.GradGuardError` on every rank.
         cooldown_steps: minimum steps between two alerts of the same kind.
 
     Example::
@@ -71,6 +73,7 @@ class StallDetector(GradGuardCallback):
     """
 
     state_key_args = ("check_every_n_steps",)
+    acted_severities = frozenset({"warning", "error", "critical"})
 
     def __init__(
         self,
@@ -84,7 +87,7 @@ class StallDetector(GradGuardCallback):
         warmup_lr_fraction: float = 0.05,
         plateau_checks: int = 30,
         action: Literal["warn", "stop", "raise"] = "warn",
-        cooldown_steps: int = 100,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
         self.check_every_n_steps: int = check_int("check_every_n_steps", check_every_n_steps, 1)
@@ -103,7 +106,7 @@ class StallDetector(GradGuardCallback):
     def _new_run(self) -> None:
         names = {f.name for f in fields(StallRules)}
         rules = StallRules(**{k: v for k, v in vars(self).items() if k in names})
-        self.state = StallState(rules, self.num_classes)
+        self.rules = StallState(rules, self.num_classes)
         self.lr_max = 0.0  # the largest LR any step used so far
         self._lr_used = 0.0  # the LR of the current step
         self.lr_configured = 0.0
@@ -179,7 +182,7 @@ class StallDetector(GradGuardCallback):
             planned_steps=int(planned) if planned != float("inf") else None,
         )
         self.last_check = check
-        found = self.state.observe(check)
+        found = self.rules.observe(check)
         self._emit(trainer, check)
         alerts = []
         for f in found:
@@ -195,7 +198,7 @@ class StallDetector(GradGuardCallback):
         ratios = sorted(v for v in c.update_ratios.values() if math.isfinite(v))
         values = {
             "stall/loss": c.loss,
-            "stall/chance_level": self.state.chance(),
+            "stall/chance_level": self.rules.chance(),
             "stall/update_ratio_median": statistics.median(ratios) if ratios else None,
             "stall/clip_ratio": c.clip_ratio,
         }
@@ -219,7 +222,7 @@ class StallDetector(GradGuardCallback):
             **super().state_dict(),
             "lr_max": self.lr_max,
             "lr_configured": self.lr_configured,
-            "rules_state": self.state.state(),
+            "rules": self.rules.state_dict(),
         }
 
     @override
@@ -227,4 +230,4 @@ class StallDetector(GradGuardCallback):
         super().load_state_dict(state_dict)
         self.lr_max = float(state_dict.get("lr_max", 0.0))
         self.lr_configured = float(state_dict.get("lr_configured", 0.0))
-        self.state.load(state_dict.get("rules_state", {}))
+        self.rules.load_state_dict(state_dict.get("rules", {}))

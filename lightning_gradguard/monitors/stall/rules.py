@@ -91,15 +91,15 @@ class StallState:
         self.fired: set[str] = set()
 
     # ------------------------------------------------------------------ bookkeeping
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Everything the rules remember, as plain Python values (for a checkpoint)."""
         out = {k: copy.deepcopy(getattr(self, k)) for k in _SAVED}
         out["fired"] = sorted(self.fired)
         out["lr_history"] = [list(x) for x in self.lr_history]
         return out
 
-    def load(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state` (missing entries keep their fresh values)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (missing entries keep their fresh values)."""
         for k in _SAVED:
             if k in state:
                 setattr(self, k, copy.deepcopy(state[k]))

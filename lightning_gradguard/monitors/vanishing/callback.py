@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_gradguard.alerts import Alert
 from lightning_gradguard.core import emit as _emit
-from lightning_gradguard.core.base import GradGuardCallback, guarded
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.stats import step_stats
@@ -29,7 +29,13 @@ from lightning_gradguard.functional.layers import log_distance_scores
 from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.monitors.vanishing.norms import LayerNorms, read_layer_norms, watched_norms
 from lightning_gradguard.monitors.vanishing.order import ForwardOrder
-from lightning_gradguard.monitors.vanishing.rules import VerdictRules, explain, judge, opening_layers
+from lightning_gradguard.monitors.vanishing.rules import (
+    GradientVerdict,
+    VerdictRules,
+    explain,
+    judge,
+    opening_layers,
+)
 
 __all__ = ["VanishingExplodingDetector"]
 
@@ -87,7 +93,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
     """
 
-    state_key_args = ("check_every_n_steps", "action")
+    state_key_args = ("check_every_n_steps",)
 
     def __init__(
         self,
@@ -110,7 +116,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
         action: Literal["warn", "stop", "raise"] = "warn",
-        cooldown_steps: int = 100,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
         self.check_every_n_steps: int = check_int("check_every_n_steps", check_every_n_steps, 1)
@@ -198,7 +204,6 @@ class VanishingExplodingDetector(GradGuardCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        step = int(trainer.global_step)
         if not self.due(log_step(trainer)):
             return
         norms = read_layer_norms(step_stats(trainer, pl_module, optimizer))  # the one transfer of a check
@@ -206,17 +211,46 @@ class VanishingExplodingDetector(GradGuardCallback):
             norms = watched_norms(norms, self.layers)
         if norms is None:
             return
+        opt_idx, rules = optimizer_index(trainer, optimizer), self._rules()
+        verdict = self._judge(pl_module, norms, opt_idx, rules)
+        flags = self._agreed_flags(trainer, verdict, norms.device)
+        self.last_check = {
+            "step": int(trainer.global_step),
+            **{f.name: getattr(verdict, f.name) for f in fields(verdict)},
+        }
+        if not math.isfinite(verdict.total):
+            # No verdict on a NaN/inf norm: that is NaNSentinel's finding (or, under 16-mixed, a step the
+            # GradScaler skips). It neither counts towards patience nor resets it, so finite evidence on
+            # both sides of a skipped step still adds up, and nothing is reported twice. (The gradients
+            # are all-reduced, so every rank takes this branch together.)
+            return
+        self._log_flow(trainer, norms, verdict.flow, opt_idx)
+        alerts = self._strike(trainer, verdict, flags, opt_idx, rules)
+        # a spike does not move the baseline it is measured against, until it has been reported
+        adopt = not verdict.spike or self.strikes.get(f"{opt_idx}:exploding_gradient", 0) >= self.patience
+        if adopt and verdict.total > 0:
+            hist = self.history.setdefault(opt_idx, [])
+            hist.append(verdict.total)
+            del hist[: -self.history_size]
+        self.act(trainer, alerts)
+
+    def _rules(self) -> VerdictRules:
+        return VerdictRules(**{f.name: getattr(self, f.name) for f in fields(VerdictRules)})
+
+    def _judge(
+        self, pl_module: pl.LightningModule, norms: LayerNorms, opt_idx: int, rules: VerdictRules
+    ) -> GradientVerdict:
+        """The check's verdict; notes which layers are opening from a zero-initialized weight."""
         if self._embedding_layers is None:
             tables = (nn.Embedding, nn.EmbeddingBag)
             self._embedding_layers = {
                 clean_name(name) for name, m in pl_module.named_modules() if isinstance(m, tables)
             }
-        opt_idx = optimizer_index(trainer, optimizer)
-        rules = VerdictRules(**{f.name: getattr(self, f.name) for f in fields(VerdictRules)})
         opening = opening_layers(norms.labels, norms.values, self.opening, self._seen_layers)  # from all-0
-        if finite := math.isfinite(norms.total):
+        finite = math.isfinite(norms.total)
+        if finite:
             self.opening, self._seen_layers = opening.opening, opening.seen
-        verdict = judge(
+        return judge(
             labels=norms.labels,
             values=norms.values,
             total=norms.total,
@@ -227,40 +261,44 @@ class VanishingExplodingDetector(GradGuardCallback):
             opening=opening.positions if finite else set(),
             embeddings=self._embedding_layers,
         )
+
+    def _agreed_flags(
+        self, trainer: pl.Trainer, verdict: GradientVerdict, device: torch.device
+    ) -> list[bool]:
+        """``[exploding, vanishing]``. The gradients are all-reduced, so every rank computes the same verdict
+        from the same numbers; when the verdict can stop the run, make sure of it: one collective on the
+        packed flags."""
         flags = [bool(verdict.exploding), bool(verdict.vanishing)]
-        # The gradients are all-reduced, so every rank computes the same verdict from the same numbers.
-        # When the verdict can stop the run, make sure of it: one collective on the packed flags.
         if trainer.world_size > 1 and self.action != "warn":
             packed = HostTransfer()
-            packed.add("flags", torch.tensor([float(f) for f in flags], device=norms.device))
+            packed.add("flags", torch.tensor([float(f) for f in flags], device=device))
             flags = [bool(x > 0) for x in packed.fetch(trainer, reduce_op="sum")["flags"].tolist()]
-        self.last_check = {"step": step, **{f.name: getattr(verdict, f.name) for f in fields(verdict)}}
-        if not math.isfinite(verdict.total):
-            # No verdict on a NaN/inf norm: that is NaNSentinel's finding (or, under 16-mixed, a step the
-            # GradScaler skips). It neither counts towards patience nor resets it, so finite evidence on
-            # both sides of a skipped step still adds up, and nothing is reported twice. (The gradients
-            # are all-reduced, so every rank takes this branch together.)
-            return
-        self._log_flow(trainer, norms, verdict.flow, opt_idx)
+        return flags
+
+    def _strike(
+        self,
+        trainer: pl.Trainer,
+        verdict: GradientVerdict,
+        flags: list[bool],
+        opt_idx: int,
+        rules: VerdictRules,
+    ) -> list[Alert]:
+        """Count the consecutive checks each condition held; report those that reached ``patience``."""
         alerts: list[Alert] = []
         for kind, flag in zip(("exploding_gradient", "vanishing_gradient"), flags, strict=True):
             key = f"{opt_idx}:{kind}"
             self.strikes[key] = self.strikes.get(key, 0) + 1 if flag else 0
-            if self.strikes[key] >= self.patience:
-                e = explain(kind, verdict, self.patience, self.history.get(opt_idx, []), rules)
-                # one cooldown per optimizer and kind: ``where`` (the top layers) moves from check to check
-                alert = self.report(
-                    trainer, kind, "error", e.where, e.message, e.hint, e.data, step=step, cooldown_key=key
-                )
-                if alert is not None:
-                    alerts.append(alert)
-        # a spike does not move the baseline it is measured against, until it has been reported
-        adopt = not verdict.spike or self.strikes.get(f"{opt_idx}:exploding_gradient", 0) >= self.patience
-        if adopt and verdict.total > 0:
-            hist = self.history.setdefault(opt_idx, [])
-            hist.append(verdict.total)
-            del hist[: -self.history_size]
-        self.act(trainer, alerts)
+            if self.strikes[key] < self.patience:
+                continue
+            e = explain(kind, verdict, self.patience, self.history.get(opt_idx, []), rules)
+            # one cooldown per optimizer and kind: ``where`` (the top layers) moves from check to check
+            step = int(trainer.global_step)
+            alert = self.report(
+                trainer, kind, "error", e.where, e.message, e.hint, e.data, step=step, cooldown_key=key
+            )
+            if alert is not None:
+                alerts.append(alert)
+        return alerts
 
     def _log_flow(self, trainer: pl.Trainer, norms: LayerNorms, flow: list[float], opt_idx: int) -> None:
         at, every = log_step(trainer), logging_interval(trainer, self.log_every_n_steps)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
 from lightning_gradguard.functional.stats import suggest_clip_value
@@ -213,71 +213,101 @@ def _exploding(
     return reasons, spike
 
 
+@dataclass(frozen=True)
+class _Check:
+    """One check's layers, as the vanishing rules read them."""
+
+    labels: Sequence[str]
+    values: list[float]
+    flow: list[float]
+    numels: Sequence[int]
+    #: the positions of the live ordinary layers, and of the live opening layers
+    groups: list[list[int]]
+
+
+def _rms_floor(c: _Check, rules: VerdictRules, embeddings: Collection[str]) -> tuple[list[str], set[int]]:
+    """An absolute per-element floor: not for a gradient growing from 0 by design (opening), nor for an
+    embedding table, whose RMS is dominated by the rows this batch never touched (their gradient is
+    exactly 0): a 50k x 768 table has a 6000x lower RMS than the rows in use."""
+    if rules.min_rms is None:
+        return [], set()
+    live = [i for i in c.groups[0] if c.labels[i] not in embeddings]
+    rms = {i: c.values[i] / math.sqrt(max(c.numels[i], 1)) for i in live}
+    under = [i for i in live if rms[i] < rules.min_rms]
+    if not under:
+        return [], set()
+    reason = f"RMS gradient below min_rms={rules.min_rms:g} in " + named(
+        [c.labels[i] for i in under], [rms[i] for i in under], "RMS {:.2e}"
+    )
+    return [reason], set(under)
+
+
+def _relative_floor(c: _Check, rules: VerdictRules) -> tuple[list[str], set[int]]:
+    """A layer far below the largest layer of its group (log10 gradient flow)."""
+    reasons: list[str] = []
+    low: set[int] = set()
+    if rules.relative_floor is None:
+        return reasons, low
+    floor = math.log10(rules.relative_floor)
+    for live in (g for g in c.groups if g):
+        top_of_group = max(c.flow[i] for i in live)
+        rel = {i: c.flow[i] - top_of_group for i in live}
+        under = [i for i in live if rel[i] < floor]
+        if under:
+            low.update(under)
+            reasons.append(
+                f"norm below relative_floor={rules.relative_floor:g} of the largest layer's in "
+                + named([c.labels[i] for i in under], [10 ** rel[i] for i in under], "{:.2e} of it")
+            )
+    return reasons, low
+
+
+def _depth_ratio(
+    c: _Check, rules: VerdictRules, forward_order: Mapping[str, int], data: dict[str, float]
+) -> tuple[list[str], set[int]]:
+    """The first layer in forward order far below the last one, and small itself (AutoTrainer's rule)."""
+    reasons: list[str] = []
+    low: set[int] = set()
+    if rules.depth_ratio_floor is None:
+        return reasons, low
+    for g, live in enumerate(c.groups):
+        in_order = sorted((forward_order[c.labels[i]], i) for i in live if c.labels[i] in forward_order)
+        idx = [i for _, i in in_order]
+        ratio, a, b = depth_ratio([c.values[i] for i in idx]) if len(idx) >= 2 else (math.nan, -1, -1)
+        if not math.isfinite(ratio):
+            continue
+        first, last = idx[a], idx[b]
+        if g == 0:
+            data["first_last_ratio"] = ratio
+            data["first_layer_norm"] = c.values[first]
+        if ratio < rules.depth_ratio_floor and c.values[first] < rules.first_layer_floor:
+            low.add(first)
+            among = " (among the layers behind zero-initialized weights)" if g else ""
+            reasons.append(
+                f"the first layer {c.labels[first]} has {ratio:.2e} of the last layer "
+                f"{c.labels[last]}'s norm{among} ({c.values[first]:.2e} vs {c.values[last]:.2e}; floors "
+                f"{rules.depth_ratio_floor:g} and {rules.first_layer_floor:g})"
+            )
+    return reasons, low
+
+
 def _vanishing(
-    labels: Sequence[str],
-    values: list[float],
-    flow: list[float],
-    numels: Sequence[int],
-    groups: list[list[int]],
+    c: _Check,
     rules: VerdictRules,
     forward_order: Mapping[str, int],
     embeddings: Collection[str],
     data: dict[str, float],
 ) -> tuple[list[str], set[int]]:
-    """The vanishing rules: their reasons and the positions of the low layers (``data`` gets the numbers).
-
-    ``groups`` holds the positions of the live ordinary layers and of the live opening layers.
-    """
+    """The vanishing rules: their reasons and the positions of the low layers (``data`` gets the numbers)."""
     reasons: list[str] = []
     low: set[int] = set()
-    if rules.min_rms is not None:
-        # An absolute per-element floor: not for a gradient growing from 0 by design (opening), nor
-        # for an embedding table, whose RMS is dominated by the rows this batch never touched (their
-        # gradient is exactly 0): a 50k x 768 table has a 6000x lower RMS than the rows in use.
-        live = [i for i in groups[0] if labels[i] not in embeddings]
-        rms = {i: values[i] / math.sqrt(max(numels[i], 1)) for i in live}
-        under = [i for i in live if rms[i] < rules.min_rms]
-        if under:
-            low.update(under)
-            reasons.append(
-                f"RMS gradient below min_rms={rules.min_rms:g} in "
-                + named([labels[i] for i in under], [rms[i] for i in under], "RMS {:.2e}")
-            )
-    if rules.relative_floor is not None:
-        floor = math.log10(rules.relative_floor)
-        for live in groups:
-            if not live:
-                continue
-            top_of_group = max(flow[i] for i in live)
-            rel = {i: flow[i] - top_of_group for i in live}
-            under = [i for i in live if rel[i] < floor]
-            if under:
-                low.update(under)
-                reasons.append(
-                    f"norm below relative_floor={rules.relative_floor:g} of the largest layer's in "
-                    + named([labels[i] for i in under], [10 ** rel[i] for i in under], "{:.2e} of it")
-                )
-    if rules.depth_ratio_floor is not None:
-        for g, live in enumerate(groups):
-            idx = [
-                i
-                for _, i in sorted((forward_order[labels[i]], i) for i in live if labels[i] in forward_order)
-            ]
-            ratio, a, b = depth_ratio([values[i] for i in idx]) if len(idx) >= 2 else (math.nan, -1, -1)
-            if not math.isfinite(ratio):
-                continue
-            first, last = idx[a], idx[b]
-            if g == 0:
-                data["first_last_ratio"] = ratio
-                data["first_layer_norm"] = values[first]
-            if ratio < rules.depth_ratio_floor and values[first] < rules.first_layer_floor:
-                low.add(first)
-                among = " (among the layers behind zero-initialized weights)" if g else ""
-                reasons.append(
-                    f"the first layer {labels[first]} has {ratio:.2e} of the last layer "
-                    f"{labels[last]}'s norm{among} ({values[first]:.2e} vs {values[last]:.2e}; floors "
-                    f"{rules.depth_ratio_floor:g} and {rules.first_layer_floor:g})"
-                )
+    for found, layers in (
+        _rms_floor(c, rules, embeddings),
+        _relative_floor(c, rules),
+        _depth_ratio(c, rules, forward_order, data),
+    ):
+        reasons += found
+        low |= layers
     return reasons, low
 
 
@@ -320,7 +350,13 @@ def judge(
         data["opening_layers"] = float(len(opening))
     positive = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
     groups = [[i for i in positive if i not in opening], [i for i in positive if i in opening]]
-    vanishing, low = _vanishing(labels, values, flow, numels, groups, rules, forward_order, embeddings, data)
+    # A layer is not judged small against one that is exploding: while the exploding rules hold, the rules
+    # that measure a layer against the largest or the last one (relative floor, depth ratio) would read
+    # the explosion as vanishing everywhere else (a recurrent layer at 9e4 puts a healthy head at 1e-5 of
+    # it). The absolute RMS floor still applies.
+    relative = rules if not exploding else replace(rules, relative_floor=None, depth_ratio_floor=None)
+    check = _Check(labels=labels, values=values, flow=flow, numels=numels, groups=groups)
+    vanishing, low = _vanishing(check, relative, forward_order, embeddings, data)
     return GradientVerdict(
         labels=labels,
         values=values,

@@ -142,63 +142,58 @@ class EpochLine(pl.Callback):
         )
 
 
-def health_summary(trainer: pl.Trainer, callbacks: list[GradGuardCallback], seconds: float) -> None:
-    """Print what the callbacks saw, read from their public state (``last_logged`` and ``alerts``)."""
-    print(f"\n=== gradguard health summary ({seconds:.1f} s, {trainer.global_step} optimizer steps) ===")
-    print(f"final val accuracy      {float(trainer.callback_metrics['val/acc']):.3f}")
-    for cb in callbacks:
-        if isinstance(cb, OverfitBatchSanity) and cb.result is not None:
-            r = cb.result
-            print(
-                f"overfit one batch       {'passed' if r.passed else 'FAILED'}: loss {r.initial_loss:.3f} -> "
-                f"{r.final_loss:.4f} in {r.steps} steps on {r.num_samples} samples ({r.seconds:.2f} s)"
-            )
-        elif isinstance(cb, GradientCheck) and cb.result is not None:
-            g = cb.result
-            worst = max((p.max_rel_error for p in g.parameters), default=float("nan"))
-            print(
-                f"gradient check          {'passed' if g.passed else 'FAILED'}: {len(g.parameters)} tensors, "
-                f"worst relative error {worst:.1e} ({g.evaluations} float64 evaluations, {g.seconds:.2f} s)"
-            )
-        elif isinstance(cb, LRFinderPlus) and cb.result is not None:
-            f = cb.result
-            picked = f"{f.suggestion:.3g}" if f.suggestion is not None else "none"
-            applied = "applied" if f.applied else "not applied (the configured LR was kept)"
-            points = f"{len(f.lrs)} points"
-            print(f"LR range test           suggested lr {picked} ({f.method}), {points}; {applied}")
-        elif isinstance(cb, DeadReLUMonitor):
-            dead = ", ".join(f"{k} {v:.0%}" for k, v in cb.dead_fractions.items()) or "no ReLU seen"
-            print(f"dead ReLU units         {dead}")
-    for cb in callbacks:
-        last: dict[str, float] = getattr(cb, "last_logged", {})
-        if not last:
-            continue
-        print(f"last total grad norm    {last['grad_norm/total']:.4g}   (pre-clip, as the optimizer saw it)")
-        print(f"last total update ratio {last.get('update_ratio/total', float('nan')):.3g}   (healthy ~1e-3)")
-        layers = [k.split("/", 1)[1] for k in last if k.startswith("grad_norm/") and k != "grad_norm/total"]
-        w = max(len(name) for name in [*layers, "layer"])
-        print(f"\n{'layer':<{w}} {'grad norm':>10} {'weight norm':>12} {'update/weight':>14}")
-        for layer in layers:
-            print(
-                f"{layer:<{w}} {last[f'grad_norm/{layer}']:>10.4g} "
-                f"{last.get(f'weight_norm/{layer}', float('nan')):>12.4g} "
-                f"{last.get(f'update_ratio/{layer}', float('nan')):>14.3g}"
-            )
-        clip = {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("grad_clip/")}
-        if clip:
-            window = min(trainer.global_step, getattr(cb, "clip_window", trainer.global_step))
-            print(
-                f"\nclipping at {trainer.gradient_clip_val:g}: {clip['fraction_clipped']:.0%} of the last "
-                f"{window} steps clipped; pre-clip norm p50/p90/p99 = {clip['pre_clip_norm_p50']:.3g} / "
-                f"{clip['pre_clip_norm_p90']:.3g} / {clip['pre_clip_norm_p99']:.3g}; "
-                f"suggested gradient_clip_val = {clip.get('suggested_clip_val', float('nan')):g}"
-            )
-    for cb in callbacks:
-        if isinstance(cb, NaNSentinel):
-            print(
-                f"\nNaN/inf checks          loss and gradients of all {trainer.global_step} steps finite "
-                f"(GradScaler skips: {cb.skipped_steps})"
-            )
+def _check_line(cb: GradGuardCallback) -> str | None:
+    """One line for a pre-flight check, the LR range test or the dead-ReLU monitor (None for the others)."""
+    if isinstance(cb, OverfitBatchSanity) and cb.result is not None:
+        r = cb.result
+        return (
+            f"overfit one batch       {'passed' if r.passed else 'FAILED'}: loss {r.initial_loss:.3f} -> "
+            f"{r.final_loss:.4f} in {r.steps} steps on {r.num_samples} samples ({r.seconds:.2f} s)"
+        )
+    if isinstance(cb, GradientCheck) and cb.result is not None:
+        g = cb.result
+        worst = max((p.max_rel_error for p in g.parameters), default=float("nan"))
+        return (
+            f"gradient check          {'passed' if g.passed else 'FAILED'}: {len(g.parameters)} tensors, "
+            f"worst relative error {worst:.1e} ({g.evaluations} float64 evaluations, {g.seconds:.2f} s)"
+        )
+    if isinstance(cb, LRFinderPlus) and cb.result is not None:
+        f = cb.result
+        picked = f"{f.suggestion:.3g}" if f.suggestion is not None else "none"
+        applied = "applied" if f.applied else "not applied (the configured LR was kept)"
+        return f"LR range test           suggested lr {picked} ({f.method}), {len(f.lrs)} points; {applied}"
+    if isinstance(cb, DeadReLUMonitor):
+        dead = ", ".join(f"{k} {v:.0%}" for k, v in cb.dead_fractions.items()) or "no ReLU seen"
+        return f"dead ReLU units         {dead}"
+    return None
+
+
+def _norm_table(trainer: pl.Trainer, cb: GradGuardCallback, last: dict[str, float]) -> None:
+    """The last logged norms of a GradientNormLogger, per layer, and its clipping statistics."""
+    print(f"last total grad norm    {last['grad_norm/total']:.4g}   (pre-clip, as the optimizer saw it)")
+    print(f"last total update ratio {last.get('update_ratio/total', float('nan')):.3g}   (healthy ~1e-3)")
+    layers = [k.split("/", 1)[1] for k in last if k.startswith("grad_norm/") and k != "grad_norm/total"]
+    w = max(len(name) for name in [*layers, "layer"])
+    print(f"\n{'layer':<{w}} {'grad norm':>10} {'weight norm':>12} {'update/weight':>14}")
+    for layer in layers:
+        print(
+            f"{layer:<{w}} {last[f'grad_norm/{layer}']:>10.4g} "
+            f"{last.get(f'weight_norm/{layer}', float('nan')):>12.4g} "
+            f"{last.get(f'update_ratio/{layer}', float('nan')):>14.3g}"
+        )
+    clip = {k.split("/", 1)[1]: v for k, v in last.items() if k.startswith("grad_clip/")}
+    if clip:
+        window = min(trainer.global_step, getattr(cb, "clip_window", trainer.global_step))
+        print(
+            f"\nclipping at {trainer.gradient_clip_val:g}: {clip['fraction_clipped']:.0%} of the last "
+            f"{window} steps clipped; pre-clip norm p50/p90/p99 = {clip['pre_clip_norm_p50']:.3g} / "
+            f"{clip['pre_clip_norm_p90']:.3g} / {clip['pre_clip_norm_p99']:.3g}; "
+            f"suggested gradient_clip_val = {clip.get('suggested_clip_val', float('nan')):g}"
+        )
+
+
+def _where_it_went(trainer: pl.Trainer, callbacks: list[GradGuardCallback]) -> None:
+    """The alerts by kind, and where the alert file and the TensorBoard run are."""
     kinds = Counter(alert.kind for cb in callbacks for alert in cb.alerts)
     listed = ", ".join(f"{kind}: {n}" for kind, n in sorted(kinds.items())) or "none"
     print(f"\nalerts by kind          {listed}")
@@ -208,6 +203,25 @@ def health_summary(trainer: pl.Trainer, callbacks: list[GradGuardCallback], seco
     print(f"alerts JSONL            {jsonl}{exists}")
     print(f"TensorBoard run         {log_dir}")
     print(f"\ntensorboard --logdir {RUNS_DIR}")
+
+
+def health_summary(trainer: pl.Trainer, callbacks: list[GradGuardCallback], seconds: float) -> None:
+    """Print what the callbacks saw, read from their public state (``last_logged`` and ``alerts``)."""
+    print(f"\n=== gradguard health summary ({seconds:.1f} s, {trainer.global_step} optimizer steps) ===")
+    print(f"final val accuracy      {float(trainer.callback_metrics['val/acc']):.3f}")
+    for line in filter(None, map(_check_line, callbacks)):
+        print(line)
+    for cb in callbacks:
+        last: dict[str, float] = getattr(cb, "last_logged", {})
+        if last and "grad_norm/total" in last:
+            _norm_table(trainer, cb, last)
+    for cb in callbacks:
+        if isinstance(cb, NaNSentinel):
+            print(
+                f"\nNaN/inf checks          loss and gradients of all {trainer.global_step} steps finite "
+                f"(GradScaler skips: {cb.skipped_steps})"
+            )
+    _where_it_went(trainer, callbacks)
 
 
 def main() -> None:

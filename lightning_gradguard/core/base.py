@@ -178,8 +178,7 @@ class GradGuardCallback(Callback):
         """
         step = int(trainer.global_step) if step is None else int(step)
         key = cooldown_key if cooldown_key is not None else f"{kind}@{where}"
-        last = self._last_reported.get(key)
-        if last is not None and step - last < self.cooldown_steps:
+        if not self.would_report(key, step):
             return None
         self._last_reported[key] = step
         alert = Alert(
@@ -194,33 +193,13 @@ class GradGuardCallback(Callback):
         )
         self.alerts.append(alert)
         if trainer.is_global_zero:
-            state = trainer_state(trainer)
-            state.alert_counts[kind] = state.alert_counts.get(kind, 0) + 1
-            at = log_step(trainer)
-            count = {f"alerts/{kind}": float(state.alert_counts[kind])}
-            for name, sink in (
-                ("Python logging", lambda: LoggingSink()(alert)),
-                ("the JSON-lines file", lambda: JsonlSink(_emit.alerts_path(trainer))(alert)),
-                (
-                    "TensorBoard's text tab",
-                    lambda: _emit.log_text(trainer, ALERT_TEXT_TAG, alert.markdown(), at),
-                ),
-                ("the loggers", lambda: _emit.log_scalars(trainer, count, at)),
-            ):
-                # A sink that fails (a full disk, a logger's network error) loses that copy of the alert,
-                # never the alert itself nor the action after it: under DDP the other ranks act on it.
-                try:
-                    sink()
-                except Exception as err:
-                    if strict_mode():
-                        raise
-                    warn_once(
-                        trainer,
-                        f"alert_sink:{name}",
-                        f"lightning_gradguard could not write an alert to {name} "
-                        f"({type(err).__name__}: {err}).",
-                    )
+            _fan_out(trainer, alert)
         return alert
+
+    def would_report(self, key: str, step: int) -> bool:
+        """Whether a finding under ``key`` at ``step`` is outside the cooldown (nothing is recorded)."""
+        last = self._last_reported.get(key)
+        return last is None or step - last >= self.cooldown_steps
 
     def act(self, trainer: pl.Trainer, alerts: list[Alert]) -> None:
         """Apply ``action`` to the alerts of a severity in ``acted_severities`` (call it on every rank)."""
@@ -245,3 +224,30 @@ class GradGuardCallback(Callback):
 def gradguard_callbacks(trainer: pl.Trainer) -> list[GradGuardCallback]:
     """The gradguard callbacks on ``trainer``, in its order."""
     return [cb for cb in trainer.callbacks if isinstance(cb, GradGuardCallback)]  # type: ignore[attr-defined]
+
+
+def _fan_out(trainer: pl.Trainer, alert: Alert) -> None:
+    """Send an alert to every sink (rank zero): Python logging, the JSON-lines file, TensorBoard's text tab
+    and the ``alerts/<kind>`` count of every logger.
+
+    A sink that fails (a full disk, a logger's network error) loses that copy of the alert, never the
+    alert itself nor the action after it: under DDP the other ranks act on it.
+    """
+    state = trainer_state(trainer)
+    state.alert_counts[alert.kind] = state.alert_counts.get(alert.kind, 0) + 1
+    at = log_step(trainer)
+    count = {f"alerts/{alert.kind}": float(state.alert_counts[alert.kind])}
+    sinks: tuple[tuple[str, Callable[[], None]], ...] = (
+        ("Python logging", lambda: LoggingSink()(alert)),
+        ("the JSON-lines file", lambda: JsonlSink(_emit.alerts_path(trainer))(alert)),
+        ("TensorBoard's text tab", lambda: _emit.log_text(trainer, ALERT_TEXT_TAG, alert.markdown(), at)),
+        ("the loggers", lambda: _emit.log_scalars(trainer, count, at)),
+    )
+    for name, sink in sinks:
+        try:
+            sink()
+        except Exception as err:
+            if strict_mode():
+                raise
+            message = f"lightning_gradguard could not write an alert to {name} ({type(err).__name__}: {err})."
+            warn_once(trainer, f"alert_sink:{name}", message)

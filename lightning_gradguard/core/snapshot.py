@@ -162,7 +162,7 @@ class TrainingSnapshot:
         keep_grads: bool = True,
         keep_metrics: bool = True,
     ) -> None:
-        self.module = module
+        self.module, self.trainer = module, trainer
         gens = list(generators)
         if trainer is not None and keep_progress:
             gens += [g for g in train_loader_generators(trainer) if all(g is not h for h in gens)]
@@ -171,24 +171,19 @@ class TrainingSnapshot:
             optimizers = list(trainer.optimizers) if optimizers is None else optimizers
             if schedulers is None:
                 schedulers = [cfg.scheduler for cfg in getattr(trainer, "lr_scheduler_configs", [])]
-        tensors: dict[int, Tensor] = {}
-        for p in [
-            *module.parameters(),
-            *(q for o in optimizers or [] for g in o.param_groups for q in g["params"]),
-        ]:
-            tensors.setdefault(id(p), p)
 
         def keep(t: Tensor) -> Tensor:
             return t.detach().clone() if store is None else t.detach().to(store, copy=True)
 
         self.params: list[tuple[Tensor, Tensor, Tensor | None, bool]] = [
             (p, keep(p), None if p.grad is None or not keep_grads else keep(p.grad), p.requires_grad)
-            for p in tensors.values()
+            for p in _parameters(module, optimizers or [])
         ]
-        self.buffers: list[tuple[nn.Module, str, Tensor | None]] = []
-        for mod in module.modules():
-            for name, buf in mod._buffers.items():
-                self.buffers.append((mod, name, None if buf is None else keep(buf)))
+        self.buffers: list[tuple[nn.Module, str, Tensor | None]] = [
+            (mod, name, None if buf is None else keep(buf))
+            for mod in module.modules()
+            for name, buf in mod._buffers.items()
+        ]
         self.modes = [(m, m.training) for m in module.modules()]
         self.metrics = [(m, _metric_state(m)) for m in module.modules() if keep_metrics and _is_metric(m)]
         self.optimizers = [
@@ -201,21 +196,26 @@ class TrainingSnapshot:
             for o in (optimizers or [])
         ]
         self.schedulers = [(s, copy.deepcopy(s.state_dict())) for s in (schedulers or [])]
+        self._keep_loop(trainer, keep_progress)
+
+    def _keep_loop(self, trainer: Any, keep_progress: bool) -> None:
+        """The GradScaler's state and, with ``keep_progress``, the loops' progress counters."""
         self.progress: list[tuple[Any, dict[str, Any]]] = []
         self.batches_that_stepped: int | None = None
         self.scaler: Any = None
         self.scaler_state: dict[str, Any] | None = None
-        if trainer is not None:
-            scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-            if scaler is not None:
-                self.scaler, self.scaler_state = scaler, copy.deepcopy(scaler.state_dict())
-            for path in _PROGRESS_PATHS if keep_progress else ():
-                obj = _resolve(trainer, path)
-                if obj is not None and hasattr(obj, "state_dict"):
-                    self.progress.append((obj, copy.deepcopy(obj.state_dict())))
-            if keep_progress:
-                self.batches_that_stepped = _resolve(trainer, "fit_loop.epoch_loop._batches_that_stepped")
-        self.trainer = trainer
+        if trainer is None:
+            return
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if scaler is not None:
+            self.scaler, self.scaler_state = scaler, copy.deepcopy(scaler.state_dict())
+        if not keep_progress:
+            return
+        for path in _PROGRESS_PATHS:
+            obj = _resolve(trainer, path)
+            if obj is not None and hasattr(obj, "state_dict"):
+                self.progress.append((obj, copy.deepcopy(obj.state_dict())))
+        self.batches_that_stepped = _resolve(trainer, "fit_loop.epoch_loop._batches_that_stepped")
 
     @torch.no_grad()
     def restore(self, mid_step: bool = False) -> None:
@@ -225,6 +225,23 @@ class TrainingSnapshot:
         follows (a rollback in ``on_before_optimizer_step``): the GradScaler keeps its bookkeeping of it.
         """
         scaler_pending = dict(getattr(self.scaler, "_per_optimizer_states", {})) if mid_step else {}
+        self._restore_tensors()
+        for m, training in self.modes:
+            m.training = training
+        for m, state in self.metrics:
+            _set_metric_state(m, state)
+        for owner, state in (*self.optimizers, *self.schedulers, *self.progress):
+            owner.load_state_dict(copy.deepcopy(state))
+        if self.scaler is not None and self.scaler_state is not None:
+            self.scaler.load_state_dict(copy.deepcopy(self.scaler_state))
+            self.scaler._per_optimizer_states.clear()  # no half-finished unscale_/step bookkeeping
+            self.scaler._per_optimizer_states.update(scaler_pending)
+        if self.batches_that_stepped is not None and self.trainer is not None:
+            self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.batches_that_stepped
+        self.rng.restore()
+
+    def _restore_tensors(self) -> None:
+        """Parameters (values, gradients, ``requires_grad``) and buffers, in place where the shape allows."""
         for p, value, grad, requires_grad in self.params:
             p.copy_(value)
             p.grad = None if grad is None else grad.to(device=p.device, copy=True)
@@ -236,23 +253,14 @@ class TrainingSnapshot:
                 mod._buffers[name] = None if buf is None else buf.to(device=device, copy=True)
             else:
                 current.copy_(buf)
-        for m, training in self.modes:
-            m.training = training
-        for m, state in self.metrics:
-            _set_metric_state(m, state)
-        for opt, state in self.optimizers:
-            opt.load_state_dict(copy.deepcopy(state))
-        for sched, state in self.schedulers:
-            sched.load_state_dict(copy.deepcopy(state))
-        for obj, state in self.progress:
-            obj.load_state_dict(copy.deepcopy(state))
-        if self.scaler is not None and self.scaler_state is not None:
-            self.scaler.load_state_dict(copy.deepcopy(self.scaler_state))
-            self.scaler._per_optimizer_states.clear()  # no half-finished unscale_/step bookkeeping
-            self.scaler._per_optimizer_states.update(scaler_pending)
-        if self.batches_that_stepped is not None and self.trainer is not None:
-            self.trainer.fit_loop.epoch_loop._batches_that_stepped = self.batches_that_stepped
-        self.rng.restore()
+
+
+def _parameters(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> list[Tensor]:
+    """The module's parameters and the tensors its optimizers hold, each once."""
+    tensors: dict[int, Tensor] = {}
+    for p in [*module.parameters(), *(q for o in optimizers for g in o.param_groups for q in g["params"])]:
+        tensors.setdefault(id(p), p)
+    return list(tensors.values())
 
 
 def _is_metric(m: nn.Module) -> bool:

@@ -1,8 +1,9 @@
 """What the gradguard callbacks of one Trainer share, and how they talk to the user about themselves.
 
-One :class:`TrainerState` per Trainer (held weakly: it goes with the Trainer) keeps what was logged, the layout, alert counts and the one-time messages. ``warn_once`` / ``info_once``
-say a thing once per Trainer; ``strict_mode`` decides whether a monitor's own failure is raised (tests)
-or turned into one warning (users' runs).
+One :class:`TrainerState` per Trainer (held weakly: it goes with the Trainer) keeps what was logged, the
+layout, alert counts, the updates callbacks dropped and the one-time messages. ``warn_once`` /
+``info_once`` say a thing once per Trainer; ``strict_mode`` decides whether a monitor's own failure is
+raised (tests) or turned into one warning (users' runs).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class TrainerState:
     warned: set[str] = field(default_factory=set)
     #: whether the run shards its parameters (``core.sharding.is_sharded``), once known
     sharded: bool | None = None
-    #: updates a callback dropped, per cause (``core.optimizer_state.skip_update``): Python ints, no sync
+    #: updates a callback dropped, per cause (``core.skips.skip_update``): Python ints, no sync
     skipped_updates: dict[str, int] = field(default_factory=dict)
 
 

@@ -5,14 +5,14 @@ Pure tensor math, no Trainer: take :func:`weight_snapshot` before ``optimizer.st
 divide with :func:`update_ratio`. Healthy runs sit near ``1e-3`` (CS231n, Karpathy).
 
 A tensor with more than ``max_entries`` entries is not copied whole: the snapshot keeps an evenly strided
-sample of it (an odd stride, so the sample does not fall on a few columns of a power-of-two-wide
-matrix), and its update norm is the sample's scaled by ``(numel / sampled) ** (1 / p)``. With
-``SAMPLE_ENTRIES`` = 65 536 entries (256 KB per float32 tensor) the estimate's relative error is about
-``1 / sqrt(2 * 65536)`` = 0.3 % for dense updates (a 1024 x 600 layer sampled with stride 11: 0.1-0.4 % in
-the tests); a sparse one (a few rows or columns, e.g. SGD on an embedding) is estimated from the fraction
-of it the sample meets, within ~25 % (one column of a 2048 x 1024 matrix: 0.8-21 % over 8 seeds). A 124 M-parameter model's snapshot is ~15 MB instead of 500 MB.
-(The infinity norm is not scaled: the sample's largest entry is at most the tensor's.) Every monitor
-reads the update of a step from one such sample (``core.stats.UpdateSample``).
+sample of it (an odd stride, so the sample does not fall on a few columns of a power-of-two-wide matrix), and
+its update norm is the sample's scaled by ``(numel / sampled) ** (1 / p)``. With ``SAMPLE_ENTRIES`` = 65 536
+entries (256 KB per float32 tensor) the estimate's relative error is about ``1 / sqrt(2 * 65536)`` = 0.3 % for
+dense updates (a 1024 x 600 layer sampled with stride 11: 0.1-0.4 % in the tests); a sparse one (a few rows or
+columns, e.g. SGD on an embedding) is estimated from the fraction of it the sample meets, within ~25 % (one
+column of a 2048 x 1024 matrix: 0.8-21 % over 8 seeds). A 124 M-parameter model's snapshot is ~15 MB instead
+of 500 MB. (The infinity norm is not scaled: the sample's largest entry is at most the tensor's.) Every
+monitor reads the update of a step from one such sample (``core.stats.UpdateSample``).
 
 Example::
 
@@ -34,10 +34,10 @@ from torch import Tensor
 from lightning_gradguard.functional.stats import foreach_norms, reduce_norms
 
 __all__ = [
-    "foreach_dots",
     "SAMPLE_ENTRIES",
     "UpdateNorms",
     "WeightSnapshot",
+    "foreach_dots",
     "sampled",
     "update_norms",
     "update_ratio",

@@ -1,5 +1,6 @@
 """DeadReLUMonitor in real Trainer runs on networks with a known number of dead units; its pieces on their own
-(the window math of ``functional.activations``, the ``hooks.capture`` context manager)."""
+(the window math of ``monitors.dead_units.windows``, the ``monitors.dead_units.capture`` context
+manager)."""
 
 from __future__ import annotations
 

@@ -136,11 +136,15 @@ def test_every_value_equals_a_brute_force_computation(
     torch.manual_seed(0)
     snapshots: list[int] = []
     real = core_stats.weight_snapshot
-    monkeypatch.setattr(core_stats, "weight_snapshot", lambda ps, *a: snapshots.append(len(ps)) or real(ps, *a))
+    monkeypatch.setattr(
+        core_stats, "weight_snapshot", lambda ps, *a: snapshots.append(len(ps)) or real(ps, *a)
+    )
     grads: list[int] = []
     real_grads = core_stats.UpdateSample.sample_grads
     monkeypatch.setattr(
-        core_stats.UpdateSample, "sample_grads", lambda self, gs: grads.append(len(gs)) or real_grads(self, gs)
+        core_stats.UpdateSample,
+        "sample_grads",
+        lambda self, gs: grads.append(len(gs)) or real_grads(self, gs),
     )
     logger, brute = MemoryLogger(), Brute()
     with caplog.at_level(logging.INFO, logger="lightning_gradguard"):

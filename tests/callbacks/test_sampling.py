@@ -1,4 +1,4 @@
-"""The sampled-step lifecycle DeadReLUMonitor and ActivationRangeMonitor share (core.sampling.SamplingMonitor).
+"""The sampled-step lifecycle DeadReLUMonitor and ActivationRangeMonitor share (core.sampling).
 
 Both monitors end a sample in the same places (the batch that stepped, the epoch's end, the next step
 after one that never stepped), drop it on an exception, and never let a failure of their own reading

@@ -2,7 +2,7 @@
 nothing: the same graphs, frames and graph breaks as the run without callbacks (dynamo's counters), and the
 same numbers as the uncompiled run.
 
-Our hooks live inside :class:`~lightning_gradguard.monitors.preflight.modules.Uncompiled` scopes (the sampled
+Our hooks live inside :class:`~lightning_gradguard.core.compile.Uncompiled` scopes (the sampled
 ``training_step`` of DeadReLUMonitor, the detector's first forward pass, the pre-flight trials), where
 compiled code runs eagerly; the gradient check works on an uncompiled copy.
 """

@@ -74,7 +74,7 @@ def test_one_cooldown_default() -> None:
         if "cooldown_steps" in _parameters(cls)
     }
     assert defaults.pop("LossSpikeGuard") == 0
-    assert set(defaults.values()) == {DEFAULT_COOLDOWN_STEPS} and len(defaults) == 8
+    assert set(defaults.values()) == {DEFAULT_COOLDOWN_STEPS} and len(defaults) == 7
 
 
 # ------------------------------------------------------------------------------------ actions have effects

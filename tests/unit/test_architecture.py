@@ -174,7 +174,9 @@ def _users(module: str, seen: frozenset[str] = frozenset()) -> set[str]:
     return users
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if _home(m) == "core" and m != "lightning_gradguard.core"))
+@pytest.mark.parametrize(
+    "module", sorted(m for m in MODULES if _home(m) == "core" and m != "lightning_gradguard.core")
+)
 def test_every_core_module_serves_two_monitors_or_more(module: str) -> None:
     users = _users(module)
     assert len(users) >= 2, f"{module} serves {sorted(users)}: it belongs in that monitor's package"

@@ -44,8 +44,8 @@ class ActivationRangeMonitor(SamplingMonitor):
     hooks and a ``TorchFunctionMode``, removed when the call returns; a compiled model runs eagerly there):
 
     * per block (a top-level child of the model, and each layer of an outermost ``nn.ModuleList`` /
-      ``nn.Sequential``: see :func:`~lightning_gradguard.monitors.activation_range.capture.find_blocks`), over every
-      entry of its output (the first floating-point tensor): ``activation/max_abs/<block>``,
+      ``nn.Sequential``: see :func:`~lightning_gradguard.monitors.activation_range.capture.find_blocks`),
+      over every entry of its output (the first floating-point tensor): ``activation/max_abs/<block>``,
       ``activation/rms/<block>``, ``activation/kurtosis/<block>`` (Pearson, :math:`E[(x-\mu)^4]/\sigma^4`:
       3 for a Gaussian) and ``activation/fp16_headroom/<block>``, :math:`\log_2(65504 / \max|x|)` in bits
       (0: float16 overflows), with ``activation/fp16_headroom/min`` over the blocks;

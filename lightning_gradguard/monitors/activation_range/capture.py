@@ -1,11 +1,12 @@
 """What the blocks and the attention of one sampled forward pass produced: ranges and largest logits.
 
-:class:`RangeCapture` is a context manager like :class:`~lightning_gradguard.monitors.dead_units.capture.ActivationCapture`:
-on entry it opens an :class:`~lightning_gradguard.monitors.preflight.modules.Uncompiled` scope (a ``torch.compile``'d
-model runs eagerly, dynamo never sees us), registers global module forward hooks and pushes a
-``TorchFunctionMode``; on exit all of it goes. :meth:`RangeCapture.around_next_call` makes the scope
-exactly the next call of a method (the LightningModule's ``training_step``, through
-:class:`~lightning_gradguard.monitors.dead_units.capture.NextCall`). Inside it keeps, on the device:
+:class:`RangeCapture` is a context manager like DeadReLUMonitor's capture (both are
+:class:`~lightning_gradguard.core.sampling.ScopedHooks`): on entry it opens an
+:class:`~lightning_gradguard.core.compile.Uncompiled` scope (a ``torch.compile``'d model runs eagerly, dynamo
+never sees us), registers global module forward hooks and pushes a ``TorchFunctionMode``; on exit all of it
+goes. :meth:`RangeCapture.around_next_call` makes the scope exactly the next call of a method (the
+LightningModule's ``training_step``, through
+:class:`~lightning_gradguard.core.sampling.NextCall`). Inside it keeps, on the device:
 
 * for every block (:func:`find_blocks`) the moments of the first floating-point tensor of each output
   (:func:`~lightning_gradguard.functional.activation_range.output_moments`);

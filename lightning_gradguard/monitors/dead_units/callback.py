@@ -36,8 +36,8 @@ class DeadReLUMonitor(SamplingMonitor):
     ``TorchFunctionMode`` and global module hooks that exist only during the sampled ``training_step``
     (:class:`~lightning_gradguard.monitors.dead_units.capture.ActivationCapture`, which also names the layers:
     ``"encoder.block3:relu(fc1)"``, ``"net.act#2"``). Sampled: every step while ``global_step < window +
-    patience - 1``, then every ``sample_every_n_steps``; a sample that finds more than ``threshold`` of a layer
-    silent is followed up on the next ``window + patience - 1`` steps (follow-ups start none). Calls
+    patience - 1``, then every ``sample_every_n_steps``; a sample that finds more than ``threshold`` of a
+    layer silent is followed up on the next ``window + patience - 1`` steps (follow-ups start none). Calls
     outside every module's ``forward`` (loss code) and outputs of fewer than 2 dimensions are not layers.
 
     A *unit* is a feature of a ``Linear`` output (last dimension) or a channel of a ``ConvNd`` output
@@ -57,7 +57,8 @@ class DeadReLUMonitor(SamplingMonitor):
     and alert ``saturated_activation`` (warning) fires above ``saturation_threshold``.
 
     Args:
-        sample_every_n_steps: sample one training step in this many (after the first ``window + patience - 1``).
+        sample_every_n_steps: sample one training step in this many (after the first
+            ``window + patience - 1``).
         window: sampled steps a unit must stay silent in to count as dead.
         threshold: dead fraction of a layer above which it is reported (SageMaker's and the classic 0.5).
         patience: consecutive full-window checks above the threshold before the alert.

@@ -2,7 +2,7 @@
 
 :class:`ActivationCapture` is a context manager: on entry it pushes a ``TorchFunctionMode`` and registers
 global module forward hooks, on exit it removes both, so they exist only inside its scope. The scope is
-also an :class:`~lightning_gradguard.monitors.preflight.modules.Uncompiled` one: ``torch.compile``'d code runs eagerly
+also an :class:`~lightning_gradguard.core.compile.Uncompiled` one: ``torch.compile``'d code runs eagerly
 inside it, so dynamo never traces (nor recompiles for) the mode and the hooks. Inside, it
 watches each ReLU output (``nn.ReLU``, ``nn.ReLU6``, in-place ReLUs, and ``F.relu`` / ``torch.relu`` /
 ``Tensor.relu`` called inside any ``forward``) and, on request, each ``sigmoid`` / ``tanh`` input, and

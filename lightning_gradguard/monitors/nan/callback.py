@@ -20,7 +20,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradguard.alerts import NonFiniteError
-from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.validate import check_bool, check_float, check_int, check_path
@@ -134,7 +134,7 @@ class NaNSentinel(GradGuardCallback):
         loss_scale_floor: float = 1.0,
         max_consecutive_skips: int = 16,
         check_micro_batches: bool = False,
-        cooldown_steps: int = 1000,
+        cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
         self.check_loss = check_bool("check_loss", check_loss)
@@ -280,7 +280,7 @@ class NaNSentinel(GradGuardCallback):
         files: only the action. Every rank has the same cooldown, so all skip alike. ``action="raise"``
         always builds the report (the error carries it); its files too, unless within the cooldown.
         """
-        due = self._due(finding.kind, int(trainer.global_step))
+        due = self.would_report(finding.kind, int(trainer.global_step))
         filed = self._file(trainer, finding, counters, due) if due or self.action == "raise" else None
         self._skips = counters  # last_good.ckpt is written: the counters may count this step now
         if filed is not None and self.action == "raise":  # "raise" always has its report
@@ -294,12 +294,6 @@ class NaNSentinel(GradGuardCallback):
             and finding.kind != "nonfinite_parameter"
         ):
             skip_update(trainer, finding.optimizer, "nan_sentinel")  # accumulation, no optimizer: at the step
-
-    def _due(self, kind: str, step: int) -> bool:
-        """Whether a finding of ``kind`` at ``step`` is past its cooldown, so that :meth:`report` records it:
-        the test ``report`` makes (``kind`` is the cooldown key), asked without recording anything."""
-        last = self._last_reported.get(kind)
-        return last is None or step - last >= self.cooldown_steps
 
     def _file(self, trainer: pl.Trainer, finding: Finding, counters: SkipCounters, write: bool) -> Filed:
         """Build the report of ``finding``; with ``write``, write its files and then record its alert.

@@ -1,4 +1,4 @@
-"""OptimizerMonitor's two rules in words: Adam's ``eps`` dominating its step, and an update ratio far from the rest.
+"""OptimizerMonitor's two rules in words: Adam's ``eps`` dominating its step, an update ratio far off.
 
 Whether a layer is dominated by ``eps`` or an outlier is decided by
 :func:`~lightning_gradguard.functional.optimizer_state.epsilon_dominated` and

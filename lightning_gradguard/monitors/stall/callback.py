@@ -5,7 +5,8 @@ StallDetector
 Says when a run has quietly stopped learning (no crash, no NaN: the loss just stops moving) and names
 the likely cause: an LR the scheduler drove to ~0 or never let rise, an LR that jumped, updates that are
 zero or clipped to nothing, a loss stuck at the chance level, a loader sorted by class. The rules are
-:mod:`lightning_gradguard.monitors.stall.rules`; the measuring is :mod:`lightning_gradguard.monitors.stall.probe`.
+:mod:`lightning_gradguard.monitors.stall.rules`; the measuring is
+:mod:`lightning_gradguard.monitors.stall.probe`.
 """
 
 from __future__ import annotations

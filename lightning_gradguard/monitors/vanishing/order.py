@@ -5,7 +5,7 @@ forward pre-hook on every module that owns parameters of its own and records the
 first run. It is meant to watch a single forward pass (in a Lightning callback: attached on the first
 training batch, removed before backward) and costs nothing once removed. Works on any ``nn.Module``.
 While attached, ``torch.compile``'d code runs uncompiled
-(:class:`~lightning_gradguard.monitors.preflight.modules.Uncompiled`): dynamo never traces the hooks.
+(:class:`~lightning_gradguard.core.compile.Uncompiled`): dynamo never traces the hooks.
 
 Example::
 

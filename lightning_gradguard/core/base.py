@@ -24,10 +24,10 @@ from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.state import strict_mode, trainer_state, warn_once
 from lightning_gradguard.core.stats import clear_step_stats
 from lightning_gradguard.core.validate import check_choice, check_int
+from lightning_gradguard.tags import ALERT_TEXT, ALERTS, charts_of
 
-__all__ = ["ALERT_TEXT_TAG", "DEFAULT_COOLDOWN_STEPS", "GradGuardCallback", "gradguard_callbacks", "guarded"]
+__all__ = ["DEFAULT_COOLDOWN_STEPS", "GradGuardCallback", "gradguard_callbacks", "guarded"]
 
-ALERT_TEXT_TAG = "gradguard/alerts"
 #: the ``cooldown_steps`` default of every monitor (LossSpikeGuard's is 0: each spike is an intervention)
 DEFAULT_COOLDOWN_STEPS = 1000
 
@@ -125,7 +125,7 @@ class GradGuardCallback(Callback):
         charts: dict[str, list[str]] = {}
         for cb in gradguard_callbacks(trainer):
             charts.update(cb.layout_charts())
-        charts["Alerts (cumulative count per kind)"] = ["alerts/.*"]
+        charts.update(charts_of("GradGuardCallback"))  # the alert counts every callback writes
         return charts
 
     @override
@@ -236,11 +236,11 @@ def _fan_out(trainer: pl.Trainer, alert: Alert) -> None:
     state = trainer_state(trainer)
     state.alert_counts[alert.kind] = state.alert_counts.get(alert.kind, 0) + 1
     at = log_step(trainer)
-    count = {f"alerts/{alert.kind}": float(state.alert_counts[alert.kind])}
+    count = {ALERTS.tag(alert.kind): float(state.alert_counts[alert.kind])}
     sinks: tuple[tuple[str, Callable[[], None]], ...] = (
         ("Python logging", lambda: LoggingSink()(alert)),
         ("the JSON-lines file", lambda: JsonlSink(_emit.alerts_path(trainer))(alert)),
-        ("TensorBoard's text tab", lambda: _emit.log_text(trainer, ALERT_TEXT_TAG, alert.markdown(), at)),
+        ("TensorBoard's text tab", lambda: _emit.log_text(trainer, ALERT_TEXT, alert.markdown(), at)),
         ("the loggers", lambda: _emit.log_scalars(trainer, count, at)),
     )
     for name, sink in sinks:

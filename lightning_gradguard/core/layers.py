@@ -16,16 +16,13 @@ from typing import Any
 
 from lightning_gradguard.core.validate import check_int
 from lightning_gradguard.functional.layers import LayerPatterns, choose_layers, spread
+from lightning_gradguard.tags import ACROSS_LAYERS
 
 __all__ = [
-    "ACROSS_LAYERS",
     "LayerSelection",
     "cap_scalars",
     "check_patterns",
 ]
-
-#: the tag part of the aggregates over all watched layers: ``grad_norm/across_layers/median``
-ACROSS_LAYERS = "across_layers"
 
 
 def check_patterns(name: str, value: Any) -> tuple[re.Pattern[str], ...]:

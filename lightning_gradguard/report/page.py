@@ -16,23 +16,26 @@ from typing import Any
 
 import lightning_gradguard.report.figures as figures
 from lightning_gradguard.report.read import RunData
+from lightning_gradguard.tags import families_of
 
 __all__ = ["MONITORS", "Verdict", "render_html", "summary_lines", "verdicts"]
 
-#: monitor -> the tag prefixes and files that show it was attached to the run
-MONITORS: dict[str, tuple[str, ...]] = {
-    "OverfitBatchSanity": ("preflight/",),
-    "GradientCheck": (),
-    "LRFinderPlus": ("lr_finder/",),
-    "GradientNormLogger": ("grad_norm/", "weight_norm/", "update_ratio/", "grad_clip/", "noise_scale/"),
-    "VanishingExplodingDetector": ("grad_flow/",),
-    "DeadReLUMonitor": ("dead_relu/", "saturated/"),
-    "NaNSentinel": (),
-    "LossSpikeGuard": ("spike/",),
-    "OptimizerMonitor": ("optimizer/",),
-    "ActivationRangeMonitor": ("activation/", "attention/"),
-    "StallDetector": ("stall/",),
-}
+#: the monitors a report gives a verdict on, in its order
+_ORDER = (
+    "OverfitBatchSanity",
+    "GradientCheck",
+    "LRFinderPlus",
+    "GradientNormLogger",
+    "VanishingExplodingDetector",
+    "DeadReLUMonitor",
+    "NaNSentinel",
+    "LossSpikeGuard",
+    "OptimizerMonitor",
+    "ActivationRangeMonitor",
+    "StallDetector",
+)
+#: monitor -> the tag prefixes that show it was attached to the run (the tag registry's families)
+MONITORS: dict[str, tuple[str, ...]] = {m: tuple(f.prefix for f in families_of(m)) for m in _ORDER}
 _RANK = {"info": 0, "warning": 1, "error": 2, "critical": 3}
 
 

@@ -18,31 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_gradguard.tags import ACROSS_LAYERS as _ACROSS
+from lightning_gradguard.tags import SCALAR_PREFIXES
+
 __all__ = ["GRADGUARD_PREFIXES", "RunData", "Series", "find_run", "read_run"]
 
-#: the aggregates over all layers of a monitor with ``max_layers`` (``core.layers.ACROSS_LAYERS``)
-ACROSS_LAYERS = "across_layers/"
-
+#: the aggregates over all layers of a monitor with ``max_layers``
+ACROSS_LAYERS = f"{_ACROSS}/"
 #: the scalar tag families GradGuard writes (docs/tags.md)
-GRADGUARD_PREFIXES = (
-    "grad_norm/",
-    "weight_norm/",
-    "update_ratio/",
-    "grad_nonfinite/",
-    "grad_clip/",
-    "grad_flow/",
-    "dead_relu/",
-    "saturated/",
-    "spike/",
-    "lr_finder/",
-    "preflight/",
-    "alerts/",
-    "noise_scale/",
-    "optimizer/",
-    "activation/",
-    "attention/",
-    "stall/",
-)
+GRADGUARD_PREFIXES = SCALAR_PREFIXES
 
 
 @dataclass

@@ -230,7 +230,7 @@ def test_a_resumed_run_keeps_what_the_rules_remember(tmp_path: Any) -> None:
     first = StallDetector()
     trainer = make_trainer([first], max_steps=20, max_epochs=-1, default_root_dir=str(tmp_path))
     trainer.fit(Digits("sorted"), loader(sort=True))
-    assert first.alerts == [] and first.state.streaks["sorted_labels"] >= 1
+    assert first.alerts == [] and first.rules.streaks["sorted_labels"] >= 1
     ckpt = tmp_path / "half.ckpt"
     trainer.save_checkpoint(ckpt)
     resumed = StallDetector()
@@ -240,7 +240,7 @@ def test_a_resumed_run_keeps_what_the_rules_remember(tmp_path: Any) -> None:
     assert kinds(resumed) == kinds(whole) == [("sorted_labels", 29)]
     # every checked batch counted, those before the checkpoint included (Lightning restarts a resumed
     # epoch's unshuffled loader at its beginning, so which classes they are differs)
-    assert sum(resumed.state.label_counts) == sum(whole.state.label_counts) == 32 * 7
+    assert sum(resumed.rules.label_counts) == sum(whole.rules.label_counts) == 32 * 7
 
 
 def test_ddp_ranks_pool_losses_and_labels_and_agree(tmp_path: Any) -> None:

@@ -15,6 +15,7 @@ from conftest import ROOT, RecordingMLP, make_trainer, public_callbacks, random_
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_gradguard
+from lightning_gradguard import tags
 from lightning_gradguard import (
     ALERT_KINDS,
     ActivationRangeMonitor,
@@ -135,12 +136,16 @@ def test_every_public_name_is_documented() -> None:
     assert not [name for name in public if not _mentioned(name, text)]
 
 
-def test_every_chart_title_is_in_the_layout_table() -> None:
+def test_the_layout_table_is_the_chart_registry() -> None:
+    """docs/tags.md's layout table lists exactly the charts of ``lightning_gradguard.tags``, and every
+    callback's layout is drawn from that registry."""
     text = (DOCS / "tags.md").read_text(encoding="utf-8")
-    rows = set(re.findall(r"^\| ([^|`]+?) \|", text, re.M))
-    charts = {title for cls in ALL for title in cls().layout_charts()}
-    charts.add("Alerts (cumulative count per kind)")
-    assert charts <= rows
+    layout = text.split('## The "GradGuard" custom-scalars layout', 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| ([^|`]+?) \|", layout, re.M)) - {"chart"}
+    registry = {c.title for c in tags.CHARTS}
+    assert rows == registry
+    drawn = {title for cls in ALL for title in cls().layout_charts()}
+    assert drawn <= registry and len(drawn) > 30
 
 
 def test_every_tag_family_a_run_writes_is_in_the_tag_reference(tmp_path: Path) -> None:
@@ -167,11 +172,13 @@ def test_every_tag_family_a_run_writes_is_in_the_tag_reference(tmp_path: Path) -
     )
     events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
     events.Reload()
-    tags = events.Tags()
-    written = {*tags["scalars"], *tags["histograms"], *tags["images"], *tags["tensors"]}
+    found = events.Tags()
+    written = {*found["scalars"], *found["histograms"], *found["images"], *found["tensors"]}
     ours = {t for t in written if not t.startswith(("train_loss", "epoch"))}
     families = {t.split("/")[0] + "/" for t in ours if "/" in t}
+    assert families <= {f.prefix for f in tags.FAMILIES} | {"gradguard/"}  # every family a run writes
     text = (DOCS / "tags.md").read_text(encoding="utf-8")
+    assert not [f.prefix for f in tags.FAMILIES if f"`{f.prefix}" not in text]  # is in the registry and here
     assert families >= {"grad_norm/", "grad_clip/", "grad_flow/", "dead_relu/", "lr_finder/", "preflight/"}
     assert families >= {"optimizer/", "activation/", "stall/"}
     undocumented = sorted(f for f in families if f"`{f}" not in text)

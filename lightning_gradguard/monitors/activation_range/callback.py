@@ -27,6 +27,7 @@ from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.activation_range import BlockRange
 from lightning_gradguard.monitors.activation_range.capture import RangeCapture, find_blocks, read_capture
 from lightning_gradguard.monitors.activation_range.rules import headroom_verdict, logit_verdict
+from lightning_gradguard.tags import ACTIVATION, ATTENTION, charts_of
 
 __all__ = ["ActivationRangeMonitor"]
 
@@ -126,15 +127,7 @@ class ActivationRangeMonitor(SamplingMonitor):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        charts = {
-            "Activations: max abs per block (use the log y axis)": ["activation/max_abs/.*"],
-            "Activations: RMS per block": ["activation/rms/.*"],
-            "Activations: kurtosis per block (Gaussian = 3)": ["activation/kurtosis/.*"],
-            "Activations: fp16 headroom per block in bits (0 = overflow)": ["activation/fp16_headroom/.*"],
-        }
-        if self.attention:
-            charts["Attention: largest logit per attention module"] = ["attention/max_logit/.*"]
-        return charts
+        return charts_of("ActivationRangeMonitor", attention=self.attention)
 
     def _cadence(self, trainer: pl.Trainer) -> tuple[int, bool]:
         """(sample every, whether the samples are logged)."""
@@ -212,19 +205,19 @@ class ActivationRangeMonitor(SamplingMonitor):
             shown = self.layers.show(names, [_order(ranges[n].max_abs) for n in names])
         for stat in _STATS:
             values = {n: r.scalars()[stat] for n, r in ranges.items()}
-            out.update({f"activation/{stat}/{n}": v for n, v in values.items() if n in shown})
-            out.update(self.layers.aggregates(f"activation/{stat}", values))
+            out.update({ACTIVATION.tag(stat, n): v for n, v in values.items() if n in shown})
+            out.update(self.layers.aggregates(ACTIVATION.tag(stat), values))
         if ranges:
-            out["activation/fp16_headroom/min"] = min(r.headroom_bits for r in ranges.values())
+            out[ACTIVATION.tag("fp16_headroom", "min")] = min(r.headroom_bits for r in ranges.values())
         if peaks:
             out.update(
                 cap_scalars(
                     self.layers,
-                    {f"attention/max_logit/{k}": v for k, v in peaks.items()},
-                    "attention/max_logit",
+                    {ATTENTION.tag("max_logit", k): v for k, v in peaks.items()},
+                    ATTENTION.tag("max_logit"),
                 )
             )
-            out["attention/max_logit/total"] = max(peaks.values(), key=_order)
+            out[ATTENTION.tag("max_logit", "total")] = max(peaks.values(), key=_order)
         return out
 
     # ------------------------------------------------------------------ state

@@ -24,6 +24,7 @@ from lightning_gradguard.functional.stats import device_histograms
 from lightning_gradguard.monitors.dead_units.capture import ActivationCapture
 from lightning_gradguard.monitors.dead_units.counts import sum_counts
 from lightning_gradguard.monitors.dead_units.windows import UnitCounts, UnitWindows
+from lightning_gradguard.tags import DEAD_RELU, SATURATED, charts_of
 
 __all__ = ["DeadReLUMonitor"]
 
@@ -123,10 +124,7 @@ class DeadReLUMonitor(SamplingMonitor):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        charts = {"Dead ReLU fraction per layer": ["dead_relu/.*"]}
-        if self.check_saturation:
-            charts["Saturated sigmoid/tanh units per layer"] = ["saturated/.*"]
-        return charts
+        return charts_of("DeadReLUMonitor", saturation=self.check_saturation)
 
     def due(self, step: int) -> bool:
         """Whether logging step ``step`` (see :func:`~lightning_gradguard.core.cadence.log_step`) is sampled
@@ -206,11 +204,11 @@ class DeadReLUMonitor(SamplingMonitor):
             for f in verdict.findings
         ]
         logging_on = logging_interval(trainer) > 0  # Trainer(log_every_n_steps=0): detection only
-        scalars = cap_scalars(self.layers, verdict.scalars, "dead_relu")
+        scalars = cap_scalars(self.layers, verdict.scalars, DEAD_RELU.name)
         shown = self.layers.last_shown  # histograms for the dead_relu curves shown
         rates = {t: r for t, r in verdict.rates.items() if shown is None or t.split("/", 1)[1] in shown}
         if logging_on:
-            _emit.log_scalars(trainer, cap_scalars(self.layers, scalars, "saturated"), at)
+            _emit.log_scalars(trainer, cap_scalars(self.layers, scalars, SATURATED.name), at)
         if logging_on and self.log_histograms and rates and _emit.tensorboard_writers(trainer):
             spec = device_histograms(list(rates.values()), bins=self.histogram_bins)
             for i, tag in enumerate(rates):

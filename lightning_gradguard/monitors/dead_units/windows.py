@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.functional.health import dead_units
+from lightning_gradguard.tags import ACTIVATION_RATE, DEAD_RELU, SATURATED
 
 __all__ = [
     "DEAD_HINT",
@@ -225,9 +226,9 @@ class UnitWindows:
         return StepVerdict(
             checks=checks,
             scalars={
-                f"{'saturated' if c.saturation else 'dead_relu'}/{c.key}": c.summary.fraction for c in checks
+                (SATURATED if c.saturation else DEAD_RELU).tag(c.key): c.summary.fraction for c in checks
             },
-            rates={f"activation_rate/{c.key}": c.summary.rates for c in relu},
+            rates={ACTIVATION_RATE.tag(c.key): c.summary.rates for c in relu},
             dead_fractions={c.key: c.summary.fraction for c in relu if c.full},
             saturated_fractions={c.key: c.summary.fraction for c in checks if c.saturation and c.full},
             findings=[explain(c) for c in checks if c.fires],

@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
-from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection
+from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import step_stats
@@ -37,10 +37,10 @@ from lightning_gradguard.monitors.gradients.norms import (
     NormSample,
     NormSpec,
     clip_setting,
-    norm_charts,
     parse_norm_type,
     select_reading,
 )
+from lightning_gradguard.tags import GRAD_CLIP, charts_of
 
 __all__ = ["GradientNormLogger"]
 
@@ -160,7 +160,9 @@ class GradientNormLogger(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return {**norm_charts(ACROSS_LAYERS, self.layers.max_layers is not None), **self._noise.charts()}
+        return charts_of(
+            "GradientNormLogger", capped=self.layers.max_layers is not None, noise_scale=self.log_noise_scale
+        )
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -270,7 +272,7 @@ class GradientNormLogger(GradGuardCallback):
         s = clip_window_stats(window, clip.value)
         if s is None:
             return
-        metrics = {f"grad_clip/{name}": x for name, x in s.metrics().items()}
+        metrics = {GRAD_CLIP.tag(name): x for name, x in s.metrics().items()}
         self.last_logged.update(metrics)
         if last is not None:
             _emit.log_scalars(trainer, metrics, last[0])

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_gradguard.functional.clipping import ClipWindowStats
+from lightning_gradguard.tags import GRAD_CLIP
 
 __all__ = ["ClipFinding", "clip_verdict"]
 
@@ -33,7 +34,7 @@ def clip_verdict(s: ClipWindowStats, clip_val: float, norm_type: float, window: 
     what, by = ("norm", "") if norm_type == 2.0 else ("largest |g|", " (clipping by value)")
     setting = f"gradient_clip_val={clip_val:g}{by}"
     data = {"fraction_clipped": fraction, "clip_val": clip_val, "steps": float(n)}
-    data.update({f"grad_clip/{name}": x for name, x in s.metrics().items()})
+    data.update({GRAD_CLIP.tag(name): x for name, x in s.metrics().items()})
     if n >= min(100, window) and fraction >= 0.95 and suggested is not None:
         message = (
             f"{setting} clipped {fraction:.0%} of the last {n} steps (median pre-clip {what} "

@@ -39,16 +39,10 @@ from lightning_gradguard.functional.noise_scale import (
     effective_batch_sizes,
     noise_scale_terms,
 )
+from lightning_gradguard.tags import NOISE_SCALE
 
-__all__ = ["NOISE_SCALE_CHARTS", "NoiseScaleEMA", "NoiseScaleTracker"]
+__all__ = ["NoiseScaleEMA", "NoiseScaleTracker"]
 
-NOISE_SCALE_CHARTS = {
-    "Critical batch size (B_simple) vs the batch in use": ["noise_scale/b_simple", "noise_scale/batch_size"],
-    "Gradient noise scale terms: smoothed norm(G)^2 and tr(Sigma) (use the log y axis)": [
-        "noise_scale/grad_sq",
-        "noise_scale/trace_sigma",
-    ],
-}
 _KEY = ("noise_scale", "ema")
 _NAME = "GradientNormLogger(log_noise_scale=True)"
 
@@ -211,15 +205,12 @@ class NoiseScaleTracker:
         est = NoiseScaleEMA.read(host[_KEY])
         if est.weight <= 0:  # no sample yet
             return {}
-        metrics = {"noise_scale/grad_sq": est.grad_sq, "noise_scale/trace_sigma": est.trace_sigma}
-        metrics["noise_scale/batch_size"] = float(self.batch_size)
+        metrics = {NOISE_SCALE.tag("grad_sq"): est.grad_sq, NOISE_SCALE.tag("trace_sigma"): est.trace_sigma}
+        metrics[NOISE_SCALE.tag("batch_size")] = float(self.batch_size)
         if est.b_simple is not None:  # undefined while the smoothed |G|^2 is not positive
-            metrics["noise_scale/b_simple"] = est.b_simple
+            metrics[NOISE_SCALE.tag("b_simple")] = est.b_simple
         _emit.log_scalars(trainer, metrics, at)
         return metrics
-
-    def charts(self) -> dict[str, list[str]]:
-        return NOISE_SCALE_CHARTS if self.on else {}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -33,6 +33,16 @@ from lightning_gradguard.functional.stats import (
     nonfinite_counts,
 )
 from lightning_gradguard.functional.updates import update_ratio
+from lightning_gradguard.tags import (
+    GRAD_HISTOGRAM,
+    GRAD_LOG10_HISTOGRAM,
+    GRAD_NONFINITE,
+    GRAD_NORM,
+    UPDATE_RATIO,
+    WEIGHT_HISTOGRAM,
+    WEIGHT_NORM,
+    Family,
+)
 
 __all__ = [
     "ClipRing",
@@ -42,7 +52,6 @@ __all__ = [
     "NormSample",
     "NormSpec",
     "clip_setting",
-    "norm_charts",
     "parse_norm_type",
     "select_reading",
 ]
@@ -192,20 +201,20 @@ class NormReading:
         ``grad_norm/total<suffix>`` and ``grad_norm/<layer>``; the same for ``weight_norm`` and
         ``update_ratio`` when measured; ``grad_nonfinite/total<suffix>`` and ``grad_nonfinite/<layer>``.
         """
-        out = {f"grad_norm/total{suffix}": self.grad_total, **_tagged("grad_norm", self.grad_layers)}
+        out = {GRAD_NORM.tag(f"total{suffix}"): self.grad_total, **_tagged(GRAD_NORM, self.grad_layers)}
         if self.weight_total is not None:
-            out[f"weight_norm/total{suffix}"] = self.weight_total
-            out.update(_tagged("weight_norm", self.weight_layers))
+            out[WEIGHT_NORM.tag(f"total{suffix}")] = self.weight_total
+            out.update(_tagged(WEIGHT_NORM, self.weight_layers))
         if self.update_ratio_total is not None:
-            out[f"update_ratio/total{suffix}"] = self.update_ratio_total
-            out.update(_tagged("update_ratio", self.update_ratios))
-        out[f"grad_nonfinite/total{suffix}"] = self.nonfinite_total
-        out.update(_tagged("grad_nonfinite", self.nonfinite_layers))
+            out[UPDATE_RATIO.tag(f"total{suffix}")] = self.update_ratio_total
+            out.update(_tagged(UPDATE_RATIO, self.update_ratios))
+        out[GRAD_NONFINITE.tag(f"total{suffix}")] = self.nonfinite_total
+        out.update(_tagged(GRAD_NONFINITE, self.nonfinite_layers))
         return out
 
 
-def _tagged(prefix: str, values: dict[str, float]) -> dict[str, float]:
-    return {f"{prefix}/{name}": x for name, x in values.items()}
+def _tagged(family: Family, values: dict[str, float]) -> dict[str, float]:
+    return {family.tag(name): x for name, x in values.items()}
 
 
 class NormSample:
@@ -243,10 +252,10 @@ class NormSample:
             weight_names, weights = [weight_names[i] for i in w], [weights[i] for i in w]
         out: dict[str, Any] = {}
         if grads:
-            out["grad"] = (grad_names, device_histograms(grads, bins))
-            out["grad_log10"] = (grad_names, device_histograms(grads, bins, log10=True))
+            out[GRAD_HISTOGRAM.name] = (grad_names, device_histograms(grads, bins))
+            out[GRAD_LOG10_HISTOGRAM.name] = (grad_names, device_histograms(grads, bins, log10=True))
         if weights:
-            out["weight"] = (weight_names, device_histograms(weights, bins))
+            out[WEIGHT_HISTOGRAM.name] = (weight_names, device_histograms(weights, bins))
         return out
 
     def _in_layers(self, names: list[str], layers: frozenset[str]) -> list[int]:
@@ -342,30 +351,10 @@ def select_reading(reading: NormReading, selection: LayerSelection, suffix: str 
         update_ratios={n: v for n, v in ratios_kept.items() if not capped or n in shown},
         nonfinite_layers=selection.keep(reading.nonfinite_layers),
     ).scalars(suffix)
-    for family, values in (("grad_norm", grads), ("weight_norm", weights), ("update_ratio", ratios_kept)):
+    for family, values in (
+        (GRAD_NORM.name, grads),
+        (WEIGHT_NORM.name, weights),
+        (UPDATE_RATIO.name, ratios_kept),
+    ):
         out.update({f"{k}{suffix}": v for k, v in selection.aggregates(family, values).items()})
     return out
-
-
-def norm_charts(across: str, capped: bool) -> dict[str, list[str]]:
-    """GradientNormLogger's charts in the GradGuard layout; ``capped``: with the ``across`` aggregates."""
-    not_total = rf"(?!total(_opt\d+)?$|{across}/)"  # per-layer charts: no total, no aggregate
-    aggregates = {  # with a cap: what the layers not shown do
-        f"{title} across all layers: min / median / max": [f"{family}/{across}/.*"]
-        for title, family in (("Gradient norm", "grad_norm"), ("Update / weight ratio", "update_ratio"))
-    }
-    return {
-        **(aggregates if capped else {}),
-        "Gradient norm: total": ["grad_norm/total.*"],
-        "Gradient norm per layer": [f"grad_norm/{not_total}.*"],
-        "Weight norm per layer": [f"weight_norm/{not_total}.*"],
-        "Update / weight ratio per layer (healthy ~1e-3: use the log y axis)": [
-            f"update_ratio/{not_total}.*"
-        ],
-        "Gradient clipping: fraction of steps clipped": ["grad_clip/fraction_clipped"],
-        "Gradient clipping: pre-clip norm p50/p90/p99 and suggested clip value": [
-            "grad_clip/pre_clip_norm_.*",
-            "grad_clip/suggested_clip_val",
-        ],
-        "Non-finite gradient entries": ["grad_nonfinite/.*"],
-    }

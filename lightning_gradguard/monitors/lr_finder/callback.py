@@ -30,6 +30,7 @@ from lightning_gradguard.functional.lr_suggest import SUGGESTION_METHODS
 from lightning_gradguard.monitors.lr_finder import engine
 from lightning_gradguard.monitors.lr_finder.output import write_result
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+from lightning_gradguard.tags import charts_of
 
 __all__ = ["LRFinderPlus", "LRFinderResult", "lr_find"]
 
@@ -152,10 +153,7 @@ class LRFinderPlus(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return {
-            "LR finder: loss per sweep step": [r"lr_finder/loss.*", r"lr_finder/smoothed_loss.*"],
-            "LR finder: learning rate per sweep step (use the log y axis)": [r"lr_finder/lr.*"],
-        }
+        return charts_of("LRFinderPlus")
 
     # ------------------------------------------------------------------ hooks
     @override

@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+from lightning_gradguard.tags import LR_FINDER, LR_FINDER_CURVE
 
 __all__ = ["write_result"]
 
@@ -33,10 +34,10 @@ def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log
     if log_curve:
         _log_curve(trainer, result, suffix)
     if result.suggestion is not None and trainer.loggers:
-        _emit.log_scalars(trainer, {"lr_finder/suggested_lr": result.suggestion}, log_step(trainer))
+        _emit.log_scalars(trainer, {LR_FINDER.tag("suggested_lr"): result.suggestion}, log_step(trainer))
     if result.applied_lr is not None:
-        hparams: dict[str, Any] = {f"lr_finder/applied_lr{suffix}": result.applied_lr}
-        hparams[f"lr_finder/method{suffix}"] = result.method
+        hparams: dict[str, Any] = {LR_FINDER.tag(f"applied_lr{suffix}"): result.applied_lr}
+        hparams[LR_FINDER.tag(f"method{suffix}")] = result.method
         _log_hparams(trainer, hparams)
     _log_summary(result)
     if not trainer.loggers:  # no log directory: the curve stays in ``self.results``
@@ -53,9 +54,9 @@ def _log_curve(trainer: pl.Trainer, result: LRFinderResult, suffix: str) -> None
         _emit.log_scalars(
             trainer,
             {
-                f"lr_finder/loss{suffix}": loss,
-                f"lr_finder/smoothed_loss{suffix}": smooth,
-                f"lr_finder/lr{suffix}": lr,
+                LR_FINDER.tag(f"loss{suffix}"): loss,
+                LR_FINDER.tag(f"smoothed_loss{suffix}"): smooth,
+                LR_FINDER.tag(f"lr{suffix}"): lr,
             },
             i,
         )
@@ -105,7 +106,7 @@ def _write_figure(trainer: pl.Trainer, folder: str, result: LRFinderResult, suff
     except OSError as err:  # pragma: no cover
         log.warning("LRFinderPlus: could not save the figure: %s", err)
     for tb in _emit.tensorboard_writers(trainer):
-        tb.add_figure(f"lr_finder/curve{suffix}", fig, global_step=log_step(trainer), close=False)
+        tb.add_figure(LR_FINDER_CURVE.tag(f"curve{suffix}"), fig, global_step=log_step(trainer), close=False)
 
 
 def _log_hparams(trainer: pl.Trainer, params: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
-from lightning_gradguard.core.layers import ACROSS_LAYERS, LayerSelection
+from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import SKIP_CAUSES
 from lightning_gradguard.core.state import info_once, trainer_state, warn_once
@@ -40,6 +40,7 @@ from lightning_gradguard.monitors.optimizer.sample import (
     ScaleWatch,
     reading_scalars,
 )
+from lightning_gradguard.tags import OPTIMIZER, charts_of
 
 __all__ = ["OptimizerMonitor"]
 
@@ -138,29 +139,7 @@ class OptimizerMonitor(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        not_total = rf"(?!total(_opt\d+)?$|{ACROSS_LAYERS}/)"
-        across = {
-            f"Optimizer {what} across all layers: min / median / max": [
-                f"optimizer/{family}/{ACROSS_LAYERS}/.*"
-            ]
-            for what, family in (("step size", "step_size"), ("cos(update, -gradient)", "update_cosine"))
-        }
-        return {
-            **(across if self.layers.max_layers is not None else {}),
-            "Optimizer step size (update norm / lr): total": ["optimizer/step_size/total.*"],
-            "Optimizer step size (update norm / lr) per layer": [f"optimizer/step_size/{not_total}.*"],
-            "cos(update, -gradient) per layer and total (1 = plain SGD)": ["optimizer/update_cosine/.*"],
-            "Optimizer moments: total exp_avg and momentum_buffer norms": [
-                "optimizer/exp_avg_norm/total.*",
-                "optimizer/momentum_norm/total.*",
-            ],
-            "Adam exp_avg norm per layer": [f"optimizer/exp_avg_norm/{not_total}.*"],
-            "Adam RMS of sqrt(v_hat) per layer, to compare with eps (use the log y axis)": [
-                "optimizer/exp_avg_sq_rms/.*"
-            ],
-            "SGD momentum_buffer norm per layer": [f"optimizer/momentum_norm/{not_total}.*"],
-            "Skipped optimizer updates by cause (cumulative)": ["optimizer/skipped_updates/.*"],
-        }
+        return charts_of("OptimizerMonitor", capped=self.layers.max_layers is not None)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -233,7 +212,7 @@ class OptimizerMonitor(GradGuardCallback):
         if counters_at is not None:
             scaler = host.get("grad_scaler")
             counts = self._skip_counts(float(scaler[0]) if scaler is not None else 0.0)
-            metrics.update({f"optimizer/skipped_updates/{c}": n for c, n in counts.items()})
+            metrics.update({OPTIMIZER.tag("skipped_updates", c): n for c, n in counts.items()})
             self.last_logged = dict(metrics)
             _emit.log_scalars(trainer, metrics, counters_at)
 

@@ -35,6 +35,7 @@ from lightning_gradguard.functional.optimizer_state import (
 )
 from lightning_gradguard.functional.stats import foreach_norms
 from lightning_gradguard.functional.updates import sampled, update_ratio
+from lightning_gradguard.tags import OPTIMIZER
 
 __all__ = [
     "OptimizerReading",
@@ -109,15 +110,15 @@ def reading_scalars(reading: OptimizerReading, layers: LayerSelection, suffix: s
         "momentum_norm": m.momentum_norm,
     }
     totals = {"step_size": g.step_size_total, "update_cosine": g.cosine_total, **m.totals}
-    out = {f"optimizer/{f}/total{suffix}": v for f, v in totals.items() if v is not None}
+    out = {OPTIMIZER.tag(f, f"total{suffix}"): v for f, v in totals.items() if v is not None}
     shown: set[str] | None = None
     if layers.max_layers is not None:
         ratios = [g.update_ratio.get(n, 1.0) for n in g.step_size]
         shown = layers.show(list(g.step_size), log_distance_scores(ratios))
     for family, values in families.items():
         kept = layers.keep(values)
-        out.update({f"optimizer/{family}/{k}": v for k, v in kept.items() if shown is None or k in shown})
-        aggregates = layers.aggregates(f"optimizer/{family}", kept) if kept else {}
+        out.update({OPTIMIZER.tag(family, k): v for k, v in kept.items() if shown is None or k in shown})
+        aggregates = layers.aggregates(OPTIMIZER.tag(family), kept) if kept else {}
         out.update({f"{k}{suffix}": v for k, v in aggregates.items()})
     return out
 

@@ -31,6 +31,7 @@ from lightning_gradguard.core.validate import check_bool, check_choice, check_fl
 from lightning_gradguard.monitors.preflight.findings import OverfitResult, label_stability
 from lightning_gradguard.monitors.preflight.overfit_check import OverfitSettings, run_overfit_check
 from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, Finding, PreflightCheck, Summary
+from lightning_gradguard.tags import PREFLIGHT, charts_of
 
 __all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
 
@@ -169,10 +170,7 @@ class OverfitBatchSanity(PreflightCheck):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return {
-            "Pre-flight: overfit-one-batch loss (x = check step)": ["preflight/overfit_loss"],
-            "Pre-flight: overfit-one-batch gradient norm (x = check step)": ["preflight/overfit_grad_norm"],
-        }
+        return charts_of("OverfitBatchSanity")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -228,9 +226,9 @@ class OverfitBatchSanity(PreflightCheck):
             self.conclude(trainer, [], failed_here=False, on_failure=failure, passed_line=None)
             return
         for i, value in enumerate(result.losses):
-            metrics = {"preflight/overfit_loss": value}
+            metrics = {PREFLIGHT.tag("overfit_loss"): value}
             if i < len(result.grad_norms):
-                metrics["preflight/overfit_grad_norm"] = result.grad_norms[i]
+                metrics[PREFLIGHT.tag("overfit_grad_norm")] = result.grad_norms[i]
             _emit.log_scalars(trainer, metrics, i)
         # the summary (overfit_failed) is reported once, by conclude
         alerts = self.report_findings(trainer, [f for f in result.findings if f.kind != "overfit_failed"])

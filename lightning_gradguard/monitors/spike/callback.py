@@ -35,6 +35,7 @@ from lightning_gradguard.functional.spikes import SpikeScore, is_spike, spike_sc
 from lightning_gradguard.monitors.spike.records import SpikeRecord, read_skip_batches, record_spike
 from lightning_gradguard.monitors.spike.rules import escalated_action, snapshot_due, spike_alert
 from lightning_gradguard.monitors.spike.step import StepInputs, read_step_values
+from lightning_gradguard.tags import SPIKE, charts_of
 
 __all__ = ["LossSpikeGuard"]
 
@@ -164,9 +165,7 @@ class LossSpikeGuard(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return {"Loss spikes: robust z-score of the loss and the gradient norm": ["spike/.*zscore"]} | {
-            "Loss spikes: skipped steps and rollbacks": ["spike/skipped_steps", "spike/rollbacks"]
-        }
+        return charts_of("LossSpikeGuard")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -358,10 +357,10 @@ class LossSpikeGuard(GradGuardCallback):
         at = log_step(trainer)
         if not (force or on_logging_step(at, logging_interval(trainer))):
             return
-        metrics = {f"spike/{k}_zscore": s.zscore for k, s in scores.items() if math.isfinite(s.zscore)}
+        metrics = {SPIKE.tag(f"{k}_zscore"): s.zscore for k, s in scores.items() if math.isfinite(s.zscore)}
         metrics |= {
-            "spike/skipped_steps": float(self.skipped_steps),
-            "spike/rollbacks": float(self.rollbacks),
+            SPIKE.tag("skipped_steps"): float(self.skipped_steps),
+            SPIKE.tag("rollbacks"): float(self.rollbacks),
         }
         _emit.log_scalars(trainer, metrics, at)
 

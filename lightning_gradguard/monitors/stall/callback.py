@@ -27,6 +27,7 @@ from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.validate import check_float, check_int
 from lightning_gradguard.monitors.stall.probe import StallProbe, lr_configured, lr_now
 from lightning_gradguard.monitors.stall.rules import StallCheck, StallRules, StallState
+from lightning_gradguard.tags import STALL, charts_of
 
 __all__ = ["StallDetector"]
 
@@ -198,23 +199,17 @@ class StallDetector(GradGuardCallback):
         """The check's numbers on the dashboard (rank zero writes)."""
         ratios = sorted(v for v in c.update_ratios.values() if math.isfinite(v))
         values = {
-            "stall/loss": c.loss,
-            "stall/chance_level": self.rules.chance(),
-            "stall/update_ratio_median": statistics.median(ratios) if ratios else None,
-            "stall/clip_ratio": c.clip_ratio,
+            STALL.tag("loss"): c.loss,
+            STALL.tag("chance_level"): self.rules.chance(),
+            STALL.tag("update_ratio_median"): statistics.median(ratios) if ratios else None,
+            STALL.tag("clip_ratio"): c.clip_ratio,
         }
         self.last_logged = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
         _emit.log_scalars(trainer, self.last_logged, c.step)
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return {
-            "Stalled learning: training loss vs the chance level": ["stall/loss", "stall/chance_level"],
-            "Stalled learning: median update/weight ratio and clip ratio (use the log y axis)": [
-                "stall/update_ratio_median",
-                "stall/clip_ratio",
-            ],
-        }
+        return charts_of("StallDetector")
 
     # ------------------------------------------------------------------ state
     @override

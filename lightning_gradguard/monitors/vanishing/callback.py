@@ -36,6 +36,7 @@ from lightning_gradguard.monitors.vanishing.rules import (
     judge,
     opening_layers,
 )
+from lightning_gradguard.tags import GRAD_FLOW, charts_of
 
 __all__ = ["VanishingExplodingDetector"]
 
@@ -157,7 +158,7 @@ class VanishingExplodingDetector(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return {"Gradient flow: log10(layer norm / largest layer norm)": ["grad_flow/.*"]}
+        return charts_of("VanishingExplodingDetector")
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -308,11 +309,11 @@ class VanishingExplodingDetector(GradGuardCallback):
             self._last_flow_at[opt_idx] = at
             shown = self.layers.show(norms.labels, log_distance_scores(norms.values))
             metrics = {
-                f"grad_flow/{n}": v
+                GRAD_FLOW.tag(n): v
                 for n, v in zip(norms.labels, flow, strict=True)
                 if math.isfinite(v) and n in shown
             }
-            metrics.update(self.layers.aggregates("grad_flow", dict(zip(norms.labels, flow, strict=True))))
+            metrics.update(self.layers.aggregates(GRAD_FLOW.name, dict(zip(norms.labels, flow, strict=True))))
             _emit.log_scalars(trainer, metrics, at)
 
     # ------------------------------------------------------------------ state

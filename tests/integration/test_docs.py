@@ -15,7 +15,6 @@ from conftest import ROOT, RecordingMLP, make_trainer, public_callbacks, random_
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_gradguard
-from lightning_gradguard import tags
 from lightning_gradguard import (
     ALERT_KINDS,
     ActivationRangeMonitor,
@@ -32,6 +31,7 @@ from lightning_gradguard import (
     functional,
     gradient_check,
     lr_find,
+    tags,
 )
 
 DOCS = ROOT / "docs"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -134,7 +137,28 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 
 
-def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+#: the DDP scenarios that run together, in one 2-process launch (tests/scripts/ddp_suite.py)
+DDP_SUITE = (
+    "ddp_grad_norm",
+    "ddp_nan_one_rank",
+    "ddp_detectors",
+    "ddp_activation_range",
+    "ddp_noise_scale",
+    "ddp_stall",
+    "ddp_loss_spike",
+    "ddp_lr_finder",
+    "ddp_preflight",
+    "ddp_all_callbacks",
+    *(
+        f"{script}/{kind}"
+        for script in ("sharded_norms", "sharded_callbacks")
+        for kind in ("ddp", "fsdp1", "fsdp2")
+    ),
+)
+_SUITE: dict[str, Any] = {}
+
+
+def _launch(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """Run a 2-process DDP script; a hang fails through ``timeout``.
 
     One retry, only for gloo's known abort at interpreter exit (SIGABRT with "terminate called without
@@ -145,15 +169,47 @@ def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.Com
     env.pop("PL_DISABLE_FORK", None)
     for attempt in range(2):
         proc = subprocess.run(
-            [sys.executable, str(SCRIPTS / name), str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+            [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout
         )
         abort = "terminate called without an active exception"
         if proc.returncode != -6 or abort not in proc.stderr or attempt == 1:
             return proc
+    return proc
+
+
+def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """The result of a 2-process DDP scenario ``tests/scripts/<name>``, its files copied into ``out``.
+
+    The scenarios of :data:`DDP_SUITE` run once per test session, all in one launch (the first test to
+    ask pays for it; the others read its files); any other script runs on its own. A script that reads
+    its strategy from its folder's name (``sharded_norms.py`` in ``.../fsdp2``) is the scenario
+    ``sharded_norms/fsdp2``.
+    """
+    stem = name.removesuffix(".py")
+    if stem not in DDP_SUITE:  # a script whose strategy is its folder's name: one scenario per strategy
+        stem = f"{stem}/{out.name}"
+    if stem not in DDP_SUITE:
+        return _launch([str(SCRIPTS / name), str(out)], timeout)
+    if "proc" not in _SUITE:
+        root = Path(tempfile.mkdtemp(prefix="gradguard_ddp_suite_"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _SUITE["root"] = root
+        try:
+            _SUITE["proc"] = _launch([str(SCRIPTS / "ddp_suite.py"), str(root), *DDP_SUITE], timeout=600)
+        except subprocess.TimeoutExpired as err:  # a hang: every scenario's test fails, none relaunches
+            _SUITE["proc"] = err
+    proc = _SUITE["proc"]
+    if isinstance(proc, subprocess.TimeoutExpired):
+        raise proc
+    folder = _SUITE["root"] / stem
+    if folder.is_dir():
+        shutil.copytree(folder, out, dirs_exist_ok=True)
+    error = folder / "error.txt"
+    if error.exists():  # this scenario raised: its own traceback
+        return subprocess.CompletedProcess(proc.args, proc.returncode or 1, proc.stdout, error.read_text())
+    later = [s for s in DDP_SUITE[DDP_SUITE.index(stem) + 1 :] if (_SUITE["root"] / s / "error.txt").exists()]
+    if later and folder.is_dir():  # a later scenario raised: this one had finished
+        return subprocess.CompletedProcess(proc.args, 0, proc.stdout, proc.stderr)
     return proc
 
 

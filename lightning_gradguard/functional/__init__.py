@@ -1,21 +1,17 @@
-"""Pure tensor math behind the callbacks: no Trainer, usable from a plain PyTorch loop.
+"""Pure tensor math behind the callbacks: no Trainer, no hooks, no state, usable from a plain PyTorch loop.
 
 * ``stats``: grouped gradient/weight norms, non-finite counts, on-device histograms, clip suggestions;
 * ``health``: robust baselines, spike and growth tests, gradient flow, dead-unit and saturation counts;
-* ``gradcheck``: the Taylor test, and symmetric finite differences (``finite_difference``, re-exported),
-  in float64;
-* ``gradcheck_module``: the gradient check of an ``nn.Module`` on a float64 copy (the engine under
-  ``lightning_gradguard.gradient_check``), with ``gradcheck_graph`` (the float64 copy, custom
-  ``autograd.Function`` detection: ``find_custom_functions``) and ``gradcheck_report`` (its words);
+* ``gradcheck``: symmetric finite differences and the Taylor test, in float64, on any closure;
+* ``lr_suggest``: the LR range test's sweep, smoothing and suggestions;
 * ``overfit``: the overfit-one-batch check's reading of a loss curve;
 * ``tree``: the tensors in nested batches and outputs;
-* ``lr_suggest``: the LR range test's sweep, smoothing, divergence rule and suggestions;
-* ``clipping`` (clip-window statistics), ``updates`` (update/weight ratios), ``gradient_verdict`` (the
-  exploding/vanishing rules on host numbers), ``activations`` (dead-unit windows and verdicts),
-  ``optimizer_state`` (step size, update cosine, Adam's moments), ``noise_scale`` (the gradient noise
-  scale's estimator and averages), ``activation_range`` (block output moments, fp16 headroom, the
-  largest attention logit) and ``stall`` / ``stall_check`` (the stalled-learning rules): the rules under
-  the monitors, importable by module; their names are not re-exported here.
+* ``updates`` (the update of a step from a weight snapshot, ``||delta w|| / ||w||``), ``clipping``
+  (clip-window statistics), ``spikes`` (a robust spike score), ``layers`` (which layers to show under a
+  cap), ``optimizer_state`` (step size, update cosine, Adam's moments per layer), ``noise_scale`` (the
+  gradient noise scale's estimator) and ``activation_range`` (block output moments, fp16 headroom, the
+  largest attention logit): the math under the monitors, importable by module; their names are not
+  re-exported here. The monitors' rules in words live in their own packages.
 
 Example::
 

@@ -9,13 +9,13 @@ usable from a hand-written PyTorch loop:
 * :func:`ema_smooth`: exponential moving average with bias correction, counted from the first point.
 * :func:`centered_smooth`: a zero-lag Gaussian smoother used for the suggestions: a one-sided EMA lags
   behind the curve and shifts every feature to larger LRs.
-* :class:`DivergenceMonitor`: online stop rule that only looks at differences of losses, so it works for
-  negative, near-zero and shifted losses alike.
 * :func:`suggest_steep`, :func:`suggest_valley`, :func:`suggest_minimum`, :func:`suggest_slide` and
   :func:`suggest_all`.
 
 All suggestion functions take the learning rates and an (already smoothed) loss curve of the same
-length and return a learning rate, or ``None`` when the curve does not support one.
+length and return a learning rate, or ``None`` when the curve does not support one. The sweep's online
+stop rule, which keeps state, is the LR finder's own
+(:class:`~lightning_gradguard.monitors.lr_finder.divergence.DivergenceMonitor`).
 """
 
 from __future__ import annotations

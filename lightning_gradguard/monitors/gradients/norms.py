@@ -1,13 +1,13 @@
 """What the gradient-norm log stands on: the Trainer's clipping, and the norms of one step read once.
 
 :func:`clip_setting` says how the Trainer clips gradients (and so which norm decides whether a step is
-clipped). A :class:`NormSample` is taken in ``on_before_optimizer_step`` from the shared
-:class:`~lightning_gradguard.core.stats.StepStats` (grouped gradient and weight norms, a snapshot of the
-weights, histograms): nothing is read back there. After ``optimizer.step()`` (``on_train_batch_end``)
-:meth:`NormSample.queue` finishes the update norms and queues everything on a
-:class:`~lightning_gradguard.core.transfer.HostTransfer`, which the caller fetches once for all its
-samples; :meth:`NormSample.read` turns the host values into a :class:`NormReading`.
-:func:`read_layer_norms` is the short way for a check that needs only the per-layer 2-norms on the host.
+clipped); :class:`ClipRing` keeps the recent pre-clip norms on the device. A :class:`NormSample` is taken
+in ``on_before_optimizer_step`` from the shared :class:`~lightning_gradguard.core.stats.StepStats`
+(grouped gradient and weight norms, the step's shared update sample, histograms): nothing is read back
+there. After ``optimizer.step()`` (``on_train_batch_end``) :meth:`NormSample.queue` queues everything,
+the update norms included, on a :class:`~lightning_gradguard.core.transfer.HostTransfer`, which the caller
+fetches once for all its samples; :meth:`NormSample.read` turns the host values into a
+:class:`NormReading`, and :func:`select_reading` into the scalars of the layers shown.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""Optimizer-state plumbing: the record of dropped updates, the GradScaler skip count, and one step's sample.
+"""One measured optimizer step, and the GradScaler's skips: what OptimizerMonitor reads.
 
-* :func:`skip_update` is how a callback drops an update (every gradient to ``None``, as
-  :func:`~lightning_gradguard.core.trial.drop_update`) and records why, in the Trainer's shared
-  :class:`~lightning_gradguard.core.state.TrainerState` (a Python counter: no device work, no sync).
 * :class:`ScaleWatch` counts the steps the GradScaler skipped, on the device: the scale before the step
   against the scale after it (it only ever falls on an overflow); read with the logging step's transfer.
-* :class:`OptimizerSample` is one measured step of one optimizer: before ``optimizer.step()`` it copies
-  (a sample of) the weights and the gradient and notes each parameter's learning rate; after the step it
+* :class:`OptimizerSample` is one measured step of one optimizer: before ``optimizer.step()`` it takes
+  the step's shared update sample with the gradient at its entries
+  (:meth:`~lightning_gradguard.core.stats.StepStats.take_update_sample`) and notes each parameter's
+  learning rate; after the step it
   queues the update's geometry and the optimizer's moments into the step's one
   :class:`~lightning_gradguard.core.transfer.HostTransfer`, and :meth:`OptimizerSample.read` turns the
-  host values into per-layer numbers (:mod:`lightning_gradguard.functional.optimizer_state`).
+  host values into per-layer numbers (:mod:`lightning_gradguard.functional.optimizer_state`); its
+  update/weight ratios are the shared per-layer norms every monitor reads.
+* :func:`reading_scalars`: a reading as ``optimizer/*`` tags.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Every 2-process DDP scenario of the test suite in one launch: ``python ddp_suite.py OUTDIR NAME ...``.
 
-Each NAME is a script of this folder (``ddp_grad_norm``, ``ddp_stall``, ...) whose ``main(folder)`` runs
-its fits and writes what every rank saw into ``OUTDIR/NAME``; ``SCRIPT/KIND`` (``sharded_norms/fsdp2``)
-runs a script that reads its strategy from its folder's name in ``OUTDIR/SCRIPT/KIND``. Launching the two processes, importing
-torch and Lightning and forming the gloo group once instead of once per scenario saves most of the
-suite's DDP time; the scenarios share the process group, as the fits inside one script always did.
-Lightning relaunches this script with the same arguments for rank 1, so both ranks run the same
-scenarios in the same order. A scenario that raises stops the launch (its traceback is in
-``OUTDIR/NAME/error.txt``): the later ones then leave no result, which their tests report.
+Each NAME is a script of this folder (``ddp_grad_norm``, ``ddp_stall``, ...) whose ``main(folder)`` runs its
+fits and writes what every rank saw into ``OUTDIR/NAME``; ``SCRIPT/KIND`` (``sharded_norms/fsdp2``) runs a
+script that reads its strategy from its folder's name in ``OUTDIR/SCRIPT/KIND``. Launching the two processes,
+importing torch and Lightning and forming the gloo group once instead of once per scenario saves most of the
+suite's DDP time; the scenarios share the process group, as the fits inside one script always did. Lightning
+relaunches this script with the same arguments for rank 1, so both ranks run the same scenarios in the same
+order. A scenario that raises stops the launch (its traceback is in ``OUTDIR/NAME/error.txt``): the later ones
+then leave no result, which their tests report.
 """
 
 from __future__ import annotations

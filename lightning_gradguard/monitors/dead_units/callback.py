@@ -224,15 +224,16 @@ class DeadReLUMonitor(SamplingMonitor):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state.update(
-            self._windows.state_dict(), sampled_batches=self.sampled_batches, follow_left=self._follow_left
-        )
-        return state
+        return {
+            **super().state_dict(),
+            "windows": self._windows.state_dict(),
+            "sampled_batches": self.sampled_batches,
+            "follow_left": self._follow_left,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self._windows.load_state_dict(state_dict)
+        self._windows.load_state_dict(state_dict.get("windows", {}))
         self.sampled_batches = int(state_dict.get("sampled_batches", 0))
         self._follow_left = int(state_dict.get("follow_left", 0))

@@ -238,13 +238,15 @@ class UnitWindows:
     def state_dict(self) -> dict[str, Any]:
         return {
             "strikes": dict(self.strikes),
-            "windows": {k: [(c.clone(), n) for c, n in w] for k, w in self.windows.items()},
+            "windows": {
+                k: [{"counts": c.clone(), "samples": n} for c, n in w] for k, w in self.windows.items()
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.strikes = dict(state.get("strikes", {}))
         self.windows = {
-            k: deque([(torch.as_tensor(c), float(n)) for c, n in w], maxlen=self.size)
+            k: deque([(torch.as_tensor(s["counts"]), float(s["samples"])) for s in w], maxlen=self.size)
             for k, w in state.get("windows", {}).items()
         }
 

@@ -22,7 +22,7 @@ from lightning_gradguard.alerts import ACTIONS, Alert, GradGuardError, JsonlSink
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.state import strict_mode, trainer_state, warn_once
-from lightning_gradguard.core.stats import clear_step_stats
+from lightning_gradguard.core.stats import step_cache
 from lightning_gradguard.core.validate import check_choice, check_int
 from lightning_gradguard.tags import ALERT_TEXT, ALERTS, charts_of
 
@@ -35,14 +35,16 @@ _Hook = TypeVar("_Hook", bound=Callable[..., Any])
 
 
 def guarded(hook: _Hook) -> _Hook:
-    """A monitor's hook that must never crash the run it watches.
+    """A monitor's hook, or the work a hook hands to it, that must never crash the run it watches.
 
-    An exception inside the hook (a model shape or a statistic our code did not expect) becomes one
-    warning per callback and hook, with the error, and training goes on; the hook's work for that step is
-    lost, nothing else. The errors a callback raises on purpose (:class:`GradGuardError`: a NaN, a failed
-    pre-flight check, ``action="raise"``) pass through. Only for hooks without collectives, or whose
-    collectives every rank reaches alike, so that a rank that skips one cannot leave the others waiting.
-    With the environment variable ``GRADGUARD_STRICT=1`` the exception is raised (tests).
+    An exception inside it (a model shape or a statistic our code did not expect) becomes one warning per
+    callback and function, with the error, and training goes on; that work for that step is lost, nothing
+    else. A hook that only tests its cadence on most steps guards the work it calls on the others, not itself:
+    the guard's frame is then paid on working steps only. The errors a callback raises on purpose
+    (:class:`GradGuardError`: a NaN, a failed pre-flight check, ``action="raise"``) pass through. Only for
+    hooks without collectives, or whose collectives every rank reaches alike, so that a rank that skips one
+    cannot leave the others waiting. With the environment variable ``GRADGUARD_STRICT=1`` the exception is
+    raised (tests).
     """
 
     @functools.wraps(hook)
@@ -92,6 +94,7 @@ class GradGuardCallback(Callback):
         self.cooldown_steps: int = check_int("cooldown_steps", cooldown_steps, 0)
         self.alerts: list[Alert] = []
         self._last_reported: dict[str, int] = {}
+        self._step_cache: dict[Any, Any] = {}  # the Trainer's cached step statistics (core.stats)
 
     @property
     @override
@@ -130,6 +133,7 @@ class GradGuardCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step_cache = step_cache(trainer)
         if self.fresh_run(trainer):  # an earlier run's cooldowns do not silence this one's alerts
             self._last_reported.clear()
         _emit.write_layout(trainer, self._layout(trainer))
@@ -138,7 +142,7 @@ class GradGuardCallback(Callback):
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """The last step's shared statistics hold its gradients: drop them, so ``zero_grad(set_to_none)``
         frees the gradients before the next backward allocates new ones (else the peak holds both)."""
-        clear_step_stats(trainer)
+        self._step_cache.clear()  # the Trainer's cache, taken at fit start: no lookup on every step
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -166,6 +166,7 @@ class SamplingMonitor(GradGuardCallback):
         self._sampled_at: tuple[int, int] | None = None  # (global_step, log step) of the open sample
         self._stepped = False  # on_before_optimizer_step fired during this batch
 
+    @guarded
     def _end_step(self, trainer: pl.Trainer) -> None:
         capture, sampled_at = self._capture, self._sampled_at
         self._forget_sample()
@@ -173,17 +174,29 @@ class SamplingMonitor(GradGuardCallback):
             capture.close()
             self.end_sample(trainer, capture, sampled_at)
 
-    def _close_scope(self) -> None:
+    @guarded
+    def _close_scope(self, trainer: pl.Trainer) -> None:
         if self._capture is not None:
             self._capture.close()
 
+    @guarded
+    def _arm(self, trainer: pl.Trainer, pl_module: pl.LightningModule, at: int) -> None:
+        """Open the sample (once per optimizer step: its micro-batches share ``at``) and put the scope
+        around this batch's ``training_step`` call."""
+        if self._capture is None:
+            self._capture = self.new_capture(trainer, pl_module)
+            self._sampled_at = (int(trainer.global_step), at)
+        if not self._capture.active:
+            self._capture.around_next_call(pl_module, "training_step")
+
+    # The hooks test the cadence themselves and hand the work to the guarded methods above: a step that is
+    # not sampled costs each hook one frame.
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self._forget_sample()
 
     @override
-    @guarded
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -191,32 +204,27 @@ class SamplingMonitor(GradGuardCallback):
         if self._sampled_at is not None and at != self._sampled_at[1]:
             self._end_step(trainer)  # a step that ended without on_before_optimizer_step
         self._stepped = False
-        if not (self._sampled_at is not None or self.sample_due(trainer, at)):
-            return
-        if self._capture is None:  # the micro-batches of one optimizer step share ``at``: one sample
-            self._capture = self.new_capture(trainer, pl_module)
-            self._sampled_at = (int(trainer.global_step), at)
-        if not self._capture.active:
-            self._capture.around_next_call(pl_module, "training_step")
+        if self._sampled_at is not None or self.sample_due(trainer, at):
+            self._arm(trainer, pl_module, at)
 
     @override
-    @guarded
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        self._close_scope()  # manual optimization: backward (and later forwards) run inside training_step
+        if self._capture is not None:  # manual optimization: backward and later forwards run in training_step
+            self._close_scope(trainer)
 
     @override
-    @guarded
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         self._stepped = True  # fires only for the micro-batch that steps (more than once for LBFGS)
 
     @override
-    @guarded
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._close_scope()  # this batch's pass is over (and a training_step call that never came)
+        if self._sampled_at is None and self._capture is None:
+            return
+        self._close_scope(trainer)  # this batch's pass is over (and a training_step call that never came)
         steps_now = (
             self._stepped or not pl_module.automatic_optimization or trainer.accumulate_grad_batches <= 1
         )
@@ -224,9 +232,8 @@ class SamplingMonitor(GradGuardCallback):
             self._end_step(trainer)
 
     @override
-    @guarded
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close_scope()  # on_train_batch_start returned -1: that batch never ran
+        self._close_scope(trainer)  # on_train_batch_start returned -1: that batch never ran
         if self._sampled_at is not None:  # a step cut short with the epoch
             self._end_step(trainer)
 
@@ -234,5 +241,5 @@ class SamplingMonitor(GradGuardCallback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._close_scope()
+        self._close_scope(trainer)
         self._forget_sample()

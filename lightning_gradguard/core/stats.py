@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +59,14 @@ from lightning_gradguard.functional.updates import (
     weight_snapshot,
 )
 
-__all__ = ["StepStats", "UpdateSample", "active_scaler", "clear_step_stats", "step_stats"]
+__all__ = [
+    "StepStats",
+    "UpdateSample",
+    "active_scaler",
+    "global_step",
+    "step_cache",
+    "step_stats",
+]
 
 
 @dataclass
@@ -71,23 +79,40 @@ class _Caches:
     params: dict[int, tuple[list[Tensor], list[str], list[Tensor], list[bool]]] = field(default_factory=dict)
     #: id(optimizer) -> its trainable parameter list and their sharding (``core.sharding``)
     sharding: dict[int, tuple[list[Tensor], Sharding | None]] = field(default_factory=dict)
+    #: why nothing can be measured in this run (DeepSpeed), once known; ``False`` until then
+    unsupported: str | bool | None = False
+    #: the Trainer's enabled GradScaler (``None``: none), once known; ``False`` until then
+    scaler: Any = False
 
 
-_CACHES: weakref.WeakKeyDictionary[Any, _Caches] = weakref.WeakKeyDictionary()
+#: id(trainer) -> its caches (a plain dict, read without a Python call; an entry goes with its Trainer)
+_CACHES: dict[int, _Caches] = {}
 
 
 def _caches(trainer: pl.Trainer) -> _Caches:
-    caches = _CACHES.get(trainer)
+    caches = _CACHES.get(id(trainer))
     if caches is None:
-        caches = _CACHES[trainer] = _Caches()
+        caches = _CACHES[id(trainer)] = _Caches()
+        weakref.finalize(trainer, _CACHES.pop, id(trainer), None)
     return caches
 
 
-def clear_step_stats(trainer: pl.Trainer) -> None:
-    """Drop the cached statistics of the last step (they hold its gradients)."""
-    caches = _CACHES.get(trainer)
-    if caches is not None:
-        caches.steps.clear()
+def step_cache(trainer: pl.Trainer) -> dict[tuple[int, int], StepStats]:
+    """The Trainer's cache of step statistics (the same dict for the Trainer's life: a callback may keep
+    it and clear it without looking it up)."""
+    return _caches(trainer).steps
+
+
+def global_step(trainer: pl.Trainer) -> int:
+    """``trainer.global_step``, read from Lightning's progress counters directly (the property costs three
+    Python calls, and this runs every step); the property itself if the loop looks otherwise."""
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        automatic: int = loop.automatic_optimization.optim_progress.optimizer.step.total.completed
+        manual: int = loop.manual_optimization.optim_step_progress.total.completed
+    except AttributeError:
+        return int(trainer.global_step)
+    return automatic + manual  # one of them stays 0: a module optimizes automatically or manually
 
 
 def _trainable(
@@ -98,10 +123,10 @@ def _trainable(
     in_opt = [p for g in opt.param_groups for p in g["params"]]
     trainable = [p.requires_grad for p in in_opt]  # unfreezing a layer later changes what is measured
     cached = state.params.get(id(opt))
-    if (
+    if (  # the same tensors, each still (not) trainable: compared in C, no Python call per parameter
         cached is not None
         and len(cached[0]) == len(in_opt)
-        and all(a is b for a, b in zip(cached[0], in_opt, strict=True))
+        and all(map(operator.is_, cached[0], in_opt))
         and cached[3] == trainable
     ):
         return cached[1], cached[2]
@@ -136,9 +161,13 @@ def _sharding(trainer: pl.Trainer, state: _Caches, opt: Any, params: list[Tensor
 
 
 def active_scaler(trainer: pl.Trainer) -> Any:
-    """The GradScaler of the Trainer's precision plugin when it is enabled (16-mixed), else ``None``."""
-    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-    return scaler if scaler is not None and scaler.is_enabled() else None
+    """The GradScaler of the Trainer's precision plugin when it is enabled (16-mixed), else ``None``
+    (looked up once per Trainer: its precision plugin does not change)."""
+    caches = _CACHES.get(id(trainer)) or _caches(trainer)
+    if caches.scaler is False:
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        caches.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+    return caches.scaler
 
 
 def _grad_scale(trainer: pl.Trainer, optimizer: Any) -> Tensor | None:
@@ -238,10 +267,14 @@ class StepStats:
     Under DeepSpeed (``unsupported`` set) nothing is measured: no parameters, no gradients.
     """
 
-    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def __init__(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, step: int | None = None
+    ) -> None:
         state = _caches(trainer)
-        self.step = int(trainer.global_step)
-        self.unsupported = unsupported_reason(trainer)
+        self.step = global_step(trainer) if step is None else step
+        if state.unsupported is False:
+            state.unsupported = unsupported_reason(trainer)
+        self.unsupported: str | None = state.unsupported  # type: ignore[assignment]
         if self.unsupported is not None:
             warn_once(trainer, "sharding:unsupported", self.unsupported)
             self.names: list[str] = []
@@ -312,28 +345,34 @@ class StepStats:
         return PendingNorms(torch.linalg.vector_norm(values, ord=per.norm_type), per.norm_type)
 
     # ------------------------------------------------------------------ gradients
+    # The gradient norms are read by some monitor on every step: cached by hand, without the closures of
+    # ``_memo`` (a few Python calls less per step).
     def local_grad_norms(self, norm_type: float = 2.0) -> Tensor:
         """Norms of this rank's gradients (of its pieces under sharding), unscaled; a NaN/inf gradient
         entry gives a NaN/inf norm."""
-
-        def compute() -> Tensor:
+        norms: Tensor | None = self._cache.get(("grad", norm_type))
+        if norms is None:
             norms = foreach_norms(self.grads, norm_type)
             if self.grad_scale is not None and norms.numel():
                 norms = norms / self.grad_scale.to(norms.device).float()
-            return norms
-
-        return self._memo(("grad", float(norm_type)), compute)
+            self._cache[("grad", norm_type)] = norms
+        return norms
 
     def grad_norms(self, norm_type: float = 2.0) -> PendingNorms:
         """Per-parameter gradient norms (parameters with a gradient, model order)."""
-        return self._memo(
-            ("grad_pending", float(norm_type)),
-            lambda: self.pending(self.local_grad_norms(norm_type), norm_type),
-        )
+        pending: PendingNorms | None = self._cache.get(("grad_pending", norm_type))
+        if pending is None:
+            pending = self._cache[("grad_pending", norm_type)] = self.pending(
+                self.local_grad_norms(norm_type), norm_type
+            )
+        return pending
 
     def grad_total(self, norm_type: float = 2.0) -> PendingNorms:
         """Total gradient norm over every parameter of this optimizer (0-dim)."""
-        return self._memo(("grad_total", float(norm_type)), lambda: self.total(self.grad_norms(norm_type)))
+        total: PendingNorms | None = self._cache.get(("grad_total", norm_type))
+        if total is None:
+            total = self._cache[("grad_total", norm_type)] = self.total(self.grad_norms(norm_type))
+        return total
 
     def grad_groups(
         self, norm_type: float = 2.0, depth: int | None = None, per_parameter: bool = False
@@ -440,11 +479,11 @@ def _index_tensor(index: tuple[int, ...], device: torch.device) -> Tensor:
 def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> StepStats:
     """The shared :class:`StepStats` of the current optimizer step (created on first request)."""
     steps = _caches(trainer).steps
-    opt = getattr(optimizer, "optimizer", optimizer)
-    key = (int(trainer.global_step), id(opt))
+    step = global_step(trainer)
+    key = (step, id(getattr(optimizer, "optimizer", optimizer)))
     stats = steps.get(key)
     if stats is None:
-        for old in [k for k in steps if k[0] != key[0]]:
+        for old in [k for k in steps if k[0] != step]:
             del steps[old]
-        stats = steps[key] = StepStats(trainer, pl_module, optimizer)
+        stats = steps[key] = StepStats(trainer, pl_module, optimizer, step)
     return stats

@@ -95,7 +95,16 @@ def foreach_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     norm_type = _check_norm_type(norm_type)
     if len(tensors) == 0:
         return torch.zeros(0)
-    tensors = dense_values(tensors)
+    kinds = {(t.device, t.dtype, t.layout) for t in tensors}  # one pass, no Python call per tensor
+    if len(kinds) == 1 and next(iter(kinds))[2] == torch.strided and not math.isinf(norm_type):
+        norms = torch.stack(torch._foreach_norm(list(tensors), norm_type))  # the usual case: one kernel
+        return norms if norms.dtype == torch.float32 else norms.float()
+    return _grouped_foreach_norms(dense_values(tensors), norm_type)
+
+
+def _grouped_foreach_norms(tensors: list[Tensor], norm_type: float) -> Tensor:
+    """:func:`foreach_norms` of tensors on several devices or of several dtypes, or of empty pieces under
+    the infinity norm: one ``_foreach_norm`` per (device, dtype)."""
     if math.isinf(norm_type) and any(t.numel() == 0 for t in tensors):  # a shard can be empty: norm 0
         tensors = [t if t.numel() else t.new_zeros(1) for t in tensors]
     out_device = tensors[0].device

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS
-from lightning_gradguard.core.cadence import logging_interval, on_logging_step
+from lightning_gradguard.core.cadence import logging_interval
 from lightning_gradguard.core.layers import LayerSelection, cap_scalars
 from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
@@ -124,6 +124,7 @@ class ActivationRangeMonitor(SamplingMonitor):
         self.sampled_steps = 0
         self._history: list[float] = []  # the largest logit of recent sampled steps
         self._blocks: dict[str, nn.Module] | None = None
+        self._every = _DETECT_EVERY  # sample every this many steps (set at fit start)
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -140,13 +141,14 @@ class ActivationRangeMonitor(SamplingMonitor):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self._blocks = None
+        self._every = self._cadence(trainer)[0]  # the Trainer's logging interval is fixed for the fit
         if self.fresh_run(trainer):
             self._history, self.ranges, self.max_logits, self.sampled_steps = [], {}, {}, 0
 
     # ------------------------------------------------------------------ the sampled step
     @override
     def sample_due(self, trainer: pl.Trainer, at: int) -> bool:
-        return on_logging_step(at, self._cadence(trainer)[0])
+        return at == 0 or (at + 1) % self._every == 0  # Lightning's logging rule, plus step 0
 
     @override
     def new_capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RangeCapture:

@@ -150,6 +150,11 @@ class GradientNormLogger(GradGuardCallback):
         self._clip_check_step = 0  # global_step of the latest step measured for the clipping verdict
         self._clip = ClipRing(self.clip_window)  # the pre-clip norms of recent steps, on the device
         self.last_logged: dict[str, float] = {}
+        # what a step's cadence test reads, fixed for a fit (set in on_train_start): the logging interval,
+        # the Trainer's clipping, and whether this rank measures at all
+        self._every = 0
+        self._clip_setting: ClipSetting | None = None
+        self._measures = True
 
     # ------------------------------------------------------------------ cadence
     def _hist_interval(self, trainer: pl.Trainer) -> int:
@@ -176,37 +181,58 @@ class GradientNormLogger(GradGuardCallback):
             warn_once(trainer, "sharding:unsupported", reason)
 
     @override
-    @guarded
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Fix what every step's cadence test reads (the Trainer's logging interval and clipping, and
+        whether this rank measures: loggers are rank-zero only and DDP's gradients agree across ranks,
+        while sharded norms need every rank), so a step that logs nothing costs one test."""
+        self._every = logging_interval(trainer, self.log_every_n_steps)  # 0: periodic logging is off
+        self._clip_setting = clip_setting(trainer)
+        self._measures = trainer.is_global_zero or is_sharded(trainer)
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._noise.on_batch(trainer, batch, logging_interval(trainer, self.log_every_n_steps))
+        if self.log_noise_scale:
+            self._noise_batch(trainer, batch)
+
+    @guarded
+    def _noise_batch(self, trainer: pl.Trainer, batch: Any) -> None:
+        self._noise.on_batch(trainer, batch, self._every)
 
     @override
-    @guarded
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        every = logging_interval(trainer, self.log_every_n_steps)  # 0: periodic logging is off
-        self._noise.on_step(trainer, pl_module, optimizer, every)  # every rank: each has its micro-batches
-        # loggers are rank-zero only and DDP's gradients agree across ranks; sharded norms need every rank
-        if not (trainer.is_global_zero or is_sharded(trainer)):
+        if self.log_noise_scale:  # every rank: each has its micro-batches
+            self._noise_step(trainer, pl_module, optimizer)
+        if not self._measures:
             return
-        at = log_step(trainer)
-        sampled = on_logging_step(at, every)
-        clip = clip_setting(trainer)
-        if not sampled and clip is None:
-            return
+        at, every = log_step(trainer), self._every
+        logged = every > 0 and (at == 0 or (at + 1) % every == 0)  # Lightning's rule, plus step 0
+        if logged or self._clip_setting is not None:
+            self._measure(trainer, pl_module, optimizer, at, logged)
+
+    @guarded
+    def _noise_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._noise.on_step(trainer, pl_module, optimizer, self._every)
+
+    @guarded
+    def _measure(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, at: int, logged: bool
+    ) -> None:
+        """A logging step's norms (and, under clipping, every step's pre-clip norm), on the device."""
         stats = step_stats(trainer, pl_module, optimizer)
         if stats.unsupported is not None:  # DeepSpeed (said at fit start)
             return
         labels = stats.grad_groups(self.norm_type, self.group_depth, self.per_parameter)[0]  # cached
+        clip = self._clip_setting
         if clip is not None:
             self._clip.push(stats.grad_total(clip.norm_type))
             # with logging off the verdict is still reached, on a cadence of its own
-            if sampled or (every == 0 and self._clip.seen % _CLIP_CHECK_EVERY == 0):
+            if logged or (self._every == 0 and self._clip.seen % _CLIP_CHECK_EVERY == 0):
                 self._clip_check_due, self._clip_check_step = True, stats.step
-        if not sampled:
+        if not logged:
             return
         suffix = f"_opt{optimizer_index(trainer, optimizer)}" if len(trainer.optimizers) > 1 else ""
         histograms = on_logging_step(at, self._hist_interval(trainer)) and _emit.tensorboard_writers(trainer)
@@ -222,18 +248,18 @@ class GradientNormLogger(GradGuardCallback):
         self._pending.append((at, suffix, NormSample(stats, spec)))
 
     @override
-    @guarded
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._flush(trainer)
+        if self._pending or self._clip_check_due or self._noise.due is not None:
+            self._flush(trainer)
 
     @override
-    @guarded
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush(trainer)
 
     # ------------------------------------------------------------------ the one transfer
+    @guarded
     def _flush(self, trainer: pl.Trainer) -> None:
         if not (self._pending or self._clip_check_due or self._noise.due is not None):
             return

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback
+from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.validate import check_bool, check_float, check_int, check_path
@@ -156,6 +157,9 @@ class NaNSentinel(GradGuardCallback):
         self._step = _nan.StepTrack()
         #: the recent total gradient norms a report lists (on the device until a report reads them)
         self.norm_history = _nan.NormRing(self.history_size)
+        #: one process, automatic optimization, no GradScaler, no sharding: a step without accumulation
+        #: is judged by one read of its loss and total gradient norm (see :meth:`on_train_start`)
+        self._one_read = False
 
     @property
     def skipped_steps(self) -> int:
@@ -178,6 +182,22 @@ class NaNSentinel(GradGuardCallback):
         self._step = _nan.StepTrack()
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Decide once per fit whether a step can be judged by one read of its loss and gradient norm: the
+        general path's guarantees need nothing more there (no rank to agree with, no scaler to ask, no
+        shard to add up, no micro-batch to name)."""
+        self._one_read = (
+            trainer.world_size == 1
+            and pl_module.automatic_optimization
+            and self.check_loss
+            and self.check_gradients
+            and not self.check_micro_batches
+            and active_scaler(trainer) is None
+            and not is_sharded(trainer)
+            and unsupported_reason(trainer) is None
+        )
+
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -185,6 +205,9 @@ class NaNSentinel(GradGuardCallback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._one_read and trainer.accumulate_grad_batches == 1 and self._step.pending_loss is None:
+            self._step.pending_loss = loss.detach()  # judged with the gradients, in one read
+            return  # (a second backward in the step, as LBFGS's closure makes, takes the general path)
         step, loss = self._step, loss.detach()
         previous = step.backward(loss)
         if not (pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1):
@@ -209,10 +232,16 @@ class NaNSentinel(GradGuardCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        closed, stats = self._step.close(), step_stats(trainer, pl_module, optimizer)
+        stats = step_stats(trainer, pl_module, optimizer)
         total = stats.grad_total(2.0) if self.check_gradients and stats.unsupported is None else None
         if total is not None and not total.sharded:  # the statistics every gradguard callback shares
-            self.norm_history.push(total.values, int(trainer.global_step))
+            self.norm_history.push(total.values, stats.step)
+        pending = self._step.pending_loss
+        one_loss = pending is not None and not self._step.losses
+        if one_loss and total is not None and _nan.both_finite(pending, total.values):  # type: ignore[arg-type]
+            self._step.close_healthy()  # the one-read path: a healthy step costs one stack and one read
+            return
+        closed = self._step.close()
         if closed.poisoned is not None:
             # Accumulation: a micro-batch of this step was found poisoned and reported already (on every
             # rank alike, so no rank waits in a collective here). No second finding; drop the update.
@@ -230,19 +259,20 @@ class NaNSentinel(GradGuardCallback):
         loss, scaler = _nan.loss_check(closed.losses), active_scaler(trainer)
         flags = _nan.read_flags(trainer, loss=loss, grads=grads, scaler=scaler, total=total)
         if flags.total is not None:  # sharded: the ranks' shares were summed with the flags
-            self.norm_history.push(flags.total, int(trainer.global_step))
+            self.norm_history.push(flags.total, stats.step)
         self._decide(trainer, optimizer, flags, current, None)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        micro, stepped = self._step.end_batch()
+        current, stepped = self._step.end_batch()
         every = self.check_parameters_every_n_steps
         # parameters change only where an optimizer stepped: not after the other micro-batches of a step
         if not every or not stepped or trainer.global_step == 0 or trainer.global_step % every:
             return
         if _nan.params_nonfinite(trainer, pl_module):  # one collective, one host read
+            micro = current or MicroBatch(batch=batch, batch_idx=batch_idx, loss=None)
             found = Finding(kind="nonfinite_parameter", culprit=0, micro=micro, can_replay=False)
             self._fail(trainer, found, self._skips)
 

@@ -18,7 +18,6 @@ its non-finite tensors.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -45,6 +44,7 @@ __all__ = [
     "StepTrack",
     "Verdict",
     "add_up_pieces",
+    "both_finite",
     "decide",
     "earlier_check",
     "grads_check",
@@ -84,6 +84,9 @@ class StepTrack:
     stepped: bool = False
     #: batch indices of the current optimizer step's micro-batches
     step_batches: list[int] = field(default_factory=list)
+    #: the one-read path's loss (one process, no accumulation): judged with the gradients at the step and
+    #: tracked (:meth:`backward`, :meth:`flag_loss`) only when the step must be looked at closer
+    pending_loss: Tensor | None = None
 
     def micro(self) -> MicroBatch:
         """The micro-batch whose backward ran last, else the batch started last (without a loss)."""
@@ -110,18 +113,36 @@ class StepTrack:
 
     def close(self) -> StepTrack:
         """The optimizer step runs: what it held (loss flags, poisoned micro-batch, micro-batches)."""
-        closed = copy.copy(self)
+        if self.pending_loss is not None:  # the one-read path's loss, tracked now that it is looked at
+            self.backward(self.pending_loss)
+            self.flag_loss(self.pending_loss)
+            self.pending_loss = None
+        closed = StepTrack(
+            batch=self.batch,
+            batch_idx=self.batch_idx,
+            losses=self.losses,
+            current=self.current,
+            in_step=self.in_step,
+            poisoned=self.poisoned,
+            stepped=True,
+            step_batches=self.step_batches,
+        )
         self.losses, self.poisoned, self.in_step, self.step_batches = [], None, 0, []
         self.stepped = True
         return closed
 
-    def end_batch(self) -> tuple[MicroBatch, bool]:
-        """The batch ends: its micro-batch, and whether an optimizer step ran in it."""
-        micro, stepped = self.micro(), self.stepped
+    def close_healthy(self) -> None:
+        """The optimizer step of the one-read path runs with a finite loss and finite gradients."""
+        self.pending_loss, self.stepped = None, True
+
+    def end_batch(self) -> tuple[MicroBatch | None, bool]:
+        """The batch ends: its micro-batch (``None``: the batch started last, see :meth:`micro`), and
+        whether an optimizer step ran in it."""
+        current, stepped = self.current, self.stepped
         if self.in_step == 0:  # no optimizer step is open: hold no micro-batch longer than needed
             self.current = None
         self.stepped = False
-        return micro, stepped
+        return current, stepped
 
 
 @dataclass(frozen=True)
@@ -153,6 +174,17 @@ class Check:
 
     value: Tensor
     exact: Callable[[], Tensor]
+
+
+def both_finite(loss: Tensor, total: Tensor) -> bool:
+    """Whether a step's loss (summed) and its 0-dim total gradient norm are both finite: one stack, one
+    read, no kernel for the test itself (a sum holding NaN/inf is NaN/inf). A non-finite answer is only a
+    suspicion (a sum of large finite values can overflow): the exact tests of :func:`read_flags` decide."""
+    value = loss if loss.dim() == 0 else loss.sum()
+    if value.dtype != total.dtype:
+        value = value.to(total.dtype)
+    loss_value, total_value = torch.stack([value, total]).tolist()
+    return math.isfinite(loss_value) and math.isfinite(total_value)
 
 
 def loss_check(losses: list[Tensor]) -> Check | None:

@@ -21,12 +21,12 @@ from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
-from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
+from lightning_gradguard.core.cadence import log_step, logging_interval, optimizer_index
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import SKIP_CAUSES
 from lightning_gradguard.core.state import info_once, trainer_state, warn_once
-from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_float, check_int
 from lightning_gradguard.functional.optimizer_state import (
@@ -136,6 +136,7 @@ class OptimizerMonitor(GradGuardCallback):
         self._skips_start: dict[str, int] = {}  # the Trainer's shared counts when this fit started
         self._shared: dict[str, int] = {}  # the Trainer's shared counts (``core.state``), live
         self.last_logged: dict[str, float] = {}
+        self._rank_zero, self._every, self._scaler_on = True, 0, False  # fixed per fit (on_train_start)
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -152,20 +153,33 @@ class OptimizerMonitor(GradGuardCallback):
         self._skips_start = dict(self._shared)
 
     @override
-    @guarded
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Fix what every step's cadence test reads: whether this rank measures (loggers are rank-zero only;
+        DDP's gradients agree across ranks), the logging interval, whether a GradScaler can skip steps."""
+        self._rank_zero = trainer.is_global_zero
+        self._every = logging_interval(trainer, self.log_every_n_steps)
+        self._scaler_on = active_scaler(trainer) is not None
+
+    @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not trainer.is_global_zero:  # loggers are rank-zero only; DDP's gradients agree across ranks
+        if not self._rank_zero:
             return
-        self._scale.before_step(trainer)
-        at = log_step(trainer)
-        every = logging_interval(trainer, self.log_every_n_steps)
-        logged = on_logging_step(at, every)
+        if self._scaler_on:
+            self._scale.before_step(trainer)
+        at, every = log_step(trainer), self._every
+        logged = every > 0 and (at == 0 or (at + 1) % every == 0)  # Lightning's rule, plus step 0
         if logged:
             self._counters_at = at
-        if not (logged or (every == 0 and at % _CHECK_EVERY == 0)):
-            return
+        if logged or (every == 0 and at % _CHECK_EVERY == 0):
+            self._measure(trainer, pl_module, optimizer, at, logged)
+
+    @guarded
+    def _measure(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, at: int, logged: bool
+    ) -> None:
+        """A measured step: the update sample and the optimizer's state, read after the step."""
         if is_sharded(trainer) or unsupported_reason(trainer) is not None:
             warn_once(trainer, "optimizer_monitor:sharded", _SHARDED)
             return
@@ -176,23 +190,23 @@ class OptimizerMonitor(GradGuardCallback):
         self._pending.append(_Pending(at, suffix, OptimizerSample(stats, optimizer), logged))
 
     @override
-    @guarded
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not trainer.is_global_zero:
+        if not self._rank_zero:
             return
-        self._scale.settle(trainer)
+        if self._scaler_on:
+            self._scale.settle(trainer)
         if self._pending or self._counters_at is not None:
             self._flush(trainer)
 
     @override
-    @guarded
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero and (self._pending or self._counters_at is not None):
+        if self._rank_zero and (self._pending or self._counters_at is not None):
             self._flush(trainer)
 
     # ------------------------------------------------------------------ the one transfer
+    @guarded
     def _flush(self, trainer: pl.Trainer) -> None:
         pending, self._pending = self._pending, []
         counters_at, self._counters_at = self._counters_at, None

@@ -113,6 +113,8 @@ class StallDetector(GradGuardCallback):
         self._lr_used = 0.0  # the LR of the current step
         self.lr_configured = 0.0
         self._probe = StallProbe()
+        self._optimizers: list[Any] = []  # the Trainer's, and whether it optimizes automatically: per fit
+        self._automatic = True
         self._checking = False  # the current optimizer step is a check
         self._checked_at = -1
         self.last_logged: dict[str, float] = {}
@@ -133,40 +135,54 @@ class StallDetector(GradGuardCallback):
     @guarded
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.lr_configured = max(self.lr_configured, lr_configured(trainer))  # schedulers exist now
+        self._optimizers, self._automatic = trainer.optimizers, pl_module.automatic_optimization
 
+    # Every step: the LR in use and the loss (a plain read, and one detach); the rest on check steps only.
     @override
-    @guarded
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._lr_used = lr_now(trainer)  # the LR this step will use (a scheduler changes it after)
+        self._lr_used = lr_now(self._optimizers)  # the LR this step will use (a scheduler changes it after)
         self.lr_max = max(self.lr_max, self._lr_used)
         at = log_step(trainer)
-        if self.due(at) and at != self._checked_at:
-            self._probe.note_labels(batch)  # the labels of every micro-batch of the check's step
+        if (at == 0 or (at + 1) % self.check_every_n_steps == 0) and at != self._checked_at:
+            self._note_labels(trainer, batch)  # the labels of every micro-batch of the check's step
+
+    @guarded
+    def _note_labels(self, trainer: pl.Trainer, batch: Any) -> None:
+        self._probe.note_labels(batch)
 
     @override
-    @guarded
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         at = log_step(trainer)
-        if not self.due(at) or at == self._checked_at or optimizer_index(trainer, optimizer) != 0:
+        if (at == 0 or (at + 1) % self.check_every_n_steps == 0) and at != self._checked_at:
+            self._start_check(trainer, pl_module, optimizer, at)
+
+    @guarded
+    def _start_check(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, at: int
+    ) -> None:
+        if optimizer_index(trainer, optimizer) != 0:
             return
         self._checking, self._checked_at = True, at
-        self._probe.start(step_stats(trainer, pl_module, optimizer), pl_module.automatic_optimization)
+        self._probe.start(step_stats(trainer, pl_module, optimizer), self._automatic)
 
     @override
-    @guarded
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            self._probe.add_loss(loss * scale)  # Lightning divided it by accumulate_grad_batches
-        if not self._checking:
-            return
+            scale = trainer.accumulate_grad_batches if self._automatic else 1
+            self._probe.add_loss(loss if scale == 1 else loss * scale)  # Lightning divided it by the scale
+        if self._checking:
+            self._check(trainer, pl_module)
+
+    @guarded
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The check: one transfer, the rules, the alerts and the action."""
         self._checking = False
         reading = self._probe.read(trainer, pl_module.device)
         self.lr_configured = max(self.lr_configured, lr_configured(trainer))

@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +38,16 @@ CLIP_ENTRIES = 4096
 _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
 
 
-def lr_now(trainer: pl.Trainer) -> float:
-    """The largest LR of any param group of any optimizer, now."""
-    lrs = [float(g["lr"]) for opt in trainer.optimizers for g in opt.param_groups]
-    return max(lrs, default=0.0)
+def lr_now(optimizers: Sequence[Any]) -> float:
+    """The largest LR of any param group of ``optimizers`` (``trainer.optimizers``), now (read every
+    step: plain loops, no Python call; a group without a numeric ``lr`` counts as 0)."""
+    best = 0.0
+    for opt in optimizers:
+        for group in opt.param_groups:
+            lr = group.get("lr")
+            if isinstance(lr, (int, float, Tensor)):
+                best = max(best, float(lr))
+    return best
 
 
 def lr_configured(trainer: pl.Trainer) -> float:
@@ -134,16 +140,14 @@ class StallProbe:
     """The device side of one check: started in ``on_before_optimizer_step``, read at the batch's end."""
 
     def __init__(self) -> None:
-        self.loss_sum: Tensor | None = None
-        self.loss_count = 0
+        #: the training losses since the last check (detached, one per micro-batch): summed at the check
+        self.losses: list[Tensor] = []
         self.sample: _StepSample | None = None
         self.labels: Tensor | None = None
 
     def add_loss(self, loss: Tensor) -> None:
-        """Add one micro-batch's loss (on the device; no sync)."""
-        value = loss.detach().float().reshape(())
-        self.loss_sum = value if self.loss_sum is None else self.loss_sum + value
-        self.loss_count += 1
+        """Keep one micro-batch's loss (on the device; no sync): the check sums them."""
+        self.losses.append(loss.detach())
 
     def note_labels(self, batch: Any) -> None:
         """Count the class-index targets of ``batch`` (when it has them), on the device."""
@@ -170,16 +174,17 @@ class StallProbe:
         if sample is not None:
             sample.queue(transfer)
         world = trainer.world_size > 1
-        if self.loss_sum is not None:
+        if self.losses:
+            total = torch.stack([x.reshape(()).float() for x in self.losses]).sum()
             transfer.add(
                 "loss",
-                torch.stack([self.loss_sum, self.loss_sum.new_tensor(float(self.loss_count))]),
+                torch.stack([total, total.new_tensor(float(len(self.losses)))]),
                 reduce="sum" if world else None,
             )
         if self.labels is not None:
             transfer.add("labels", self.labels, reduce="sum" if world else None)
         host = transfer.fetch(trainer, device=device) if len(transfer) or world else {}
-        self.loss_sum, self.loss_count, self.labels = None, 0, None
+        self.losses, self.labels = [], None
         reading = StallReading()
         if sample is not None:
             sample.read(host, reading)

@@ -167,46 +167,57 @@ class VanishingExplodingDetector(GradGuardCallback):
             self._new_run()
 
     @override
-    @guarded
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._order_seen:
-            return
+        if not self._order_seen:
+            self._watch_order(trainer, pl_module)
+
+    @guarded
+    def _watch_order(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._order_seen = True  # one training forward pass is watched (the forward order), once per detector
         self._watch = ForwardOrder(pl_module)
         self.forward_order = self._watch.order
 
+    def _unwatch(self) -> None:
+        """The watched forward pass is over: its hooks go (the order stays)."""
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._watch is not None:
-            self._watch.remove()
+            self._unwatch()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._watch is not None:
-            self._watch.remove()
+            self._unwatch()
 
     @override
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        if self._watch is not None:
-            self._watch.remove()
+        self._unwatch()
 
     def due(self, step: int) -> bool:
         """Whether logging step ``step`` (:func:`~lightning_gradguard.core.cadence.log_step`) is checked."""
         return step < self.dense_steps or (step + 1) % self.check_every_n_steps == 0
 
     @override
-    @guarded
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not self.due(log_step(trainer)):
-            return
+        at = log_step(trainer)
+        if at < self.dense_steps or (at + 1) % self.check_every_n_steps == 0:  # due(at), without the call
+            self._check(trainer, pl_module, optimizer)
+
+    @guarded
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """One check: the layer norms in one transfer, judged, alerts and the action."""
         norms = read_layer_norms(step_stats(trainer, pl_module, optimizer))  # the one transfer of a check
         if norms is not None and self.layers.filters:
             norms = watched_norms(norms, self.layers)

@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup demo test lint typecheck unit docs bench bench-lr bench-dead-relu bench-spike bench-big bench-stall-zoo screenshots clean
+.PHONY: setup demo test lint typecheck unit docs bench bench-hooks bench-lr bench-dead-relu bench-spike bench-big bench-stall-zoo screenshots clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,10 @@ docs: $(DOCS_STAMP)
 # Per-step overhead of every callback against bare Lightning (about 10 minutes on 2 idle cores).
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# The Python calls and aten ops inside our hooks per step, and their time against the floor (about 4 minutes).
+bench-hooks: $(STAMP)
+	cd benchmarks && ../$(PY) hooks.py
 
 # LRFinderPlus against Lightning's lr_find on real sklearn tasks (suggestion quality and wall time).
 bench-lr: $(STAMP)

@@ -184,8 +184,8 @@ class HookMeter:
             step = self.steps[-1]
             step.calls += 1
             if self.where:
-                code = frame.f_code
-                step.where[f"{Path(code.co_filename).parent.name}/{Path(code.co_filename).name}:{code.co_firstlineno}:{code.co_name}"] += 1
+                code, path = frame.f_code, Path(frame.f_code.co_filename)
+                step.where[f"{path.parent.name}/{path.name}:{code.co_firstlineno}:{code.co_name}"] += 1
         elif event == "return" and self._skip_depth:
             self._skip_depth -= 1
 
@@ -236,13 +236,14 @@ def _trainer(callbacks: list[Callback], steps: int) -> pl.Trainer:
     )
 
 
-def count(group: str, steps: int, where: bool = False) -> list[StepCount]:
-    """Per-step counts of ``group`` (``"lightning"``: the whole step of a run without our callbacks)."""
+def count(group: str, steps: int, where: bool = False, **model: int) -> list[StepCount]:
+    """Per-step counts of ``group`` (``"lightning"``: the whole step of a run without our callbacks) on
+    ``TinyLM(**model)``."""
     torch.manual_seed(SEED)
     callbacks = [] if group == "lightning" else GROUPS[group]()
     meter = HookMeter(callbacks, where=where)
     marks = StepMarks(meter, whole_step=group == "lightning")
-    _trainer([marks, *callbacks], steps).fit(TinyLM(), loader(steps))
+    _trainer([marks, *callbacks], steps).fit(TinyLM(**model), loader(steps))
     sys.setprofile(None)
     return meter.steps[STEADY_FROM:]
 

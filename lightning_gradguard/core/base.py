@@ -22,7 +22,7 @@ from lightning_gradguard.alerts import ACTIONS, Alert, GradGuardError, JsonlSink
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.state import strict_mode, trainer_state, warn_once
-from lightning_gradguard.core.stats import step_cache
+from lightning_gradguard.core.stats import global_step, step_cache
 from lightning_gradguard.core.validate import check_choice, check_int
 from lightning_gradguard.tags import ALERT_TEXT, ALERTS, charts_of
 
@@ -115,13 +115,16 @@ class GradGuardCallback(Callback):
         return {}
 
     def fresh_run(self, trainer: pl.Trainer) -> bool:
-        """Whether this fit starts from scratch (no ``ckpt_path``): a new run, whose step count restarts at 0.
+        """Whether this fit starts a new run: no ``ckpt_path`` and the Trainer at step 0.
 
         The same callback instances may serve several fits (a notebook, a hyperparameter loop, a retry
         after a failure). What belongs to one run (cooldowns, windows, histories) is reset at the start
-        of a fresh one; a resumed fit keeps what ``load_state_dict`` restored.
+        of a new one. A fit that resumes from a checkpoint keeps what ``load_state_dict`` restored, and a
+        second ``fit()`` on the same Trainer, which continues its run at the step the first one reached,
+        keeps what the first measured, as Lightning's own callbacks (``EarlyStopping``, ``ModelCheckpoint``)
+        keep their state.
         """
-        return getattr(trainer, "ckpt_path", None) is None
+        return getattr(trainer, "ckpt_path", None) is None and global_step(trainer) == 0
 
     @staticmethod
     def _layout(trainer: pl.Trainer) -> dict[str, list[str]]:

@@ -148,12 +148,29 @@ def has_backward_hooks(m: nn.Module) -> bool:
     return bool(m._backward_hooks) or bool(getattr(m, "_backward_pre_hooks", None))
 
 
+#: casts of a tensor to a lower floating precision, kept in float64 under :class:`Float64Mode`
+_LOWER_CASTS = frozenset({Tensor.float, Tensor.half, Tensor.bfloat16})
+_DTYPE_CASTS = frozenset({Tensor.to, Tensor.type})
+
+
+def _float64_dtype(value: Any) -> Any:
+    """``value`` with a floating ``torch.dtype`` of lower precision replaced by float64."""
+    if isinstance(value, torch.dtype) and value.is_floating_point and value != torch.float64:
+        return torch.float64
+    return value
+
+
 class Float64Mode(TorchFunctionMode):
-    """Every floating-point tensor an op returns comes back in float64; ``promoted`` says if one was not.
+    """Every floating-point tensor stays in float64; ``promoted`` says if the code asked for less.
 
     The model is copied to float64, but code in ``training_step`` often makes float32 tensors of its own
-    (``y.float()``, ``torch.zeros(n)``, ``.to(torch.float32)``): a loss that passes through one is rounded
-    to float32, and finite differences at ``eps = 1e-6`` then measure rounding noise, not the gradient.
+    (``logits.float()`` for a loss in float32, ``torch.zeros(n)``, ``.to(torch.float32)``): a loss that
+    passes through one is rounded to float32, and finite differences at ``eps = 1e-6`` then measure
+    rounding noise, not the gradient (a healthy MLP whose loss takes ``logits.float()`` was a 1-88 %
+    mismatch). So a cast to a lower floating precision is not made (``.float()`` / ``.half()`` /
+    ``.bfloat16()`` of a float64 tensor return it as it is; ``.to()`` / ``.type()`` get float64 for a
+    lower floating dtype), and any other op's lower-precision output (a new ``torch.zeros(n)``) comes
+    back in float64.
     """
 
     def __init__(self) -> None:
@@ -163,7 +180,16 @@ class Float64Mode(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        return self._to64(func(*args, **(kwargs or {})))
+        kwargs = kwargs or {}
+        if func in _LOWER_CASTS and args and isinstance(args[0], Tensor) and args[0].dtype == torch.float64:
+            self.promoted = True
+            return args[0]
+        if func in _DTYPE_CASTS:
+            kept = (tuple(_float64_dtype(a) for a in args), {k: _float64_dtype(v) for k, v in kwargs.items()})
+            if kept != (tuple(args), kwargs):  # a lower precision was asked for: the mode must stay on
+                self.promoted = True
+            args, kwargs = kept
+        return self._to64(func(*args, **kwargs))
 
     def _to64(self, out: Any) -> Any:
         if isinstance(out, Tensor):

@@ -1,14 +1,20 @@
 """Training outside Lightning's loop: the trial steps of pre-flight checks, LR sweeps and replays.
 
 Pre-flight checks, the LR range test and the NaN replay call ``training_step`` themselves. A trial step
-is built from three pieces that behave like Lightning's own:
+is built from pieces that behave like Lightning's own:
 
 * :func:`trial_loss`: one call of ``training_step`` (its ``batch_idx`` argument as Lightning passes it,
   the precision context, optionally through the strategy so DDP all-reduces the gradients), with its
   ``self.log`` calls swallowed (a trial's losses are not the run's metrics) and, on request, seeded;
 * :func:`trial_backward`: the backward of a loss, divided for accumulation and scaled by the GradScaler;
-* :func:`trial_optimizer_step`: gradient clipping as the Trainer is configured, then the optimizer step
-  through the GradScaler, reporting a step the scaler skipped.
+* :class:`TrialClosure`: what Lightning's automatic optimization hands ``optimizer.step``: zero the
+  gradients, then ``training_step`` and backward over the step's micro-batches, returning their loss. It
+  draws the micro-batches on its first call and evaluates the same ones again on every later call;
+* :func:`trial_optimizer_step`: one optimizer step driven by such a closure, as Lightning's precision
+  plugins drive it: the closure goes to ``optimizer.step`` (so ``LBFGS`` and any optimizer that needs a
+  closure re-evaluate the loss), with gradient clipping as the Trainer is configured after each
+  evaluation; under a GradScaler the closure runs first and the step goes through the scaler, reporting a
+  step it skipped.
 
 The caller owns the loop (how many steps, what to record, when to stop) and restores everything
 afterwards (:class:`~lightning_gradguard.core.snapshot.TrainingSnapshot`).
@@ -16,9 +22,11 @@ afterwards (:class:`~lightning_gradguard.core.snapshot.TrainingSnapshot`).
 
 from __future__ import annotations
 
+import inspect
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,11 +38,16 @@ from torch import Tensor, nn
 from lightning_gradguard.core.stats import active_scaler
 
 __all__ = [
+    "NoTrialLoss",
+    "TrialClosure",
+    "TrialStep",
     "configured_lr",
     "drop_update",
     "loss_of",
+    "needs_closure",
     "quiet_logging",
     "seed_all",
+    "takes_closure",
     "training_step_of",
     "trial_backward",
     "trial_loss",
@@ -141,27 +154,160 @@ def trial_backward(trainer: pl.Trainer, loss: Tensor, divide: int = 1) -> None:
     scaled.backward()
 
 
-def trial_optimizer_step(trainer: pl.Trainer, optimizer: Any, clip: bool = True) -> bool:
-    """Clip the gradients as the Trainer is configured, then step; ``True`` when the step was skipped.
+class NoTrialLoss(RuntimeError):
+    """``training_step`` returned no loss inside a :class:`TrialClosure`: there is nothing to step on."""
 
-    With a GradScaler the gradients are unscaled before clipping and the step goes through the scaler,
-    which skips it (and lowers its scale) when it finds NaN/inf: that is reported as skipped.
+
+class TrialClosure:
+    """The closure of one trial step, as Lightning's automatic optimization builds it.
+
+    Each call zeroes the optimizer's gradients (``set_to_none``), runs :func:`trial_loss` and
+    :func:`trial_backward` (the loss divided by ``micro_batches``) on each of the step's micro-batches,
+    and returns their mean loss, detached. The first call takes the micro-batches from ``draw`` (one call
+    per micro-batch, interleaved with their ``training_step`` calls, as the training loop interleaves
+    them); later calls (``LBFGS`` evaluates the loss several times per step) reuse the same ones. Raises
+    :class:`NoTrialLoss` when ``training_step`` returns no loss; whatever ``draw`` raises propagates.
+
+    Args:
+        trainer: the trainer (precision plugin, strategy, GradScaler).
+        pl_module: the model whose ``training_step`` runs.
+        optimizer: the optimizer whose gradients are zeroed.
+        draw: returns the next micro-batch, prepared as ``training_step`` takes it, and its ``batch_idx``.
+        micro_batches: how many micro-batches make the step (``accumulate_grad_batches``).
+        through_strategy: passed to :func:`trial_loss`.
+        seed: passed to :func:`trial_loss` (every call re-seeded alike).
+    """
+
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        pl_module: nn.Module,
+        optimizer: Any,
+        draw: Callable[[], tuple[Any, int]],
+        micro_batches: int = 1,
+        *,
+        through_strategy: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        if micro_batches < 1:
+            raise ValueError(f"`micro_batches` must be at least 1, got {micro_batches!r}")
+        self.trainer, self.pl_module, self.optimizer = trainer, pl_module, optimizer
+        self.draw = draw
+        self.micro_batches = micro_batches
+        self.through_strategy = through_strategy
+        self.seed = seed
+        self.batches: list[tuple[Any, int]] = []
+        self.calls = 0
+
+    def __call__(self) -> Tensor:
+        self.calls += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        total: Tensor | None = None
+        for i in range(self.micro_batches):
+            if i == len(self.batches):
+                self.batches.append(self.draw())
+            batch, batch_idx = self.batches[i]
+            loss = trial_loss(
+                self.trainer,
+                self.pl_module,
+                batch,
+                batch_idx,
+                through_strategy=self.through_strategy,
+                seed=self.seed,
+            )
+            if loss is None:
+                raise NoTrialLoss("training_step returned no loss")
+            value = loss.detach().float()
+            total = value if total is None else total + value
+            trial_backward(self.trainer, loss, self.micro_batches)
+        assert total is not None  # micro_batches >= 1
+        return total / self.micro_batches
+
+
+@dataclass(frozen=True)
+class TrialStep:
+    """One trial step: ``loss``, the closure's first value (the loss at the parameters the step started
+    from); ``skipped``, the GradScaler skipped the update; ``evaluations``, how often the closure ran
+    (``LBFGS``: up to its ``max_eval``; every other optimizer: 1)."""
+
+    loss: Tensor
+    skipped: bool
+    evaluations: int
+
+
+def trial_optimizer_step(
+    trainer: pl.Trainer, optimizer: Any, closure: Callable[[], Tensor], clip: bool = True
+) -> TrialStep:
+    """One optimizer step on ``closure`` (a :class:`TrialClosure` or any callable with its contract).
+
+    As Lightning's precision plugins do it: without a GradScaler the closure goes to
+    ``optimizer.step(closure=...)`` and the gradients are clipped (as the Trainer is configured, unless
+    ``clip=False``) after each evaluation, before the update; ``torch.optim`` optimizers evaluate it once,
+    first thing, so the step is the one ``closure(); clip; optimizer.step()`` makes, bit for bit, and
+    ``LBFGS`` evaluates it as often as it needs. An optimizer whose ``step`` takes no closure gets
+    ``closure()`` and then ``step()``. With a GradScaler the closure runs once, the gradients are unscaled
+    before clipping, and the step goes through the scaler, which skips it (and lowers its scale) when it
+    finds NaN/inf: ``TrialStep.skipped``. An optimizer that needs a closure cannot step through a
+    GradScaler (Lightning: "AMP and the LBFGS optimizer are not compatible"): ``ValueError``.
     """
     clip_val = trainer.gradient_clip_val if clip else None
     algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or "norm")
     scaler = active_scaler(trainer)
-    if scaler is None:
+    if scaler is not None:
+        if needs_closure(optimizer):
+            raise ValueError(
+                f"`optimizer` ({type(optimizer).__name__}) needs a closure in its step, which a GradScaler "
+                "cannot pass: 16-mixed precision and this optimizer are not compatible"
+            )
+        loss = closure()
+        before = float(scaler.get_scale())
+        if clip_val:
+            scaler.unscale_(optimizer)
+            trainer.precision_plugin.clip_gradients(optimizer, clip_val, algorithm)
+        scaler.step(optimizer)
+        scaler.update()
+        return TrialStep(loss, float(scaler.get_scale()) < before, 1)
+    losses: list[Tensor] = []
+
+    def evaluate() -> Tensor:
+        loss = closure()
+        losses.append(loss)
         if clip_val:
             trainer.precision_plugin.clip_gradients(optimizer, clip_val, algorithm)
+        return loss
+
+    if takes_closure(optimizer):
+        optimizer.step(closure=evaluate)
+        if not losses:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(closure=...) never called its closure: the loss and the "
+                "gradients of the step were not computed"
+            )
+    else:
+        evaluate()
         optimizer.step()
+    return TrialStep(losses[0], False, len(losses))
+
+
+def _step_parameters(optimizer: Any) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(optimizer.step).parameters)
+    except (TypeError, ValueError):  # a builtin or C-implemented step: no signature to read
+        return {}
+
+
+def takes_closure(optimizer: Any) -> bool:
+    """``optimizer.step`` accepts a ``closure`` keyword (every ``torch.optim`` optimizer does)."""
+    params = _step_parameters(optimizer)
+    return "closure" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def needs_closure(optimizer: Any) -> bool:
+    """``optimizer.step`` cannot run without a closure (``LBFGS``: ``step(closure)``, no default)."""
+    param = _step_parameters(optimizer).get("closure")
+    if param is None or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
         return False
-    before = float(scaler.get_scale())
-    if clip_val:
-        scaler.unscale_(optimizer)
-        trainer.precision_plugin.clip_gradients(optimizer, clip_val, algorithm)
-    scaler.step(optimizer)
-    scaler.update()
-    return float(scaler.get_scale()) < before
+    return param.default is inspect.Parameter.empty
 
 
 def drop_update(optimizer: Any) -> None:

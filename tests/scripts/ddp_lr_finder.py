@@ -38,7 +38,7 @@ class Model(pl.LightningModule):
 
 def main(out: Path) -> None:
     pl.seed_everything(0)
-    x = torch.randn(256, 8)
+    x = torch.randn(64, 8)  # 4 batches a rank an epoch; the 40-step sweeps start the loader over
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True)
     model = Model()
@@ -48,7 +48,6 @@ def main(out: Path) -> None:
         devices=2,
         strategy="ddp",
         max_epochs=2,
-        limit_train_batches=4,
         logger=CSVLogger(out, name="csv", version=0),
         callbacks=[finder],
         enable_progress_bar=False,

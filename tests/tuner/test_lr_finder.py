@@ -556,6 +556,182 @@ def test_manual_optimization_says_the_sweep_needs_automatic_optimization() -> No
     assert "Widen" not in alert.hint and "Widen" not in alert.message
 
 
+# ---------------------------------------------------------------------------------------------- closures
+class _LBFGS(Plain):
+    """An optimizer whose ``step`` needs a closure (it evaluates the loss several times per step)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+def _reference_lbfgs_sweep(lrs: list[float]) -> tuple[list[float], int]:
+    """The LBFGS sweep in plain PyTorch: one closure per step on that step's batch, its first loss recorded.
+    Also returns how many times the closures ran."""
+    model = Plain()
+    opt = torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=3)
+    it = iter([b for _ in range(10) for b in _loader()])
+    out, calls = [], 0
+    for lr in lrs:
+        opt.param_groups[0]["lr"] = lr
+        x, y = next(it)
+        losses: list[float] = []
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)  # noqa: B023 (called within this iteration)
+            loss.backward()
+            losses.append(float(loss.detach()))  # noqa: B023
+            return loss
+
+        opt.step(closure)
+        out.append(losses[0])
+        calls += len(losses)
+    return out, calls
+
+
+class _CallsAtEpochStart(Callback):
+    """``pl_module.calls`` at each epoch start: after the sweep when placed after the finder."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.calls.append(pl_module.calls)
+
+
+def test_lbfgs_sweeps_through_a_closure_and_the_run_trains() -> None:
+    """Regression: the sweep called ``optimizer.step()`` without a closure (``LBFGS.step() missing 1
+    required positional argument: 'closure'``), crashing a run that Lightning trains fine."""
+    model = _LBFGS()
+    initial = copy.deepcopy(model.state_dict())
+    finder = _finder(min_lr=1e-3, max_lr=1.0, num_training=15, divergence_threshold=None)
+    after = _CallsAtEpochStart()
+    trainer = _fit(model, [finder, after], loader=_loader(), max_steps=2)
+    result = finder.result
+    assert result is not None and result.stop_reason == "completed" and len(result.lrs) == 15
+    expected, evaluations = _reference_lbfgs_sweep(result.lrs)
+    assert result.losses == pytest.approx(expected, rel=1e-5)
+    assert after.calls == [evaluations] and evaluations > 15  # LBFGS re-evaluated through the closure
+    assert trainer.global_step == 2  # the run then trained, from the restored weights
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in initial.items())
+    if result.suggestion is not None:
+        assert trainer.optimizers[0].param_groups[0]["lr"] == result.suggestion
+
+
+def test_lr_find_sweeps_an_lbfgs_model_and_leaves_it_unchanged() -> None:
+    model = _LBFGS()
+    before = copy.deepcopy(model.state_dict())
+    result = lr_find(
+        model,
+        _loader(),
+        min_lr=1e-3,
+        max_lr=1.0,
+        num_training=15,
+        divergence_threshold=None,
+        progress=False,
+        trainer_kwargs={"accelerator": "cpu"},
+    )
+    assert result is not None and result.stop_reason == "completed"
+    assert result.losses == pytest.approx(_reference_lbfgs_sweep(result.lrs)[0], rel=1e-5)
+    _unchanged(model, before)
+
+
+def test_lbfgs_under_a_gradscaler_is_an_unsupported_setup_not_a_crash() -> None:
+    """Lightning refuses LBFGS under 16-mixed at its first step; the sweep says so before it would step."""
+    scaler = torch.amp.GradScaler("cpu")
+    plugin = MixedPrecision("16-mixed", device="cpu", scaler=scaler)
+    model = _LBFGS()
+    with pytest.warns(UserWarning, match="needs a closure"):
+        result = lr_find(
+            model, _loader(), progress=False, trainer_kwargs={"accelerator": "cpu", "plugins": [plugin]}
+        )
+    assert result is not None and result.stop_reason == "not run" and model.calls == 0
+    assert "LBFGS needs a closure" in result.reason and "GradScaler" in result.reason
+
+
+# ---------------------------------------------------------------------------------------------- batch limits
+class _SeesEveryBatch(Plain):
+    """Records the first feature of every batch ``training_step`` gets (sweep and run alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append(float(batch[0][0, 0]))
+        return super().training_step(batch, batch_idx)
+
+
+def _first_features(n: int) -> list[float]:
+    return [float(x[0, 0]) for x, _ in list(_loader())[:n]]
+
+
+@pytest.mark.parametrize(
+    ("trainer_kwargs", "num_training", "per_epoch", "steps"),
+    [
+        ({"limit_train_batches": 1, "max_epochs": 3}, 40, 1, 3),  # the report: a run of 3 steps
+        ({"limit_train_batches": 3, "max_epochs": 2}, 40, 3, 6),
+        ({"limit_train_batches": 0.5}, 40, 6, 6),
+        ({"limit_train_batches": 7, "accumulate_grad_batches": 2}, 40, 7, 4),
+        ({"overfit_batches": 2}, 40, 2, 2),
+        ({"limit_train_batches": 3, "max_epochs": 20}, 40, 3, 40),  # the run is long enough: 40 steps
+        ({"limit_train_batches": 6}, 5, 6, 5),
+    ],
+)
+def test_under_a_batch_limit_the_sweep_does_what_lightnings_lr_find_does(
+    trainer_kwargs: dict[str, Any],
+    num_training: int,
+    per_epoch: int,
+    steps: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression: with limit_train_batches=1 the sweep still drew ~100 batches of the full loader.
+
+    Now it draws the limited batches only, pass after pass as the run's epochs do, and takes at most the
+    run's own optimizer steps (Lightning's Tuner.lr_find on the same Trainer: measured 3 steps for
+    limit_train_batches=1, max_epochs=3; 40 steps over 3 batches with limit 3, max_epochs=50).
+    """
+    model = _SeesEveryBatch()
+    finder = _finder(num_training=num_training, divergence_threshold=None)
+    with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
+        trainer = _fit(model, [finder], loader=_loader(), **trainer_kwargs)
+    result = finder.result
+    assert result is not None
+    micro = steps * trainer_kwargs.get("accumulate_grad_batches", 1)
+    run_batches = per_epoch * trainer_kwargs.get("max_epochs", 1)
+    # the sweep's training_step calls come first, each pass on the limited batches; then the run
+    assert len(model.seen) == micro + run_batches
+    limited = _first_features(per_epoch)
+    assert model.seen[:micro] == [limited[i % per_epoch] for i in range(micro)]
+    assert model.seen[micro:] == limited * trainer_kwargs.get("max_epochs", 1)
+    assert len(result.lrs) == steps and result.lrs == pytest.approx(sweep_lrs(1e-4, 10.0, steps))
+    capped = [r.message for r in caplog.records if "caps the sweep" in r.message]
+    if steps == num_training:
+        assert result.limited_to is None and not capped
+        return
+    assert steps == trainer.estimated_stepping_batches
+    assert result.limited_to == steps and len(capped) == 1
+    assert f"({per_epoch} training batch" in capped[0] and f"at {steps} of its num_training=40" in capped[0]
+    if steps < finder.min_points:
+        alert = finder.alerts[-1]
+        assert result.suggestion is None and f"capped at {steps}" in alert.message
+        assert "limit_train_batches" in alert.hint and "Widen" not in alert.hint
+
+
+def test_lr_find_respects_limit_train_batches_in_its_trainer_kwargs() -> None:
+    """lr_find's throwaway Trainer has max_epochs=1: one limited epoch, as Lightning's tuner on it."""
+    model = _SeesEveryBatch()
+    kwargs = {"accelerator": "cpu", "limit_train_batches": 4}
+    result = lr_find(model, _loader(), num_training=40, progress=False, trainer_kwargs=kwargs)
+    assert model.seen == _first_features(4)  # the sweep only: lr_find trains nothing
+    assert result is not None and len(result.lrs) == 4 and result.limited_to == 4
+    model = _SeesEveryBatch()  # no end to the run: num_training steps, cycling the 4 batches
+    kwargs = {**kwargs, "max_epochs": -1}
+    result = lr_find(model, _loader(), num_training=12, progress=False, trainer_kwargs=kwargs)
+    assert model.seen == _first_features(4) * 3
+    assert result is not None and len(result.lrs) == 12 and result.limited_to is None
+
+
 def test_state_dict_remembers_which_milestones_ran(tmp_path: Path) -> None:
     pl.seed_everything(0)
     finder = _finder(milestones=[0, 5])
@@ -616,12 +792,12 @@ def test_applied_lr_goes_to_the_result_and_the_loggers_hyperparameters(tmp_path:
     csv_logger = CSVLogger(str(tmp_path), name="csv", version=0)
     finder = _finder(milestones=[0, 1])
     model = _WithHparams(lr=0.05)
-    _fit(model, [finder], logger=[tb, csv_logger], max_epochs=2, limit_train_batches=3)
+    _fit(model, [finder], logger=[tb, csv_logger], max_epochs=2)
     first, second = finder.results
     assert first.applied and second.applied
     assert first.applied_lr == first.suggestion and second.applied_lr == second.suggestion
-    # what the run trained with: the first real batch of each epoch ran at the applied LR
-    assert model.step_lrs[0] == first.applied_lr and model.step_lrs[3] == second.applied_lr
+    # what the run trained with: the first real batch of each epoch (12 batches) ran at the applied LR
+    assert model.step_lrs[0] == first.applied_lr and model.step_lrs[12] == second.applied_lr
     expected = {
         "lr_finder/applied_lr": first.suggestion,
         "lr_finder/method": "steep",

@@ -12,7 +12,17 @@ from lightning_gradguard.core.batch import batch_size_of, slice_batch, tensors_i
 from lightning_gradguard.core.cadence import on_logging_step, optimizer_index
 from lightning_gradguard.core.collective import gather, reduce_any
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of
+from lightning_gradguard.core.trial import (
+    NoTrialLoss,
+    TrialClosure,
+    loss_of,
+    needs_closure,
+    quiet_logging,
+    seed_all,
+    takes_closure,
+    training_step_of,
+    trial_optimizer_step,
+)
 
 
 class _OneProcess:
@@ -121,3 +131,138 @@ def test_trial_calls_are_quiet_seeded_and_take_batch_idx_only_when_asked() -> No
 @pytest.mark.parametrize("bad", [None, "string", 3])
 def test_loss_of_refuses_what_is_not_a_loss(bad: Any) -> None:
     assert loss_of(bad) is None
+
+
+# ---------------------------------------------------------------------------------------------- trial steps
+class _TrialTrainer:
+    """Just enough of a Trainer for a trial step: the clipping settings and a precision plugin."""
+
+    def __init__(self, clip: float | None = None, scaler: Any = None) -> None:
+        from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+        self.gradient_clip_val = clip
+        self.gradient_clip_algorithm = "norm"
+        self.precision_plugin = Precision() if scaler is None else MixedPrecision("16-mixed", "cpu", scaler)
+
+
+class _Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 1)
+        self.calls = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.calls += 1
+        x, y = batch
+        return nn.functional.mse_loss(self.lin(x), y)
+
+
+def _batches(n: int) -> list[tuple[Any, int]]:
+    g = torch.Generator().manual_seed(1)
+    return [((torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)), i) for i in range(n)]
+
+
+def _closure(trainer: Any, model: _Regression, opt: Any, batches: list[tuple[Any, int]]) -> TrialClosure:
+    source = iter(batches)
+    return TrialClosure(trainer, model, opt, lambda: next(source), len(batches))
+
+
+def test_trial_step_of_a_torch_optimizer_is_closure_clip_step_bit_for_bit() -> None:
+    """SGD (momentum) and clipping: the step equals zero_grad, backward of the mean micro-batch loss,
+    clip_grad_norm_, step(), written out by hand."""
+    trainer = _TrialTrainer(clip=0.05)
+    model, twin = _Regression(), _Regression()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        batches = _batches(2 + step)
+        done = trial_optimizer_step(trainer, opt, _closure(trainer, model, opt, batches))  # type: ignore[arg-type]
+        twin_opt.zero_grad()
+        losses = [nn.functional.mse_loss(twin.lin(x), y) for (x, y), _ in batches]
+        for loss in losses:
+            (loss / len(batches)).backward()
+        torch.nn.utils.clip_grad_norm_(list(twin.parameters()), 0.05)
+        twin_opt.step()
+        assert done.evaluations == 1 and not done.skipped
+        assert float(done.loss) == pytest.approx(
+            sum(float(v.detach()) for v in losses) / len(batches), rel=1e-6
+        )
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p, q)
+
+
+def test_trial_step_of_lbfgs_reevaluates_its_closure_on_the_same_micro_batches() -> None:
+    trainer = _TrialTrainer()
+    model, twin = _Regression(), _Regression()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    twin_opt = torch.optim.LBFGS(twin.parameters(), lr=0.5, max_iter=4)
+    batches = _batches(2)
+    drawn: list[int] = []
+    source = iter(batches)
+
+    def draw() -> tuple[Any, int]:
+        drawn.append(1)
+        return next(source)
+
+    closure = TrialClosure(trainer, model, opt, draw, 2)
+    done = trial_optimizer_step(trainer, opt, closure)  # type: ignore[arg-type]
+
+    def twin_closure() -> torch.Tensor:
+        twin_opt.zero_grad()
+        loss = sum(nn.functional.mse_loss(twin.lin(x), y) for (x, y), _ in batches) / 2
+        loss.backward()  # type: ignore[union-attr]
+        return loss  # type: ignore[return-value]
+
+    twin_opt.step(twin_closure)
+    assert len(drawn) == 2 and closure.calls == done.evaluations > 1  # drawn once, evaluated again
+    assert model.calls == 2 * done.evaluations
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+
+
+class _NoClosureStep(torch.optim.SGD):
+    """A step that takes no closure at all."""
+
+    def step(self) -> None:  # type: ignore[override]
+        super().step()
+
+
+class _IgnoresClosure(torch.optim.SGD):
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+
+def test_trial_step_without_closure_parameter_and_with_a_closure_never_called() -> None:
+    trainer = _TrialTrainer()
+    model = _Regression()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = _NoClosureStep(model.parameters(), lr=0.1)
+    done = trial_optimizer_step(trainer, opt, _closure(trainer, model, opt, _batches(1)))  # type: ignore[arg-type]
+    assert done.evaluations == 1 and model.calls == 1
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    ignoring = _IgnoresClosure(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="never called its closure"):
+        trial_optimizer_step(trainer, ignoring, _closure(trainer, model, ignoring, _batches(1)))  # type: ignore[arg-type]
+    assert needs_closure(torch.optim.LBFGS(model.parameters())) and not needs_closure(opt)
+    assert takes_closure(ignoring) and not takes_closure(opt)
+
+
+def test_trial_step_refuses_a_closure_optimizer_under_a_gradscaler_and_a_missing_loss() -> None:
+    model = _Regression()
+    scaled = _TrialTrainer(scaler=torch.amp.GradScaler("cpu"))
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ValueError, match=r"`optimizer`.*LBFGS.*closure"):
+        trial_optimizer_step(scaled, lbfgs, _closure(scaled, model, lbfgs, _batches(1)))  # type: ignore[arg-type]
+    assert model.calls == 0  # refused before any evaluation
+
+    class NoLoss(_Regression):
+        def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+            return None
+
+    trainer, quiet = _TrialTrainer(), NoLoss()
+    opt = torch.optim.SGD(quiet.parameters(), lr=0.1)
+    with pytest.raises(NoTrialLoss):
+        trial_optimizer_step(trainer, opt, _closure(trainer, quiet, opt, _batches(1)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="micro_batches"):
+        TrialClosure(trainer, quiet, opt, lambda: _batches(1)[0], 0)  # type: ignore[arg-type]

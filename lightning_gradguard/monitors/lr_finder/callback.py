@@ -41,7 +41,11 @@ class LRFinderPlus(GradGuardCallback):
     For ``num_training`` optimizer steps the learning rate rises from ``min_lr`` to ``max_lr``
     (exponentially or linearly); each step records the training loss. With ``accumulate_grad_batches``
     a step is several micro-batches and one point; steps the GradScaler skipped are dropped; several
-    parameter groups move together with their ratios kept (the LR reported is group 0's). The loss is
+    parameter groups move together with their ratios kept (the LR reported is group 0's). Each step hands
+    ``optimizer.step`` a closure, as Lightning does, so ``LBFGS`` re-evaluates the loss on the step's
+    micro-batches. Under ``limit_train_batches`` or ``overfit_batches`` the sweep draws only the limited
+    batches, epoch by epoch, and takes at most the run's optimizer steps, as Lightning's finder (said
+    once when that shortens it). The loss is
     smoothed with a bias-corrected EMA counted by the finder's own steps; the sweep stops early when
     the smoothed loss has climbed back above its best by ``divergence_threshold`` times the descent so
     far (a rule on differences, so negative or near-zero losses work), and at the first non-finite
@@ -207,12 +211,20 @@ class LRFinderPlus(GradGuardCallback):
         result = test.run(trainer, pl_module, epoch=epoch, apply=self.apply)
         self.results.append(result)
         if result.suggestion is None:
+            hint = (
+                "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
+                "raise num_training, or check that the loss depends on the learning rate at all."
+            )
+            if result.limited_to is not None and len(result.lrs) < self.min_points:
+                hint = (
+                    "The Trainer's batch limit left too few batches for the sweep: raise "
+                    "limit_train_batches (or overfit_batches), or run lr_find() without the limit."
+                )
             self._alert(
                 trainer,
                 epoch,
                 f"LR range test gave no suggestion: {result.reason}.",
-                "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
-                "raise num_training, or check that the loss depends on the learning rate at all.",
+                hint,
                 points=len(result.lrs),
             )
         # lr_find's throwaway fit has no logger on purpose: no "the trainer has no logger" line for it

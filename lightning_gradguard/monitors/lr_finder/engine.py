@@ -24,12 +24,20 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, TQDMProgressBar
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from torch import Tensor
 
 from lightning_gradguard.core.batch import prepare_batch
 from lightning_gradguard.core.lr import rescale_learning_rates
 from lightning_gradguard.core.snapshot import TrainingSnapshot
-from lightning_gradguard.core.state import warn_once
-from lightning_gradguard.core.trial import quiet_logging, trial_backward, trial_loss, trial_optimizer_step
+from lightning_gradguard.core.state import info_once, warn_once
+from lightning_gradguard.core.stats import active_scaler
+from lightning_gradguard.core.trial import (
+    NoTrialLoss,
+    TrialClosure,
+    needs_closure,
+    quiet_logging,
+    trial_optimizer_step,
+)
 from lightning_gradguard.functional.lr_suggest import (
     SUGGESTION_METHODS,
     centered_smooth,
@@ -41,6 +49,7 @@ from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
 
 __all__ = [
     "RangeTest",
+    "SweepPlan",
     "SweepResult",
     "Unsupported",
     "end_fit_before_training",
@@ -57,6 +66,17 @@ class Unsupported:
     hint: str
 
 
+@dataclass(frozen=True)
+class SweepPlan:
+    """How many optimizer steps the sweep takes: ``steps``; ``limit``, why that is below ``num_training``
+    (the Trainer's batch limit, in words), or ``""``; ``per_pass``, the micro-batches of one pass over the
+    loader under a batch limit (``None``: the whole loader)."""
+
+    steps: int
+    limit: str = ""
+    per_pass: int | None = None
+
+
 @dataclass
 class SweepResult:
     """What the sweep recorded: one point per optimizer step the GradScaler did not skip."""
@@ -66,6 +86,7 @@ class SweepResult:
     smoothed: list[float]
     stop_reason: str
     skipped: int
+    plan: SweepPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,18 +129,18 @@ class RangeTest:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, base: list[float]
     ) -> SweepResult:
         """Raise the LR step by step (group ratios kept) and record the loss until done or diverged."""
-        schedule = sweep_lrs(self.min_lr, self.max_lr, self.num_training, self.mode)
+        accumulate = max(1, int(trainer.accumulate_grad_batches))
+        plan = self.plan(trainer, accumulate)
+        schedule = sweep_lrs(self.min_lr, self.max_lr, plan.steps, self.mode)
         show = self.progress and trainer.is_global_zero
         sweep = _Sweep(
             trainer=trainer,
             pl_module=pl_module,
             optimizer=optimizer,
             ratios=[b / base[0] for b in base] if base[0] > 0 else [1.0] * len(base),
-            accumulate=max(1, int(trainer.accumulate_grad_batches)),
-            batches=_batches(trainer.train_dataloader),
-            monitor=DivergenceMonitor(
-                self.beta, self.divergence_threshold, warmup=max(2, self.num_training // 10)
-            ),
+            accumulate=accumulate,
+            batches=_batches(trainer.train_dataloader, plan.per_pass),
+            monitor=DivergenceMonitor(self.beta, self.divergence_threshold, warmup=max(2, plan.steps // 10)),
             bar=_progress_bar(trainer, len(schedule)) if show else None,
         )
         # the sweep's losses are not the run's metrics (also what the batch hooks would log)
@@ -134,7 +155,43 @@ class RangeTest:
             smoothed=list(sweep.monitor.smoothed),
             stop_reason=stop_reason,
             skipped=sweep.skipped,
+            plan=plan,
         )
+
+    def plan(self, trainer: pl.Trainer, accumulate: int) -> SweepPlan:
+        """``num_training`` steps, or what Lightning's own finder takes under a batch limit.
+
+        Under ``limit_train_batches`` (or ``overfit_batches``) each pass over the loader stops after the
+        epoch's ``trainer.num_training_batches`` micro-batches and starts over, as the run's epochs do
+        (:func:`_batches`), and the sweep takes no more optimizer steps than the run has
+        (``trainer.estimated_stepping_batches``: the limited epochs times ``max_epochs``, or
+        ``max_steps``). That is what ``Tuner.lr_find`` does on the same Trainer, a real fit under the
+        same limits. Said once per Trainer when it shortens the sweep. Without a limit a loader shorter
+        than the sweep is started over and the run's length does not matter (the sweep's steps are not
+        the run's).
+        """
+        per_pass = _limited_pass(trainer)
+        if per_pass is None:
+            return SweepPlan(self.num_training)
+        run_steps = trainer.estimated_stepping_batches
+        if not math.isfinite(run_steps) or int(run_steps) >= self.num_training:
+            return SweepPlan(self.num_training, per_pass=per_pass)
+        steps = max(0, int(run_steps))
+        overfit = getattr(trainer, "overfit_batches", 0)  # set by the Trainer; not in its annotations
+        name = "overfit_batches" if overfit else "limit_train_batches"
+        limit = overfit or trainer.limit_train_batches
+        what = (
+            f"{name}={limit!r} ({per_pass} training batch{'es' if per_pass != 1 else ''} an epoch, "
+            f"{steps} optimizer step{'s' if steps != 1 else ''} in the run)"
+        )
+        info_once(
+            trainer,
+            "lr_finder_limited",
+            f"LRFinderPlus: {what} caps the sweep at {steps} of its num_training={self.num_training} "
+            f"steps, still from min_lr to max_lr, on the limited batches only (as Lightning's lr_find on "
+            f"this Trainer). Raise {name} or max_epochs, or lower num_training, to change this.",
+        )
+        return SweepPlan(steps, f"capped at {steps} by {what}", per_pass=per_pass)
 
     def decide(self, sweep: SweepResult, epoch: int) -> LRFinderResult:
         """The suggestions on the zero-lag smoothed curve, and the chosen one (or why there is none)."""
@@ -143,9 +200,10 @@ class RangeTest:
         suggestions: dict[str, float | None] = dict.fromkeys(SUGGESTION_METHODS)
         reason = ""
         if len(lrs) < self.min_points:
+            cap = f"; the sweep was {sweep.plan.limit}" if sweep.plan.limit else ""
             reason = (
-                f"only {len(lrs)} of {self.num_training} sweep steps were usable "
-                f"(stopped: {sweep.stop_reason}); at least {self.min_points} are needed"
+                f"only {len(lrs)} of {sweep.plan.steps} sweep steps were usable "
+                f"(stopped: {sweep.stop_reason}{cap}); at least {self.min_points} are needed"
             )
         else:
             suggestions = suggest_all(lrs, curve)
@@ -166,6 +224,7 @@ class RangeTest:
             stop_reason=sweep.stop_reason,
             reason=reason,
             skipped_steps=sweep.skipped,
+            limited_to=sweep.plan.steps if sweep.plan.limit else None,
         )
 
     def not_run(self, epoch: int, reason: str) -> LRFinderResult:
@@ -219,46 +278,54 @@ class _Sweep:
         return "completed"
 
     def step(self, lr: float) -> bool:
-        """One optimizer step at ``lr``, recorded unless the GradScaler skipped it; ``True``: stop now."""
+        """One optimizer step at ``lr``, recorded unless the GradScaler skipped it; ``True``: stop now.
+
+        The step's closure (:class:`~lightning_gradguard.core.trial.TrialClosure`) zeroes the gradients
+        and runs forward and backward over the step's micro-batches; ``LBFGS`` calls it again on the
+        same micro-batches. The point recorded is its first loss: the loss at the parameters the step
+        started from, as for every other optimizer.
+        """
         for group, ratio in zip(self.optimizer.param_groups, self.ratios, strict=True):
             group["lr"] = lr * ratio
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss()
-        step_skipped = trial_optimizer_step(self.trainer, self.optimizer)
+        closure = TrialClosure(
+            self.trainer,
+            self.pl_module,
+            self.optimizer,
+            self._draw,
+            self.accumulate,
+            through_strategy=True,
+        )
+        try:
+            done = trial_optimizer_step(self.trainer, self.optimizer, lambda: self._checked(closure()))
+        except NoTrialLoss:
+            raise _SweepStopped("no loss") from None
+        loss = float(done.loss)
         if self.bar is not None:
             self.bar.set_postfix({"lr": f"{lr:.2e}", "loss": f"{loss:.4g}"}, refresh=False)
             self.bar.update(1)
-        if step_skipped:
+        if done.skipped:
             self.skipped += 1
             return False
         self.lrs.append(lr)
         self.losses.append(loss)
         return self.monitor.update(loss)
 
-    def _loss(self) -> float:
-        """Forward and backward over one step's micro-batches: their mean loss, averaged across ranks."""
-        total = None
-        for _ in range(self.accumulate):
-            try:
-                batch, batch_idx = next(self.batches)
-            except StopIteration:
-                raise _SweepStopped("no data") from None
-            batch = prepare_batch(self.trainer, batch, dataloader_idx=0)
-            loss = trial_loss(self.trainer, self.pl_module, batch, batch_idx, through_strategy=True)
-            if loss is None:
-                raise _SweepStopped("no loss")
-            value = loss.detach().float()
-            total = value if total is None else total + value
-            trial_backward(self.trainer, loss, self.accumulate)
-        if total is None:
-            raise _SweepStopped("no loss")
-        mean = total / self.accumulate
+    def _draw(self) -> tuple[Any, int]:
+        """The next micro-batch of the sweep, prepared as the training loop prepares it."""
+        try:
+            batch, batch_idx = next(self.batches)
+        except StopIteration:
+            raise _SweepStopped("no data") from None
+        return prepare_batch(self.trainer, batch, dataloader_idx=0), batch_idx
+
+    def _checked(self, mean: Tensor) -> Tensor:
+        """A step's mean micro-batch loss, averaged across ranks (every rank's closure sees the same value,
+        so an ``LBFGS`` takes the same decisions on every rank); a non-finite one stops the sweep."""
         if self.trainer.world_size > 1:
             mean = self.trainer.strategy.reduce(mean, reduce_op="mean")
-        value_f = float(mean)
-        if not math.isfinite(value_f):
+        if not math.isfinite(float(mean)):
             raise _SweepStopped("non-finite loss")
-        return value_f
+        return mean
 
     def close(self) -> None:
         """Remove the progress bar and the sweep's last gradients."""
@@ -289,12 +356,19 @@ def _optimization_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) ->
 
 
 def _optimizer_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:
-    if len(trainer.optimizers) == 1:
+    if len(trainer.optimizers) != 1:
+        return Unsupported(
+            message=f"LRFinderPlus needs exactly one optimizer, found {len(trainer.optimizers)}",
+            hint="Set the learning rate by hand, or run lr_find() on a version of the model with one "
+            "optimizer and use its suggestion.",
+        )
+    optimizer = trainer.optimizers[0]
+    if active_scaler(trainer) is None or not needs_closure(optimizer):
         return None
-    return Unsupported(
-        message=f"LRFinderPlus needs exactly one optimizer, found {len(trainer.optimizers)}",
-        hint="Set the learning rate by hand, or run lr_find() on a version of the model with one "
-        "optimizer and use its suggestion.",
+    name = type(optimizer).__name__
+    return Unsupported(  # Lightning refuses the pair at its first step: "AMP and the LBFGS optimizer ..."
+        message=f"{name} needs a closure in its step, which 16-mixed precision's GradScaler cannot pass",
+        hint=f"Train {name} in 32-bit or bf16-mixed precision (Lightning does not run it under 16-mixed).",
     )
 
 
@@ -349,14 +423,29 @@ def _warn_about_persistent_workers(trainer: pl.Trainer) -> None:
         )
 
 
-def _batches(loader: Any) -> Iterator[tuple[Any, int]]:
-    """Batches of the training dataloader(s), starting over when they run out (a new pass, as an epoch)."""
+def _limited_pass(trainer: pl.Trainer) -> int | None:
+    """The micro-batches of one epoch when the Trainer limits them (``limit_train_batches`` as an int or a
+    fraction below ``1.0``, or ``overfit_batches``), else ``None``."""
+    limit = trainer.limit_train_batches
+    # Lightning's convention: an int is a number of batches, a float a fraction (1.0: all of them)
+    limited = limit < 1.0 if isinstance(limit, float) else isinstance(limit, int)
+    per_epoch = trainer.num_training_batches
+    if not limited or not math.isfinite(per_epoch):
+        return None
+    return int(per_epoch)
+
+
+def _batches(loader: Any, per_pass: int | None = None) -> Iterator[tuple[Any, int]]:
+    """Batches of the training dataloader(s), starting over when they run out (a new pass, as an epoch);
+    under a batch limit a pass ends after ``per_pass`` of them, as a limited epoch does."""
     combined = loader if isinstance(loader, CombinedLoader) else CombinedLoader(loader, "max_size_cycle")
     while True:
-        produced = False
+        produced = 0
         for item in combined:
+            if per_pass is not None and produced >= per_pass:
+                break
             batch, batch_idx = item[0], item[1]
-            produced = True
+            produced += 1
             yield batch, batch_idx
         if not produced:
             return

@@ -22,12 +22,14 @@ class LRFinderResult:
         method: the method that picks ``suggestion``.
         suggestion: the suggested learning rate for parameter group 0, or ``None`` (see ``reason``).
         epoch: the epoch at whose start the test ran.
-        stop_reason: why the sweep ended: ``"completed"`` (all ``num_training`` steps), ``"diverged"``
+        stop_reason: why the sweep ended: ``"completed"`` (all its steps), ``"diverged"``
             (the stop rule fired), ``"non-finite loss"``, ``"no loss"`` (``training_step`` returned no
             loss), ``"no data"`` (the training dataloader yielded no batch), or ``"not run"`` (an
             unsupported setup: see ``reason``).
         reason: why there is no suggestion (empty when there is one).
         skipped_steps: optimizer steps the GradScaler skipped (their points are dropped).
+        limited_to: the steps the sweep was cut to because the Trainer limits the training batches of
+            an epoch (``limit_train_batches``, ``overfit_batches``); ``None``: it planned ``num_training``.
         seconds: wall time of the sweep.
         applied: whether the suggestion was set on the optimizer (``apply=True`` and a suggestion).
         applied_lr: the learning rate group 0 is configured with after applying, read back from the
@@ -46,6 +48,7 @@ class LRFinderResult:
     stop_reason: str = "completed"
     reason: str = ""
     skipped_steps: int = 0
+    limited_to: int | None = None
     seconds: float = 0.0
     applied: bool = False
     applied_lr: float | None = None

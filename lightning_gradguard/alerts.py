@@ -73,6 +73,7 @@ ALERT_KINDS: dict[str, str] = {
     "overfit_failed": "OverfitBatchSanity: the model could not overfit one batch; findings and likely causes",
     "unused_parameter": "a trainable parameter never received a gradient (or only exact zeros)",
     "parameter_not_updated": "a parameter with a gradient did not change (missing from the optimizer, lr 0)",
+    "update_below_precision": "a parameter's updates were below its dtype's resolution: rounded away (bf16)",
     "initial_loss_mismatch": "a classifier's initial loss is far from ln(C) (wrong loss, reduction or init)",
     "batch_mixing": "the output of one sample depends on the input of another sample",
     "labels_unstable": "the same samples fetched again came back with other labels",

@@ -8,6 +8,8 @@ strategy's ``batch_to_device`` (which runs ``transfer_batch_to_device`` and ``on
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -70,12 +72,38 @@ def first_train_batch(trainer: pl.Trainer) -> tuple[Any, list[torch.Generator]]:
     for loader in tensors_free_iterables(combined.iterables):
         gens.extend(loader_generators(loader))
     fresh = CombinedLoader(combined.iterables, combined._mode)
-    iterator = iter(fresh)
-    try:
-        batch, _, dataloader_idx = next(iterator)
-    finally:
-        del iterator
+    with _iterators_of_our_own(tensors_free_iterables(combined.iterables)):
+        iterator = iter(fresh)
+        try:
+            batch, _, dataloader_idx = next(iterator)
+        finally:
+            del iterator
     return prepare_batch(trainer, batch, dataloader_idx or 0), gens
+
+
+@contextmanager
+def _iterators_of_our_own(loaders: list[Any]) -> Iterator[None]:
+    """Draw from ``loaders`` without touching a persistent worker pool: put their iterators back after.
+
+    A ``DataLoader(persistent_workers=True)`` creates its iterator (and its workers) on the first
+    ``iter()`` and keeps it; later passes only reset it, which draws one random number fewer (no new base
+    seed for the workers) and leaves the workers' own RNGs where the earlier pass left them. A pass of
+    ours that created that iterator would shift every epoch's batch order of the real run. So each
+    loader's stored iterator (``_iterator``, the attribute Lightning's
+    ``_shutdown_workers_and_reset_iterator`` resets too) is set aside, our pass gets one of its own, whose
+    workers are shut down afterwards, and the stored one (``None`` before the first epoch) is put back:
+    the real run creates or resets it exactly as it would have.
+    """
+    kept = [(dl, dl._iterator) for dl in loaders if hasattr(dl, "_iterator")]
+    for dl, _ in kept:
+        dl._iterator = None
+    try:
+        yield
+    finally:
+        for dl, before in kept:
+            ours, dl._iterator = dl._iterator, before
+            if ours is not None and ours is not before and hasattr(ours, "_shutdown_workers"):
+                ours._shutdown_workers()
 
 
 def redraw_first_samples(trainer: pl.Trainer) -> Any:

@@ -4,6 +4,7 @@ run after the check is bit for bit the run without it."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from pathlib import Path
@@ -380,6 +381,52 @@ def test_an_identically_zero_gradient_is_a_warning_that_does_not_fail_the_check(
     assert [(a.kind, a.severity, a.where) for a in check.alerts] == [("unused_parameter", "warning", "gate")]
 
 
+class BatchNormClassifier(Classifier):
+    """A BatchNorm MLP whose BatchNorm parameters the optimizer really leaves alone (no rounding involved):
+    ``not_in_optimizer``, or ``step_hook``: a step pre-hook zeroes the BatchNorm weight's gradient."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(lr=1e-3)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4))
+        self.how = how
+
+    def configure_optimizers(self) -> Any:
+        bn = self.net[1]
+        if self.how == "not_in_optimizer":
+            return torch.optim.Adam([*self.net[0].parameters(), *self.net[3].parameters()], lr=self.lr)
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+
+        def drop_gradient(*_: Any) -> None:
+            if bn.weight.grad is not None:
+                bn.weight.grad.zero_()
+
+        opt.register_step_pre_hook(drop_gradient)
+        return opt
+
+
+@pytest.mark.parametrize(
+    ("how", "stuck", "why"),
+    [
+        ("not_in_optimizer", ["net.1.weight", "net.1.bias"], "not in any param group of Adam"),
+        ("step_hook", ["net.1.weight"], "optimizer.step() computes no update for them"),
+    ],
+)
+def test_a_parameter_the_optimizer_does_not_update_is_an_error_under_bf16_true(
+    how: str, stuck: list[str], why: str
+) -> None:
+    """bf16 weights near 1.0 that are updated by less than bfloat16 resolves are a warning; one that
+    gets no update at all is still an error, with bf16 weights as with float32 ones."""
+    torch.manual_seed(0)
+    check = OverfitBatchSanity()
+    trainer = make_trainer([check], precision="bf16-true", max_steps=1)
+    with pytest.raises(SanityCheckError, match="parameter_not_updated"):
+        trainer.fit(BatchNormClassifier(how), loader())
+    assert check.result is not None and not check.result.passed
+    (finding,) = [f for f in check.result.findings if f.kind == "parameter_not_updated"]
+    assert finding.severity == "error" and finding.names == stuck and why in finding.message
+    assert not [f for f in check.result.findings if f.kind == "update_below_precision"]
+
+
 def test_gradient_not_shrinking_warns_when_a_huge_lr_bounces_into_the_target() -> None:
     torch.manual_seed(0)
     check = OverfitBatchSanity()
@@ -392,19 +439,68 @@ def test_gradient_not_shrinking_warns_when_a_huge_lr_bounces_into_the_target() -
     assert finding.data == {"initial_grad_norm": r.grad_norms[0], "final_grad_norm": r.grad_norms[-1]}
 
 
-def test_initial_loss_is_not_judged_when_resuming_a_trained_model(tmp_path: Path) -> None:
+def _preflight_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith(("OverfitBatchSanity:", "GradientCheck:"))
+    ]
+
+
+def test_a_fit_that_resumes_from_a_checkpoint_skips_both_checks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The checks judge a run as it starts (a trained model's loss is not a fresh classifier's): a fit
+    resumed from a checkpoint of a run saved without them skips them too, with one INFO line each."""
+    from lightning_gradguard import GradientCheck
+
     torch.manual_seed(0)
-    model = Classifier(lr=0.05)
-    trainer = make_trainer([], max_epochs=30, default_root_dir=str(tmp_path))
-    trainer.fit(model, loader())
+    trainer = make_trainer([], max_epochs=3, default_root_dir=str(tmp_path))
+    trainer.fit(Classifier(lr=0.05), loader())
     ckpt = str(tmp_path / "trained.ckpt")
     trainer.save_checkpoint(ckpt)
-    check = OverfitBatchSanity()
-    trainer = make_trainer([check], max_epochs=31)
-    trainer.fit(Classifier(), loader(), ckpt_path=ckpt)
-    r = check.result
-    assert r is not None and r.initial_loss < 0.5 * math.log(4)  # far below ln C: it has learned
-    assert r.passed and not r.findings
+    overfit, grads = OverfitBatchSanity(), GradientCheck()
+    trainer = make_trainer([overfit, grads], max_epochs=4)
+    with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
+        trainer.fit(Classifier(), loader(), ckpt_path=ckpt)
+    assert overfit.result is None and grads.result is None and not overfit.alerts + grads.alerts
+    assert trainer.global_step == 16  # the run went on
+    assert _preflight_lines(caplog) == [
+        f"{name}: this fit resumes from a checkpoint at step 12; the check runs only when a run starts "
+        "(step 0): skipped."
+        for name in ("OverfitBatchSanity", "GradientCheck")
+    ]
+
+
+def test_a_second_fit_on_the_same_trainer_does_not_run_the_checks_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Raising max_epochs and calling fit() again continues the run at step 4: the checks ran when it
+    started (step 0), and a second pass would train the half-trained model on its first batch again."""
+    from lightning_gradguard import GradientCheck
+
+    torch.manual_seed(0)
+    overfit, grads = OverfitBatchSanity(), GradientCheck()
+    trainer = make_trainer([overfit, grads], max_epochs=1)
+    model = Classifier()
+    with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
+        trainer.fit(model, loader())
+        first = (overfit.result, grads.result)
+        assert first[0] is not None and first[0].passed and first[1] is not None and first[1].passed
+        assert [line.split(" - ")[0] for line in _preflight_lines(caplog)] == [
+            "OverfitBatchSanity: passed",
+            "GradientCheck: passed",
+        ]
+        caplog.clear()
+        trainer.fit_loop.max_epochs = 2
+        trainer.fit(model, loader())
+    assert trainer.global_step == 8  # the second fit trained on
+    assert overfit.result is first[0] and grads.result is first[1]  # neither ran again
+    assert _preflight_lines(caplog) == [
+        f"{name}: this fit continues the Trainer's run at step 4; the check runs only when a run starts "
+        "(step 0): skipped."
+        for name in ("OverfitBatchSanity", "GradientCheck")
+    ]
 
 
 def test_training_snapshot_restores_model_optimizer_scheduler_rng_and_progress() -> None:

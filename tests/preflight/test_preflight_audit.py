@@ -418,6 +418,54 @@ def test_trainer_features_and_data_sources_pass(setup: str, trainer_kw: dict[str
     assert trainer.global_step == 2
 
 
+class BatchNormCNN(Model):
+    """Conv + BatchNorm + ReLU twice on 1x8x8 images (digits-sized), Adam at 1e-3."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            nn.Sequential(
+                nn.Conv2d(1, 8, 3, padding=1),
+                nn.BatchNorm2d(8),
+                nn.ReLU(),
+                nn.Conv2d(8, 8, 3, padding=1),
+                nn.BatchNorm2d(8),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(2),
+                nn.Flatten(),
+                nn.Linear(32, 10),
+            ),
+            lr=1e-3,
+        )
+
+
+def digits_like() -> Any:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1, 8, 8, generator=g)
+    return loader(x, (x.flatten(1) @ torch.randn(64, 10, generator=g)).argmax(dim=1))
+
+
+def test_bf16_true_batchnorm_cnn_passes_with_a_precision_warning() -> None:
+    """Under bf16-true, Adam's steps of about the LR (1e-3) are below half of bfloat16's spacing at the
+    BatchNorm weights' 1.0 (2**-7 = 0.0078): rounding keeps them at 1.0 while the run learns. That is a
+    precision warning with its numbers, not an un-updated parameter (an error that raised)."""
+    torch.manual_seed(0)
+    overfit, grads, _, ours = run_checks(BatchNormCNN(), digits_like(), precision="bf16-true")
+    assert_healthy(overfit, grads, ours)
+    (alert,) = overfit.alerts
+    assert (alert.kind, alert.severity) == ("update_below_precision", "warning")
+    assert alert.where == "net.1.weight, net.4.weight"  # the BatchNorm weights, nothing else
+    assert "bf16-mixed" in alert.hint and "bfloat16" in alert.message
+    data = alert.data
+    assert data["count"] == 2 and data["magnitude"] == 1.0  # BatchNorm weights start at exactly 1
+    assert data["resolution"] == 2.0**-7 == torch.finfo(torch.bfloat16).eps
+    assert 0.3e-3 < data["update"] < 3e-3 and data["update"] <= data["largest_update"] < 2.0**-7  # ~ lr
+    # the counterfactual: with float32 weights (bf16-mixed) the same updates move them, and nothing is said
+    torch.manual_seed(0)
+    overfit, grads, _, ours = run_checks(BatchNormCNN(), digits_like(), precision="bf16-mixed")
+    assert_healthy(overfit, grads, ours)
+    assert not overfit.alerts, [a.format() for a in overfit.alerts]
+
+
 # --------------------------------------------------------------------------------------------- GradientCheck
 
 
@@ -684,6 +732,25 @@ def test_the_real_run_after_both_checks_is_bit_identical_to_one_without(
     for p, q in zip(base.parameters(), after.parameters(), strict=True):
         sa, sb = opt_a.state.get(p, {}), opt_b.state.get(q, {})
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def persistent() -> tuple[pl.LightningModule, Any]:
+    ds = torch.utils.data.TensorDataset(*data())
+    dl = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=1, persistent_workers=True)
+    return Model(lr=0.1), dl
+
+
+def test_persistent_workers_keep_the_run_bit_identical() -> None:
+    """A DataLoader with persistent workers makes its iterator once and only resets it for later passes,
+    which draws one random number fewer. When a check's pass made it, every epoch's order shifted by one
+    draw (weights 1.6 % apart after 3 epochs); the checks now draw from an iterator of their own."""
+    base, _ = fit_plain(persistent, [])
+    overfit, grads = OverfitBatchSanity(), GradientCheck()
+    after, trainer = fit_plain(persistent, [grads, overfit])
+    assert overfit.result is not None and overfit.result.passed and grads.result is not None
+    assert trainer.global_step == 12
+    for (k, a), b in zip(base.state_dict().items(), after.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k  # bit for bit
 
 
 # --------------------------------------------------------------------------------------------- more layers

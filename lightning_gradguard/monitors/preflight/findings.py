@@ -2,7 +2,8 @@
 findings about the parameters and the data.
 
 * :func:`parameter_findings`: parameters that get no gradient, or never move although they have one
-  (from a :class:`ParameterRecord` of the trial);
+  (from a :class:`ParameterRecord` of the trial): not updated at all, or updated by less than their
+  dtype resolves (bf16 weights near 1.0);
 * :func:`label_stability`: the same samples drawn twice, with the same inputs but other labels;
 * :func:`batch_mixing`: one sample's output depends on another sample's input.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +119,13 @@ HINTS = {
         "The optimizer never changes these parameters: add them to configure_optimizers() (e.g. "
         "`self.parameters()` instead of one sub-module's), and check each param group's learning rate."
     ),
+    "update_below_precision": (
+        "Nothing is disconnected: the optimizer does compute these updates, and the weights' dtype cannot "
+        "hold them, so every step rounds back to the old value and the parameters keep their initial "
+        'values. Keep float32 master weights: precision="bf16-mixed" (or "16-mixed") computes in half '
+        "precision and updates float32 weights; or keep these parameters (typically normalisation weights "
+        "near 1) in float32. With float32 weights, the LR is tiny for the parameters' scale."
+    ),
     "batch_mixing": (
         "A reshape/view/permute mixes the batch dimension (e.g. `x.view(features, batch)` where "
         "`x.view(batch, features)` was meant, or a transpose before a flatten), or an op reduces over "
@@ -176,6 +185,8 @@ class ParameterRecord:
         got_grad: whether each received a gradient at some step.
         nonzero_grad: whether each had a non-zero gradient at some step.
         called: the modules that ran in the first ``training_step``.
+        probe: the update the optimizer makes to each of the parameters given, measured where rounding
+            does not hide it (``None`` for one it could not measure); ``None``: not available.
     """
 
     names: list[str]
@@ -184,13 +195,15 @@ class ParameterRecord:
     got_grad: list[bool]
     nonzero_grad: list[bool]
     called: set[str]
+    probe: Callable[[list[nn.Parameter]], list[Tensor | None]] | None = None
 
 
 def parameter_findings(
     optimizer: torch.optim.Optimizer, record: ParameterRecord, ignore: list[str]
 ) -> list[Finding]:
-    """The parameters that got no gradient (``unused_parameter``) or never moved although they had one
-    (``parameter_not_updated``); names matching an ``fnmatch`` pattern of ``ignore`` are left out."""
+    """The parameters that got no gradient (``unused_parameter``) or never moved although they had one:
+    not updated (``parameter_not_updated``), or updated by less than their dtype resolves
+    (``update_below_precision``); names matching an ``fnmatch`` pattern of ``ignore`` are left out."""
     kept = [not any(fnmatch.fnmatchcase(n, pat) for pat in ignore) for n in record.names]
     return [
         *_without_gradient(optimizer, record, kept),
@@ -274,34 +287,60 @@ def _zero_gradient(record: ParameterRecord, kept: list[bool]) -> list[Finding]:
 def _not_updated(
     optimizer: torch.optim.Optimizer, record: ParameterRecord, kept: list[bool]
 ) -> list[Finding]:
-    """``parameter_not_updated``: a non-zero gradient, but the value never changed, and why."""
+    """A non-zero gradient, but the value never changed: ``parameter_not_updated`` (not in the optimizer,
+    lr 0, or the optimizer computes no update for it), or ``update_below_precision`` (it does, and
+    rounding to the parameter's dtype drops every one)."""
     lr_of: dict[int, float] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             lr = group.get("lr", math.nan)
             lr_of[id(p)] = float(lr.item() if isinstance(lr, Tensor) else lr)
-    missing, zero_lr, other = [], [], []
+    why: dict[str, list[str]] = {"missing": [], "zero_lr": [], "no_update": [], "unmeasured": []}
+    other: list[int] = []
     rows = zip(record.names, record.params, record.start, record.nonzero_grad, kept, strict=True)
-    for name, p, s, nz, keep in rows:
+    for i, (name, p, s, nz, keep) in enumerate(rows):
         if not nz or not keep or not torch.equal(p.detach(), s):
             continue
         if id(p) not in lr_of:
-            missing.append(name)
+            why["missing"].append(name)
         elif lr_of[id(p)] == 0:
-            zero_lr.append(name)
+            why["zero_lr"].append(name)
         else:
-            other.append(name)
-    stuck = missing + zero_lr + other
+            other.append(i)
+    lost, measured = _lost_to_rounding(record, other)
+    for i in other:
+        if i not in lost:
+            why["no_update" if i in measured else "unmeasured"].append(record.names[i])
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in lost:
+        by_dtype.setdefault(record.params[i].dtype, []).append(i)
+    return _not_updated_finding(optimizer, why) + [
+        _below_precision(record, lost, indices) for indices in by_dtype.values()
+    ]
+
+
+#: why a parameter with a gradient never changed, by the key :func:`_not_updated` files it under
+_NOT_UPDATED_WHY = {
+    "missing": "not in any param group of {optimizer}",
+    "zero_lr": "in a param group with lr=0",
+    "no_update": "in a param group with a non-zero lr, but optimizer.step() computes no update for them (an "
+    "optimizer or a step hook that skips them or zeroes their gradient)",
+    "unmeasured": "unchanged by optimizer.step() although their gradient was non-zero and their lr is not 0 "
+    "(the update could not be measured to tell whether it was below the weights' floating-point "
+    "resolution)",
+}
+
+
+def _not_updated_finding(optimizer: torch.optim.Optimizer, why: dict[str, list[str]]) -> list[Finding]:
+    """``parameter_not_updated`` (error) for the parameters the optimizer does not update, and why."""
+    stuck = [name for names in why.values() for name in names]
     if not stuck:
         return []
-    parts = [f"not in any param group of {type(optimizer).__name__}: {listed(missing)}"] if missing else []
-    if zero_lr:
-        parts.append(f"in a param group with lr=0: {listed(zero_lr)}")
-    if other:
-        parts.append(
-            "unchanged by optimizer.step() although their gradient was non-zero (or every update was "
-            "below the weights' floating-point resolution: bf16/fp16 weights, a tiny LR): " + listed(other)
-        )
+    parts = [
+        _NOT_UPDATED_WHY[key].format(optimizer=type(optimizer).__name__) + ": " + listed(names)
+        for key, names in why.items()
+        if names
+    ]
     return [
         Finding(
             kind="parameter_not_updated",
@@ -311,11 +350,76 @@ def _not_updated(
             hint=HINTS["parameter_not_updated"],
             data={
                 "count": float(len(stuck)),
-                "not_in_optimizer": float(len(missing)),
-                "lr_zero": float(len(zero_lr)),
+                "not_in_optimizer": float(len(why["missing"])),
+                "lr_zero": float(len(why["zero_lr"])),
             },
         )
     ]
+
+
+def _spacing(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """The gap between each of ``values`` and the next ``dtype`` number away from zero (float32): the
+    resolution of ``dtype`` there (``eps`` at 1.0, 2**-7 for bfloat16); an update under half of it
+    rounds away."""
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(values.detach().float().abs().clamp_min(info.tiny))
+    return info.eps * torch.exp2((exponent - 1).float())
+
+
+def _lost_to_rounding(record: ParameterRecord, indices: list[int]) -> tuple[dict[int, Tensor], set[int]]:
+    """Of the parameters at ``indices`` (a gradient, an LR, and no change): those the optimizer does
+    update, by no more than their dtype's resolution at their values (their measured updates, by index),
+    and every one whose update was measured."""
+    if not indices or record.probe is None:
+        return {}, set()
+    try:
+        updates = record.probe([record.params[i] for i in indices])
+    except Exception:  # an optimizer the extra step cannot drive: nothing measured, the finding an error
+        return {}, set()
+    lost: dict[int, Tensor] = {}
+    measured: set[int] = set()
+    for i, update in zip(indices, updates, strict=True):
+        p = record.params[i]
+        if update is None or not p.is_floating_point():
+            continue
+        measured.add(i)
+        size = update.detach().float().abs()
+        moved = size.ne(0)
+        if bool(moved.any()) and bool((size <= _spacing(p, p.dtype))[moved].all()):
+            lost[i] = size[moved]
+    return lost, measured
+
+
+def _below_precision(record: ParameterRecord, lost: dict[int, Tensor], indices: list[int]) -> Finding:
+    """``update_below_precision`` (warning) for parameters of one dtype: the numbers of the lost updates."""
+    dtype = record.params[indices[0]].dtype
+    names = [record.names[i] for i in indices]
+    magnitude = float(
+        torch.cat([record.params[i].detach().float().abs().flatten() for i in indices]).median()
+    )
+    resolution = float(_spacing(torch.tensor(magnitude), dtype))
+    sizes = torch.cat([lost[i] for i in indices])
+    typical, largest = float(sizes.median()), float(sizes.max())
+    kind = str(dtype).removeprefix("torch.")
+    bits = round(-math.log2(torch.finfo(dtype).eps)) + 1
+    return Finding(
+        kind="update_below_precision",
+        severity="warning",
+        names=names,
+        message=f"{len(names)} {kind} parameter(s) never changed although their gradient was non-zero and "
+        f"the optimizer updated them: {listed(names)}. Their typical |value| is {magnitude:.3g}, where "
+        f"{kind} numbers ({bits} significant bits) are {resolution:.2g} apart; the optimizer's updates "
+        f"(typically {typical:.2g}, at most {largest:.2g}) are too small for that: an update under half the "
+        "gap rounds back to the old value.",
+        hint=HINTS["update_below_precision"],
+        data={
+            "count": float(len(names)),
+            "magnitude": magnitude,
+            "resolution": resolution,
+            "update": typical,
+            "largest_update": largest,
+        },
+    )
 
 
 def batch_mixing(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Finding]:

@@ -180,8 +180,9 @@ def _copy_loss(module: nn.Module, batch: Any, loss_fn: LossFn | None) -> ModuleL
 class GradientCheck(PreflightCheck):
     r"""Pre-flight gradient check at the start of ``fit``: autograd against finite differences in float64.
 
-    Runs :func:`gradient_check` once per ``fit`` in ``on_train_start`` (after Lightning set up the model
-    and the dataloaders, before the first real batch) on the first batch of a fresh pass over the train
+    Runs :func:`gradient_check` in ``on_train_start`` of a fit that starts a new run (step 0; a fit that
+    resumes or continues the Trainer's run skips it with one INFO line), after Lightning set up the model
+    and the dataloaders, before the first real batch, on the first batch of a fresh pass over the train
     dataloader, cut to ``max_samples`` samples, through ``training_step``. The real model is never
     touched (the check works on a float64 deep copy) and the RNG states, including the dataloader
     sampler's, are restored, so the real run is the one it would have been without the check.

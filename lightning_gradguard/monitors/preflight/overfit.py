@@ -39,9 +39,11 @@ __all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
 class OverfitBatchSanity(PreflightCheck):
     r"""Pre-flight check: the model must be able to memorise one batch, and every parameter must learn.
 
-    Runs once per ``fit`` in ``on_train_start``: after Lightning has set up the model, the optimizer and
-    the dataloaders, before the first real training batch. It draws the first batch of a fresh pass over
-    the train dataloader (cut to ``max_samples`` samples), then trains on it with the user's
+    Runs in ``on_train_start`` of a fit that starts a new run (step 0): after Lightning has set up the
+    model, the optimizer and the dataloaders, before the first real training batch. A fit that resumes
+    from a checkpoint or continues the Trainer's run (a second ``fit()``) skips it with one INFO line.
+    It draws the first batch of a fresh pass over the train dataloader (cut to ``max_samples``
+    samples), then trains on it with the user's
     ``training_step`` and the user's optimizer (``trainer.optimizers[0]``; when
     ``configure_optimizers`` returned none, ``torch.optim.Adam(lr=fallback_lr)`` over the trainable
     parameters) for up to ``max_steps`` steps. The learning-rate scheduler is not stepped, gradient
@@ -62,13 +64,19 @@ class OverfitBatchSanity(PreflightCheck):
       ``training_step``, never received a gradient (warning: not in the optimizer either, or its module
       never ran — a teacher, a validation-only head);
     * ``parameter_not_updated`` (error): a parameter had a gradient but the optimizer never changed it
-      (not in any param group, or its group's ``lr`` is 0);
+      (not in any param group, its group's ``lr`` is 0, or ``optimizer.step()`` computes no update
+      for it);
+    * ``update_below_precision`` (warning): a parameter had a gradient and the optimizer does update it,
+      but by less than its dtype resolves at its value, so rounding keeps it unchanged (bf16 weights
+      near 1.0 under ``precision="bf16-true"``: Adam's steps of about the LR, 1e-3, are under half
+      of bfloat16's spacing 2**-7 there). The update is measured with one more step taken with the
+      parameter at zero, where no rounding hides it;
     * ``initial_loss_mismatch``: for a classifier whose loss is the cross-entropy of its logits, the
       initial loss is far from ``ln C`` (what a fresh model predicting the uniform distribution
       scores): above is a warning, below (a pretrained model) is info. ``C`` is ``num_classes``, or
       inferred when the batch holds integer labels of shape ``[N]`` and the last leaf module outputs
       ``[N, C]`` with every label below ``C``. A loss ``N`` times that cross-entropy is summed, not
-      averaged: an error. Skipped when the run resumes from a checkpoint (``global_step > 0``);
+      averaged: an error;
     * ``gradient_not_shrinking`` (warning): while the batch was learned, the last gradient norm stayed
       at or above both the first and the median of the run;
     * ``labels_unstable`` (error, with ``check_label_stability=True``, default): the samples of the
@@ -91,7 +99,8 @@ class OverfitBatchSanity(PreflightCheck):
 
     Afterwards everything is put back exactly: parameters, gradients, buffers, train/eval flags,
     optimizer and scheduler state, the RNG states (torch, CUDA, NumPy, ``random``, sampler generators),
-    the trainer's progress counters and torchmetrics states. The real run is bit for bit the one it
+    the trainer's progress counters and torchmetrics states; a persistent worker pool is left as it was
+    (the first batch is drawn by workers of the check's own). The real run is bit for bit the one it
     would have been without the check.
 
     Limits: automatic optimization only (manual optimization: a one-time warning, nothing checked);

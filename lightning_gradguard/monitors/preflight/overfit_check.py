@@ -43,6 +43,7 @@ from lightning_gradguard.monitors.preflight.overfit_trial import (
     TrialCurve,
     TrialPlan,
     choose_optimizer,
+    probe_updates,
     randomness,
     train_on_batch,
 )
@@ -210,9 +211,12 @@ def _findings(check: _Check, curve: TrialCurve, result: OverfitResult) -> list[F
             got_grad=curve.got_grad.tolist(),
             nonzero_grad=nonzero.cpu().tolist() if nonzero is not None else [False] * len(check.params),
             called=curve.called,
+            probe=lambda targets: probe_updates(
+                check.trainer, check.pl_module, check.batch, check.optimizer, targets, check.plan.frozen
+            ),
         )
         findings.extend(parameter_findings(check.optimizer, record, settings.ignore_parameters))
-    if settings.check_initial_loss and check.trainer.global_step == 0:  # a resumed model is not a fresh one
+    if settings.check_initial_loss:  # the check runs only when a run starts: the model is a fresh one
         findings.extend(
             initial_loss_finding(
                 check.batch,

@@ -25,10 +25,18 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gradguard.core.state import warn_once
-from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of, trial_loss
+from lightning_gradguard.core.trial import trial_loss
 from lightning_gradguard.monitors.preflight.modules import CalledModules, LeafOutputs
 
-__all__ = ["FROZEN_SEED", "TrialCurve", "TrialPlan", "choose_optimizer", "randomness", "train_on_batch"]
+__all__ = [
+    "FROZEN_SEED",
+    "TrialCurve",
+    "TrialPlan",
+    "choose_optimizer",
+    "probe_updates",
+    "randomness",
+    "train_on_batch",
+]
 
 #: the seed every step of the check is re-seeded with when ``training_step``'s randomness is frozen
 FROZEN_SEED = 0x5EED
@@ -158,7 +166,7 @@ def train_on_batch(
                 break
             loss.backward()
             record.gradients(params)
-            _step(optimizer, pl_module, batch, plan.frozen)
+            _step(trainer, optimizer, pl_module, batch, plan.frozen)
     finally:  # never leave a hook on the user's model, even when training_step fails
         if outputs is not None:
             outputs.remove()
@@ -254,23 +262,67 @@ class _Outputs:
             self.leaf = None
 
 
-def _step(optimizer: torch.optim.Optimizer, pl_module: pl.LightningModule, batch: Any, frozen: bool) -> None:
-    """One optimizer step; ``LBFGS`` re-evaluates the loss through a closure (re-seeded alike)."""
+def _step(
+    trainer: pl.Trainer,
+    optimizer: torch.optim.Optimizer,
+    pl_module: pl.LightningModule,
+    batch: Any,
+    frozen: bool,
+) -> None:
+    """One optimizer step; ``LBFGS`` re-evaluates the loss through a closure, each evaluation a
+    :func:`trial_loss` like the trial's own (the precision context, re-seeded alike)."""
     if not isinstance(optimizer, torch.optim.LBFGS):
         optimizer.step()
         return
 
     def closure() -> Tensor:
         optimizer.zero_grad()
-        if frozen:
-            seed_all(FROZEN_SEED)
-        with quiet_logging(pl_module):
-            out = loss_of(training_step_of(pl_module, batch))
+        out = trial_loss(trainer, pl_module, batch, seed=FROZEN_SEED if frozen else None)
         assert out is not None
         out.backward()
         return out
 
     optimizer.step(closure)
+
+
+def probe_updates(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    batch: Any,
+    optimizer: torch.optim.Optimizer,
+    targets: list[nn.Parameter],
+    frozen: bool,
+) -> list[Tensor | None]:
+    """The update one ``optimizer.step()`` makes to each of ``targets``, seen where no rounding hides it.
+
+    One more ``training_step`` (re-seeded like the trial's when ``frozen``) and a backward to ``targets``
+    alone; each target is set to zero, where its dtype holds any update to its full precision, and the
+    optimizer steps with no gradient on its other parameters (it skips them): what a target holds
+    afterwards is its update. The targets get their values back without a gradient; the optimizer's state
+    has moved on by one step (the caller restores it). ``None`` for a target without a gradient, and for
+    every target under ``LBFGS`` (its step evaluates the loss of all parameters again).
+    """
+    none: list[Tensor | None] = [None] * len(targets)
+    if not targets or isinstance(optimizer, torch.optim.LBFGS):
+        return none
+    optimizer.zero_grad(set_to_none=True)
+    loss = trial_loss(trainer, pl_module, batch, seed=FROZEN_SEED if frozen else None)
+    if loss is None or not loss.requires_grad:
+        return none
+    grads = torch.autograd.grad(loss, targets, allow_unused=True)
+    values = [t.detach().clone() for t in targets]
+    try:
+        with torch.no_grad():
+            for t, g in zip(targets, grads, strict=True):
+                t.grad = g
+                t.zero_()
+        optimizer.step()
+        return [None if g is None else t.detach().clone() for t, g in zip(targets, grads, strict=True)]
+    finally:
+        with torch.no_grad():
+            for t, v in zip(targets, values, strict=True):
+                t.copy_(v)
+                t.grad = None
 
 
 def randomness(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, n: int) -> str:

@@ -3,9 +3,10 @@
 A :class:`Finding` is one specific problem a check found: the alert it becomes (kind, severity, the
 names concerned, message, hint, numbers). :class:`PreflightCheck` is the base of
 :class:`~lightning_gradguard.OverfitBatchSanity` and :class:`~lightning_gradguard.GradientCheck`. A check
-runs once per ``fit``, in ``on_train_start``, where it applies (:meth:`PreflightCheck.applies`: not under
-``fast_dev_run``, not on a resume of a run it already checked, automatic optimization only, not under a
-sharded strategy such as FSDP or DeepSpeed, where each check says why in ``sharded_reason``). It ends
+runs in ``on_train_start`` of a fit that starts a new run, where it applies (:meth:`PreflightCheck.applies`:
+not under ``fast_dev_run``, not on a fit that resumes from a checkpoint or continues the Trainer's run,
+automatic optimization only, not under a sharded strategy such as FSDP or DeepSpeed, where each check
+says why in ``sharded_reason``). It ends
 with :meth:`PreflightCheck.conclude` on every rank, even one that could not run it: the verdict is
 reduced across ranks (one collective), so when one rank fails every rank acts alike (the ranks that
 passed say "failed on another rank", with a :class:`Summary` of their own) and none is left waiting in a
@@ -16,10 +17,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import lightning.pytorch as pl
-from typing_extensions import override
 
 from lightning_gradguard.alerts import Alert, SanityCheckError, Severity
 from lightning_gradguard.core.base import GradGuardCallback
@@ -77,7 +76,7 @@ class Summary:
 
 
 class PreflightCheck(GradGuardCallback):
-    """Base of the pre-flight checks: once per fit where it applies, one verdict reduced across ranks.
+    """Base of the pre-flight checks: once per run where it applies, one verdict reduced across ranks.
 
     Args:
         action: ``"raise"`` (a failure raises :class:`~lightning_gradguard.SanityCheckError` on every
@@ -90,19 +89,25 @@ class PreflightCheck(GradGuardCallback):
 
     def __init__(self, action: str = "raise") -> None:
         super().__init__(action=action, cooldown_steps=0)
-        self._in_checkpoint = False  # set by load_state_dict: the resumed run had this check
 
     def applies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Whether the check runs in this fit: not under ``fast_dev_run`` (a smoke test), not on a
-        resume of a run it already checked, only under automatic optimization and not under a sharded
-        strategy (FSDP, DeepSpeed) (else a one-time warning naming the strategy; the run goes on)."""
-        checked_before, self._in_checkpoint = self._in_checkpoint, False
+        """Whether the check runs in this fit: not under ``fast_dev_run`` (a smoke test); only when the fit
+        starts a new run (:meth:`fresh_run`: no ``ckpt_path``, the Trainer at step 0), not when it resumes
+        from a checkpoint or continues the Trainer's run (a second ``fit()`` after raising ``max_epochs``),
+        which says so in one INFO line; only under automatic optimization and not under a sharded strategy
+        (FSDP, DeepSpeed) (else a one-time warning naming the strategy; the run goes on)."""
         name = type(self).__name__
         if skipped_for_fast_dev_run(trainer, name, "the pre-flight check"):
             return False
-        if not self.fresh_run(trainer) and checked_before:
+        if not self.fresh_run(trainer):
             if trainer.is_global_zero:
-                log.info("%s: fit resumes from a checkpoint; the check is not repeated", name)
+                resumed = getattr(trainer, "ckpt_path", None) is not None
+                log.info(
+                    "%s: this fit %s at step %d; the check runs only when a run starts (step 0): skipped.",
+                    name,
+                    "resumes from a checkpoint" if resumed else "continues the Trainer's run",
+                    trainer.global_step,
+                )
             return False
         if not pl_module.automatic_optimization:
             warn_once(
@@ -185,8 +190,3 @@ class PreflightCheck(GradGuardCallback):
             if passed_line is not None and trainer.is_global_zero:
                 log.info(passed_line)
         self.act(trainer, alerts)
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._in_checkpoint = True  # the run being resumed had this check: it is not repeated

@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup demo test lint typecheck unit docs bench bench-hooks bench-lr bench-dead-relu bench-spike bench-big bench-stall-zoo screenshots clean
+.PHONY: setup demo test lint typecheck unit docs bench bench-hooks bench-lr bench-dead-relu bench-spike bench-big bench-stall-zoo bench-matrix screenshots clean
 
 setup: $(STAMP)
 
@@ -69,6 +69,10 @@ bench-spike: $(STAMP)
 # The stalled-learning scenarios: every fault against its fixed twin, and the healthy runs (3 seeds, about 2 minutes).
 bench-stall-zoo: $(STAMP)
 	$(PY) benchmarks/stall_zoo.py --twins
+
+# Every callback across the Trainer configurations users run, against the unwatched run (about 2 minutes).
+bench-matrix: $(STAMP)
+	cd benchmarks && ../$(PY) matrix.py
 
 # Every monitor on a GPT-2-small-sized model (124 M parameters): step time, peak memory, tags, event-file growth.
 bench-big: $(STAMP)

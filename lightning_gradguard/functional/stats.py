@@ -18,6 +18,7 @@ __all__ = [
     "WRAPPER_PARTS",
     "HistogramSpec",
     "clean_name",
+    "container_modules",
     "dense_values",
     "device_histograms",
     "foreach_norms",
@@ -26,6 +27,7 @@ __all__ = [
     "grouped_norms",
     "layer_name",
     "layer_names",
+    "module_label",
     "nonfinite_counts",
     "norm_shares",
     "percentile",
@@ -43,20 +45,40 @@ def _check_norm_type(norm_type: float) -> float:
     return norm_type
 
 
-def layer_name(param_name: str, depth: int | None = None) -> str:
+#: the name FSDP1 (``use_orig_params=False``) gives the one flat parameter of each wrapped unit
+_FLAT_PARAM = "_flat_param"
+
+
+def layer_name(param_name: str, depth: int | None = None, container: bool = False) -> str:
     """The layer a parameter belongs to: the module that owns it, optionally cut to ``depth`` levels.
 
     ``"encoder.blocks.3.attn.qkv.weight"`` belongs to ``"encoder.blocks.3.attn.qkv"``; with ``depth=2``
-    to ``"encoder.blocks"``. A parameter registered directly on the root module is its own layer.
+    to ``"encoder.blocks"``. A parameter is its own layer, named by its qualified name, when it is
+    registered directly on the root module (``"cls_token"``) or on a ``container``: a module that also
+    has child modules with parameters, such as a ViT's ``"encoder.pos_embed"`` beside
+    ``"encoder.blocks"`` (naming it ``"encoder"`` would pass it off as the whole encoder). FSDP1's
+    ``_flat_param`` always stands for its module. :func:`layer_names` finds the containers itself.
     """
     if depth is not None and depth < 1:
         raise ValueError(f"`depth` must be None or an integer >= 1, got {depth!r}")
-    owner, sep, _ = param_name.rpartition(".")
-    if not sep:
-        return param_name
+    owner, sep, local = param_name.rpartition(".")
+    own_layer = not sep or (container and local != _FLAT_PARAM)
+    label = param_name if own_layer else owner
     if depth is None:
-        return owner
-    return ".".join(owner.split(".")[:depth])
+        return label
+    return ".".join(label.split(".")[:depth])
+
+
+def container_modules(param_names: Sequence[str]) -> frozenset[str]:
+    """The owners of ``param_names`` that are also the ancestor of another owner: modules holding
+    parameters of their own beside child modules with parameters (``"net"`` for ``"net.pos_embed"`` and
+    ``"net.blocks.0.weight"``). Decided from the names alone; the root (``""``) is never listed."""
+    owners = {name.rpartition(".")[0] for name in param_names}
+    ancestors: set[str] = set()
+    for owner in owners:
+        parts = owner.split(".")
+        ancestors.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    return frozenset(owners & ancestors)
 
 
 #: name parts that wrappers add and users never wrote: torch.compile's ``OptimizedModule``, FSDP1's and
@@ -72,9 +94,25 @@ def clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
-def layer_names(param_names: Sequence[str], depth: int | None = None) -> list[str]:
-    """:func:`layer_name` for every name, in order."""
-    return [layer_name(n, depth) for n in param_names]
+def module_label(qualified_name: str, root: object) -> str:
+    """A module's name as users read it: :func:`clean_name`, and the root module, whose qualified name is
+    ``""``, named by its class (``"MyModel"``, for ``root`` a ``MyModel``) instead of by nothing."""
+    return clean_name(qualified_name) or type(root).__name__
+
+
+def layer_names(
+    param_names: Sequence[str], depth: int | None = None, among: Sequence[str] | None = None
+) -> list[str]:
+    """:func:`layer_name` for every name, in order, the containers found by :func:`container_modules`.
+
+    ``among``: more parameter names that tell which modules are containers. Pass every parameter of the
+    model when ``param_names`` is a subset (those with a gradient, say), so that a parameter gets the
+    same layer in both lists.
+    """
+    containers = container_modules(param_names if among is None else [*param_names, *among])
+    if not containers:
+        return [layer_name(n, depth) for n in param_names]
+    return [layer_name(n, depth, n.rpartition(".")[0] in containers) for n in param_names]
 
 
 def group_index(labels: Sequence[str]) -> tuple[list[str], list[int]]:

@@ -106,7 +106,22 @@ def test_bad_data_fails_at_that_step_with_weights_and_forensics_intact(
     assert (folder / "last_good.ckpt").exists()
     alert = err.alerts[0]
     assert alert.kind == kind and alert.severity == "critical"
-    assert "batch" in alert.hint  # the advice follows the origin: the data, not a backward op
+    # the advice follows the origin: what reached `net`, not a backward op; and since the loader's batch
+    # was finite (the model poisons its copy in training_step), the step's code is blamed, not the data
+    assert report["origin"]["module"] == "net" and report["origin"]["inputs_finite"] is True
+    assert alert.hint.startswith("The batch was finite but the input of `net` was not")
+    assert "The batch itself holds NaN/inf" not in alert.hint
+
+
+def test_a_batch_that_holds_nan_is_blamed_on_the_data(tmp_path: Path) -> None:
+    sentinel = NaNSentinel(save_checkpoint=False)
+    trainer = make_trainer([sentinel], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path))
+    with pytest.raises(NonFiniteError) as info:
+        trainer.fit(RecordingMLP(), _loader_poisoned_at(4))
+    origin = info.value.report["origin"]
+    assert info.value.report["step"] == 4 and origin["in_input"] is True and origin["inputs_finite"] is False
+    assert origin["module"] == "net"
+    assert info.value.alerts[0].hint.startswith("The batch itself holds NaN/inf")
 
 
 def test_last_good_checkpoint_resumes(tmp_path: Path) -> None:
@@ -148,6 +163,95 @@ def test_backward_only_nan_names_the_op(tmp_path: Path) -> None:
     assert err.report["origin"]["op"] == "SqrtBackward0"
     assert "test_nan_sentinel.py" in err.report["origin"]["forward_trace"]
     assert "SqrtBackward0" in str(err)
+
+
+class NaNInOwnForward(RecordingMLP):
+    """The LightningModule's own ``forward`` takes a log of negative values at ``bad_step``: no submodule
+    is involved (issue 25: the origin used to be named ``""``)."""
+
+    def __init__(self, bad_step: int) -> None:
+        super().__init__()
+        self.bad_step = bad_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net(x)
+        return torch.log(h - 10.0) if self.trainer.global_step == self.bad_step else h
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+
+class NaNInStepCode(NaNInOwnForward):
+    """``training_step`` itself divides by zero after the last module ran (no forward hook sees it)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.net(x)
+        if self.trainer.global_step == self.bad_step:
+            h = h / 0.0
+        return nn.functional.cross_entropy(h, y)
+
+
+def _texts_of(err: NonFiniteError, folder: Path) -> list[str]:
+    """Every text a user reads of a finding: the error, the alert, report.json, and the report page."""
+    from lightning_gradguard.report.page import render_html
+    from lightning_gradguard.report.read import read_run
+
+    alert = err.alerts[0]
+    page = render_html(read_run(str(folder)))
+    report = (Path(err.report_dir or "") / "report.json").read_text()
+    return [str(err), alert.message, alert.hint, str(alert.where), report, page]
+
+
+@pytest.mark.parametrize(
+    ("model_type", "in_step", "code"),
+    [(NaNInOwnForward, False, "forward"), (NaNInStepCode, True, "step code (training_step)")],
+)
+def test_a_nan_born_in_the_model_itself_is_named_by_its_class(
+    model_type: type[NaNInOwnForward], in_step: bool, code: str, tmp_path: Path
+) -> None:
+    model = model_type(bad_step=3)
+    err, snaps = _fit_expecting_failure(model, tmp_path, sentinel=NaNSentinel(save_checkpoint=False))
+    name = type(model).__name__  # read independently of gradguard
+    origin = err.report["origin"]
+    assert err.report["step"] == 3 and err.report["kind"] == "nonfinite_loss"
+    assert origin["module"] == name and origin["module_type"] == name
+    assert origin["root"] is True and origin["in_input"] is False and origin["in_step"] is in_step
+    # every logit of the batch went non-finite in forward (8 x 4); in training_step only the loss is seen
+    assert origin["nonfinite"] == (1 if in_step else 8 * 4)
+    assert err.alerts[0].where == name and f"`{name}` (the model itself" in str(err)
+    assert err.alerts[0].hint.startswith(f"`{name}`'s own {code}, outside its submodules,")
+    texts = _texts_of(err, tmp_path)
+    assert all("``" not in t for t in texts), [t for t in texts if "``" in t]
+    assert f"<td>{name}" in texts[-1]  # the report page's origin cell
+    for key, tensor in model.state_dict().items():  # the poisoned update never ran
+        torch.testing.assert_close(tensor, snaps.after[2][key], rtol=0, atol=0)
+
+
+def test_a_nan_made_between_two_children_names_their_parent() -> None:
+    """A container's own forward code makes the NaN between two children: the container is named, not
+    the child that received it (the replay used to say `b`'s input was already non-finite)."""
+    from lightning_gradguard.monitors.nan.forensics import find_forward_origin
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.log(self.a(x) - 10.0))
+
+    model = nn.Sequential(nn.Linear(3, 3), Parent())
+    x = torch.randn(4, 3)
+    found = find_forward_origin(model, lambda: model(x), inputs=x)
+    assert found is not None and (found.module, found.module_type) == ("1", "Parent")
+    assert found.in_input is False and found.root is False and found.nonfinite == 4 * 3
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    found = find_forward_origin(model, lambda: model(bad), inputs=bad)
+    assert found is not None and found.in_input is True and found.inputs_finite is False
+    assert (found.module, found.root) == ("Sequential", True)  # the root received it: named by its class
 
 
 def test_healthy_bf16_run_raises_nothing(tmp_path: Path) -> None:

@@ -71,6 +71,68 @@ def test_layer_name_depth_and_root_parameters() -> None:
         layer_name("a.b", depth=0)
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.ones(4))  # a parameter on a container: its own layer
+        self.act = nn.ReLU()
+
+
+class _Scale(nn.Module):
+    """A leaf with a parameter-free child: its parameter still names the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+        self.act = nn.GELU()
+
+
+class _ViTLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(4))
+        self.net = nn.Module()
+        self.net.pos_embed = nn.Parameter(torch.zeros(4))
+        self.net.patch = nn.Linear(4, 4)
+        self.net.blocks = nn.ModuleList(_Block() for _ in range(11))
+        self.net.scale = _Scale()
+
+
+def _structural_layers(model: nn.Module, depth: int | None) -> list[str]:
+    """Each parameter's layer read from the module tree itself (not from the names)."""
+    out = []
+    for owner_name, owner in model.named_modules():
+        container = any(any(True for _ in c.parameters()) for c in owner.children())
+        for local, _ in owner.named_parameters(recurse=False):
+            full = f"{owner_name}.{local}" if owner_name else local
+            label = full if (container or not owner_name) else owner_name
+            out.append((full, label if depth is None else ".".join(label.split(".")[:depth])))
+    order = [n for n, _ in model.named_parameters()]
+    return [dict(out)[n] for n in order]
+
+
+@pytest.mark.parametrize("depth", [None, 1, 2, 3])
+def test_a_parameter_on_a_container_is_its_own_layer(depth: int | None) -> None:
+    model = _ViTLike()
+    names = [n for n, _ in model.named_parameters()]
+    assert layer_names(names, depth) == _structural_layers(model, depth)
+    labels = layer_names(names)
+    assert labels[:3] == ["cls_token", "net.pos_embed", "net.patch"]
+    assert "net" not in labels and "net.blocks.10.gain" in labels and "net.blocks.1.gain" in labels
+    assert labels.count("net.scale") == 1  # a leaf's parameter-free children do not make it a container
+
+
+def test_container_of_a_subset_is_told_by_the_other_names() -> None:
+    names = ["net.pos_embed", "net.blocks.0.weight"]
+    assert layer_names(names[:1]) == ["net"]  # alone, the names cannot tell
+    assert layer_names(names[:1], among=names) == ["net.pos_embed"]
+    assert layer_name("net.pos_embed", container=True) == "net.pos_embed"
+    assert layer_name("net.pos_embed", depth=1, container=True) == "net"
+    # FSDP1's flat parameter of a wrapped unit stands for its module, nested units or not
+    assert layer_names(["net._flat_param", "net.inner._flat_param"]) == ["net", "net.inner"]
+
+
 def test_nonfinite_values_propagate_and_are_counted() -> None:
     ts = _tensors()
     ts[1][0] = float("nan")

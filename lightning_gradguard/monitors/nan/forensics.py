@@ -24,7 +24,7 @@ from lightning_gradguard.core.batch import tensors_in
 from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.core.snapshot import RNGState
 from lightning_gradguard.core.trial import loss_of, quiet_logging, training_step_of
-from lightning_gradguard.functional.stats import clean_name
+from lightning_gradguard.functional.stats import module_label
 
 __all__ = [
     "BackwardOrigin",
@@ -49,23 +49,40 @@ def _nonfinite(obj: Any) -> int:
 class ForwardOrigin:
     """The first place in forward order where a non-finite value appeared.
 
-    ``module`` is the qualified module name (``""`` for the root). ``in_input`` is True when the
-    module *received* non-finite values it did not make (typically: the batch itself was bad), False
-    when it turned finite inputs into a non-finite output.
+    ``module`` is the qualified module name; the root module (the LightningModule) is named by its class
+    and has ``root`` set. ``in_input`` is True when the module *received* non-finite values it did not
+    make (typically: the batch itself was bad), False when it turned finite inputs into a non-finite
+    output. ``in_step`` (the root only): the value was born in the step's own code, outside every
+    module's forward (``training_step`` dividing by zero after the last module ran).
+    ``inputs_finite``: whether what the step was given (the batch) was finite, when known: a module
+    whose input was non-finite although the batch was not got it from the step's own code.
     """
 
     module: str
     module_type: str
     in_input: bool
     nonfinite: int
+    root: bool = False
+    in_step: bool = False
+    inputs_finite: bool | None = None
+
+    def label(self) -> str:
+        """The module's name in backticks, then its type, or for the root that it is the model itself."""
+        if not self.root:
+            return f"`{self.module}` ({self.module_type})"
+        where = ", in its step code outside any module's forward" if self.in_step else ""
+        return f"`{self.module}` (the model itself{where})"
 
     def describe(self) -> str:
-        name = self.module or "<root module>"
-        if self.in_input:
+        values = f"{self.nonfinite} non-finite value" + ("" if self.nonfinite == 1 else "s")
+        if self.in_input and self.inputs_finite:
             return (
-                f"the input of `{name}` ({self.module_type}) was already non-finite ({self.nonfinite} values)"
+                f"the input of {self.label()} already held {values} although the batch was finite: the "
+                "step's own code made them before calling the module"
             )
-        return f"`{name}` ({self.module_type}) produced {self.nonfinite} non-finite values from finite inputs"
+        if self.in_input:
+            return f"the input of {self.label()} already held {values}"
+        return f"{self.label()} produced {values} from finite inputs"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,39 +119,75 @@ def replayed(module: nn.Module, requires_grad: bool) -> Iterator[None]:
         rng.restore()
 
 
-def find_forward_origin(module: nn.Module, run: Callable[[], Any]) -> ForwardOrigin | None:
-    """Replay ``run()`` with forward hooks on every submodule and name the first non-finite value.
+class _FirstNonFinite:
+    """The forward hooks of :func:`find_forward_origin`: the first non-finite value, and who made it.
 
-    Pre-hooks see inputs in call order (parents first), post-hooks see outputs as modules finish
-    (children first); whichever event shows a non-finite value first in time wins. Returns ``None``
-    when the forward pass stays finite.
+    The modules whose forward is running are kept on a stack: a module that receives a non-finite value
+    while its parent runs got it from the parent's own code (its inputs were finite, else the parent's
+    pre-hook would have seen them), so the parent is named, not the child.
     """
-    found: list[ForwardOrigin] = []
-    names = {m: clean_name(n) for n, m in module.named_modules()}
 
-    def pre(mod: nn.Module, args: Any) -> None:
-        if not found:
-            bad = _nonfinite(args)
-            if bad:
-                found.append(ForwardOrigin(names.get(mod, "?"), type(mod).__name__, True, bad))
+    def __init__(self, root: nn.Module, inputs_finite: bool | None) -> None:
+        self.root = root
+        self.names = {m: module_label(n, root) for n, m in root.named_modules()}
+        self.inputs_finite = inputs_finite
+        self.running: list[nn.Module] = []
+        self.found: ForwardOrigin | None = None
 
-    def post(mod: nn.Module, args: Any, output: Any) -> None:
-        if not found:
+    def note(self, mod: nn.Module, in_input: bool, bad: int, in_step: bool = False) -> None:
+        name, finite = self.names.get(mod, "?"), self.inputs_finite if in_input else None
+        self.found = ForwardOrigin(name, type(mod).__name__, in_input, bad, mod is self.root, in_step, finite)
+
+    def pre(self, mod: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.found is None:
+            bad = _nonfinite((args, kwargs))
+            if bad and self.running:  # made by the running module's own code, between its calls
+                self.note(self.running[-1], False, bad)
+            elif bad:
+                self.note(mod, True, bad)
+        self.running.append(mod)
+
+    def post(self, mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.running and self.running[-1] is mod:
+            self.running.pop()
+        if self.found is None:
             bad = _nonfinite(output)
             if bad:
-                found.append(ForwardOrigin(names.get(mod, "?"), type(mod).__name__, False, bad))
+                self.note(mod, False, bad)
 
+    def returned(self, result: Any) -> None:
+        """What the replayed step returned: non-finite while every module's output was finite means the
+        step's own code made it (or the batch was bad and reached the loss through no module)."""
+        if self.found is None:
+            bad = _nonfinite(result)
+            if bad:
+                in_input = self.inputs_finite is False
+                self.note(self.root, in_input, bad, in_step=not in_input)
+
+
+def find_forward_origin(
+    module: nn.Module, run: Callable[[], Any], inputs: Any = None
+) -> ForwardOrigin | None:
+    """Replay ``run()`` with forward hooks on every module and name the first non-finite value.
+
+    Pre-hooks see inputs in call order (parents first), post-hooks see outputs as modules finish
+    (children first); whichever event shows a non-finite value first in time wins. A non-finite value
+    that no module's output carried and that ``run()`` returned was made by the code around the modules:
+    the root is named (by its class). ``inputs`` (the batch ``run()`` reads, if given) tells a bad batch
+    from code that made a NaN out of a good one. Returns ``None`` when the forward pass stays finite.
+    """
+    watch = _FirstNonFinite(module, None if inputs is None else _nonfinite(inputs) == 0)
     handles = []
-    for m in names:
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post))
+    for m in watch.names:
+        handles.append(m.register_forward_pre_hook(watch.pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(watch.post, with_kwargs=True))
     try:
         with Uncompiled(module), replayed(module, requires_grad=False), torch.no_grad():
-            run()
+            watch.returned(run())
     finally:
         for h in handles:
             h.remove()
-    return found[0] if found else None
+    return watch.found
 
 
 def find_backward_origin(module: nn.Module, run: Callable[[], Any]) -> BackwardOrigin | None:
@@ -186,7 +239,7 @@ def replay_origin(
         with trainer.precision_plugin.train_step_context(), quiet_logging(pl_module):
             return loss_of(training_step_of(pl_module, batch, batch_idx))
 
-    forward = find_forward_origin(pl_module, run)
+    forward = find_forward_origin(pl_module, run, inputs=batch)
     if forward is not None or not backward:
         return forward
     return find_backward_origin(pl_module, run)

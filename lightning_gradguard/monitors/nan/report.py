@@ -168,18 +168,8 @@ class NaNReport:
         kind, origin = self.kind, self.origin
         if kind == "nonfinite_gradient" and self.loss is not None and not math.isfinite(self.loss):
             kind = "nonfinite_loss"  # the loss went unchecked (check_loss=False): never claim it was finite
-        if origin and origin.get("phase") == "forward" and origin.get("in_input"):
-            return (
-                "The batch itself holds NaN/inf (it entered the model that way): inspect the saved batch.pt "
-                "and the data pipeline (missing values, division in preprocessing, corrupt samples); filter "
-                "or impute them."
-            )
         if origin and origin.get("phase") == "forward":
-            return (
-                f"`{origin.get('module')}` turned finite inputs into NaN/inf: guard its divisions, logs and "
-                "sqrt (add eps, clamp), compute softmax/log-softmax stably, and check its parameters' scale. "
-                + _HINTS[kind].split(". ", 1)[-1]
-            )
+            return _forward_hint(origin, _HINTS[kind].split(". ", 1)[-1])
         if origin and origin.get("phase") == "backward":
             return (
                 f"The forward pass was finite; the backward of `{origin.get('op')}` made the first NaN/inf. "
@@ -199,6 +189,30 @@ class NaNReport:
     def severity(self) -> Severity:
         """The alert's severity: critical, but a GradScaler that keeps skipping is an error."""
         return "error" if self.kind == "loss_scale_collapse" else "critical"
+
+
+def _forward_hint(origin: dict[str, Any], general: str) -> str:
+    """The advice when the forward replay found where the value was born (``origin``: its dict)."""
+    module, guard = f"`{origin.get('module')}`", "guard its divisions, logs and sqrt (add eps, clamp)"
+    if origin.get("in_input") and origin.get("inputs_finite"):
+        return (
+            f"The batch was finite but the input of {module} was not: the code of the step before it "
+            "(training_step, or the forward that calls it) made NaN/inf: guard the divisions, logs and sqrt "
+            "there (add eps, clamp)."
+        )
+    if origin.get("in_input"):
+        return (
+            "The batch itself holds NaN/inf (it entered the model that way): inspect the saved batch.pt "
+            "and the data pipeline (missing values, division in preprocessing, corrupt samples); filter "
+            "or impute them."
+        )
+    if origin.get("root"):  # the model's own code, not one of its submodules
+        code = "step code (training_step)" if origin.get("in_step") else "forward"
+        module = f"{module}'s own {code}, outside its submodules,"
+    return (
+        f"{module} turned finite inputs into NaN/inf: {guard}, compute softmax/log-softmax stably, and "
+        f"check its parameters' scale. {general}"
+    )
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from lightning_gradguard.functional.lr_suggest import (
 )
 from lightning_gradguard.functional.stats import (
     HistogramSpec,
+    container_modules,
     dense_values,
     device_histograms,
     foreach_norms,
@@ -69,6 +70,7 @@ from lightning_gradguard.functional.stats import (
     grouped_norms,
     layer_name,
     layer_names,
+    module_label,
     nonfinite_counts,
     percentile,
     reduce_norms,
@@ -86,6 +88,7 @@ __all__ = [
     "TaylorResult",
     "activity_counts",
     "centered_smooth",
+    "container_modules",
     "dead_units",
     "dense_values",
     "depth_ratio",
@@ -102,6 +105,7 @@ __all__ = [
     "layer_name",
     "layer_names",
     "log10_norms",
+    "module_label",
     "nonfinite_counts",
     "observed_order",
     "percentile",

@@ -98,6 +98,8 @@ ALERT_KINDS: dict[str, str] = {
 
 _LEVELS = {
     "info": logging.INFO,
+    "adam_step_too_large": "an Adam entry moved far more than lr allows: beta2 <= beta1^2 (OptimizerMonitor)",
+    "update_ratio_high": "the update/weight ratio stayed far above ~1e-3: LR too high (GradientNormLogger)",
     "warning": logging.WARNING,
     "error": logging.ERROR,
     "critical": logging.CRITICAL,

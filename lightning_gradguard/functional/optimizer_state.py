@@ -1,10 +1,11 @@
-r"""What an optimizer step did and what the optimizer keeps: step size, direction, moments, and two rules.
+r"""What an optimizer step did and what the optimizer keeps: step size, direction, moments; the rules' math.
 
 Pure math on host numbers, no Trainer: :func:`layer_geometry` and :func:`layer_moments` turn the
 per-parameter sums a monitor measured on the step's update sample (``core.stats.UpdateSample``: per
 parameter, the squared update norm, the squared gradient norm and the inner product of the update with
 the negative gradient) into per-layer numbers, and :func:`epsilon_dominated` / :func:`ratio_outliers`
-judge them.
+judge them. :func:`entry_steps` finds a layer's largest per-entry step in units of its lr, and
+:func:`adam_step_bound` says how large Adam's can be at all.
 
 Definitions (``Δw = w_after - w_before``, ``g`` the gradient the step used, ``lr_i`` the learning rate of
 the param group of parameter ``i``):
@@ -15,6 +16,8 @@ the param group of parameter ``i``):
 * cosine: :math:`\langle \Delta w, -g\rangle / (\|\Delta w\|\,\|g\|)` over the layer's entries: 1 for plain
   SGD, lower where momentum, Adam's per-entry scaling or weight decay turn the step away from the gradient.
 * ``exp_avg`` norm: the 2-norm of Adam's first moment as the optimizer holds it (not bias-corrected).
+* largest per-entry step of a layer: :math:`\max_i \|\Delta w_i\|_\infty / lr_i`. Adam's per-entry step
+  :math:`lr\,|\hat m| / (\sqrt{\hat v} + \epsilon)` is at most :func:`adam_step_bound` times ``lr``.
 * RMS of :math:`\sqrt{\hat v}`: :math:`\sqrt{\operatorname{mean}(v) / (1 - \beta_2^t)}` over the layer's
   entries, the typical size of Adam's denominator before ``eps`` is added (``max_exp_avg_sq`` under
   AMSGrad, which is what divides there).
@@ -32,8 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "EntryStep",
     "LayerGeometry",
     "LayerMoments",
+    "adam_step_bound",
+    "adam_step_threshold",
+    "entry_steps",
     "epsilon_dominated",
     "layer_geometry",
     "layer_moments",
@@ -196,3 +203,86 @@ def ratio_outliers(ratios: dict[str, float], factor: float) -> tuple[float, dict
         return median, {}
     out = {k: v / median for k, v in ratios.items() if math.isfinite(v) and v >= 0}
     return median, {k: r for k, r in out.items() if r > factor or r < 1.0 / factor}
+
+
+# ---------------------------------------------------------------------------------------------- Adam's step
+def adam_step_bound(
+    beta1: float, beta2: float, step: float, kind: str = "adam", momentum_decay: float = 0.004
+) -> float | None:
+    r"""The largest per-entry step, in units of ``lr``, that Adam can take at ``step`` for ANY gradients.
+
+    Adam's step of an entry is :math:`lr\,\hat m_t / (\sqrt{\hat v_t} + \epsilon)`, with both moments
+    linear in the past gradients :math:`g_{t-k}` (weights :math:`c_k` in :math:`\hat m`, :math:`w_k` in
+    :math:`\hat v`). By Cauchy-Schwarz :math:`|\sum_k c_k g_{t-k}| \le \sqrt{\sum_k c_k^2/w_k}\,
+    \sqrt{\sum_k w_k g_{t-k}^2}`, so the step is at most :math:`\sqrt{\sum_k c_k^2 / w_k}` (``eps`` only
+    lowers it), reached by a large gradient followed by quiet ones. With :math:`q = \beta_1^2/\beta_2 < 1`
+    the sum converges: about 7.3 for the default betas (0.9, 0.999), 1.0 for (0.9, 0.9), the bound of
+    Kingma & Ba, *Adam* (2015), Sec. 2.1. With :math:`\beta_2 \le \beta_1^2` it grows like
+    :math:`q^{t/2}`: ``inf`` (``v`` forgets a large gradient faster than ``m`` does).
+
+    ``kind``: ``"adam"`` (Adam, AdamW, also AMSGrad: its larger ``v`` only lowers the step), ``"nadam"``
+    (NAdam's extra current-gradient term and its momentum schedule ``momentum_decay``; about 13.7 after
+    1000 steps at the default betas) or ``"radam"`` (``None`` while RAdam's variance is not rectified:
+    its step is then ``lr * m_hat``, in gradient units, not bounded in units of ``lr``).
+    """
+    t = max(1, int(step))
+    q = beta1 * beta1 / beta2 if beta2 > 0 else math.inf
+    if kind == "radam":
+        rho_inf = 2.0 / (1.0 - beta2) - 1.0 if beta2 < 1 else math.inf
+        if rho_inf - 2.0 * t * beta2**t / (1.0 - beta2**t) <= 5.0:
+            return None
+    if q >= 1.0:
+        return math.inf
+    a, b = 0.0, 1.0 / (1.0 - beta1**t)  # m_hat = b * m (Adam); NAdam adds a * g_t
+    if kind == "nadam":
+
+        def mu(i: int) -> float:
+            return beta1 * (1.0 - 0.5 * 0.96 ** (i * momentum_decay))
+
+        product = math.prod(mu(i) for i in range(1, min(t, 400) + 1))  # below 1e-100 long before 400
+        a = (1.0 - mu(t)) / (1.0 - product)
+        b = mu(t + 1) / (1.0 - product * mu(t + 1))
+    later = q * (1.0 - q ** (t - 1)) / (1.0 - q)  # sum of q^k over k = 1 .. t-1
+    first = a + b * (1.0 - beta1)
+    total = (first * first + (b * (1.0 - beta1)) ** 2 * later) * (1.0 - beta2**t) / (1.0 - beta2)
+    return math.sqrt(total)
+
+
+def adam_step_threshold(bound: float, factor: float) -> float:
+    """The per-entry step (in units of ``lr``) above which an Adam step is far too large: ``factor``, or
+    Adam's own ``bound`` where that is larger and finite (a step within it is one Adam can take)."""
+    return factor if math.isinf(bound) else max(factor, bound)
+
+
+@dataclass(frozen=True)
+class EntryStep:
+    r"""A layer's largest per-entry step in units of its lr, and what bounds it.
+
+    Attributes:
+        step: :math:`\max |\Delta w| / lr` over the layer's entries (of the parameters judged).
+        bound: :func:`adam_step_bound` of the parameter it was found in (``inf``: none).
+        param: the position of that parameter.
+    """
+
+    step: float
+    bound: float
+    param: int
+
+
+def entry_steps(
+    labels: Sequence[str],
+    index: Sequence[int],
+    update_max: Sequence[float],
+    lrs: Sequence[float],
+    bounds: dict[int, float],
+) -> dict[str, EntryStep]:
+    """Per layer, the largest ``update_max[i] / lrs[i]`` over the parameters in ``bounds`` (those judged,
+    with their Adam bound); a parameter of ``lr <= 0`` or a non-finite update (NaNSentinel's) is left out."""
+    out: dict[str, EntryStep] = {}
+    for i, bound in bounds.items():
+        if lrs[i] <= 0 or not math.isfinite(update_max[i]):
+            continue
+        step, layer = update_max[i] / lrs[i], labels[index[i]]
+        if layer not in out or step > out[layer].step:
+            out[layer] = EntryStep(step=step, bound=bound, param=i)
+    return out

@@ -2,7 +2,8 @@
 
 Pure tensor math, no Trainer: take :func:`weight_snapshot` before ``optimizer.step()``, call
 :func:`update_norms` after it (both stay on the device), bring the norms to the host with the others and
-divide with :func:`update_ratio`. Healthy runs sit near ``1e-3`` (CS231n, Karpathy).
+divide with :func:`update_ratio`. About ``1e-3`` is the rule of thumb for a healthy layer (CS231n, Karpathy);
+small models sit higher (2e-3 to 2e-2 on the digits models of ``docs/optimizer.md``).
 
 A tensor with more than ``max_entries`` entries is not copied whole: the snapshot keeps an evenly strided
 sample of it (an odd stride, so the sample does not fall on a few columns of a power-of-two-wide matrix), and

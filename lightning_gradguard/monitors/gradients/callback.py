@@ -6,11 +6,14 @@ Logs gradient norms (total and per layer), weight norms, the update/weight ratio
 measured where the numbers are true: in ``on_before_optimizer_step``, on accumulated, unscaled,
 all-reduced and not yet clipped gradients. All values of a logging step go to the host in one transfer.
 The measuring is :mod:`lightning_gradguard.monitors.gradients.norms`, the clipping statistics
-:mod:`lightning_gradguard.functional.clipping`; what is logged when, and the alerts, are here.
+:mod:`lightning_gradguard.functional.clipping`, the verdicts in words
+:mod:`lightning_gradguard.monitors.gradients.clipping` and
+:mod:`lightning_gradguard.monitors.gradients.ratio`; what is logged when, and when a verdict is due, are here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -23,7 +26,7 @@ from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallb
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
-from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.state import trainer_state, warn_once
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
@@ -40,12 +43,24 @@ from lightning_gradguard.monitors.gradients.norms import (
     parse_norm_type,
     select_reading,
 )
+from lightning_gradguard.monitors.gradients.ratio import RatioWatch, ratio_finding
 from lightning_gradguard.tags import GRAD_CLIP, charts_of
 
 __all__ = ["GradientNormLogger"]
 
 #: with periodic logging off (``log_every_n_steps=0``), the clipping verdict is still reached this often
 _CLIP_CHECK_EVERY = 100
+
+
+@dataclass
+class _Logged:
+    """A logging step's sample, until it is read after the step."""
+
+    at: int  # log step
+    suffix: str  # "_opt<i>" with several optimizers
+    sample: NormSample
+    optimizer: Any
+    skips: int  # updates other callbacks had dropped when the sample was taken
 
 
 class GradientNormLogger(GradGuardCallback):
@@ -56,7 +71,7 @@ class GradientNormLogger(GradGuardCallback):
     * ``grad_norm/total`` and ``grad_norm/<layer>``: gradient norms before clipping;
     * ``weight_norm/total`` and ``weight_norm/<layer>``: parameter norms before the update;
     * ``update_ratio/total`` and ``update_ratio/<layer>``: :math:`\|\Delta w\| / \|w\|` of the update the
-      optimizer actually applied (healthy runs sit near 1e-3);
+      optimizer actually applied (about 1e-3 by the CS231n rule of thumb; small layers sit higher);
     * ``grad_nonfinite/total`` (and ``grad_nonfinite/<layer>`` where non-zero): NaN/inf gradient entries;
     * with ``gradient_clip_val`` set on the Trainer: ``grad_clip/fraction_clipped``,
       ``grad_clip/pre_clip_norm_p50|p90|p99`` and ``grad_clip/suggested_clip_val`` over the last
@@ -64,6 +79,10 @@ class GradientNormLogger(GradGuardCallback):
       2-norm and a step counts as clipped when it exceeds ``gradient_clip_val``; under ``"value"`` it is
       the largest ``|g|`` (the infinity norm: clipping by value changes a step exactly when it is over);
     * with ``log_noise_scale=True``: ``noise_scale/*``, the critical batch size (McCandlish et al. 2018).
+
+    Alerts: ``update_ratio_high`` (warning) when the total update/weight ratio stayed above
+    ``max_update_ratio`` on 3 logging checks in a row spanning 20 steps or more, from step 20 on: it names
+    the learning rate. With clipping, ``clipping_always_active`` / ``clipping_never_active``.
 
     Every ``histogram_every_n_steps`` it also writes TensorBoard histograms ``grad/<param>``,
     ``grad_log10/<param>`` (log10 of the non-zero magnitudes: vanishing gradients show as mass many
@@ -96,6 +115,8 @@ class GradientNormLogger(GradGuardCallback):
         log_noise_scale: log the gradient noise scale from the micro-batches and the ranks (one norm per
             parameter and micro-batch: :mod:`lightning_gradguard.monitors.gradients.noise_scale`).
         noise_scale_beta: the decay per optimizer step of the noise scale's two moving averages.
+        max_update_ratio: ``update_ratio_high`` when the total :math:`\|\Delta w\| / \|w\|` stays above this
+            (``None``: no verdict). Needs ``log_update_ratio``.
 
     Example::
 
@@ -126,6 +147,7 @@ class GradientNormLogger(GradGuardCallback):
         cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
         log_noise_scale: bool = False,
         noise_scale_beta: float = 0.99,
+        max_update_ratio: float | None = 0.03,
     ) -> None:
         super().__init__(action="warn", cooldown_steps=cooldown_steps)
         self.log_every_n_steps: int | None = check_int(
@@ -145,7 +167,11 @@ class GradientNormLogger(GradGuardCallback):
         self.log_noise_scale = check_bool("log_noise_scale", log_noise_scale)
         self.noise_scale_beta: float = check_float("noise_scale_beta", noise_scale_beta, 0, 1, high_open=True)
         self._noise = NoiseScaleTracker(self.noise_scale_beta, on=self.log_noise_scale)
-        self._pending: list[tuple[int, str, NormSample]] = []  # (log step, tag suffix, sample)
+        self.max_update_ratio: float | None = check_float(
+            "max_update_ratio", max_update_ratio, 0.0, low_open=True, allow_none=True
+        )
+        self._ratio: dict[str, RatioWatch] = {}  # per optimizer (tag suffix)
+        self._pending: list[_Logged] = []
         self._clip_check_due = False
         self._clip_check_step = 0  # global_step of the latest step measured for the clipping verdict
         self._clip = ClipRing(self.clip_window)  # the pre-clip norms of recent steps, on the device
@@ -175,7 +201,7 @@ class GradientNormLogger(GradGuardCallback):
         super().on_fit_start(trainer, pl_module)
         if self.fresh_run(trainer):  # the clip window holds this run's steps only
             self._clip = ClipRing(self.clip_window)
-            self._pending, self.last_logged, self._clip_check_due = [], {}, False
+            self._pending, self.last_logged, self._clip_check_due, self._ratio = [], {}, False, {}
         self._noise.start(fresh=self.fresh_run(trainer))
         if (reason := unsupported_reason(trainer)) is not None:  # DeepSpeed: no number, not a wrong one
             warn_once(trainer, "sharding:unsupported", reason)
@@ -245,7 +271,8 @@ class GradientNormLogger(GradGuardCallback):
             histogram_bins=self.histogram_bins if histograms else None,
             histogram_layers=self.layers.histogram_layers(labels) if histograms else None,
         )
-        self._pending.append((at, suffix, NormSample(stats, spec)))
+        skips = sum(trainer_state(trainer).skipped_updates.values())
+        self._pending.append(_Logged(at, suffix, NormSample(stats, spec), optimizer, skips))
 
     @override
     def on_train_batch_end(
@@ -266,8 +293,8 @@ class GradientNormLogger(GradGuardCallback):
         pending, self._pending = self._pending, []
         clip_due, self._clip_check_due = self._clip_check_due, False
         transfer = HostTransfer()  # keys: (index in pending, name); -1 for the clip window
-        for i, (_, _, sample) in enumerate(pending):
-            sample.queue(transfer, i)
+        for i, p in enumerate(pending):
+            p.sample.queue(transfer, i)
         clip = clip_setting(trainer)
         if clip_due and clip is not None:
             self._clip.queue(transfer, (-1, "clip_window"))
@@ -275,10 +302,14 @@ class GradientNormLogger(GradGuardCallback):
         if not len(transfer):
             return
         host = transfer.fetch()  # the one device -> host transfer (and collective, if any) of this step
-        for i, (at, suffix, sample) in enumerate(pending):  # written from rank zero only
-            self._emit_step(trainer, at, suffix, sample.read(host, i))
+        skips = sum(trainer_state(trainer).skipped_updates.values())
+        for i, p in enumerate(pending):  # written from rank zero only
+            reading = p.sample.read(host, i)
+            self._emit_step(trainer, p.at, p.suffix, reading)
+            if p.skips == skips:  # a dropped or rolled-back update is no step to judge
+                self._judge_ratio(trainer, p, reading)
         if (-1, "clip_window") in host and clip is not None:
-            last = (pending[-1][0], pending[-1][2].stats.step) if pending else None
+            last = (pending[-1].at, pending[-1].sample.stats.step) if pending else None
             self._emit_clip(trainer, last, clip, self._clip.read(host[(-1, "clip_window")]))
         self.last_logged.update(self._noise.emit(trainer, host))
 
@@ -289,6 +320,18 @@ class GradientNormLogger(GradGuardCallback):
         for h in reading.histograms:
             for j, name in enumerate(h.names):
                 _emit.log_histogram_raw(trainer, f"{h.kind}/{name}", h.stats[j], h.edges[j], h.counts[j], at)
+
+    def _judge_ratio(self, trainer: pl.Trainer, p: _Logged, reading: NormReading) -> None:
+        """The update-ratio verdict on a logging step's total ratio (``monitors.gradients.ratio``)."""
+        if self.max_update_ratio is None or reading.update_ratio_total is None:
+            return
+        watch = self._ratio.setdefault(p.suffix, RatioWatch())
+        step = p.sample.stats.step
+        if watch.check(step, reading.update_ratio_total, self.max_update_ratio):
+            f = ratio_finding(watch, step, self.max_update_ratio, p.optimizer)
+            self.report(
+                trainer, f.kind, "warning", None, f.message, f.hint, f.data, step, f"{f.kind}{p.suffix}"
+            )
 
     def _emit_clip(
         self, trainer: pl.Trainer, last: tuple[int, int] | None, clip: ClipSetting, window: Tensor
@@ -316,6 +359,7 @@ class GradientNormLogger(GradGuardCallback):
             **super().state_dict(),
             "clip_window": self._clip.state_dict(),
             "noise_scale": self._noise.state_dict(),
+            "update_ratio": {k: w.state_dict() for k, w in self._ratio.items()},
         }
 
     @override
@@ -323,6 +367,10 @@ class GradientNormLogger(GradGuardCallback):
         super().load_state_dict(state_dict)
         self._clip.load_state_dict(state_dict.get("clip_window", {}))
         self._noise.load_state_dict(state_dict.get("noise_scale", {}))
+        self._ratio = {}
+        for key, state in state_dict.get("update_ratio", {}).items():
+            self._ratio[key] = RatioWatch()
+            self._ratio[key].load_state_dict(state)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

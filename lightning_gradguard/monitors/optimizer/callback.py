@@ -7,7 +7,8 @@ between the update and the negative gradient per layer, Adam's moments (``exp_av
 ``sqrt(v_hat)``) or SGD's momentum buffer, and a count of the updates that were skipped, by cause.
 Measured on Lightning's logging steps only; all values of a step reach the host in one transfer. The
 measuring is :mod:`lightning_gradguard.monitors.optimizer.sample`, the math
-:mod:`lightning_gradguard.functional.optimizer_state`; the cadence, the tags and the two rules are here.
+:mod:`lightning_gradguard.functional.optimizer_state`, the rules' wording
+:mod:`lightning_gradguard.monitors.optimizer.rules`; the cadence, the tags and the verdicts are here.
 """
 
 from __future__ import annotations
@@ -30,10 +31,16 @@ from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_float, check_int
 from lightning_gradguard.functional.optimizer_state import (
+    adam_step_threshold,
     epsilon_dominated,
     ratio_outliers,
 )
-from lightning_gradguard.monitors.optimizer.rules import epsilon_finding, outlier_finding
+from lightning_gradguard.monitors.optimizer.rules import (
+    OptimizerFinding,
+    adam_step_finding,
+    epsilon_finding,
+    outlier_finding,
+)
 from lightning_gradguard.monitors.optimizer.sample import (
     OptimizerReading,
     OptimizerSample,
@@ -59,6 +66,7 @@ class _Pending:
     suffix: str  # "_opt<i>" with several optimizers
     sample: OptimizerSample
     logged: bool  # a logging step (else a check only, with logging off)
+    skips: int  # updates other callbacks had dropped when the sample was taken
 
 
 class OptimizerMonitor(GradGuardCallback):
@@ -80,8 +88,13 @@ class OptimizerMonitor(GradGuardCallback):
 
     Alerts (warnings): ``adam_epsilon_dominates`` when a layer's RMS of ``sqrt(v_hat)`` stays below
     ``epsilon_ratio * eps``; ``update_ratio_outlier`` when a layer's :math:`\|\Delta w\|/\|w\|` stays more
-    than ``outlier_factor`` times above or below the median layer's. Each on ``patience`` consecutive
-    checks. Tensors above 65 536 entries are measured on a strided sample (see
+    than ``outlier_factor`` times above or below the median layer's (above: not for a layer whose weights
+    were exactly 0 at a check, e.g. a zero-initialised bias, which moves by about ``1/t`` of its norm at
+    step ``t`` whatever its lr). Each on ``patience`` consecutive checks. ``adam_step_too_large`` on the
+    first check where an Adam-family optimizer (Adam, AdamW, NAdam, RAdam) moved an entry by more than
+    ``max_adam_step`` times its lr and more than Adam can move one with its betas (``beta2 <= beta1**2``
+    leaves the step unbounded); it names ``beta2`` and ``eps``. A step another callback dropped or rolled
+    back is not judged. Tensors above 65 536 entries are measured on a strided sample (see
     :mod:`lightning_gradguard.functional.optimizer_state`). Not under FSDP (one warning).
 
     Args:
@@ -90,6 +103,8 @@ class OptimizerMonitor(GradGuardCallback):
         epsilon_ratio: ``adam_epsilon_dominates`` when the RMS of ``sqrt(v_hat)`` is below this times
             ``eps``.
         outlier_factor: ``update_ratio_outlier`` beyond this factor from the median layer's ratio.
+        max_adam_step: ``adam_step_too_large`` when an entry's Adam step exceeds this many times its lr
+            (and Adam's own bound for its betas).
         patience: consecutive checks a finding must persist before it is reported.
         include: layers whose name matches one of these regular expressions get per-layer tags and are
             judged (``None``: all; totals cover every layer): see
@@ -114,6 +129,7 @@ class OptimizerMonitor(GradGuardCallback):
         log_every_n_steps: int | None = None,
         epsilon_ratio: float = 1.0,
         outlier_factor: float = 300.0,
+        max_adam_step: float = 10.0,
         patience: int = 3,
         include: str | list[str] | None = None,
         exclude: str | list[str] | None = None,
@@ -126,12 +142,14 @@ class OptimizerMonitor(GradGuardCallback):
         )
         self.epsilon_ratio: float = check_float("epsilon_ratio", epsilon_ratio, 0.0, low_open=True)
         self.outlier_factor: float = check_float("outlier_factor", outlier_factor, 1.0, low_open=True)
+        self.max_adam_step: float = check_float("max_adam_step", max_adam_step, 1.0, low_open=True)
         self.patience: int = check_int("patience", patience, 1)
         self.layers = LayerSelection(include, exclude, max_layers)
         self._pending: list[_Pending] = []
         self._counters_at: int | None = None  # the log step the skip counters are due at
         self._scale = ScaleWatch()
         self._strikes: dict[str, dict[str, int]] = {}  # "<rule><suffix>" -> layer -> consecutive checks
+        self._born_zero: dict[str, set[str]] = {}  # suffix -> layers seen with weights exactly 0
         self._skips_base: dict[str, float] = {}  # counts of earlier fits of this run (a checkpoint)
         self._skips_start: dict[str, int] = {}  # the Trainer's shared counts when this fit started
         self._shared: dict[str, int] = {}  # the Trainer's shared counts (``core.state``), live
@@ -148,6 +166,7 @@ class OptimizerMonitor(GradGuardCallback):
         super().on_fit_start(trainer, pl_module)
         if self.fresh_run(trainer):
             self._pending, self._strikes, self._skips_base, self.last_logged = [], {}, {}, {}
+            self._born_zero = {}
             self._scale, self._counters_at = ScaleWatch(), None
         self._shared = trainer_state(trainer).skipped_updates
         self._skips_start = dict(self._shared)
@@ -187,7 +206,8 @@ class OptimizerMonitor(GradGuardCallback):
         if not stats.params:
             return
         suffix = f"_opt{optimizer_index(trainer, optimizer)}" if len(trainer.optimizers) > 1 else ""
-        self._pending.append(_Pending(at, suffix, OptimizerSample(stats, optimizer), logged))
+        sample, skips = OptimizerSample(stats, optimizer), sum(self._shared.values())
+        self._pending.append(_Pending(at, suffix, sample, logged, skips))
 
     @override
     def on_train_batch_end(
@@ -222,7 +242,8 @@ class OptimizerMonitor(GradGuardCallback):
             self._note_moments(trainer, p.sample, reading)
             if p.logged:
                 metrics.update(reading_scalars(reading, self.layers, p.suffix))
-            self._judge(trainer, reading, p.suffix)
+            if sum(self._shared.values()) == p.skips:  # a dropped or rolled-back update is no step to judge
+                self._judge(trainer, reading, p.suffix)
         if counters_at is not None:
             scaler = host.get("grad_scaler")
             counts = self._skip_counts(float(scaler[0]) if scaler is not None else 0.0)
@@ -264,12 +285,31 @@ class OptimizerMonitor(GradGuardCallback):
         ]
         ratios = {k: v for k, v in self.layers.keep(reading.geometry.update_ratio).items() if k in graded}
         median, outliers = ratio_outliers(ratios, self.outlier_factor)
+        # a layer whose weights were exactly 0 (MultiheadAttention's in_proj_bias, LoRA's B) moves by ~1/t of
+        # its norm at step t, whatever its lr: far above the median for its first steps, never an lr to blame
+        born = self._born_zero.setdefault(suffix, set())
+        born |= {k for k in graded if k not in reading.geometry.update_ratio}  # weight norm 0 before the step
+        outliers = {k: x for k, x in outliers.items() if x < 1.0 or k not in born}
         findings += [
             outlier_finding(layer, ratios[layer], median, self.outlier_factor, n)
             for layer, n in self._strike("outlier", suffix, set(outliers)).items()
         ]
+        findings += self._adam_steps(reading)
         for f in findings:
-            self.report(trainer, f.kind, "warning", f.layer, f.message, f.hint, f.data, step=reading.step)
+            # the Adam step is the optimizer's setting: one cooldown whichever layer went furthest
+            key = f"{f.kind}{suffix}" if f.kind == "adam_step_too_large" else None
+            self.report(trainer, f.kind, "warning", f.layer, f.message, f.hint, f.data, reading.step, key)
+
+    def _adam_steps(self, reading: OptimizerReading) -> list[OptimizerFinding]:
+        """One finding for the layer whose Adam step went furthest past its limit (a setting, not a layer,
+        is at fault: the others are counted in it). At once: no healthy Adam step comes near the limit."""
+        steps = {k: s for k, s in reading.adam_steps.items() if self.layers.watches(k)}
+        over = {k: s.step / adam_step_threshold(s.bound, self.max_adam_step) for k, s in steps.items()}
+        over = {k: x for k, x in over.items() if x > 1.0}
+        if not over:
+            return []
+        worst = max(over, key=lambda k: over[k])
+        return [adam_step_finding(worst, steps[worst], len(over) - 1)]
 
     # ------------------------------------------------------------------ state
     @override
@@ -278,6 +318,7 @@ class OptimizerMonitor(GradGuardCallback):
         scaler = self._scale.count  # a checkpoint is a sync anyway
         state["skipped_updates"] = self._skip_counts(float(scaler.sum()) if scaler is not None else 0.0)
         state["strikes"] = {k: dict(v) for k, v in self._strikes.items()}
+        state["born_zero"] = {k: sorted(v) for k, v in self._born_zero.items()}
         return state
 
     @override
@@ -285,4 +326,5 @@ class OptimizerMonitor(GradGuardCallback):
         super().load_state_dict(state_dict)
         self._skips_base = {k: float(v) for k, v in state_dict.get("skipped_updates", {}).items()}
         self._strikes = {k: dict(v) for k, v in state_dict.get("strikes", {}).items()}
+        self._born_zero = {k: set(v) for k, v in state_dict.get("born_zero", {}).items()}
         self._scale = ScaleWatch()

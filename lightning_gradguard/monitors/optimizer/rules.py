@@ -1,24 +1,29 @@
-"""OptimizerMonitor's two rules in words: Adam's ``eps`` dominating its step, an update ratio far off.
+"""OptimizerMonitor's rules in words: Adam's ``eps`` dominating its step, an update ratio far off, an
+Adam step far above its learning rate.
 
 Whether a layer is dominated by ``eps`` or an outlier is decided by
 :func:`~lightning_gradguard.functional.optimizer_state.epsilon_dominated` and
-:func:`~lightning_gradguard.functional.optimizer_state.ratio_outliers`; here a finding that persisted is
-said, with the numbers and what to change.
+:func:`~lightning_gradguard.functional.optimizer_state.ratio_outliers`, how large an Adam step may be by
+:func:`~lightning_gradguard.functional.optimizer_state.adam_step_threshold`; here a finding is said, with
+the numbers and the setting to change.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["OptimizerFinding", "epsilon_finding", "outlier_finding"]
+from lightning_gradguard.monitors.optimizer.sample import AdamStep
+
+__all__ = ["OptimizerFinding", "adam_step_finding", "epsilon_finding", "outlier_finding"]
 
 
 @dataclass(frozen=True)
 class OptimizerFinding:
-    """A finding of :func:`epsilon_finding` or :func:`outlier_finding`, in words (always a warning)."""
+    """A finding of one of the rules, in words (always a warning)."""
 
-    kind: Literal["adam_epsilon_dominates", "update_ratio_outlier"]
+    kind: Literal["adam_epsilon_dominates", "update_ratio_outlier", "adam_step_too_large"]
     layer: str
     message: str
     hint: str
@@ -62,3 +67,53 @@ def outlier_finding(layer: str, ratio: float, median: float, factor: float, chec
         hint,
         {"update_ratio": ratio, "median": median, "checks": float(checks)},
     )
+
+
+def adam_step_finding(layer: str, s: AdamStep, others: int) -> OptimizerFinding:
+    """An entry of ``layer`` moved far more than Adam's ``lr`` allows (``others``: more layers did too)."""
+    moved = (
+        f"{s.optimizer} moved an entry of layer {layer} by {s.step:.3g} x lr in one step (lr={s.lr:.3g}: "
+        f"|delta w| = {s.step * s.lr:.3g}, after {s.steps_taken:.0f} steps)"
+        + (f", and {others} more layer(s) by more than the limit too" if others else "")
+        + "; a healthy Adam step is at most a few x lr per entry (below 2 x lr in every healthy run we "
+        "measured)."
+    )
+    data = {
+        "step_over_lr": s.step,
+        "lr": s.lr,
+        "beta1": s.beta1,
+        "beta2": s.beta2,
+        "eps": s.eps,
+        "bound": s.bound,
+        "other_layers": float(others),
+    }
+    tiny_eps = (
+        f" eps={s.eps:.3g} lets the step reach |m_hat| / eps: keep eps at 1e-8 or above."
+        if s.eps < 1e-10
+        else ""
+    )
+    if math.isinf(s.bound):
+        growth = s.beta1 / math.sqrt(s.beta2) if s.beta2 > 0 else math.inf
+        why = (
+            f" With betas=({s.beta1:g}, {s.beta2:g}), beta2 <= beta1^2 = {s.beta1**2:.3g}: the per-entry "
+            "step m_hat / (sqrt(v_hat) + eps) has no bound (Kingma & Ba 2015, Sec. 2.1, bound it by about "
+            "lr for the usual betas; a bound needs beta1 / sqrt(beta2) < 1, as in Reddi et al. 2018). v "
+            "forgets a large gradient faster than m does: each quieter step after it multiplies the step "
+            f"by up to beta1 / sqrt(beta2) = {growth:.3g}, until it reaches |m_hat| / eps (eps={s.eps:.3g})."
+        )
+        hint = (
+            f"beta2={s.beta2:g} is far too small: use the default 0.999 (0.95-0.99 for large models); "
+            "beta2 must stay above beta1^2." + tiny_eps
+        )
+        return OptimizerFinding("adam_step_too_large", layer, moved + why, hint, data)
+    why = (
+        f" That is above {s.bound:.3g} x lr, the most Adam can move an entry with betas=({s.beta1:g}, "
+        f"{s.beta2:g}) after {s.steps_taken:.0f} steps, whatever the gradients: the weights moved by more "
+        "than the optimizer's step."
+    )
+    hint = (
+        "Something else writes to the weights between on_before_optimizer_step and the end of the batch "
+        "(a custom optimizer_step, weight clipping or re-initialisation in a hook), or the lr changed "
+        "within the step." + tiny_eps
+    )
+    return OptimizerFinding("adam_step_too_large", layer, moved + why, hint, data)

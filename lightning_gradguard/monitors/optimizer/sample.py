@@ -9,14 +9,17 @@
   queues the update's geometry and the optimizer's moments into the step's one
   :class:`~lightning_gradguard.core.transfer.HostTransfer`, and :meth:`OptimizerSample.read` turns the
   host values into per-layer numbers (:mod:`lightning_gradguard.functional.optimizer_state`); its
-  update/weight ratios are the shared per-layer norms every monitor reads.
+  update/weight ratios are the shared per-layer norms every monitor reads. For the Adam family (Adam,
+  AdamW, NAdam, RAdam) it also reads each layer's largest per-entry step in units of lr, with the
+  setting that bounds it (:class:`AdamStep`).
 * :func:`reading_scalars`: a reading as ``optimizer/*`` tags.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +34,8 @@ from lightning_gradguard.functional.layers import log_distance_scores
 from lightning_gradguard.functional.optimizer_state import (
     LayerGeometry,
     LayerMoments,
+    adam_step_bound,
+    entry_steps,
     layer_geometry,
     layer_moments,
 )
@@ -39,6 +44,7 @@ from lightning_gradguard.functional.updates import sampled, update_ratio
 from lightning_gradguard.tags import OPTIMIZER
 
 __all__ = [
+    "AdamStep",
     "OptimizerReading",
     "OptimizerSample",
     "ScaleWatch",
@@ -82,13 +88,47 @@ class ScaleWatch:
         self.count = fell if self.count is None else self.count + fell.to(self.count.device)
 
 
+#: the optimizers whose step is Adam's ``lr * m_hat / (sqrt(v_hat) + eps)``, and the bound that applies
+_ADAM_KINDS = (
+    (torch.optim.NAdam, "nadam"),
+    (torch.optim.RAdam, "radam"),
+    (torch.optim.Adam, "adam"),
+    (torch.optim.AdamW, "adam"),
+)
+
+
+def _adam_kind(opt: Any) -> str | None:
+    """``"adam"`` / ``"nadam"`` / ``"radam"`` for torch's Adam family (fused and foreach forms alike);
+    ``None`` for any other optimizer (LAMB's trust ratio, Adafactor, ... scale their steps otherwise)."""
+    return next((kind for cls, kind in _ADAM_KINDS if isinstance(opt, cls)), None)
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    r"""A layer's largest per-entry Adam step and the setting of the parameter it was found in.
+
+    ``step`` is :math:`\max |\Delta w| / lr` (in units of the lr it was stepped with), ``bound`` the most
+    Adam can take with these betas at this step count
+    (:func:`~lightning_gradguard.functional.optimizer_state.adam_step_bound`; ``inf``: none).
+    """
+
+    step: float
+    bound: float
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    steps_taken: float
+    optimizer: str
+
+
 @dataclass(frozen=True)
 class OptimizerReading:
     """One optimizer step on the host: the update's geometry, the moments, and what the optimizer keeps.
 
     ``keeps`` names the moment families found in the optimizer's state (``"exp_avg"``,
     ``"exp_avg_sq"``, ``"momentum_buffer"``); empty for an optimizer we do not read (LBFGS, Adagrad, ...).
-    ``graded`` lists the layers that had a gradient this step.
+    ``graded`` lists the layers that had a gradient this step. ``adam_steps``: the Adam family only.
     """
 
     step: int
@@ -96,6 +136,7 @@ class OptimizerReading:
     moments: LayerMoments
     keeps: frozenset[str]
     graded: frozenset[str]
+    adam_steps: dict[str, AdamStep] = field(default_factory=dict)
 
 
 def reading_scalars(reading: OptimizerReading, layers: LayerSelection, suffix: str = "") -> dict[str, float]:
@@ -152,6 +193,7 @@ class OptimizerSample:
         assert sample is not None  # the monitor measures only a step with parameters
         self.sample = sample
         self.keeps: frozenset[str] = frozenset()
+        self.kind = _adam_kind(self.opt)
         self._moment_index: dict[str, list[int]] = {}
         self._second: dict[int, tuple[float | Tensor, float, float]] = {}  # step, beta2, eps
 
@@ -170,6 +212,8 @@ class OptimizerSample:
         for i, lr in enumerate(self.lrs):
             if isinstance(lr, Tensor):
                 transfer.add((key, f"lr:{i}"), lr)
+        if self.kind is not None:  # each parameter's largest |delta w| on the sample (not scaled up)
+            transfer.add((key, "update_max"), self.sample.norms(math.inf))
         moments = self._moments(transfer, key)
         for name, tensors in moments.items():
             if tensors:
@@ -222,23 +266,60 @@ class OptimizerSample:
             {i: (g, d) for i, g, d in zip(self.sample.with_grad, grad_sq, descent, strict=True)},
         )
         geometry = replace(geometry, **_shared_ratios(self.labels, v))
+        # Adam's step count per parameter (queued when the optimizer keeps it as a tensor)
+        steps = {
+            i: float(v[f"step:{i}"][0]) if isinstance(t, Tensor) else t
+            for i, (t, _, _) in self._second.items()
+        }
+        graded = frozenset(self.labels[self.index[i]] for i in self.sample.with_grad)
+        adam = self._adam_steps(v["update_max"].tolist(), lrs, steps) if "update_max" in v else {}
+        return OptimizerReading(
+            self.stats.step, geometry, self._read_moments(v, steps), self.keeps, graded, adam
+        )
+
+    def _read_moments(self, v: dict[str, Tensor], steps: dict[int, float]) -> LayerMoments:
         per: dict[str, dict[int, float]] = {}
         for name, idx in self._moment_index.items():
             values = v[name].tolist() if name in v else []
             per[name] = dict(zip(idx, values, strict=True))
-        second = {}
-        for i, (step, beta2, eps) in self._second.items():
-            t = float(v[f"step:{i}"][0]) if isinstance(step, Tensor) else step
-            second[i] = (per["exp_avg_sq"][i], self.params[i].numel(), 1.0 - beta2**t, eps)
-        moments = layer_moments(
+        second = {
+            i: (per["exp_avg_sq"][i], self.params[i].numel(), 1.0 - beta2 ** steps[i], eps)
+            for i, (_, beta2, eps) in self._second.items()
+        }
+        return layer_moments(
             self.labels,
             self.index,
             {i: x * x for i, x in per.get("exp_avg", {}).items()},
             {i: x * x for i, x in per.get("momentum_buffer", {}).items()},
             second,
         )
-        graded = frozenset(self.labels[self.index[i]] for i in self.sample.with_grad)
-        return OptimizerReading(self.stats.step, geometry, moments, self.keeps, graded)
+
+    def _adam_steps(
+        self, update_max: list[float], lrs: list[float], steps: dict[int, float]
+    ) -> dict[str, AdamStep]:
+        """Each layer's largest per-entry step, and the setting of the parameter it was found in (the
+        parameters with Adam state; RAdam's only once its variance is rectified)."""
+        bounds: dict[int, float] = {}
+        for i, t in steps.items():
+            g = self.groups[i]
+            decay = float(g.get("momentum_decay", 0.004))
+            bound = adam_step_bound(float(g["betas"][0]), self._second[i][1], t, self.kind or "adam", decay)
+            if bound is not None:
+                bounds[i] = bound
+        out = {}
+        for layer, e in entry_steps(self.labels, self.index, update_max, lrs, bounds).items():
+            _, beta2, eps = self._second[e.param]
+            out[layer] = AdamStep(
+                step=e.step,
+                bound=e.bound,
+                lr=lrs[e.param],
+                beta1=float(self.groups[e.param]["betas"][0]),
+                beta2=beta2,
+                eps=eps,
+                steps_taken=steps[e.param],
+                optimizer=type(self.opt).__name__,
+            )
+        return out
 
 
 def _shared_ratios(labels: list[str], v: dict[str, Tensor]) -> dict[str, Any]:

@@ -95,6 +95,7 @@ ALERT_KINDS: dict[str, str] = {
     "adam_epsilon_dominates": "Adam's eps outweighs a layer's typical sqrt(v_hat) (OptimizerMonitor)",
     "update_ratio_outlier": "a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",
 }
+    "attention_entropy_collapse": "an attention module's entropy fell near 0: each query attends to ~one key",
 
 _LEVELS = {
     "info": logging.INFO,

@@ -245,6 +245,12 @@ _OTHER_CHARTS: tuple[Chart, ...] = (
         "attention",
     ),
     Chart(
+        "Attention: entropy per attention module in nats (ln of the keys = uniform, 0 = one-hot)",
+        (ATTENTION.tag("entropy", ".*"),),
+        "ActivationRangeMonitor",
+        "attention",
+    ),
+    Chart(
         "Loss spikes: robust z-score of the loss and the gradient norm",
         (SPIKE.tag(".*zscore"),),
         "LossSpikeGuard",

@@ -5,7 +5,8 @@ The model is a small transformer: an ``nn.TransformerEncoderLayer`` (``nn.Multih
 off (``bmm`` + ``softmax`` or SDPA), and a hand-written block calling ``F.scaled_dot_product_attention``.
 The tests' own forward hooks keep every block output and every attention input of each step; block
 statistics are recomputed from those outputs in float64, the largest logit as ``q @ k^T / sqrt(d)`` from
-the module's weights on the same inputs (masks applied).
+the module's weights on the same inputs (masks applied), and the attention entropy as the softmax of
+those scores.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Tiny(pl.LightningModule):
         self.scale, self.lr = scale, lr
         self.outputs: dict[int, dict[str, list[torch.Tensor]]] = {}
         self.logits: dict[int, dict[str, list[float]]] = {}
+        self.scores: dict[int, dict[str, list[torch.Tensor]]] = {}  # -inf where masked
         self.attached: dict[int, bool] = {}
         if record:
             self._record(layer)
@@ -103,6 +105,7 @@ class Tiny(pl.LightningModule):
 
     def _note(self, name: str, value: torch.Tensor) -> None:
         self.logits.setdefault(self._step(), {}).setdefault(name, []).append(float(value.detach().max()))
+        self.scores.setdefault(self._step(), {}).setdefault(name, []).append(value.detach().double())
 
     def _mha_truth(self, name: str) -> Any:
         def hook(mha: nn.MultiheadAttention, args: Any, kwargs: dict[str, Any]) -> None:
@@ -161,6 +164,24 @@ def truth(outputs: list[torch.Tensor]) -> dict[str, float]:
     }
 
 
+def entropy_truth(scores: list[torch.Tensor]) -> dict[str, float]:
+    """The mean attention entropy (nats) over every (call, batch, head, query) row with two keys or more,
+    the lowest head's, and the mean of entropy / ln(keys), from the score matrices ``(batch, heads, L, S)``
+    (-inf: masked)."""
+    s = torch.cat(scores)
+    valid = torch.isfinite(s).sum(-1) >= 2
+    p = s.softmax(-1)
+    h = -(p * torch.where(p > 0, p.log(), torch.zeros((), dtype=p.dtype))).sum(-1)
+    h = torch.where(valid, h, torch.zeros((), dtype=h.dtype))
+    per_head = h.sum((0, 2)) / valid.sum((0, 2))
+    ratio = h / torch.isfinite(s).sum(-1).clamp(min=2).double().log()
+    return {
+        "entropy": float(h.sum() / valid.sum()),
+        "entropy_min_head": float(per_head.min()),
+        "ratio": float(ratio.sum() / valid.sum()),
+    }
+
+
 BLOCKS = ["embed", "layers.0", "layers.1", "layers.2", "head"]
 ATTENTION = ["layers.0.self_attn", "layers.1.attn", "layers.2"]
 
@@ -189,6 +210,13 @@ def test_logged_ranges_and_logits_equal_a_brute_force_recomputation(
         for owner in ATTENTION:
             logged = logger.series(f"attention/max_logit/{owner}")[step]
             assert logged == pytest.approx(max(model.logits[step][owner]), rel=1e-4, abs=1e-5), (step, owner)
+            for stat, value in entropy_truth(model.scores[step][owner]).items():
+                if stat == "ratio":  # not logged; the latest sampled step's is on the monitor
+                    if step == sampled[-1]:
+                        assert monitor.entropies[owner].ratio == pytest.approx(value, rel=1e-4)
+                    continue
+                logged = logger.series(f"attention/{stat}/{owner}")[step]
+                assert logged == pytest.approx(value, rel=1e-4), (step, owner, stat)
         total = max(max(v) for v in model.logits[step].values())
         assert logger.series("attention/max_logit/total")[step] == pytest.approx(total, rel=1e-4)
         headroom = min(truth(model.outputs[step][b])["fp16_headroom"] for b in BLOCKS)
@@ -274,11 +302,22 @@ def test_attention_logit_growth_alerts_follow_the_rule_on_the_true_logits() -> N
     peaks = [max(max(v) for v in model.logits[s].values()) for s in range(8)]
     expected = rule(peaks, 100.0, 4.0, 3)
     assert {r for _, r in expected} == {"growth", "ceiling"}  # the run exercises both rules
-    assert [
-        (a.step, "ceiling" if a.data["reference"] == 100.0 else "growth") for a in monitor.alerts
-    ] == expected
-    assert all(a.kind == "attention_logit_growth" and a.where == "layers.2" for a in monitor.alerts)
-    assert "QK-norm" in monitor.alerts[0].hint
+    growth = [a for a in monitor.alerts if a.kind == "attention_logit_growth"]
+    assert [(a.step, "ceiling" if a.data["reference"] == 100.0 else "growth") for a in growth] == expected
+    assert all(a.where == "layers.2" for a in growth) and "QK-norm" in growth[0].hint
+    # the entropy rule on the true entropies: below 0.2 of ln(keys) with a logit of 25 or more
+    collapsed = []
+    for step in range(8):
+        low = {
+            owner: ratio
+            for owner, scores in model.scores[step].items()
+            if (ratio := entropy_truth(scores)["ratio"]) < 0.2 and max(model.logits[step][owner]) >= 25
+        }
+        if low:
+            collapsed.append((step, min(low, key=low.__getitem__)))
+    entropy = [(a.step, a.where) for a in monitor.alerts if a.kind == "attention_entropy_collapse"]
+    assert entropy == collapsed and collapsed  # the growing logits made the attention one-hot
+    assert {a.kind for a in monitor.alerts} == {"attention_logit_growth", "attention_entropy_collapse"}
 
 
 # ------------------------------------------------------------------------------------------ the math

@@ -140,3 +140,44 @@ def test_a_vanishing_position_embedding_is_named_by_its_own_name(pos_scale: floa
     alert = detector.alerts[0]
     assert alert.kind == "vanishing_gradient" and alert.step <= 2
     assert alert.where == "net.pos_embed" and "net.pos_embed" in alert.message
+
+
+class OwnForward(pl.LightningModule):
+    """Attention and a ReLU called in the LightningModule's own forward, outside every submodule: the
+    attention's queries and keys far too large (near one-hot), the ReLU fed only negative values (dead)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 3 * DIM)
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x.reshape(x.shape[0], 8, 8)).chunk(3, dim=-1)
+        h = nn.functional.scaled_dot_product_attention(60.0 * q, 60.0 * k, v)
+        h = h + torch.relu(-h.abs() - 1.0)  # every unit dead
+        return self.head(h.mean(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_work_done_in_the_lightning_modules_own_forward_is_named_by_its_class() -> None:
+    """Regression: attention or a ReLU called in the LightningModule's own forward was named '' (alerts
+    'in ``', tags 'attention/max_logit/'): the root module is named by its class."""
+    from lightning_gradguard import ActivationRangeMonitor, DeadReLUMonitor
+
+    logger = MemoryLogger()
+    monitors = [ActivationRangeMonitor(), DeadReLUMonitor(sample_every_n_steps=1)]
+    make_trainer(monitors, logger=logger, max_steps=6).fit(OwnForward(), digits())
+    alerts = [a for m in monitors for a in m.alerts]
+    assert {a.kind for a in alerts} >= {"attention_entropy_collapse", "dead_relu"}
+    for alert in alerts:
+        assert alert.where.startswith("OwnForward") and "``" not in alert.message + alert.hint, alert
+    tags = {tag for _, metrics in logger.calls for tag in metrics}
+    assert "attention/max_logit/OwnForward" in tags
+    assert not any(tag.endswith("/") for tag in tags)

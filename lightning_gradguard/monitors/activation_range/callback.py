@@ -2,9 +2,10 @@ r"""
 ActivationRangeMonitor
 ======================
 
-Per block of the model: the range of its outputs (max \|x\|, RMS, kurtosis, fp16 headroom) and the largest
-attention logit, on sampled training steps only; nothing is attached on the other steps or during
-validation. The measuring is :mod:`lightning_gradguard.monitors.activation_range.capture`, the math
+Per block of the model: the range of its outputs (max \|x\|, RMS, kurtosis, fp16 headroom); per attention
+module the largest attention logit and the attention entropy; on sampled training steps only; nothing is
+attached on the other steps or during validation. The measuring is
+:mod:`lightning_gradguard.monitors.activation_range.capture`, the math
 :mod:`lightning_gradguard.functional.activation_range`; when to sample, what to log and the alerts are here.
 """
 
@@ -24,9 +25,19 @@ from lightning_gradguard.core.layers import LayerSelection, cap_scalars
 from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
-from lightning_gradguard.functional.activation_range import BlockRange
-from lightning_gradguard.monitors.activation_range.capture import RangeCapture, find_blocks, read_capture
-from lightning_gradguard.monitors.activation_range.rules import headroom_verdict, logit_verdict
+from lightning_gradguard.functional.activation_range import AttentionEntropy, BlockRange
+from lightning_gradguard.monitors.activation_range.capture import (
+    CaptureReading,
+    RangeCapture,
+    find_blocks,
+    read_capture,
+)
+from lightning_gradguard.monitors.activation_range.rules import (
+    EntropyStart,
+    entropy_verdict,
+    headroom_verdict,
+    logit_verdict,
+)
 from lightning_gradguard.tags import ACTIVATION, ATTENTION, charts_of
 
 __all__ = ["ActivationRangeMonitor"]
@@ -39,7 +50,8 @@ _STATS = ("max_abs", "rms", "kurtosis", "fp16_headroom")
 
 
 class ActivationRangeMonitor(SamplingMonitor):
-    r"""Watch the range of every block's output and the largest attention logit, on sampled steps.
+    r"""Watch the range of every block's output, the largest attention logit and the attention entropy, on
+    sampled steps.
 
     On a sampled training step it measures, inside that step's ``training_step`` call only (global forward
     hooks and a ``TorchFunctionMode``, removed when the call returns; a compiled model runs eagerly there):
@@ -53,7 +65,10 @@ class ActivationRangeMonitor(SamplingMonitor):
     * per module whose ``forward`` calls ``F.scaled_dot_product_attention`` or ``nn.MultiheadAttention``'s
       ``F.multi_head_attention_forward``: ``attention/max_logit/<module>``, the largest :math:`q \cdot k /
       \sqrt{d}` (plus an additive mask, masked positions left out), recomputed from that call's inputs, and
-      ``attention/max_logit/total``.
+      ``attention/max_logit/total``; the entropy of its softmax in nats, averaged over the query rows that
+      see two keys or more: ``attention/entropy/<module>`` (the mean over its heads) and
+      ``attention/entropy_min_head/<module>`` (its lowest head). Uniform attention over ``n`` keys has
+      :math:`\ln n`, one-hot attention 0.
 
     Reductions stay on the device; a sampled step costs one transfer (under DDP one collective first:
     every rank's numbers are pooled exactly, max for the maxima, moments for RMS and kurtosis, so every
@@ -63,7 +78,11 @@ class ActivationRangeMonitor(SamplingMonitor):
     drops below ``min_headroom_bits`` (bf16 and float32 runs log the headroom, never alert);
     ``attention_logit_growth`` when the largest logit passes ``max_attention_logit``, or is above
     ``max_attention_logit / logit_growth_factor`` and ``logit_growth_factor`` times the smallest of the
-    last ``growth_window`` sampled steps.
+    last ``growth_window`` sampled steps; ``attention_entropy_collapse`` when a module's entropy (the mean
+    over its heads) is below ``min_attention_entropy`` times :math:`\ln n` (the entropy of uniform attention
+    over the keys each query sees) and its largest logit is at least 25 (a one-hot made by the logits'
+    scale), named as an initialization fault at step 0 and as a collapse later.
+    Near-uniform attention is logged, never judged: it is how attention starts.
 
     Args:
         sample_every_n_steps: sample every this many steps (Lightning's rule plus step 0); ``None``: the
@@ -74,6 +93,8 @@ class ActivationRangeMonitor(SamplingMonitor):
         max_attention_logit: the ``attention_logit_growth`` ceiling.
         logit_growth_factor: the growth rule's factor (``None``: the ceiling alone).
         growth_window: sampled steps the growth rule looks back over.
+        min_attention_entropy: the ``attention_entropy_collapse`` threshold, as a fraction of the entropy of
+            uniform attention (``None``: the entropy is logged, never judged).
         include: blocks and attention modules whose name matches one of these regular expressions are
             measured (``None``: all; see :class:`~lightning_gradguard.core.layers.LayerSelection`).
         exclude: blocks and attention modules whose name matches are not measured.
@@ -87,6 +108,7 @@ class ActivationRangeMonitor(SamplingMonitor):
 
         Trainer(precision="16-mixed", callbacks=[monitor := ActivationRangeMonitor()]).fit(model)
         monitor.ranges["encoder.layers.3"].headroom_bits, monitor.max_logits
+        monitor.entropies["encoder.layers.3.self_attn"].entropy   # nats
     """
 
     state_key_args = ("sample_every_n_steps",)
@@ -99,6 +121,7 @@ class ActivationRangeMonitor(SamplingMonitor):
         max_attention_logit: float = 100.0,
         logit_growth_factor: float | None = 4.0,
         growth_window: int = 10,
+        min_attention_entropy: float | None = 0.2,
         include: str | list[str] | None = None,
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
@@ -117,12 +140,18 @@ class ActivationRangeMonitor(SamplingMonitor):
             "logit_growth_factor", logit_growth_factor, 1.0, low_open=True, allow_none=True
         )
         self.growth_window: int = check_int("growth_window", growth_window, 1)
+        self.min_attention_entropy: float | None = check_float(
+            "min_attention_entropy", min_attention_entropy, 0.0, 1.0, low_open=True, allow_none=True
+        )
         self.layers = LayerSelection(include, exclude, max_layers)
-        #: the latest sampled step's numbers: per block, and the largest attention logit per module
+        #: the latest sampled step's numbers: per block, and the largest attention logit and the attention
+        #: entropy per module
         self.ranges: dict[str, BlockRange] = {}
         self.max_logits: dict[str, float] = {}
+        self.entropies: dict[str, AttentionEntropy] = {}
         self.sampled_steps = 0
         self._history: list[float] = []  # the largest logit of recent sampled steps
+        self._entropy_starts: dict[str, EntropyStart] = {}  # each module's first sampled entropy
         self._blocks: dict[str, nn.Module] | None = None
         self._every = _DETECT_EVERY  # sample every this many steps (set at fit start)
 
@@ -144,6 +173,7 @@ class ActivationRangeMonitor(SamplingMonitor):
         self._every = self._cadence(trainer)[0]  # the Trainer's logging interval is fixed for the fit
         if self.fresh_run(trainer):
             self._history, self.ranges, self.max_logits, self.sampled_steps = [], {}, {}, 0
+            self.entropies, self._entropy_starts = {}, {}
 
     # ------------------------------------------------------------------ the sampled step
     @override
@@ -177,16 +207,15 @@ class ActivationRangeMonitor(SamplingMonitor):
                 "that step is skipped on every rank.",
             )
         elif reading.ranges or reading.max_logits:
-            self._judge(trainer, sampled_at, reading.ranges, reading.max_logits)
+            self._judge(trainer, sampled_at, reading)
 
-    def _judge(
-        self, trainer: pl.Trainer, at: tuple[int, int], ranges: dict[str, BlockRange], peaks: dict[str, float]
-    ) -> None:
+    def _judge(self, trainer: pl.Trainer, at: tuple[int, int], reading: CaptureReading) -> None:
         step, x = at
+        ranges, peaks, entropies = reading.ranges, reading.max_logits, reading.entropies
         self.sampled_steps += 1
-        self.ranges, self.max_logits = ranges, peaks
+        self.ranges, self.max_logits, self.entropies = ranges, peaks, entropies
         if self._cadence(trainer)[1]:
-            _emit.log_scalars(trainer, self._scalars(ranges, peaks), x)
+            _emit.log_scalars(trainer, self._scalars(reading), x)
         findings = []
         if str(trainer.precision) in FP16_PRECISIONS:  # bf16 and float32 have float32's range
             findings.append(headroom_verdict(ranges, self.min_headroom_bits, str(trainer.precision)))
@@ -195,11 +224,17 @@ class ActivationRangeMonitor(SamplingMonitor):
                 logit_verdict(self._history, peaks, self.max_attention_logit, self.logit_growth_factor)
             )
             self._history = [*self._history, max(peaks.values(), key=_order)][-self.growth_window :]
+        if entropies and self.min_attention_entropy is not None:
+            starts = self._entropy_starts
+            findings.append(entropy_verdict(entropies, peaks, self.min_attention_entropy, step, starts))
+        for name, e in entropies.items():
+            self._entropy_starts.setdefault(name, EntropyStart(step=step, entropy=e.entropy, ratio=e.ratio))
         for f in findings:
             if f is not None:
                 self.report(trainer, f.kind, "warning", f.where, f.message, f.hint, f.data, step, f.kind)
 
-    def _scalars(self, ranges: dict[str, BlockRange], peaks: dict[str, float]) -> dict[str, float]:
+    def _scalars(self, reading: CaptureReading) -> dict[str, float]:
+        ranges, peaks = reading.ranges, reading.max_logits
         out: dict[str, float] = {}
         names = list(ranges)
         shown = set(names)
@@ -220,6 +255,21 @@ class ActivationRangeMonitor(SamplingMonitor):
                 )
             )
             out[ATTENTION.tag("max_logit", "total")] = max(peaks.values(), key=_order)
+        out.update(self._entropy_scalars(reading.entropies))
+        return out
+
+    def _entropy_scalars(self, entropies: dict[str, AttentionEntropy]) -> dict[str, float]:
+        """``attention/entropy/<module>`` and ``attention/entropy_min_head/<module>``; under a cap the modules
+        with the lowest entropy (as a fraction of uniform) are shown."""
+        names = list(entropies)
+        shown = set(names)
+        if self.layers.max_layers is not None and names:
+            shown = self.layers.show(names, [_order(-entropies[n].ratio) for n in names])
+        out: dict[str, float] = {}
+        for stat in ("entropy", "entropy_min_head"):
+            values = {n: e.scalars()[stat] for n, e in entropies.items()}
+            out.update({ATTENTION.tag(stat, n): v for n, v in values.items() if n in shown})
+            out.update(self.layers.aggregates(ATTENTION.tag(stat), values))
         return out
 
     # ------------------------------------------------------------------ state
@@ -227,6 +277,10 @@ class ActivationRangeMonitor(SamplingMonitor):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.update(logit_history=list(self._history), sampled_steps=self.sampled_steps)
+        state["entropy_starts"] = {
+            k: {"step": s.step, "entropy": s.entropy, "ratio": s.ratio}
+            for k, s in self._entropy_starts.items()
+        }
         return state
 
     @override
@@ -234,6 +288,10 @@ class ActivationRangeMonitor(SamplingMonitor):
         super().load_state_dict(state_dict)
         self._history = [float(v) for v in state_dict.get("logit_history", [])]
         self.sampled_steps = int(state_dict.get("sampled_steps", 0))
+        self._entropy_starts = {
+            k: EntropyStart(step=int(v["step"]), entropy=float(v["entropy"]), ratio=float(v["ratio"]))
+            for k, v in state_dict.get("entropy_starts", {}).items()
+        }
 
 
 def _order(value: float) -> float:

@@ -12,8 +12,9 @@ LightningModule's ``training_step``, through
   (:func:`~lightning_gradguard.functional.activation_range.output_moments`);
 * for every module whose ``forward`` calls ``F.scaled_dot_product_attention`` or
   ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, so ``nn.TransformerEncoderLayer`` and
-  friends, in both its ``need_weights`` paths) the largest attention logit of each call
-  (:func:`~lightning_gradguard.functional.activation_range.max_attention_logit`).
+  friends, in both its ``need_weights`` paths) the largest attention logit of each call and, per head,
+  the sums that give its softmax's entropy
+  (:func:`~lightning_gradguard.functional.activation_range.attention_stats`).
 
 Example::
 
@@ -21,13 +22,14 @@ Example::
     with capture:
         model(x)
     capture.moments["layers.0"], capture.logits["layers.0.self_attn"]   # lists of device tensors
+    capture.entropy["layers.0.self_attn"]                                # one (4, heads) tensor per call
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,14 +43,18 @@ from lightning_gradguard.core.sampling import ScopedHooks
 from lightning_gradguard.core.state import strict_mode
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.activation_range import (
+    ENTROPY_SUMS,
     MOMENTS,
+    AttentionEntropy,
+    AttentionStats,
     BlockRange,
-    max_attention_logit,
-    mha_max_logit,
+    attention_stats,
+    mha_attention_stats,
     output_moments,
+    pool_entropy,
     pool_moments,
 )
-from lightning_gradguard.functional.stats import clean_name
+from lightning_gradguard.functional.stats import clean_name, module_label
 from lightning_gradguard.functional.tree import tensors_in
 
 __all__ = ["OUTSIDE", "CaptureReading", "RangeCapture", "find_blocks", "read_capture"]
@@ -126,9 +132,9 @@ class _Mode(TorchFunctionMode):
         capture = self.capture
         if self.live and capture.capturing:
             if func is F.scaled_dot_product_attention:
-                capture.attention(lambda: max_attention_logit(**_sdpa_arguments(args, kwargs)))
+                capture.attention(lambda: attention_stats(**_sdpa_arguments(args, kwargs)))
             elif func is F.multi_head_attention_forward:
-                capture.attention(lambda: mha_max_logit(args, kwargs))
+                capture.attention(lambda: mha_attention_stats(args, kwargs))
         return func(*args, **kwargs)
 
 
@@ -140,7 +146,8 @@ def _sdpa_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, 
 
 
 class RangeCapture(ScopedHooks):
-    """Block output moments and largest attention logits of the forward passes inside its scopes.
+    """Block output moments, largest attention logits and attention entropies of the forward passes inside
+    its scopes.
 
     Args:
         model: the LightningModule (or any module): names come from its ``named_modules``.
@@ -151,6 +158,8 @@ class RangeCapture(ScopedHooks):
     Attributes:
         moments: block name -> one :func:`output_moments` vector per output seen (on the device).
         logits: attention owner name -> one 0-d tensor per call (on the device).
+        entropy: attention owner name -> one ``(4, heads)`` tensor of entropy sums per call (on the device;
+            :attr:`~lightning_gradguard.functional.activation_range.AttentionStats.entropy`).
         error: what stopped the recording (an output we could not measure); the records are partial.
         left_inert: another ``TorchFunctionMode`` entered after ours was still active when a scope ended.
     """
@@ -168,6 +177,7 @@ class RangeCapture(ScopedHooks):
         self.watch_attention = watch_attention
         self.moments: dict[str, list[Tensor]] = {}
         self.logits: dict[str, list[Tensor]] = {}
+        self.entropy: dict[str, list[Tensor]] = {}
         self.error: Exception | None = None
         self._blocks = {id(m): name for name, m in blocks.items()}
         self._names: dict[int, str] = {}
@@ -178,7 +188,7 @@ class RangeCapture(ScopedHooks):
             return self
         self._open = True
         if self.attention_on and not self._names:
-            self._names = {id(m): clean_name(n) for n, m in self.model.named_modules()}
+            self._names = {id(m): module_label(n, self.model) for n, m in self.model.named_modules()}
         self._stack = []
         self._eager.open()
         self._handles = [register_module_forward_hook(self._post_hook, always_call=True)]
@@ -206,12 +216,18 @@ class RangeCapture(ScopedHooks):
         if x is not None and x.numel():
             self.moments.setdefault(name, []).append(output_moments(x))
 
-    def attention(self, measure: Callable[[], Tensor]) -> None:
-        """Record the largest logit of the attention call now running, under the module that made it."""
+    def attention(self, measure: Callable[[], AttentionStats]) -> None:
+        """Record the largest logit and the entropy sums of the attention call now running, under the module
+        that made it."""
         owner = self._stack[-1] if self._stack else OUTSIDE
         if self.watch_attention is not None and not self.watch_attention(owner):
             return
-        self._safely(lambda: self.logits.setdefault(owner, []).append(measure()))
+        self._safely(lambda: self._record_attention(owner, measure()))
+
+    def _record_attention(self, owner: str, stats: AttentionStats) -> None:
+        self.logits.setdefault(owner, []).append(stats.max_logit)
+        if stats.entropy is not None:
+            self.entropy.setdefault(owner, []).append(stats.entropy)
 
     def _safely(self, record: Callable[[], Any]) -> None:
         """Run inside the user's forward pass: a failure of ours stops the recording, never their step."""
@@ -230,6 +246,25 @@ class CaptureReading:
 
     ranges: dict[str, BlockRange] = field(default_factory=dict)
     max_logits: dict[str, float] = field(default_factory=dict)
+    entropies: dict[str, AttentionEntropy] = field(default_factory=dict)
+
+
+def _summed_entropy(calls: list[Tensor]) -> Tensor:
+    """The entropy sums of every call of one module, per head (summed over the heads too when the calls
+    disagree on the number of heads)."""
+    if len({tuple(c.shape) for c in calls}) > 1:
+        calls = [c.sum(1, keepdim=True) for c in calls]
+    return torch.stack(calls).sum(0)
+
+
+def _same_layout(trainer: pl.Trainer, layout: str) -> bool:
+    """Whether every rank recorded the same layout (one small all-reduce; ``True`` in one process)."""
+    if trainer.world_size == 1:
+        return True
+    sig = zlib.crc32(layout.encode())
+    check = torch.tensor([sig, -sig], dtype=torch.int64, device=trainer.strategy.root_device)
+    check = trainer.strategy.reduce(check, reduce_op="max")
+    return int(check[0]) == -int(check[1])
 
 
 def read_capture(trainer: pl.Trainer, capture: RangeCapture) -> CaptureReading | None:
@@ -237,21 +272,18 @@ def read_capture(trainer: pl.Trainer, capture: RangeCapture) -> CaptureReading |
 
     One device -> host transfer. Under DDP, first one small collective compares the ranks' layouts (an
     all-reduce of different layouts would mix blocks or hang: ``None`` on every rank when they differ),
-    then one all-reduce: each rank writes its numbers into its own row of a zero matrix, so the sum is an
-    all-gather and the host pools every rank's moments exactly and takes the maxima. A capture that
-    failed (``error``) counts as empty.
+    then one all-reduce: each rank writes its moments and maxima into its own row of a zero matrix, so the
+    sum is an all-gather and the host pools every rank's moments exactly and takes the maxima; the entropy
+    sums are summed as they are. A capture that failed (``error``) counts as empty.
     """
     ok = capture.error is None
     moments = {k: torch.stack(v) for k, v in capture.moments.items()} if ok else {}
     logits = {k: torch.stack(v).amax() for k, v in capture.logits.items()} if ok else {}
+    entropy = {k: _summed_entropy(v) for k, v in capture.entropy.items()} if ok else {}
     world, rank = trainer.world_size, trainer.global_rank
-    if world > 1:
-        layout = "|".join([f"{k}:{len(m)}" for k, m in moments.items()] + list(logits))
-        sig = zlib.crc32(layout.encode())
-        check = torch.tensor([sig, -sig], dtype=torch.int64, device=trainer.strategy.root_device)
-        check = trainer.strategy.reduce(check, reduce_op="max")
-        if int(check[0]) != -int(check[1]):
-            return None
+    layout = [f"{k}:{len(m)}" for k, m in moments.items()] + list(logits)
+    if not _same_layout(trainer, "|".join(layout + [f"{k}:{e.size(1)}" for k, e in entropy.items()])):
+        return None
     if not moments and not logits:
         return CaptureReading()
     transfer = HostTransfer()
@@ -260,7 +292,16 @@ def read_capture(trainer: pl.Trainer, capture: RangeCapture) -> CaptureReading |
             rows = value.new_zeros((world, *value.shape))
             rows[rank] = value
             transfer.add((kind, key), rows)
+    for key, sums in entropy.items():
+        transfer.add(("e", key), sums)
     host = transfer.fetch(trainer, reduce_op="sum")  # the one device -> host transfer of the step
+    return _pooled(host, moments, logits, entropy)
+
+
+def _pooled(
+    host: Mapping[Any, Tensor], moments: Iterable[str], logits: Iterable[str], entropy: Iterable[str]
+) -> CaptureReading:
+    """The host's numbers (:func:`read_capture`'s transfer) pooled into ranges, maxima and entropies."""
     ranges: dict[str, BlockRange] = {}
     for key in moments:
         pooled = pool_moments(host[("m", key)].reshape(-1, len(MOMENTS)).tolist())
@@ -270,4 +311,9 @@ def read_capture(trainer: pl.Trainer, capture: RangeCapture) -> CaptureReading |
     for key in logits:
         per_rank = [float(v) for v in host[("a", key)].tolist()]
         peaks[key] = math.nan if any(math.isnan(v) for v in per_rank) else max(per_rank)
-    return CaptureReading(ranges=ranges, max_logits=peaks)
+    entropies: dict[str, AttentionEntropy] = {}
+    for key in entropy:
+        found = pool_entropy(host[("e", key)].reshape(len(ENTROPY_SUMS), -1).tolist())
+        if found is not None:
+            entropies[key] = found
+    return CaptureReading(ranges=ranges, max_logits=peaks, entropies=entropies)

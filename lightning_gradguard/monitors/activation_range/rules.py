@@ -1,7 +1,8 @@
-"""ActivationRangeMonitor's two rules and their wording: fp16 headroom running out, attention logits growing.
+"""ActivationRangeMonitor's rules and their wording: fp16 headroom running out, attention logits growing,
+attention collapsing to one key.
 
 The numbers they judge are :mod:`lightning_gradguard.functional.activation_range` (block output moments,
-the headroom in bits, the largest attention logit).
+the headroom in bits, the largest attention logit, the attention entropy).
 """
 
 from __future__ import annotations
@@ -10,9 +11,20 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_gradguard.functional.activation_range import BlockRange
+from lightning_gradguard.functional.activation_range import AttentionEntropy, BlockRange
 
-__all__ = ["HEADROOM_HINT", "LOGIT_HINT", "RangeFinding", "headroom_verdict", "logit_verdict"]
+__all__ = [
+    "COLLAPSE_HINT",
+    "COLLAPSE_MIN_LOGIT",
+    "HEADROOM_HINT",
+    "INIT_COLLAPSE_HINT",
+    "LOGIT_HINT",
+    "EntropyStart",
+    "RangeFinding",
+    "entropy_verdict",
+    "headroom_verdict",
+    "logit_verdict",
+]
 
 
 # ---------------------------------------------------------------------------------------------- the rules
@@ -101,4 +113,98 @@ def logit_verdict(
         message=f"largest attention logit {latest:.4g} in {where!r}: {why}",
         hint=LOGIT_HINT,
         data={"max_logit": latest, "reference": reference},
+    )
+
+
+INIT_COLLAPSE_HINT = (
+    "At initialization attention should be close to uniform (entropy near ln of the keys): here the logits "
+    "q.k/sqrt(d) are already large, so the query/key projections are initialized far too large (e.g. std 1 "
+    "instead of nn.Linear's ~1/sqrt(3 d_model), or a gain on q or k), or their inputs are not normalized (no "
+    "LayerNorm before the attention, scaled-up embeddings). Initialize q/k at the usual scale, normalize "
+    "their inputs (pre-LN), or normalize queries and keys (QK-norm); a one-hot attention passes almost no "
+    "gradient to the other keys, so it may never learn to spread."
+)
+
+COLLAPSE_HINT = (
+    "Attention entropy collapse (Zhai et al. 2023): the logits grew until each query attends to about one "
+    "key; loss spikes and divergence usually follow. Add or lengthen the learning-rate warm-up, lower the "
+    "learning rate (at least of the q/k projections), normalize queries and keys (QK-norm, Dehghani et al. "
+    "2023), or reparametrize the projections (sigma-reparam, Zhai et al. 2023)."
+)
+
+
+#: ``attention_entropy_collapse`` needs the module's largest logit at least this large: a one-hot attention
+#: made by the scale of its logits (too large an init, logits that grew), not a learned choice of one key
+#: (a head that attends to the first token reaches a tenth of ln(keys) with logits below 4)
+COLLAPSE_MIN_LOGIT = 25.0
+
+
+@dataclass(frozen=True)
+class EntropyStart:
+    """An attention module's entropy at the first sampled step of the run: what a collapse fell from."""
+
+    step: int
+    entropy: float  # nats
+    ratio: float  # fraction of ln(keys)
+
+
+def _collapse_history(step: int, start: EntropyStart | None, min_ratio: float) -> tuple[bool, str, str]:
+    """(whether the attention was born one-hot, when, since when) for :func:`entropy_verdict`'s wording."""
+    if step == 0:
+        return True, "at initialization (step 0)", ""
+    when = f"at step {step}"
+    if start is None:
+        return False, when, ""
+    if start.step == 0 and not start.ratio >= min_ratio:
+        return True, when, f", as at step 0 ({start.entropy:.3g} nats): it never spread"
+    return False, when, f", down from {start.entropy:.3g} nats at step {start.step}"
+
+
+def entropy_verdict(
+    entropies: Mapping[str, AttentionEntropy],
+    peaks: Mapping[str, float],
+    min_ratio: float,
+    step: int,
+    starts: Mapping[str, EntropyStart],
+) -> RangeFinding | None:
+    """``attention_entropy_collapse``: the module whose mean attention entropy (over its heads and query
+    rows) is the smallest fraction of ``ln(keys)``, when that fraction is below ``min_ratio`` and the
+    module's largest logit (``peaks``) is at least :data:`COLLAPSE_MIN_LOGIT`.
+
+    ``starts`` holds each module's first sampled entropy of the run. At step 0, or later when the module
+    was already below ``min_ratio`` at step 0, the cause named is the initialization; otherwise a collapse
+    during training, from the module's first sampled entropy. A NaN entropy is no finding (NaNSentinel's); a
+    near-uniform attention is never one (normal at initialization; logged only).
+    """
+    low = [
+        k
+        for k, e in entropies.items()
+        if e.ratio < min_ratio and peaks.get(k, math.nan) >= COLLAPSE_MIN_LOGIT
+    ]
+    if not low:
+        return None
+    where = min(low, key=lambda k: entropies[k].ratio)
+    e = entropies[where]
+    born_low, when, since = _collapse_history(step, starts.get(where), min_ratio)
+    more = len(low) - 1
+    others = f"; {more} more module{'s' if more > 1 else ''} below it" if more else ""
+    peak = peaks.get(where, math.nan)
+    return RangeFinding(
+        kind="attention_entropy_collapse",
+        where=where,
+        message=f"attention in {where!r} is near one-hot {when}: mean entropy {e.entropy:.3g} nats over "
+        f"{e.heads} head{'s' if e.heads > 1 else ''} (uniform attention: {e.log_keys:.3g} nats, ln of the "
+        f"keys each query sees; {e.ratio:.2f} of it, below {min_ratio:g}){since}; lowest head "
+        f"{e.min_head_entropy:.3g} nats; largest logit {peak:.4g}{others}",
+        hint=INIT_COLLAPSE_HINT if born_low else COLLAPSE_HINT,
+        data={
+            "entropy": e.entropy,
+            "log_keys": e.log_keys,
+            "ratio": e.ratio,
+            "min_head_entropy": e.min_head_entropy,
+            "max_logit": peak,
+            "threshold": min_ratio,
+            "at_init": float(born_low),
+            "modules_below": float(len(low)),
+        },
     )

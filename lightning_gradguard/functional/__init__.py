@@ -7,11 +7,11 @@
 * ``overfit``: the overfit-one-batch check's reading of a loss curve;
 * ``tree``: the tensors in nested batches and outputs;
 * ``updates`` (the update of a step from a weight snapshot, ``||delta w|| / ||w||``), ``clipping``
-  (clip-window statistics), ``spikes`` (a robust spike score), ``layers`` (which layers to show under a
-  cap), ``optimizer_state`` (step size, update cosine, Adam's moments per layer), ``noise_scale`` (the
-  gradient noise scale's estimator) and ``activation_range`` (block output moments, fp16 headroom, the
-  largest attention logit): the math under the monitors, importable by module; their names are not
-  re-exported here. The monitors' rules in words live in their own packages.
+  (clip-window statistics), ``spikes`` (a robust spike score), ``layers`` (which layers to show under a cap),
+  ``optimizer_state`` (step size, update cosine, Adam's moments per layer, Adam's per-entry step bound),
+  ``noise_scale`` (the gradient noise scale's estimator) and ``activation_range`` (block output moments, fp16
+  headroom, the largest attention logit and the attention entropy): the math under the monitors, importable by
+  module; their names are not re-exported here. The monitors' rules in words live in their own packages.
 
 Example::
 

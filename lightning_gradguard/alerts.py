@@ -78,6 +78,7 @@ ALERT_KINDS: dict[str, str] = {
     "batch_mixing": "the output of one sample depends on the input of another sample",
     "labels_unstable": "the same samples fetched again came back with other labels",
     "gradient_not_shrinking": "the batch was learned but the gradient norm did not shrink",
+    "overfit_unstable": "OverfitBatchSanity: the loss rose far above its start before the batch was learned",
     "gradient_mismatch": "GradientCheck: autograd and finite differences disagree for a parameter",
     "loss_spike": "LossSpikeGuard: a step's loss or gradient norm spiked far above the recent steps",
     "lr_finder_failed": "the LR range test gave no suggestion; the learning rate was left unchanged",

@@ -337,7 +337,7 @@ def test_frozen_backbone_is_not_unused() -> None:
     assert {p.name for p in grads.result.parameters} == {"net.2.weight", "net.2.bias"}  # type: ignore[union-attr]
 
 
-def test_a_head_used_only_in_validation_is_a_warning_not_an_error() -> None:
+def test_a_head_used_only_in_validation_is_an_info_line_not_a_warning() -> None:
     torch.manual_seed(0)
     x, y = data()
     overfit, grads, trainer, ours = run_checks(
@@ -345,7 +345,7 @@ def test_a_head_used_only_in_validation_is_a_warning_not_an_error() -> None:
     )
     assert_healthy(overfit, grads, ours)
     assert [(a.kind, a.severity, a.where) for a in overfit.alerts] == [
-        ("unused_parameter", "warning", "aux.weight, aux.bias")
+        ("unused_parameter", "info", "aux.weight, aux.bias")
     ]
     assert "val_aux" in trainer.callback_metrics  # the real run validated with it
 

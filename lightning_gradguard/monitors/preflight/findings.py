@@ -1,9 +1,9 @@
 """What the overfit-one-batch check finds besides the loss curve: :class:`OverfitResult`, and the
 findings about the parameters and the data.
 
-* :func:`parameter_findings`: parameters that get no gradient, or never move although they have one
-  (from a :class:`ParameterRecord` of the trial): not updated at all, or updated by less than their
-  dtype resolves (bf16 weights near 1.0);
+* :func:`parameter_findings`: parameters that get no gradient (an info line when only another step
+  uses their module), or never move although they have one (from a :class:`ParameterRecord` of the
+  trial): not updated at all, or updated by less than their dtype resolves (bf16 weights near 1.0);
 * :func:`label_stability`: the same samples drawn twice, with the same inputs but other labels;
 * :func:`batch_mixing`: one sample's output depends on another sample's input.
 
@@ -79,6 +79,8 @@ class OverfitResult:
         num_classes: for a classifier, the number of classes (given or inferred), else ``None``.
         chance_loss: for a classifier, the entropy of the batch's label frequencies: the loss of a model
             that ignores its inputs and predicts how often each label occurs.
+        warm_up: an LR scheduler had scaled some param group's LR below the LR it was configured with (a
+            warm-up): the check trained at the configured LR from its first step.
     """
 
     passed: bool
@@ -99,6 +101,7 @@ class OverfitResult:
     fallback_reached: bool | None = None
     num_classes: int | None = None
     chance_loss: float | None = None
+    warm_up: bool = False
 
 
 def listed(names: list[str]) -> str:
@@ -137,6 +140,14 @@ HINTS = {
         "to one array only, a random label transform). A model cannot learn labels that change under it."
     ),
 }
+
+
+#: the hint of ``unused_parameter`` (info): parameters of a module only another step uses
+_OTHER_STEPS_HINT = (
+    "Nothing to do when that is the design (an auxiliary head read in validation). If they should learn, "
+    "add their loss to training_step's; if not, freeze them (requires_grad=False: the optimizer then holds "
+    "no state for them) or list them in `ignore_parameters` to drop this line."
+)
 
 
 def label_stability(first: Any, second: Any) -> list[Finding]:
@@ -187,6 +198,10 @@ class ParameterRecord:
         called: the modules that ran in the first ``training_step``.
         probe: the update the optimizer makes to each of the parameters given, measured where rounding
             does not hide it (``None`` for one it could not measure); ``None``: not available.
+        elsewhere: the sub-modules that only ``validation_step``, ``test_step`` or ``predict_step`` use,
+            each with that step (see
+            :func:`~lightning_gradguard.monitors.preflight.modules.used_outside_training`); called only
+            when a parameter without a gradient sits in a module that never ran; ``None``: not known.
     """
 
     names: list[str]
@@ -196,6 +211,7 @@ class ParameterRecord:
     nonzero_grad: list[bool]
     called: set[str]
     probe: Callable[[list[nn.Parameter]], list[Tensor | None]] | None = None
+    elsewhere: Callable[[], dict[str, str]] | None = None
 
 
 def parameter_findings(
@@ -215,8 +231,9 @@ def parameter_findings(
 def _without_gradient(
     optimizer: torch.optim.Optimizer, record: ParameterRecord, kept: list[bool]
 ) -> list[Finding]:
-    """``unused_parameter``: a warning for those left untrained on purpose (in no param group, or their
-    module never ran), an error for the rest."""
+    """``unused_parameter``: info for those of a module that only another step uses (a validation-only
+    head), a warning for those left untrained on purpose (in no param group, or their module never
+    ran), an error for the rest."""
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     no_grad, not_trained, outside = [], [], []
     for name, p, g, keep in zip(record.names, record.params, record.got_grad, kept, strict=True):
@@ -226,27 +243,17 @@ def _without_gradient(
         if id(p) not in in_optimizer:
             not_trained.append(name)  # no gradient and no optimizer: consistently left untrained
         elif owner and owner not in record.called:
-            outside.append(name)  # its module never ran in training_step (e.g. a validation head)
+            outside.append(name)  # its module never ran in training_step
         else:
             no_grad.append(name)
-    findings = []
+    idle = [n for n in not_trained + outside if "." in n and n.rsplit(".", 1)[0] not in record.called]
+    by_step = _used_elsewhere(record, idle)
+    elsewhere = {name for names in by_step.values() for name in names}
+    not_trained = [name for name in not_trained if name not in elsewhere]
+    outside = [name for name in outside if name not in elsewhere]
+    findings = [_other_steps(by_step)] if by_step else []
     if not_trained or outside:
-        parts = [f"in no param group of the optimizer either: {listed(not_trained)}"] if not_trained else []
-        if outside:
-            parts.append(f"their module never runs in training_step: {listed(outside)}")
-        findings.append(
-            Finding(
-                kind="unused_parameter",
-                severity="warning",
-                names=not_trained + outside,
-                message=f"{len(not_trained) + len(outside)} trainable parameter(s) get no gradient in "
-                "training_step; " + "; ".join(parts) + ". Fine if they are meant for another step "
-                "(validation, a teacher updated by hand); under DDP they need "
-                "find_unused_parameters=True.",
-                hint=HINTS["unused_parameter"],
-                data={"count": float(len(not_trained) + len(outside))},
-            )
-        )
+        findings.append(_left_untrained(not_trained, outside))
     if no_grad:
         findings.append(
             Finding(
@@ -260,6 +267,53 @@ def _without_gradient(
             )
         )
     return findings
+
+
+def _used_elsewhere(record: ParameterRecord, names: list[str]) -> dict[str, list[str]]:
+    """Of ``names`` (no gradient, their module never ran in ``training_step``), those whose module the
+    code of another step uses, by that step."""
+    used = record.elsewhere() if names and record.elsewhere is not None else {}
+    by_step: dict[str, list[str]] = {}
+    for name in names:
+        owner = name.rsplit(".", 1)[0]
+        step = next((s for m, s in used.items() if owner == m or owner.startswith(m + ".")), None)
+        if step is not None:
+            by_step.setdefault(step, []).append(name)
+    return by_step
+
+
+def _other_steps(by_step: dict[str, list[str]]) -> Finding:
+    """``unused_parameter`` (info): parameters of modules only another step uses, by that step."""
+    names = [name for step in by_step.values() for name in step]
+    parts = [f"only {step} uses their module: {listed(found)}" for step, found in by_step.items()]
+    return Finding(
+        kind="unused_parameter",
+        severity="info",
+        names=names,
+        message=f"{len(names)} trainable parameter(s) get no gradient in training_step; "
+        + "; ".join(parts)
+        + ". Expected for a head that only evaluates; nothing trains them, so they keep their initial "
+        "values unless you update them yourself. Under DDP they need find_unused_parameters=True.",
+        hint=_OTHER_STEPS_HINT,
+        data={"count": float(len(names))},
+    )
+
+
+def _left_untrained(not_trained: list[str], outside: list[str]) -> Finding:
+    """``unused_parameter`` (warning): no gradient, in no param group, or in a module that never ran."""
+    parts = [f"in no param group of the optimizer either: {listed(not_trained)}"] if not_trained else []
+    if outside:
+        parts.append(f"their module never runs in training_step: {listed(outside)}")
+    return Finding(
+        kind="unused_parameter",
+        severity="warning",
+        names=not_trained + outside,
+        message=f"{len(not_trained) + len(outside)} trainable parameter(s) get no gradient in "
+        "training_step; " + "; ".join(parts) + ". Fine if they are meant for another step "
+        "(validation, a teacher updated by hand); under DDP they need find_unused_parameters=True.",
+        hint=HINTS["unused_parameter"],
+        data={"count": float(len(not_trained) + len(outside))},
+    )
 
 
 def _zero_gradient(record: ParameterRecord, kept: list[bool]) -> list[Finding]:

@@ -28,6 +28,7 @@ from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
+from lightning_gradguard.monitors.preflight.diagnosis import blow_up
 from lightning_gradguard.monitors.preflight.findings import OverfitResult, label_stability
 from lightning_gradguard.monitors.preflight.overfit_check import OverfitSettings, run_overfit_check
 from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, Finding, PreflightCheck, Summary
@@ -62,7 +63,8 @@ class OverfitBatchSanity(PreflightCheck):
 
     * ``unused_parameter`` (error): a trainable parameter in the optimizer, whose module ran in
       ``training_step``, never received a gradient (warning: not in the optimizer either, or its module
-      never ran — a teacher, a validation-only head);
+      never ran — a teacher; info: its module never ran and the code of ``validation_step``,
+      ``test_step`` or ``predict_step`` uses it — a validation-only head, read from the source);
     * ``parameter_not_updated`` (error): a parameter had a gradient but the optimizer never changed it
       (not in any param group, its group's ``lr`` is 0, or ``optimizer.step()`` computes no update
       for it);
@@ -77,8 +79,11 @@ class OverfitBatchSanity(PreflightCheck):
       inferred when the batch holds integer labels of shape ``[N]`` and the last leaf module outputs
       ``[N, C]`` with every label below ``C``. A loss ``N`` times that cross-entropy is summed, not
       averaged: an error;
-    * ``gradient_not_shrinking`` (warning): while the batch was learned, the last gradient norm stayed
-      at or above both the first and the median of the run;
+    * ``overfit_unstable`` (warning): the batch was learned, but on the way the loss rose above 1.5x its
+      start: the LR overshoots and the trial bounced into the target;
+    * ``gradient_not_shrinking`` (warning): the batch was learned to 1 % of its initial loss or less
+      (a target of 1 % or below; the default target stops the trial first) and the last gradient norm
+      stayed at or above both the first and the median of the run;
     * ``labels_unstable`` (error, with ``check_label_stability=True``, default): the samples of the
       first batch are fetched a second time (same indices from the sampler, ``dataset[i]``) with every
       global RNG re-seeded; identical inputs that come back with different integer labels mean the
@@ -92,7 +97,10 @@ class OverfitBatchSanity(PreflightCheck):
       zero.
 
     If the loss does not reach the target, alert ``overfit_failed`` lists the curve, the findings and the
-    likely causes (from the curve's shape: stuck at ``ln C``, flat, slow, diverging). With
+    likely causes (from the curve's shape: stuck at ``ln C``, flat, slow, diverging, blown up above its
+    start and stuck there or at chance). A curve that diverged or blew up and never recovered is a
+    too-high LR: an error even when ``Adam(fallback_lr)`` memorises the batch (a warning when a
+    scheduler warms up to that LR, which the check skips). With
     ``action="raise"`` (default) every rank raises :class:`SanityCheckError` (the verdict is reduced
     across ranks first, so no rank is left waiting); ``"warn"`` reports and trains on; ``"stop"`` asks
     the trainer to stop.
@@ -309,9 +317,22 @@ def _passed_line(result: OverfitResult) -> str:
     elif result.converged:
         how = "converged to a loss floor above the target"
     else:
-        how = "missed the target but kept learning"
+        how = _missed(result)
     return (
         f"OverfitBatchSanity: passed - loss {result.initial_loss:.4g} -> {result.final_loss:.4g} in "
         f"{result.steps} steps on {result.num_samples} samples with {result.optimizer} ({how}; "
         f"{result.seconds:.1f} s)."
     )
+
+
+def _missed(result: OverfitResult) -> str:
+    """Why a check that missed its target passed (with a warning), for the line that says it passed."""
+    jump = blow_up(result.losses)
+    if jump is not None:  # only under a warm-up the check skipped, or a loss that fell again
+        return f"missed the target; the loss rose to {jump.ratio:.3g}x its start at step {jump.step}"
+    if result.final_loss >= result.initial_loss:
+        return "missed the target; the loss ended above its start"
+    if result.fallback_reached:
+        return "missed the target; the fallback Adam memorised the batch: a slow LR"
+    share = result.final_loss / result.initial_loss
+    return f"missed the target but kept learning, down to {share:.0%} of its start"

@@ -32,6 +32,7 @@ from lightning_gradguard.monitors.preflight.diagnosis import (
     labels_of,
     missed_target,
     not_shrinking,
+    overshot,
 )
 from lightning_gradguard.monitors.preflight.findings import (
     OverfitResult,
@@ -39,6 +40,7 @@ from lightning_gradguard.monitors.preflight.findings import (
     batch_mixing,
     parameter_findings,
 )
+from lightning_gradguard.monitors.preflight.modules import used_outside_training
 from lightning_gradguard.monitors.preflight.overfit_trial import (
     TrialCurve,
     TrialPlan,
@@ -81,6 +83,8 @@ class _Check:
         start: their values before the first step (the fallback starts again from them).
         optimizer: the user's first optimizer, or ``Adam(fallback_lr)`` when there is none.
         randomness: what ``training_step``'s random draws change (see ``OverfitResult.randomness``).
+        warm_up: a scheduler had scaled some group's LR below its configured one (see
+            ``OverfitResult.warm_up``).
         plan: the trial with the user's optimizer.
     """
 
@@ -93,6 +97,7 @@ class _Check:
     start: list[Tensor]
     optimizer: torch.optim.Optimizer
     randomness: str
+    warm_up: bool
     plan: TrialPlan
 
 
@@ -125,6 +130,8 @@ def run_overfit_check(
         result.losses, result.grad_norms, result.chance_loss, result.num_classes
     )
     learned = learned or result.converged
+    if learned:  # learned, but did the loss blow up on the way? (a too-high LR that landed on the target)
+        result.findings.extend(overshot(result.losses))
     if not learned and any(o is check.optimizer for o in trainer.optimizers):
         # The user's optimizer missed the target. Is it the pipeline, or only the optimizer's LR (a
         # fine-tuning LR such as 2e-5, a warm-up the check does not run)? Try again from the same
@@ -147,6 +154,7 @@ def _prepare(
     named = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     optimizer = choose_optimizer(trainer, params, settings.fallback_lr)
+    warm_up = any(_warming_up(group) for group in optimizer.param_groups)
     configured_lr(optimizer)
     start = [p.detach().clone() for p in params]
     n = batch_size_of(batch) or 0
@@ -171,8 +179,17 @@ def _prepare(
         start=start,
         optimizer=optimizer,
         randomness=drawn,
+        warm_up=warm_up,
         plan=plan,
     )
+
+
+def _warming_up(group: dict[str, Any]) -> bool:
+    """A scheduler has scaled this param group's LR below the one it was configured with."""
+    base, lr = group.get("initial_lr"), group.get("lr")
+    if not (isinstance(base, (int, float)) and isinstance(lr, (int, float))):
+        return False  # no scheduler, or an LR held in a tensor
+    return float(lr) < float(base)
 
 
 def _result(check: _Check, curve: TrialCurve) -> OverfitResult:
@@ -196,6 +213,7 @@ def _result(check: _Check, curve: TrialCurve) -> OverfitResult:
         num_samples=check.plan.batch_size,
         optimizer=type(check.optimizer).__name__,
         randomness=check.randomness,
+        warm_up=check.warm_up,
     )
 
 
@@ -214,6 +232,7 @@ def _findings(check: _Check, curve: TrialCurve, result: OverfitResult) -> list[F
             probe=lambda targets: probe_updates(
                 check.trainer, check.pl_module, check.batch, check.optimizer, targets, check.plan.frozen
             ),
+            elsewhere=lambda: used_outside_training(check.pl_module),
         )
         findings.extend(parameter_findings(check.optimizer, record, settings.ignore_parameters))
     if settings.check_initial_loss:  # the check runs only when a run starts: the model is a fresh one
@@ -228,7 +247,7 @@ def _findings(check: _Check, curve: TrialCurve, result: OverfitResult) -> list[F
             )
         )
     if result.reached_target or result.memorised:
-        findings.extend(not_shrinking(result.grad_norms, result.initial_loss, result.final_loss))
+        findings.extend(not_shrinking(result.losses, result.grad_norms))
     if settings.check_batch_mixing:
         findings.extend(batch_mixing(check.trainer, check.pl_module, check.batch))
     return findings

@@ -44,9 +44,9 @@ class Finding:
 
     Attributes:
         kind: alert kind (``unused_parameter``, ``parameter_not_updated``, ``initial_loss_mismatch``,
-            ``batch_mixing``, ``labels_unstable``, ``gradient_not_shrinking``, ``overfit_failed``; the
-            gradient check's ``gradient_mismatch``).
-        severity: ``"error"`` fails the check; ``"warning"`` is reported only.
+            ``batch_mixing``, ``labels_unstable``, ``gradient_not_shrinking``, ``overfit_unstable``,
+            ``overfit_failed``; the gradient check's ``gradient_mismatch``).
+        severity: ``"error"`` fails the check; ``"warning"`` and ``"info"`` are reported only.
         names: the parameters (or samples) concerned.
         message: what was seen, with the numbers.
         hint: what to do about it.

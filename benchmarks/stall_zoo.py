@@ -151,6 +151,7 @@ class Scenario:
         twin: a fault's fixed twin (the same run without the bug); a twin's ``twin`` names its fault.
         steps: optimizer steps of a run.
         optimizer, lr, momentum: ``"sgd"``, ``"adam"`` or ``"adamw"``, its base LR, SGD's momentum.
+        weight_decay: AdamW's (decoupled) weight decay.
         batch: the batch size (every loader drops the last, incomplete batch).
         schedule, interval: an LR scheduler built from (optimizer, steps) and Lightning's interval.
         order: ``"shuffle"`` or ``"sorted"`` (by class, not shuffled).
@@ -171,6 +172,7 @@ class Scenario:
     optimizer: Literal["sgd", "adam", "adamw"] = "adam"
     lr: float = 1e-3
     momentum: float = 0.0
+    weight_decay: float = 0.01
     batch: int = 32
     schedule: Schedule | None = None
     interval: Literal["step", "epoch"] = "step"
@@ -214,7 +216,7 @@ def build_optimizer(sc: Scenario, params: Iterable[nn.Parameter]) -> torch.optim
     if sc.optimizer == "sgd":
         return torch.optim.SGD(params, lr=sc.lr, momentum=sc.momentum)
     if sc.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=sc.lr, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=sc.lr, weight_decay=sc.weight_decay)
     return torch.optim.Adam(params, lr=sc.lr)
 
 
@@ -398,6 +400,9 @@ def _extra_scenarios() -> list[Scenario]:
         ("clip_sane_adam", "Adam 1e-3, configure_gradient_clipping to norm 1", {"clip_norm": 1.0}),
         ("warmup_half_run", "Adam 1e-3, a linear warm-up over the first 300 of 600 steps",
          {"schedule": linear_warmup(300)}),
+        ("adamw_strong_decay", "AdamW 3e-3, weight_decay 1: the decay removes 0.3 % of every weight per step "
+         "and outweighs the gradient's part of some layers' updates, yet the run learns",
+         {"optimizer": "adamw", "lr": 3e-3, "weight_decay": 1.0}),
     ]  # fmt: skip
     out += [Scenario(name, "healthy", what, steps=600, **kwargs) for name, what, kwargs in healthy]
     return out

@@ -92,6 +92,7 @@ ALERT_KINDS: dict[str, str] = {
     "warmup_never_ends": "StallDetector: the LR never rose above a few percent of its configured value",
     "sorted_labels": "StallDetector: batches came one class at a time (a loader sorted by class)",
     "fp16_headroom_low": "under 16-mixed, a block's output came within a few bits of float16's overflow",
+    "weight_decay_collapse": "StallDetector: weight decay outweighed the gradient, shrank most layers 10x+",
     "attention_logit_growth": "the largest attention logit passed its ceiling or grew fast toward it",
     "adam_epsilon_dominates": "Adam's eps outweighs a layer's typical sqrt(v_hat) (OptimizerMonitor)",
     "update_ratio_outlier": "a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",

@@ -156,7 +156,8 @@ def test_a_loader_sorted_by_class_is_sorted_labels() -> None:
 
 def test_shifted_targets_stay_at_chance_and_an_lr_jump_is_named() -> None:
     chance = fit(Digits("shifted_targets"), steps=90)
-    assert kinds(chance)[0] == ("chance_level", 69)
+    # the second check from warmup_steps (40) on whose window (the three check intervals before) is flat
+    assert kinds(chance)[0] == ("chance_level", 59)
     # the entropy of the labels seen: near log(10), digits being nearly balanced
     assert abs(chance.alerts[0].data["chance"] - math.log(10)) < 0.05
 

@@ -4,7 +4,8 @@ StallDetector
 
 Says when a run has quietly stopped learning (no crash, no NaN: the loss just stops moving) and names
 the likely cause: an LR the scheduler drove to ~0 or never let rise, an LR that jumped, updates that are
-zero or clipped to nothing, a loss stuck at the chance level, a loader sorted by class. The rules are
+zero or clipped to nothing, a weight decay that shrinks the weights away, a loss stuck at the chance level
+(of a classifier, or of a sequence model's tokens), a loader sorted by class. The rules are
 :mod:`lightning_gradguard.monitors.stall.rules`; the measuring is
 :mod:`lightning_gradguard.monitors.stall.probe`.
 """
@@ -38,14 +39,17 @@ class StallDetector(GradGuardCallback):
     It keeps, on the device and without a sync, the sum of the training losses, and on the host the LR
     of every step (free: it is a Python number). Every ``check_every_n_steps`` optimizer steps it takes
     one check: the update/weight ratio of every layer (a snapshot of the weights before the update, as
-    GradientNormLogger takes it, from the shared statistics), the gradient norm before clipping and the
-    norm of the gradient the optimizer used, the mean loss since the last check and the class counts of
-    the batch (when its targets are class indices), read in one transfer (one collective under DDP:
-    losses and labels are summed over the ranks, so every rank reaches the same verdict).
+    GradientNormLogger takes it, from the shared statistics) and, under a decoupled weight decay, the
+    decay's part of that update and the rest of it; the gradient norm before clipping and the norm of the
+    gradient the optimizer used, the mean loss since the last check and its standard error, and the class
+    counts of the batch (class-index targets) or its token counts (token targets ``(batch, T)``, padding
+    ``-100`` left out), read in one transfer (one collective under DDP: losses, labels and tokens are
+    summed over the ranks, so every rank reaches the same verdict).
 
     Alerts (each at most once per run; see :mod:`~lightning_gradguard.monitors.stall.rules` for the rules):
-    ``no_update``, ``clipped_updates``, ``lr_decayed`` / ``updates_collapsed``, ``chance_level``,
-    ``loss_plateau``, ``lr_jump``, ``warmup_never_ends``, ``sorted_labels``, all of severity warning.
+    ``no_update``, ``clipped_updates``, ``lr_decayed`` / ``updates_collapsed``, ``weight_decay_collapse``,
+    ``chance_level``, ``loss_plateau``, ``lr_jump``, ``warmup_never_ends``, ``sorted_labels``, all of
+    severity warning.
 
     Args:
         check_every_n_steps: take a check every this many optimizer steps (Lightning's logging rule:
@@ -53,7 +57,8 @@ class StallDetector(GradGuardCallback):
         patience: consecutive checks a condition must hold.
         warmup_steps: no ``chance_level`` / ``loss_plateau`` verdict before this step.
         num_classes: the number of classes, for the chance level when the targets cannot be read from
-            the batch (``None``: from the labels seen; without labels the chance rule is off).
+            the batch (``None``: from the labels seen; without labels the chance rule is off); for token
+            targets, the vocabulary size ``V`` (``None``: the largest token id seen plus one).
         collapse_factor: an update ratio this many times below its highest level has collapsed.
         clip_factor: a used gradient this many times smaller than the raw one is clipped to nothing.
         lr_jump_factor: an LR this many times the configured maximum is a jump.
@@ -150,7 +155,7 @@ class StallDetector(GradGuardCallback):
 
     @guarded
     def _note_labels(self, trainer: pl.Trainer, batch: Any) -> None:
-        self._probe.note_labels(batch)
+        self._probe.note_labels(batch, self.num_classes)
 
     @override
     def on_before_optimizer_step(
@@ -167,7 +172,7 @@ class StallDetector(GradGuardCallback):
         if optimizer_index(trainer, optimizer) != 0:
             return
         self._checking, self._checked_at = True, at
-        self._probe.start(step_stats(trainer, pl_module, optimizer), self._automatic)
+        self._probe.start(step_stats(trainer, pl_module, optimizer), self._automatic, optimizer)
 
     @override
     def on_train_batch_end(
@@ -193,10 +198,15 @@ class StallDetector(GradGuardCallback):
             lr_max=self.lr_max,
             lr_configured=self.lr_configured,
             loss=reading.loss,
+            loss_stderr=reading.loss_stderr,
             update_ratios=reading.update_ratios,
             update_total=reading.update_total,
+            weight_norms=reading.weight_norms,
+            decay=reading.decay,
+            decay_groups=reading.decay_groups,
             clip_ratio=reading.clip_ratio,
             labels=reading.labels,
+            tokens=reading.tokens,
             planned_steps=int(planned) if planned != float("inf") else None,
         )
         self.last_check = check

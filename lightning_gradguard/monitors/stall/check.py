@@ -1,10 +1,11 @@
 """What one check of a stalled-learning detector measured, the thresholds its rules use, and a finding.
 
-Plain data and two helpers on host numbers, no Trainer: :class:`StallCheck` is one check's
-measurements, :class:`StallRules` the thresholds of :mod:`lightning_gradguard.monitors.stall.rules`'s rules,
+Plain data and helpers on host numbers, no Trainer: :class:`StallCheck` is one check's measurements,
+:class:`StallRules` the thresholds of :mod:`lightning_gradguard.monitors.stall.rules`'s rules,
 :class:`StallFinding` a rule that holds, in words; :func:`label_entropy` is the loss of a classifier that
-learned only the class frequencies, :func:`batch_purity` how much of a batch its one or two largest
-classes hold.
+learned only the class frequencies, :func:`token_entropy` that of a sequence model that learned only the
+token frequencies, :func:`loss_trend` how much a loss fell over a few checks against its noise,
+:func:`batch_purity` how much of a batch its one or two largest classes hold.
 """
 
 from __future__ import annotations
@@ -13,15 +14,20 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 __all__ = [
     "HINTS",
     "WHERE",
+    "LossTrend",
     "StallCheck",
     "StallFinding",
     "StallRules",
     "batch_purity",
     "label_entropy",
+    "loss_trend",
     "spread",
+    "token_entropy",
 ]
 
 
@@ -41,9 +47,14 @@ class StallRules:
             fell early (a schedule in the wrong unit gets there within a few percent of the run).
         clip_factor: a used gradient this many times smaller than the raw one is clipped to nothing.
         chance_margin: the loss is at chance when it is at least ``1 - chance_margin`` times the chance
-            level (and at most ``chance_ceiling`` times it).
+            level (and at most ``chance_ceiling`` times it, or ``1 + chance_margin`` times ``ln V`` for token
+            targets over a vocabulary of ``V``: the loss of a uniform guess).
         chance_ceiling: see ``chance_margin``; also, the chance rule is armed only when the first check's
-            loss is within this factor of the chance level (a classifier's first loss is about ln C).
+            loss is within this factor of the chance level (a classifier's first loss is about ln C) or under
+            the band's top.
+        trend_floor: over the last ``patience`` check intervals, a loss that fell this share of its level...
+        trend_sigmas: ...and this many standard errors of the fall is still falling (not at chance).
+        chance_checks: consecutive checks whose window is at chance before ``chance_level``.
         plateau_checks: checks without a new best smoothed loss before ``loss_plateau``.
         plateau_factor: ``loss_plateau`` when the smoothed loss is this many times its best...
         improvement: ...or a new best is this relative improvement.
@@ -54,6 +65,9 @@ class StallRules:
         sorted_purity: a batch is (almost) one class when its largest class holds this share of it (its
             two largest, for a batch on a class boundary).
         sorted_minority: ...and that class is at most this share of the labels seen so far.
+        decay_fall: a weight norm this many times below its highest has been shrunk away...
+        decay_dominance: ...when the weight decay's part of the update was this many times the rest of it
+            (1: larger than everything the gradient did, along the weights and across them).
     """
 
     patience: int = 3
@@ -66,6 +80,9 @@ class StallRules:
     clip_factor: float = 100.0
     chance_margin: float = 0.03
     chance_ceiling: float = 1.5
+    trend_floor: float = 0.005
+    trend_sigmas: float = 2.0
+    chance_checks: int = 2
     plateau_checks: int = 30
     plateau_factor: float = 2.0
     improvement: float = 0.01
@@ -75,6 +92,8 @@ class StallRules:
     warmup_min_steps: int = 19
     sorted_purity: float = 0.9
     sorted_minority: float = 0.5
+    decay_fall: float = 10.0
+    decay_dominance: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -86,8 +105,13 @@ class StallCheck:
     ``loss``: the mean training loss since the previous check. ``update_ratios``: ``||delta w|| / ||w||``
     per layer for this check's step; ``update_total``: ``||delta w||`` over every parameter.
     ``clip_ratio``: the norm of the gradient the optimizer used over its norm before clipping.
-    ``labels``: class counts of the check's batch. ``planned_steps``: the run's planned optimizer steps
-    (``None``: unknown).
+    ``labels``: class counts of the check's batch; ``tokens``: token counts of its token-level targets (a
+    host tensor indexed by token id). ``planned_steps``: the run's planned optimizer steps (``None``:
+    unknown). ``loss_stderr``: the standard error of ``loss`` (``None`` with fewer than two losses).
+    ``weight_norms``: ``||w||`` per layer before the step; ``decay``: per layer, the norm of the weight
+    decay's part of the update (``lr * weight_decay * ||w||``) and of the rest of it, for the layers an
+    optimizer with decoupled decay updates; ``decay_groups``: ``(lr, weight_decay)`` of each param group
+    that decays.
     """
 
     step: int
@@ -100,6 +124,11 @@ class StallCheck:
     clip_ratio: float | None = None
     labels: Sequence[float] | None = None
     planned_steps: int | None = None
+    loss_stderr: float | None = None
+    tokens: Tensor | None = None
+    weight_norms: Mapping[str, float] = field(default_factory=dict)
+    decay: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    decay_groups: Sequence[tuple[float, float]] = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +156,7 @@ WHERE: dict[str, str] = {
     "lr_jump": "lr_scheduler",
     "warmup_never_ends": "lr_scheduler",
     "sorted_labels": "train_dataloader",
+    "weight_decay_collapse": "weight_decay",
 }
 
 
@@ -137,6 +167,58 @@ def label_entropy(counts: Sequence[float]) -> float:
     if total <= 0:
         return math.nan
     return -sum(c / total * math.log(c / total) for c in counts if c > 0)
+
+
+def token_entropy(counts: Tensor) -> float:
+    """The entropy (nats) of the token frequencies given by ``counts`` (a tensor indexed by token id): the
+    loss of a sequence model that learned nothing but how often each token occurs. Miller-Madow corrected
+    (``+ (K - 1) / 2N`` for ``K`` tokens seen in ``N``): with a vocabulary as large as the sample the
+    plain estimate is low by about that much. NaN without any count."""
+    c = counts.double()
+    c = c[c > 0]
+    total = float(c.sum()) if c.numel() else 0.0
+    if total <= 0:
+        return math.nan
+    p = c / total
+    return float(-(p * p.log()).sum()) + (c.numel() - 1) / (2 * total)
+
+
+@dataclass(frozen=True)
+class LossTrend:
+    """A loss over a few checks: its mean ``level``, how much the least-squares line through it fell from
+    the first check to the last (``fall``, negative for a rise), and the standard error of that fall."""
+
+    level: float
+    fall: float
+    noise: float
+
+
+def loss_trend(points: Sequence[tuple[int, float, float | None]]) -> LossTrend | None:
+    """The trend of ``(step, mean loss, its standard error)`` points (at least two, distinct steps).
+
+    The noise is the standard error of the fitted fall: from the points' own standard errors when every
+    point has one (the losses within each check), else from the line's residuals (three points or more;
+    0 with two)."""
+    if len(points) < 2:
+        return None
+    xs = [float(p[0]) for p in points]
+    ys = [p[1] for p in points]
+    n, xm, ym = len(points), sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - xm) ** 2 for x in xs)
+    if sxx <= 0:
+        return None
+    slope = sum((x - xm) * (y - ym) for x, y in zip(xs, ys, strict=True)) / sxx
+    span = xs[-1] - xs[0]
+    errors = [p[2] for p in points]
+    if all(e is not None and math.isfinite(e) for e in errors):  # var(slope) = sum (x - xm)^2 e^2 / sxx^2
+        var_slope = sum((x - xm) ** 2 * e * e for x, e in zip(xs, errors, strict=True) if e is not None)
+        var_slope /= sxx * sxx
+    elif n > 2:
+        residual = sum((y - ym - slope * (x - xm)) ** 2 for x, y in zip(xs, ys, strict=True)) / (n - 2)
+        var_slope = residual / sxx
+    else:
+        var_slope = 0.0
+    return LossTrend(level=ym, fall=-slope * span, noise=math.sqrt(var_slope) * span)
 
 
 def batch_purity(counts: Sequence[float]) -> tuple[float, float]:
@@ -186,6 +268,12 @@ HINTS: dict[str, str] = {
     "loss_plateau": (
         "Training stalled: look at the LR history (a jump or a collapse), the update ratios and the data "
         "order; a loss stuck far above its best after a jump usually means the LR is too high."
+    ),
+    "weight_decay_collapse": (
+        "The weight decay is far too strong for this LR: decoupled decay (AdamW) removes lr * weight_decay"
+        " of every weight each step, whatever the gradient says, and the gradient can no longer hold the "
+        "weights up. Typical AdamW values are 0.01-0.1 (a weight_decay of 1e-4..5e-4 is SGD's L2 scale); "
+        "lower it, or the LR it multiplies, and keep biases and norm layers out of the decayed group."
     ),
     "lr_decayed": (
         'A scheduler meant to step per epoch may be stepping per batch (`"interval": "step"` in '

@@ -3,14 +3,18 @@
 * :func:`lr_now` and :func:`lr_configured`: the LR in use (host numbers, free) and the highest LR the
   optimizers and their schedulers were configured to reach (``lr``, ``initial_lr``, ``max_lr``, a
   ``CyclicLR``'s ``max_lrs``);
-* :func:`class_targets`: the class-index targets of a batch, when it has them;
+* :func:`class_targets` and :func:`token_targets`: the class-index targets of a batch, or its token-level
+  targets (a sequence model's ``(batch, T)`` next tokens), when it has them;
+* :func:`decay_factors`: ``lr * weight_decay`` of every parameter whose optimizer shrinks it by that
+  share each step (decoupled weight decay, AdamW's; plain SGD's);
 * :class:`StallProbe`: one check's measurements: the update/weight ratio of every layer (from the step's
   shared update sample, :meth:`~lightning_gradguard.core.stats.StepStats.take_update_sample`: the same
   numbers GradientNormLogger and OptimizerMonitor report; under sharding the ranks' pieces are combined
-  in the check's transfer), the ratio of the gradient the optimizer used to the raw one (on the first
-  entries of each gradient, before and after clipping), the mean loss since the last check and the
-  label counts, all in one :class:`~lightning_gradguard.core.transfer.HostTransfer` (losses and labels
-  summed across ranks).
+  in the check's transfer), the weight decay's part of that update and the rest of it (from the same
+  sample), the ratio of the gradient the optimizer used to the raw one (on the first entries of each
+  gradient, before and after clipping), the mean loss since the last check and its standard error, and
+  the label or token counts, all in one :class:`~lightning_gradguard.core.transfer.HostTransfer` (losses,
+  labels and tokens summed across ranks).
 """
 
 from __future__ import annotations
@@ -27,12 +31,25 @@ from torch import Tensor
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.stats import foreach_norms
-from lightning_gradguard.functional.updates import update_ratio
+from lightning_gradguard.functional.updates import sampled, update_ratio
 
-__all__ = ["MAX_CLASSES", "StallProbe", "StallReading", "class_targets", "lr_configured", "lr_now"]
+__all__ = [
+    "MAX_CLASSES",
+    "TOKEN_BINS",
+    "DecayFactors",
+    "StallProbe",
+    "StallReading",
+    "class_targets",
+    "decay_factors",
+    "lr_configured",
+    "lr_now",
+    "token_targets",
+]
 
 #: class indices at or above this are not counted (the label rules then see none of that batch)
 MAX_CLASSES = 1024
+#: token ids at or above this (or above ``num_classes`` when it is larger) are not counted
+TOKEN_BINS = 1 << 16
 #: the clip ratio is read on the first this many entries of each gradient, before and after clipping
 CLIP_ENTRIES = 4096
 _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
@@ -66,35 +83,114 @@ def lr_configured(trainer: pl.Trainer) -> float:
     return best
 
 
-def class_targets(batch: Any) -> Tensor | None:
-    """The class-index targets of a batch: an integer vector as long as the batch (the last such element
-    of a tuple or list, or a ``y`` / ``target(s)`` / ``label(s)`` entry of a dict); ``None`` otherwise."""
+def _target_candidates(batch: Any) -> tuple[list[Any], int | None]:
+    """Where targets may be (the last elements of a tuple or list first, or a dict's ``y`` / ``target(s)``
+    / ``label(s)``), and the batch size (the first tensor's first dimension)."""
     if isinstance(batch, Mapping):
         candidates = [batch[k] for k in _TARGET_KEYS if k in batch]
     elif isinstance(batch, (list, tuple)) and len(batch) >= 2:
         candidates = list(batch[1:])[::-1]
     else:
-        return None
+        return [], None
     first = next(
         (t for t in (batch.values() if isinstance(batch, Mapping) else batch) if isinstance(t, Tensor)), None
     )
-    n = first.shape[0] if first is not None and first.dim() else None
+    return candidates, first.shape[0] if first is not None and first.dim() else None
+
+
+def _integer(t: Any) -> bool:
+    return (
+        isinstance(t, Tensor) and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+    )
+
+
+def class_targets(batch: Any) -> Tensor | None:
+    """The class-index targets of a batch: an integer vector as long as the batch (the last such element
+    of a tuple or list, or a ``y`` / ``target(s)`` / ``label(s)`` entry of a dict; a ``(batch, 1)`` column
+    counts as one); ``None`` otherwise."""
+    candidates, n = _target_candidates(batch)
     for t in candidates:
-        integer = isinstance(t, Tensor) and not t.is_floating_point() and t.dtype != torch.bool
-        if integer and t.dim() == 1 and (n is None or t.shape[0] == n):
+        if _integer(t) and (n is None or t.shape[0] == n):
+            if t.dim() == 1:
+                return t
+            if t.dim() == 2 and t.shape[1] == 1:
+                return t.reshape(-1)
+    return None
+
+
+def token_targets(batch: Any) -> Tensor | None:
+    """The token-level targets of a batch: an integer ``(batch, T)`` tensor with ``T > 1`` where
+    :func:`class_targets` looks (a sequence model's next tokens, a Hugging Face ``labels`` entry), or the
+    same flattened to a vector ``T > 1`` times as long as the batch. Negative entries (``ignore_index``,
+    -100 by default) are positions without a target; the caller skips them."""
+    candidates, n = _target_candidates(batch)
+    for t in candidates:
+        if not _integer(t):
+            continue
+        if t.dim() == 2 and t.shape[1] > 1 and (n is None or t.shape[0] == n):
+            return t
+        if t.dim() == 1 and n is not None and n > 0 and t.shape[0] > n and t.shape[0] % n == 0:
             return t
     return None
 
 
+def _counts(targets: Tensor, bins: int) -> Tensor:
+    """How often each id in ``[0, bins)`` occurs (float32, on the targets' device, without a host sync:
+    ids outside the range go to one extra bin that is dropped)."""
+    t = targets.reshape(-1).long()
+    t = torch.where((t >= 0) & (t < bins), t, torch.full_like(t, bins))
+    counts = torch.zeros(bins + 1, device=t.device, dtype=torch.float32)
+    counts.index_add_(0, t, torch.ones_like(t, dtype=torch.float32))
+    return counts[:bins]
+
+
+@dataclass(frozen=True)
+class DecayFactors:
+    """``lr * weight_decay`` of each parameter of a step (model order, 0 where nothing decays it) and the
+    ``(lr, weight_decay)`` of every param group that decays."""
+
+    factors: list[float]
+    groups: list[tuple[float, float]]
+
+
+def decay_factors(optimizer: Any, params: Sequence[Tensor]) -> DecayFactors | None:
+    """What the weight decay of ``optimizer`` removes from each of ``params`` this step, as a share of the
+    weight: ``lr * weight_decay`` for decoupled decay (AdamW, any group with ``decoupled_weight_decay``)
+    and for plain SGD, whose update holds ``lr * weight_decay * w`` as a term of its own (with momentum the
+    term is spread over the next steps: its share is then underestimated). Other optimizers fold the decay
+    into the gradient they normalize (Adam's L2): ``None``, as when no group decays. Read before the step,
+    on a check step only (a loop over the param groups)."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    decoupled = isinstance(opt, (torch.optim.AdamW, torch.optim.SGD))
+    by_id: dict[int, float] = {}
+    groups: list[tuple[float, float]] = []
+    for g in getattr(opt, "param_groups", []):
+        wd, lr = g.get("weight_decay"), g.get("lr")
+        if not isinstance(wd, (int, float)) or not isinstance(lr, (int, float, Tensor)) or wd <= 0:
+            continue
+        if decoupled or g.get("decoupled_weight_decay") is True:
+            groups.append((float(lr), float(wd)))
+            by_id.update(dict.fromkeys(map(id, g["params"]), float(lr) * float(wd)))
+    if not by_id:
+        return None
+    return DecayFactors([by_id.get(id(p), 0.0) for p in params], groups)
+
+
 @dataclass
 class StallReading:
-    """One check on the host: the loss, update ratios and total, clip ratio and label counts."""
+    """One check on the host: the loss and its standard error, update ratios and total, weight norms, the
+    decay's and the rest's parts of the update, clip ratio, label counts and token counts."""
 
     loss: float | None = None
+    loss_stderr: float | None = None
     update_ratios: dict[str, float] = field(default_factory=dict)
     update_total: float | None = None
+    weight_norms: dict[str, float] = field(default_factory=dict)
+    decay: dict[str, tuple[float, float]] = field(default_factory=dict)
+    decay_groups: list[tuple[float, float]] = field(default_factory=list)
     clip_ratio: float | None = None
     labels: list[float] | None = None
+    tokens: Tensor | None = None
 
 
 class _StepSample:
@@ -104,15 +200,20 @@ class _StepSample:
     The clip ratio compares a small contiguous slice of each gradient before and after clipping: clipping
     by norm scales every entry alike, so any part of the gradient gives its ratio (by value, a close one).
     It is not measured under sharding (a rank's slice is its own piece) nor in manual optimization.
+
+    With a weight decay (:func:`decay_factors`), the update ``w_before - w_after`` of the sampled entries
+    is split into the decay's part ``lr * weight_decay * w_before`` and the rest (the gradient's part),
+    both scaled up from the sample like the update norm: read on the same copies, after the step.
     """
 
-    def __init__(self, stats: StepStats, automatic: bool) -> None:
+    def __init__(self, stats: StepStats, automatic: bool, optimizer: Any = None) -> None:
         self.stats = stats
         stats.take_update_sample()
         self.graded = [p for p in stats.params if p.grad is not None]
         raw = [p.grad for p in self.graded]
         measure_clip = automatic and raw and stats.sharding is None
         self.raw = foreach_norms(_heads(raw)).norm().reshape(1) if measure_clip else None  # type: ignore[arg-type]
+        self.decay = decay_factors(optimizer, stats.params) if optimizer is not None else None
 
     def queue(self, transfer: HostTransfer) -> None:
         transfer.add_norms("update_layers", self.stats.update_groups(2.0)[1])
@@ -121,15 +222,39 @@ class _StepSample:
         used = [p.grad for p in self.graded if p.grad is not None]
         if self.raw is not None and len(used) == len(self.graded):  # .grad: what the optimizer used
             transfer.add("clip", torch.cat([self.raw, foreach_norms(_heads(used)).norm().reshape(1)]))
+        if self.decay is not None:
+            self._queue_decay(transfer, self.decay.factors)
+
+    def _queue_decay(self, transfer: HostTransfer, factors: list[float]) -> None:
+        """The decay's part and the rest of the update, per layer (grouped like the update norms)."""
+        stats, sample = self.stats, self.stats.update_sample
+        if sample is None:
+            return
+        diff = sample.diff()  # w_before - w_after on the sampled entries
+        before = torch._foreach_add(sampled(sample.params, sample.strides), diff)
+        decay = torch._foreach_mul(before, factors)
+        rest = torch._foreach_sub(diff, decay)
+        scale = torch.tensor([math.sqrt(s) for s in sample.scales])  # the sample's scale-up, as the update's
+        labels, index = stats.groups(stats.names, None, False)
+        for key, parts in (("decay_layers", decay), ("rest_layers", rest)):
+            norms = foreach_norms(parts, 2.0)
+            pending = stats.pending(norms * scale.to(norms.device, norms.dtype), 2.0)
+            transfer.add_norms(key, stats.grouped(pending, index, len(labels)))
 
     def read(self, host: dict[Any, Tensor], reading: StallReading) -> None:
         labels = self.stats.update_groups(2.0)[0]
-        pairs = zip(labels, host["update_layers"].tolist(), host["weight_layers"].tolist(), strict=True)
+        weights = host["weight_layers"].tolist()
+        pairs = zip(labels, host["update_layers"].tolist(), weights, strict=True)
         reading.update_ratios = {label: update_ratio(u, w) for label, u, w in pairs}
+        reading.weight_norms = dict(zip(labels, weights, strict=True))
         reading.update_total = float(host["update_total"][0])
         if "clip" in host:
             raw, used = (float(x) for x in host["clip"])
             reading.clip_ratio = used / raw if raw > 0 and math.isfinite(raw) else None
+        if "decay_layers" in host and self.decay is not None:
+            parts = zip(labels, host["decay_layers"].tolist(), host["rest_layers"].tolist(), strict=True)
+            reading.decay = {label: (d, r) for label, d, r in parts}
+            reading.decay_groups = list(self.decay.groups)
 
 
 def _heads(tensors: list[Tensor]) -> list[Tensor]:
@@ -144,24 +269,33 @@ class StallProbe:
         self.losses: list[Tensor] = []
         self.sample: _StepSample | None = None
         self.labels: Tensor | None = None
+        self.tokens: Tensor | None = None
+        #: the previous check's mean loss (the same on every rank): the squares are taken about it
+        self.center = 0.0
 
     def add_loss(self, loss: Tensor) -> None:
         """Keep one micro-batch's loss (on the device; no sync): the check sums them."""
         self.losses.append(loss.detach())
 
-    def note_labels(self, batch: Any) -> None:
-        """Count the class-index targets of ``batch`` (when it has them), on the device."""
+    def note_labels(self, batch: Any, vocab: int | None = None) -> None:
+        """Count the class-index targets of ``batch``, or else its token targets, on the device (no sync).
+
+        Token ids are counted up to ``max(TOKEN_BINS, vocab)``; negative ones (``ignore_index``) are not."""
         targets = class_targets(batch)
         if targets is not None:
-            t = targets[(targets >= 0) & (targets < MAX_CLASSES)]
-            counts = torch.bincount(t, minlength=MAX_CLASSES).float()
+            counts = _counts(targets, MAX_CLASSES)
             self.labels = counts if self.labels is None else self.labels + counts
+            return
+        tokens = token_targets(batch)
+        if tokens is not None:
+            counts = _counts(tokens, max(TOKEN_BINS, vocab or 0))
+            self.tokens = counts if self.tokens is None else self.tokens + counts
 
-    def start(self, stats: StepStats, automatic: bool) -> None:
-        """The check's step is about to update: take (or share) the step's update sample, and the raw
-        gradient's norm for the clip ratio."""
+    def start(self, stats: StepStats, automatic: bool, optimizer: Any = None) -> None:
+        """The check's step is about to update: take (or share) the step's update sample, the raw
+        gradient's norm for the clip ratio, and the weight decay each parameter gets this step."""
         if stats.unsupported is None and stats.params:
-            self.sample = _StepSample(stats, automatic)
+            self.sample = _StepSample(stats, automatic, optimizer)
 
     def read(self, trainer: pl.Trainer, device: torch.device) -> StallReading:
         """After the update: everything in one transfer (one collective under DDP).
@@ -175,23 +309,35 @@ class StallProbe:
             sample.queue(transfer)
         world = trainer.world_size > 1
         if self.losses:
-            total = torch.stack([x.reshape(()).float() for x in self.losses]).sum()
-            transfer.add(
-                "loss",
-                torch.stack([total, total.new_tensor(float(len(self.losses)))]),
-                reduce="sum" if world else None,
-            )
-        if self.labels is not None:
-            transfer.add("labels", self.labels, reduce="sum" if world else None)
+            x = torch.stack([v.reshape(()).float() for v in self.losses])
+            sums = torch.stack([x.sum(), (x - self.center).square().sum(), x.new_tensor(float(len(x)))])
+            transfer.add("loss", sums, reduce="sum" if world else None)
+        for key, queued in (("labels", self.labels), ("tokens", self.tokens)):
+            if queued is not None:
+                transfer.add(key, queued, reduce="sum" if world else None)
         host = transfer.fetch(trainer, device=device) if len(transfer) or world else {}
-        self.losses, self.labels = [], None
+        self.losses, self.labels, self.tokens = [], None, None
         reading = StallReading()
         if sample is not None:
             sample.read(host, reading)
-        if "loss" in host and float(host["loss"][1]) > 0:
-            reading.loss = float(host["loss"][0]) / float(host["loss"][1])
+        if "loss" in host and float(host["loss"][2]) > 0:
+            self._read_loss([float(v) for v in host["loss"]], reading)
         if "labels" in host:
             counts = host["labels"].tolist()
             last = max((i for i, c in enumerate(counts) if c > 0), default=-1)
             reading.labels = counts[: last + 1] if last >= 0 else None
+        if "tokens" in host:
+            reading.tokens = host["tokens"]
         return reading
+
+    def _read_loss(self, sums: list[float], reading: StallReading) -> None:
+        """The mean loss and its standard error, from the sum, the sum of squares about ``center`` and the
+        count (squares about a value near the mean: no cancellation)."""
+        total, squares, n = sums
+        mean = total / n
+        reading.loss = mean
+        if n > 1:
+            variance = max(squares - n * (mean - self.center) ** 2, 0.0) / (n - 1)
+            reading.loss_stderr = math.sqrt(variance / n)
+        if math.isfinite(mean):
+            self.center = mean

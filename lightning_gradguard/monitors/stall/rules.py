@@ -18,9 +18,15 @@ The rules (thresholds in :class:`~lightning_gradguard.monitors.stall.check.Stall
   reached, for ``patience`` checks and ``collapse_share`` of the steps so far, with the LR down by a
   similar factor within the first quarter of the planned run, and the loss no longer improving;
   without the LR fall the same finding is ``updates_collapsed``;
-* ``chance_level``: after ``warmup_steps`` the smoothed loss is still within ``chance_margin`` of the
-  chance level (the entropy of the labels seen, or ``log(num_classes)``) on ``patience`` checks; armed
-  only when the first loss was near the chance level, as a classifier's is;
+* ``weight_decay_collapse``: most decayed layers' weight norms fell ``decay_fall`` times below their
+  highest, lower at every check, while the decay's part of the update (``lr * weight_decay * ||w||``)
+  was ``decay_dominance`` times the rest of it, on ``patience`` checks, and the loss stopped improving;
+* ``chance_level``: after ``warmup_steps``, on ``chance_checks`` checks in a row, over the last
+  ``patience`` check intervals the loss stayed in the chance band (from ``1 - chance_margin`` times the
+  chance level, the entropy of the labels or of the tokens seen, to ``chance_ceiling`` times it or just
+  above ``ln V``, a uniform guess over ``V`` tokens) and did not fall (a fall counts when it is
+  ``trend_floor`` of the level and ``trend_sigmas`` standard errors); armed only when the first loss was
+  near the band, as a fresh model's is; not while the LR is ``collapse_factor`` times below its highest;
 * ``loss_plateau``: no new best smoothed loss for ``plateau_checks`` checks while the loss is
   ``plateau_factor`` times its best, or still at its initial level;
 * ``lr_jump``: the LR went past ``lr_jump_factor`` times the highest LR the optimizer was configured
@@ -40,6 +46,8 @@ import copy
 import math
 from typing import Any
 
+import torch
+
 from lightning_gradguard.monitors.stall.check import (
     HINTS,
     StallCheck,
@@ -47,7 +55,9 @@ from lightning_gradguard.monitors.stall.check import (
     StallRules,
     batch_purity,
     label_entropy,
+    loss_trend,
     spread,
+    token_entropy,
 )
 
 __all__ = ["StallCheck", "StallFinding", "StallRules", "StallState", "label_entropy"]
@@ -68,6 +78,10 @@ _SAVED = (
     "label_counts",
     "lr_history",
     "fired",
+    "window",
+    "peak_weight",
+    "last_weight",
+    "decay_since",
 )
 
 
@@ -87,8 +101,14 @@ class StallState:
         self.checks_since_best_raw = 0
         self.lr_fell_at: int | None = None  # the first check where the LR was under 1/collapse of its max
         self.label_counts: list[float] = []
+        self.token_counts: torch.Tensor | None = None  # float64, on the host, indexed by token id
         self.lr_history: list[tuple[int, float]] = []  # (step, LR) at every check
         self.fired: set[str] = set()
+        #: (step, mean loss, its standard error) of the last ``patience + 1`` checks with a loss
+        self.window: list[tuple[int, float, float | None]] = []
+        self.peak_weight: dict[str, float] = {}  # per decayed layer: the highest weight norm seen
+        self.last_weight: dict[str, float] = {}  # per decayed layer: the previous check's weight norm
+        self.decay_since: int | None = None  # the first check of the current weight-decay streak
 
     # ------------------------------------------------------------------ bookkeeping
     def state_dict(self) -> dict[str, Any]:
@@ -96,6 +116,11 @@ class StallState:
         out = {k: copy.deepcopy(getattr(self, k)) for k in _SAVED}
         out["fired"] = sorted(self.fired)
         out["lr_history"] = [list(x) for x in self.lr_history]
+        out["window"] = [list(x) for x in self.window]
+        if self.token_counts is not None:  # trailing zeros dropped: a large vocabulary's tail is unseen
+            seen = torch.nonzero(self.token_counts).reshape(-1)
+            end = int(seen[-1]) + 1 if seen.numel() else 0
+            out["token_counts"] = self.token_counts[:end].clone()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -105,6 +130,9 @@ class StallState:
                 setattr(self, k, copy.deepcopy(state[k]))
         self.fired = set(self.fired)
         self.lr_history = [(int(s), float(lr)) for s, lr in self.lr_history]
+        self.window = [(int(s), float(v), None if e is None else float(e)) for s, v, e in self.window]
+        counts = state.get("token_counts")
+        self.token_counts = None if counts is None else torch.as_tensor(counts, dtype=torch.float64).clone()
 
     def _streak(self, kind: str, holds: bool) -> bool:
         self.streaks[kind] = self.streaks.get(kind, 0) + 1 if holds else 0
@@ -148,10 +176,32 @@ class StallState:
         return self._far_from_done()
 
     def chance(self) -> float:
-        """The chance-level loss: the labels' entropy, else ``log(num_classes)``; NaN if neither."""
+        """The chance-level loss: the entropy of the tokens seen (token targets), else of the labels, else
+        ``log(num_classes)``; NaN if none is known."""
+        if self.token_counts is not None:
+            return token_entropy(self.token_counts)
         if len([c for c in self.label_counts if c > 0]) >= 2:
             return label_entropy(self.label_counts)
         return math.log(self.num_classes) if self.num_classes and self.num_classes > 1 else math.nan
+
+    def uniform(self) -> float:
+        """The loss of a uniform guess, ``ln V``, for token targets: ``V`` is ``num_classes`` when given,
+        else the largest token id seen plus one; for class targets the chance level itself."""
+        if self.token_counts is None:
+            return self.chance()
+        if self.num_classes:
+            return math.log(self.num_classes)
+        seen = torch.nonzero(self.token_counts).reshape(-1)
+        return math.log(int(seen[-1]) + 1) if seen.numel() and int(seen[-1]) > 0 else math.nan
+
+    def chance_band(self) -> tuple[float, float]:
+        """The losses that count as "at chance": from ``1 - chance_margin`` times the chance level to
+        ``chance_ceiling`` times it, or to ``1 + chance_margin`` times ``ln V`` if that is higher."""
+        r, chance, uniform = self.rules, self.chance(), self.uniform()
+        high = r.chance_ceiling * chance
+        if math.isfinite(uniform):
+            high = max(high, (1 + r.chance_margin) * uniform)
+        return (1 - r.chance_margin) * chance, high
 
     # ------------------------------------------------------------------ the rules
     def observe(self, c: StallCheck) -> list[StallFinding]:
@@ -164,13 +214,18 @@ class StallState:
         else:
             self.lr_fell_at = None
         self._loss(c.loss)
-        if c.labels is not None:
-            counts = list(c.labels)
-            if len(counts) > len(self.label_counts):
-                self.label_counts += [0.0] * (len(counts) - len(self.label_counts))
-            for i, n in enumerate(counts):
-                self.label_counts[i] += n
-        causes = (self._no_update, self._clipped, self._collapse, self._lr_jump, self._warmup, self._sorted)
+        if c.loss is not None and math.isfinite(c.loss):
+            self.window = [*self.window, (c.step, c.loss, c.loss_stderr)][-(self.rules.patience + 1) :]
+        self._count(c)
+        causes = (
+            self._no_update,
+            self._clipped,
+            self._collapse,
+            self._weight_decay,
+            self._lr_jump,
+            self._warmup,
+            self._sorted,
+        )
         found = []
         for rule in (*causes, self._chance, self._plateau):  # symptoms last: they defer to a cause found
             f = rule(c)
@@ -178,6 +233,23 @@ class StallState:
                 found.append(f)
                 self.fired.add(f.kind)
         return found
+
+    def _count(self, c: StallCheck) -> None:
+        """Add the check's class counts and token counts to those seen so far."""
+        if c.labels is not None:
+            counts = list(c.labels)
+            if len(counts) > len(self.label_counts):
+                self.label_counts += [0.0] * (len(counts) - len(self.label_counts))
+            for i, n in enumerate(counts):
+                self.label_counts[i] += n
+        if c.tokens is not None:
+            new = c.tokens.detach().to("cpu", torch.float64).reshape(-1)
+            old = self.token_counts if self.token_counts is not None else new.new_zeros(0)
+            size = max(old.numel(), new.numel())
+            total = new.new_zeros(size)
+            total[: old.numel()] += old
+            total[: new.numel()] += new
+            self.token_counts = total
 
     def _no_update(self, c: StallCheck) -> StallFinding | None:
         if c.update_total is None or not self._streak("no_update", c.update_total == 0.0):
@@ -303,34 +375,126 @@ class StallState:
 
     def _chance(self, c: StallCheck) -> StallFinding | None:
         r, chance = self.rules, self.chance()
+        low, high = self.chance_band()
         warm = c.lr_configured <= 0 or c.lr_max > r.warmup_lr_fraction * c.lr_configured
-        # a classifier's loss starts near ln C (CS231n): a first loss far from the chance level says the
-        # loss is not a cross-entropy over these labels (a regression on integer targets, say)
+        # a fresh model's loss starts near the chance level (CS231n), about ln V for tokens: a first loss
+        # far from it says the loss is not a cross-entropy over these targets (a regression, say)
+        top = r.chance_ceiling * max(chance, self.uniform()) if self.token_counts is not None else high
         armed = self.num_classes is not None or (
-            self.first_loss is not None
-            and chance / r.chance_ceiling <= self.first_loss <= r.chance_ceiling * chance
+            self.first_loss is not None and chance / r.chance_ceiling <= self.first_loss <= top
         )
-        stuck = (
+        judged = (
             warm  # while the LR has not risen yet no learning is expected (see warmup_never_ends)
             and armed
             and not self.fired & _CAUSES  # a symptom of a cause already named
             and c.loss is not None
             and c.step >= r.warmup_steps
+            and self.lr_fell_at is None  # an LR 100x down: lr_decayed names it, with its history
             and math.isfinite(chance)
-            and self.smoothed is not None
-            and (1 - r.chance_margin) * chance <= self.smoothed <= r.chance_ceiling * chance
-            and not self._improving()  # a slow learner still sets new lows: a stuck one does not
+            and len(self.window) > r.patience
         )
-        if not self._streak("chance_level", stuck) or self.smoothed is None:
+        trend = loss_trend(self.window) if judged else None
+        # a slow learner still falls, by more than its noise: a stuck one does not
+        stuck = (
+            trend is not None
+            and low <= trend.level <= high
+            and (trend.fall < r.trend_floor * trend.level or trend.fall < r.trend_sigmas * trend.noise)
+        )
+        self.streaks["chance_level"] = self.streaks.get("chance_level", 0) + 1 if stuck else 0
+        if trend is None or self.streaks["chance_level"] < r.chance_checks:
             return None
+        return self._chance_finding(c, trend.level, trend.fall, trend.noise)
+
+    def _chance_finding(self, c: StallCheck, level: float, fall: float, noise: float) -> StallFinding:
+        chance, uniform, since = self.chance(), self.uniform(), self.window[0][0]
+        if self.token_counts is not None:
+            what = (
+                f"the entropy of the target tokens seen, {chance:.4g}: the loss of predicting only how often "
+                f"each token occurs, whatever the input; a uniform guess over the vocabulary, ln V, is "
+                f"{uniform:.4g}"
+            )
+            inputs = "the model's output does not depend on its input: check what the model is fed (ids, "
+            inputs += "not the attention mask), the causal mask, and a collapse of a post-LN transformer "
+            inputs += "without a warm-up"
+        else:
+            what = f"{chance:.4g}: the loss of predicting only the class frequencies"
+            inputs = "check that each target belongs to its input (a shifted or shuffled label pipeline)"
         return StallFinding(
             "chance_level",
-            f"By step {c.step} the training loss ({self.smoothed:.4g}) is still at the chance level "
-            f"({chance:.4g}: the loss of predicting only the class frequencies).",
-            "Nothing about the inputs is being learned: check that each target belongs to its input (a "
-            "shifted or shuffled label pipeline), that the model's parameters are in the optimizer and "
-            f"not frozen, and the LR (now {c.lr:.3g}).",
-            {"loss": self.smoothed, "chance": chance, "lr": c.lr},
+            f"From step {since} to step {c.step} the training loss ({level:.4g}) stayed at the chance level "
+            f"({what}); over those steps it fell {fall:.3g} ({fall / level:.1%}; noise {noise:.2g})."
+            + self._decay_note(c),
+            f"Nothing about the inputs is being learned: {inputs}; that the model's parameters are in the "
+            f"optimizer and not frozen; and the LR (now {c.lr:.3g}).",
+            {"loss": level, "chance": chance, "uniform": uniform, "fall": fall, "lr": c.lr},
+        )
+
+    def _decay_note(self, c: StallCheck) -> str:
+        """A sentence when the weight decay drives most decayed layers' updates now (their weights below
+        their highest, the decay's part of the update the larger), else nothing."""
+        layers = [k for k, (d, _) in c.decay.items() if d > 0 and k in c.weight_norms]
+        heavy = [
+            k
+            for k in layers
+            if c.decay[k][0] >= self.rules.decay_dominance * c.decay[k][1]
+            and c.weight_norms[k] < self.peak_weight.get(k, 0.0)
+        ]
+        if not layers or len(heavy) <= self.rules.collapse_layers * len(layers) or not c.decay_groups:
+            return ""
+        lr, wd = max(c.decay_groups, key=lambda g: g[0] * g[1])
+        return (
+            f" The weight decay's part of the update is larger than the rest of it in {len(heavy)} of the "
+            f"{len(layers)} decayed layers, whose weights are shrinking (weight_decay={wd:.3g} at "
+            f"lr={lr:.3g}): the decay may be what holds the loss there."
+        )
+
+    def _weight_decay(self, c: StallCheck) -> StallFinding | None:
+        r = self.rules
+        layers = {
+            k: dr for k, dr in c.decay.items() if dr[0] > 0 and math.isfinite(c.weight_norms.get(k, math.nan))
+        }
+        shrunk = []
+        for k in layers:
+            w, previous = c.weight_norms[k], self.last_weight.get(k)
+            self.peak_weight[k] = max(self.peak_weight.get(k, w), w)
+            self.last_weight[k] = w
+            decay, rest = layers[k]
+            falling = previous is not None and w < previous and w * r.decay_fall <= self.peak_weight[k]
+            if falling and decay >= r.decay_dominance * rest:
+                shrunk.append(k)
+        shrinking = bool(layers) and len(shrunk) > r.collapse_layers * len(layers)
+        self.decay_since = (
+            (self.decay_since if self.decay_since is not None else c.step) if shrinking else None
+        )
+        # shrinking on `patience` checks in a row, and the loss stopped improving far from done
+        if (
+            not self._streak("weight_decay_collapse", shrinking)
+            or not self._far_from_done()
+            or self._improving()
+        ):
+            return None
+        return self._decay_finding(c, shrunk, len(layers))
+
+    def _decay_finding(self, c: StallCheck, shrunk: list[str], decayed: int) -> StallFinding:
+        worst = max(shrunk, key=lambda k: self.peak_weight[k] / max(c.weight_norms[k], 1e-300))
+        fall = self.peak_weight[worst] / max(c.weight_norms[worst], 1e-300)
+        decay = math.sqrt(sum(c.decay[k][0] ** 2 for k in shrunk))
+        rest = math.sqrt(sum(c.decay[k][1] ** 2 for k in shrunk))
+        share = decay / (decay + rest) if decay + rest > 0 else 1.0
+        times = decay / max(rest, 1e-300)
+        lr, wd = max(c.decay_groups, key=lambda g: g[0] * g[1]) if c.decay_groups else (c.lr, math.nan)
+        return StallFinding(
+            "weight_decay_collapse",
+            f"Weight decay is shrinking the weights away: since step {self.decay_since} the weight norms of "
+            f"{len(shrunk)} of the {decayed} decayed layers fell {self.rules.decay_fall:g}x or more below "
+            "their highest, "
+            f"lower at every check ({worst}: {self.peak_weight[worst]:.3g} -> {c.weight_norms[worst]:.3g}, "
+            f"{fall:.3g}x), while the decay term lr * weight_decay * ||w|| was {times:.3g}x "
+            f"the rest of the update (its share {share:.0%}). weight_decay={wd:.3g} at lr={lr:.3g} removes "
+            f"{lr * wd:.3g} of every weight per step; the loss stopped improving (best {self.best_raw:.4g}, "
+            f"first {self.first_loss:.4g}).",
+            HINTS["weight_decay_collapse"],
+            {"weight_decay": wd, "lr": lr, "fall": fall, "decay_share": share, "layers": float(len(shrunk))},
         )
 
     def _plateau(self, c: StallCheck) -> StallFinding | None:
@@ -391,5 +555,6 @@ _CAUSES = frozenset(
         "lr_jump",
         "warmup_never_ends",
         "sorted_labels",
+        "weight_decay_collapse",
     }
 )

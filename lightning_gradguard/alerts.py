@@ -91,18 +91,18 @@ ALERT_KINDS: dict[str, str] = {
     "lr_jump": "StallDetector: the LR went far past the highest LR it was configured with",
     "warmup_never_ends": "StallDetector: the LR never rose above a few percent of its configured value",
     "sorted_labels": "StallDetector: batches came one class at a time (a loader sorted by class)",
-    "fp16_headroom_low": "under 16-mixed, a block's output came within a few bits of float16's overflow",
     "weight_decay_collapse": "StallDetector: weight decay outweighed the gradient, shrank most layers 10x+",
+    "fp16_headroom_low": "under 16-mixed, a block's output came within a few bits of float16's overflow",
     "attention_logit_growth": "the largest attention logit passed its ceiling or grew fast toward it",
+    "attention_entropy_collapse": "an attention module's entropy fell near 0: each query attends to ~one key",
     "adam_epsilon_dominates": "Adam's eps outweighs a layer's typical sqrt(v_hat) (OptimizerMonitor)",
     "update_ratio_outlier": "a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",
+    "adam_step_too_large": "an Adam entry moved far more than lr allows: beta2 <= beta1^2 (OptimizerMonitor)",
+    "update_ratio_high": "the update/weight ratio stayed far above ~1e-3: LR too high (GradientNormLogger)",
 }
-    "attention_entropy_collapse": "an attention module's entropy fell near 0: each query attends to ~one key",
 
 _LEVELS = {
     "info": logging.INFO,
-    "adam_step_too_large": "an Adam entry moved far more than lr allows: beta2 <= beta1^2 (OptimizerMonitor)",
-    "update_ratio_high": "the update/weight ratio stayed far above ~1e-3: LR too high (GradientNormLogger)",
     "warning": logging.WARNING,
     "error": logging.ERROR,
     "critical": logging.CRITICAL,

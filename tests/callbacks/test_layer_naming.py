@@ -167,8 +167,9 @@ class OwnForward(pl.LightningModule):
 
 
 def test_work_done_in_the_lightning_modules_own_forward_is_named_by_its_class() -> None:
-    """Regression: attention or a ReLU called in the LightningModule's own forward was named '' (alerts
-    'in ``', tags 'attention/max_logit/'): the root module is named by its class."""
+    """Regression: attention called in the LightningModule's own forward was named '' (alerts 'in ``', tags
+    'attention/max_logit/'): the root module is named by its class. A functional ReLU there keeps its
+    documented root name, the ReLU and the child whose output it got (``relu(proj)``)."""
     from lightning_gradguard import ActivationRangeMonitor, DeadReLUMonitor
 
     logger = MemoryLogger()
@@ -177,7 +178,9 @@ def test_work_done_in_the_lightning_modules_own_forward_is_named_by_its_class() 
     alerts = [a for m in monitors for a in m.alerts]
     assert {a.kind for a in alerts} >= {"attention_entropy_collapse", "dead_relu"}
     for alert in alerts:
-        assert alert.where.startswith("OwnForward") and "``" not in alert.message + alert.hint, alert
+        assert "``" not in alert.message + alert.hint, alert
+    where = {a.kind: a.where for a in alerts}
+    assert where["attention_entropy_collapse"] == "OwnForward" and where["dead_relu"] == "relu(proj)"
     tags = {tag for _, metrics in logger.calls for tag in metrics}
     assert "attention/max_logit/OwnForward" in tags
     assert not any(tag.endswith("/") for tag in tags)

@@ -43,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_gradguard.core.sampling import ScopedHooks
 from lightning_gradguard.core.state import strict_mode
 from lightning_gradguard.functional.health import activity_counts, saturation_counts, unit_dim
-from lightning_gradguard.functional.stats import module_label
+from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.monitors.dead_units.windows import UnitCounts, pool
 
 __all__ = ["MODE_ORDER", "OUTSIDE_MODULES", "ActivationCapture"]
@@ -172,7 +172,7 @@ class ActivationCapture(ScopedHooks):
         if self._open:
             return self
         self._open = True
-        self._names = {id(m): module_label(name, self.model) for name, m in self.model.named_modules()}
+        self._names = {id(m): clean_name(name) for name, m in self.model.named_modules()}
         self._stack, self._calls, self._channel_first = [], {}, False  # names (``#2``) restart each pass
         self._eager.open()  # torch.compile'd code runs eagerly in the scope: dynamo never sees our hooks
         self._handles = [

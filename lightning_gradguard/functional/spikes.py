@@ -12,6 +12,12 @@ A step is a spike when its score reaches the threshold *and* the value is at lea
 the window's median (linear space: the median plus ``min_ratio - 1`` times its magnitude): in a very
 quiet window (MAD near 0) a tiny rise can have a large z-score, and a spike must also be large in
 absolute terms.
+
+Before any window is warm, a run can only be compared with its own start. :func:`start_level` is that
+start: the median of the first losses, with a scale that stays meaningful when the loss is near zero or
+negative (differences, not ratios: a rise is measured in units of the start's magnitude, or of the first
+losses' spread when that is larger). :meth:`StartLevel.factor` says how many "starts" a loss lies at:
+1 at the start, 6 for a positive loss six times its start.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ from dataclasses import dataclass
 __all__ = [
     "MAD_TO_SIGMA",
     "SpikeScore",
+    "StartLevel",
     "is_spike",
     "spike_score",
+    "start_level",
 ]
 
 #: the MAD of a normal distribution is 0.6745 sigma: 1.4826 * MAD estimates sigma
@@ -79,3 +87,35 @@ def is_spike(score: SpikeScore, threshold: float, min_ratio: float) -> bool:
     if score.log_space:
         return score.ratio >= min_ratio
     return score.value >= score.level + (min_ratio - 1.0) * abs(score.level)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartLevel:
+    """Where a run's loss started, to judge a later loss against.
+
+    Attributes:
+        level: the median of the first losses.
+        scale: the unit a rise is measured in: ``|level|``, or the middle one of the first losses' distances
+            from their median when that is larger (a loss that starts near zero, or crosses it, gets the
+            spread of its first steps). ``0`` only when every first loss is exactly ``0``.
+    """
+
+    level: float
+    scale: float
+
+    def factor(self, value: float) -> float:
+        """``1 + (value - level) / scale``: for a positive start, ``value / level`` (NaN without a scale)."""
+        return 1.0 + (value - self.level) / self.scale if self.scale > 0 else math.nan
+
+    def threshold(self, factor: float) -> float:
+        """The loss at which :meth:`factor` reaches ``factor`` (``inf`` without a scale)."""
+        return self.level + (factor - 1.0) * self.scale if self.scale > 0 else math.inf
+
+
+def start_level(first: Sequence[float]) -> StartLevel:
+    """The :class:`StartLevel` of a run whose first (finite) losses are ``first`` (at least one)."""
+    if not first or not all(map(math.isfinite, first)):
+        raise ValueError(f"`first` must hold finite losses, got {list(first)!r}")
+    level = statistics.median(first)
+    spread = statistics.median([abs(v - level) for v in first])
+    return StartLevel(level=level, scale=max(abs(level), spread))

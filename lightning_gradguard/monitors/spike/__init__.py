@@ -1,4 +1,5 @@
-"""LossSpikeGuard: a loss or gradient-norm spike caught before the update, and the recovery.
+"""LossSpikeGuard: a loss or gradient-norm spike caught before the update, and the recovery; a loss that
+climbs far above its start in the first steps, named.
 
 Modules:
 
@@ -6,8 +7,12 @@ Modules:
   counters, checkpoint state and ``spike/*`` scalars.
 * ``step``: what an optimizer step gathers of its micro-batches, and its loss and gradient norm read in
   one transfer.
-* ``rules``: the escalation ladder, when a rollback point is due, and the ``loss_spike`` alert's words.
+* ``rules``: what makes a step a spike (a gradient-norm spike needs the loss to confirm it), the
+  escalation ladder, when a rollback point is due, and the ``loss_spike`` alert's words.
+* ``early``: the early-divergence rule (the loss against the run's own start while the windows warm up)
+  and the ``early_divergence`` alert's words.
 * ``records``: ``spikes.json``, its records, and the batches a later run drops again.
 
-The score itself is :mod:`lightning_gradguard.functional.spikes`.
+The score itself, and the start an early loss is judged against, are
+:mod:`lightning_gradguard.functional.spikes`.
 """

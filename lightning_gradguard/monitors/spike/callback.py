@@ -4,11 +4,13 @@ LossSpikeGuard
 
 Catches a spike of the training loss or of the gradient norm before the optimizer applies it, and
 recovers: warn, skip the update, roll back to a recent snapshot, or raise; escalating while spikes keep
-coming, so that a real divergence is not skipped forever.
+coming, so that a real divergence is not skipped forever. While its windows warm up it compares the loss
+with the run's own start instead, and says so when the loss climbs far above it (an early divergence).
 
 The callback holds the hooks, the windows, the counters and its checkpoint state, and logs the ``spike/*``
-scalars. What a step gathers and reads is :mod:`~lightning_gradguard.monitors.spike.step`, the escalation
-and the alert's words :mod:`~lightning_gradguard.monitors.spike.rules`, ``spikes.json``
+scalars. What a step gathers and reads is :mod:`~lightning_gradguard.monitors.spike.step`, what makes a
+spike, the escalation and the alert's words :mod:`~lightning_gradguard.monitors.spike.rules`, the early
+divergence :mod:`~lightning_gradguard.monitors.spike.early`, ``spikes.json``
 :mod:`~lightning_gradguard.monitors.spike.records`, the score :mod:`lightning_gradguard.functional.spikes`.
 """
 
@@ -31,9 +33,10 @@ from lightning_gradguard.core.lr import rescale_learning_rates
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.snapshot import TrainingSnapshot, rollback_point
 from lightning_gradguard.core.validate import check_choice, check_float, check_int, check_path
-from lightning_gradguard.functional.spikes import SpikeScore, is_spike, spike_score
+from lightning_gradguard.functional.spikes import SpikeScore, spike_score
+from lightning_gradguard.monitors.spike.early import EarlyWatch, early_alert
 from lightning_gradguard.monitors.spike.records import SpikeRecord, read_skip_batches, record_spike
-from lightning_gradguard.monitors.spike.rules import escalated_action, snapshot_due, spike_alert
+from lightning_gradguard.monitors.spike.rules import escalated_action, snapshot_due, spike_alert, step_verdict
 from lightning_gradguard.monitors.spike.step import StepInputs, read_step_values
 from lightning_gradguard.tags import SPIKE, charts_of
 
@@ -49,14 +52,16 @@ class _Judged:
         values: its host values by name (``"loss"``, ``"grad_norm"``), judged or not.
         scores: the judged values' scores against their windows.
         suffix: whose windows and streak: ``""``, or under manual optimization ``"@<optimizer index>"``.
-        spike: whether the windows were warm and a score made a spike.
+        verdict: ``"spike"``, ``"excursion"`` (a gradient-norm spike the loss did not confirm: applied like a
+            calm step, but no rollback point is taken after it) or ``"calm"``; always ``"calm"`` while the
+            windows are cold (:func:`~lightning_gradguard.monitors.spike.rules.step_verdict`).
     """
 
     batches: list[int]
     values: dict[str, float]
     scores: dict[str, SpikeScore]
     suffix: str
-    spike: bool
+    verdict: str
 
     @property
     def manual(self) -> bool:
@@ -69,11 +74,16 @@ class LossSpikeGuard(GradGuardCallback):
     Before each update it scores the step's loss (the mean over micro-batches and ranks) and total gradient
     norm (the shared statistics pass) against the last ``window`` accepted steps: a robust z-score
     (median/MAD, log space; :mod:`lightning_gradguard.functional.spikes`) at its threshold, and at least
-    ``min_ratio`` times the median, is a spike. It gets ``action``, escalating every ``patience``
-    consecutive spikes along ``skip -> rollback -> raise``: a skip drops the update (optimizer state
-    untouched), a rollback restores the last CPU snapshot (weights, optimizer, scheduler, GradScaler, RNG)
-    and drops the update while the data moves on. Every rank decides alike (one all-reduce). Each spike is
-    an alert ``loss_spike`` and a record in ``spikes.json``. The rules, in full: docs/loss_spike.md.
+    ``min_ratio`` times the median, is a spike; a gradient-norm spike only when the loss confirms it (its
+    z-score 2 or more: a large gradient with a falling loss is left alone). A spike gets ``action``,
+    escalating every ``patience`` consecutive spikes along ``skip -> rollback -> raise``: a skip drops the
+    update (optimizer state untouched), a rollback restores the last CPU snapshot (weights, optimizer,
+    scheduler, GradScaler, RNG) and drops the update while the data moves on. Every rank decides alike (one
+    all-reduce). Each spike is an alert ``loss_spike`` and a record in ``spikes.json``. While the windows
+    warm up, a loss that stays at ``early_divergence_factor`` times the run's start (the median of its first
+    3 losses) for 5 steps in a row is an alert ``early_divergence`` (an error: the learning rate is too
+    high), once; nothing is skipped (no good state exists yet), ``action="raise"`` raises. The rules, in
+    full: docs/loss_spike.md.
 
     Args:
         action: ``"skip"`` (default), ``"rollback"``, ``"warn"`` or ``"raise"``.
@@ -90,6 +100,9 @@ class LossSpikeGuard(GradGuardCallback):
         lr_cooldown_factor: after a rollback, multiply the learning rate by this (``None``: unchanged).
         lr_cooldown_steps: how many applied updates the lower learning rate lasts.
         skip_batches_path: a ``spikes.json`` of an earlier run whose batches are skipped again.
+        early_divergence_factor: while the windows warm up, how many times its start the loss must stay at
+            (in units of the start's magnitude: a difference, for a loss at or below zero) for 5 steps in a
+            row to be an early divergence (``None``: not watched).
         cooldown_steps: minimum steps between two alerts of the same kind and place. ``0`` by default:
             every spike is an intervention whose alert must be reported.
 
@@ -120,6 +133,7 @@ class LossSpikeGuard(GradGuardCallback):
         lr_cooldown_factor: float | None = None,
         lr_cooldown_steps: int = 100,
         skip_batches_path: str | None = None,
+        early_divergence_factor: float | None = 6.0,
         cooldown_steps: int = 0,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
@@ -143,6 +157,10 @@ class LossSpikeGuard(GradGuardCallback):
         )
         self.lr_cooldown_steps: int = check_int("lr_cooldown_steps", lr_cooldown_steps, 1)
         self.skip_batches_path: str | None = check_path("skip_batches_path", skip_batches_path)
+        self.early_divergence_factor = check_float(
+            "early_divergence_factor", early_divergence_factor, 1.0, low_open=True, allow_none=True
+        )
+        self._early = EarlyWatch(self.early_divergence_factor, min(self.warmup_steps, self.window))
         self._skip: set[tuple[int, int]] = set()
         self._step = StepInputs()
         self._reset()
@@ -155,6 +173,7 @@ class LossSpikeGuard(GradGuardCallback):
         self.probation = False  # a rollback was made and the run has not yet earned a new snapshot
         self.last_scores: dict[str, SpikeScore] = {}
         self.manual_streaks: dict[str, int] = {}  # manual optimization: a streak per optimizer
+        self._early.reset()
         self._forget()
 
     def _forget(self) -> None:
@@ -215,7 +234,9 @@ class LossSpikeGuard(GradGuardCallback):
         elif not read.short:
             suffix = f"@{optimizer_index(trainer, optimizer)}" if manual else ""
             judged = self._judge(step.batches, read.values, suffix)
-            if judged.spike:
+            if self._early.active and "loss" in read.values and self._early.observe(read.values["loss"]):
+                self._on_early_divergence(trainer, optimizer, read.values["loss"])
+            if judged.verdict == "spike":
                 self._on_spike(trainer, optimizer, judged)
             else:
                 self._on_calm(trainer, judged)
@@ -250,10 +271,8 @@ class LossSpikeGuard(GradGuardCallback):
             warm &= len(window) >= min(self.warmup_steps, self.window)
         self.last_scores = scores
         self.judged += 1
-        spike = warm and any(
-            is_spike(score, thresholds[key] or 0.0, self.min_ratio) for key, score in scores.items()
-        )
-        return _Judged(batches=batches, values=values, scores=scores, suffix=suffix, spike=spike)
+        verdict = step_verdict(scores, thresholds, self.min_ratio) if warm else "calm"
+        return _Judged(batches=batches, values=values, scores=scores, suffix=suffix, verdict=verdict)
 
     def _on_calm(self, trainer: pl.Trainer, judged: _Judged) -> None:
         """A healthy step: its values join their windows and the streak ends (not while on probation)."""
@@ -264,7 +283,7 @@ class LossSpikeGuard(GradGuardCallback):
             self.manual_streaks[judged.suffix] = 0
         elif not self.probation:  # after a rollback the streak lasts until the run earns a new snapshot
             self.streak = 0
-        self._outcome = "calm"
+        self._outcome = "applied" if judged.verdict == "excursion" else "calm"  # no rollback point after it
         self._log_scalars(trainer, judged.scores, force=False)
 
     def _on_spike(self, trainer: pl.Trainer, optimizer: Any, judged: _Judged) -> None:
@@ -292,6 +311,24 @@ class LossSpikeGuard(GradGuardCallback):
         )
         self.report(trainer, "loss_spike", alert.severity, None, alert.message, alert.hint, alert.data)
         self._act(trainer, optimizer, action)
+
+    def _on_early_divergence(self, trainer: pl.Trainer, optimizer: Any, loss: float) -> None:
+        """The loss has stayed far above the run's start: say so, with the learning rate; raise under
+        ``action="raise"``. Nothing is dropped: before the warm-up ends no good state exists to return to."""
+        groups = getattr(optimizer, "param_groups", None) or [{}]
+        lr = groups[0].get("lr")
+        alert = early_alert(
+            step=int(trainer.global_step),
+            first=self._early.first,
+            loss=loss,
+            factor=self.early_divergence_factor or 0.0,
+            lr=None if lr is None else float(lr),
+        )
+        reported = self.report(
+            trainer, "early_divergence", alert.severity, None, alert.message, alert.hint, alert.data
+        )
+        if self.action == "raise":
+            raise LossSpikeError(alert.message, [reported] if reported is not None else [])
 
     def _lengthen_streak(self, judged: _Judged) -> int:
         """The spike's place in its streak: the optimizer's own under manual optimization, else the run's
@@ -382,6 +419,7 @@ class LossSpikeGuard(GradGuardCallback):
             "probation": self.probation,
             "manual_streaks": dict(self.manual_streaks),
             "step": self._step.state_dict(),
+            "early": self._early.state_dict(),
         }
 
     @override
@@ -399,3 +437,5 @@ class LossSpikeGuard(GradGuardCallback):
         self.probation = bool(state_dict.get("probation", False))
         self.manual_streaks = {k: int(v) for k, v in state_dict.get("manual_streaks", {}).items()}
         self._step.load_state_dict(state_dict.get("step", {}))
+        # a checkpoint from before the rule: its run is as far along as its judged steps say
+        self._early.load_state_dict(state_dict.get("early", {"seen": self.judged}))

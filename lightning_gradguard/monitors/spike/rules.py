@@ -1,19 +1,55 @@
-"""LossSpikeGuard's rules and their wording: escalation, rollback points, the ``loss_spike`` alert.
+"""LossSpikeGuard's rules and their wording: what makes a step a spike, escalation, rollback points, the
+``loss_spike`` alert.
 
-:func:`escalated_action` is how a run of spikes climbs ``skip -> rollback -> raise``; :func:`snapshot_due`
-says when a rollback point is taken; :func:`spike_alert` puts a spike into words (:class:`SpikeAlert`,
-with :data:`SPIKE_HINTS`). Whether a value is a spike at all is the pure score of
-:mod:`lightning_gradguard.functional.spikes`.
+:func:`step_verdict` says whether a step's scores make it a spike (a gradient-norm spike counts only when
+the loss confirms it, :data:`LOSS_CONFIRMS_Z`); :func:`escalated_action` is how a run of spikes climbs
+``skip -> rollback -> raise``; :func:`snapshot_due` says when a rollback point is taken; :func:`spike_alert`
+puts a spike into words (:class:`SpikeAlert`, with :data:`SPIKE_HINTS`). Whether one value is a spike is
+the pure score of :mod:`lightning_gradguard.functional.spikes`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from lightning_gradguard.alerts import Severity
-from lightning_gradguard.functional.spikes import SpikeScore
+from lightning_gradguard.functional.spikes import SpikeScore, is_spike
 
-__all__ = ["ESCALATION", "SPIKE_HINTS", "SpikeAlert", "escalated_action", "snapshot_due", "spike_alert"]
+__all__ = [
+    "ESCALATION",
+    "LOSS_CONFIRMS_Z",
+    "SPIKE_HINTS",
+    "SpikeAlert",
+    "escalated_action",
+    "snapshot_due",
+    "spike_alert",
+    "step_verdict",
+]
+
+#: a gradient-norm spike is acted on only when the step's loss is at least this robust z-score above its
+#: recent median (or when the loss is not judged). Healthy gradient-norm excursions came with losses of z
+#: -69 to +1.5 (a deep net escaping a plateau: the norm 5-13x its median, z 6-10, while the loss fell;
+#: transformers after warm-up: 2-2.7x, z 4-5.5, the loss falling): docs/loss_spike.md.
+LOSS_CONFIRMS_Z = 2.0
+
+
+def step_verdict(
+    scores: dict[str, SpikeScore], thresholds: dict[str, float | None], min_ratio: float
+) -> Literal["spike", "excursion", "calm"]:
+    """What a step whose judged values scored ``scores`` is, once the windows are warm.
+
+    ``"spike"``: the loss spiked; or the gradient norm did while the loss is not judged, or is
+    :data:`LOSS_CONFIRMS_Z` or more above its median. ``"excursion"``: the gradient norm spiked and the loss
+    did not confirm it; a large gradient with an ordinary or falling loss (a model leaving a plateau, a
+    transformer waking up after warm-up) is no reason to drop the update. ``"calm"``: neither.
+    """
+    loss, norm = scores.get("loss"), scores.get("grad_norm")
+    if loss is not None and is_spike(loss, thresholds["loss"] or 0.0, min_ratio):
+        return "spike"
+    if norm is None or not is_spike(norm, thresholds["grad_norm"] or 0.0, min_ratio):
+        return "calm"
+    return "spike" if loss is None or loss.zscore >= LOSS_CONFIRMS_Z else "excursion"
 
 
 #: what a run of spikes escalates through, mildest first ("warn" never escalates)
@@ -62,13 +98,14 @@ SPIKE_HINTS = {
 
 @dataclass(frozen=True, kw_only=True)
 class SpikeAlert:
-    """The ``loss_spike`` alert of one spike (it names no place: the whole step spiked).
+    """The words of a ``loss_spike`` alert (one spike) or an ``early_divergence`` alert; it names no place:
+    the whole step is concerned.
 
     Attributes:
-        severity: ``"error"`` when the spike raises, else ``"warning"``.
+        severity: ``"error"`` when the spike raises (and for an early divergence), else ``"warning"``.
         message: what was seen, with the numbers.
         hint: what was done, and what to try.
-        data: each judged value's z-score (``<name>_zscore``) and the ``streak``.
+        data: the numbers: for a spike each judged value's z-score (``<name>_zscore``) and the ``streak``.
     """
 
     severity: Severity

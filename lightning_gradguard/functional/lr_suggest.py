@@ -9,11 +9,16 @@ usable from a hand-written PyTorch loop:
 * :func:`ema_smooth`: exponential moving average with bias correction, counted from the first point.
 * :func:`centered_smooth`: a zero-lag Gaussian smoother used for the suggestions: a one-sided EMA lags
   behind the curve and shifts every feature to larger LRs.
+* :func:`loss_noise` and :func:`descent_check`: does the curve's descent stand out of its own noise
+  (a :class:`DescentCheck`)? Without that, no method suggests anything.
 * :func:`suggest_steep`, :func:`suggest_valley`, :func:`suggest_minimum`, :func:`suggest_slide` and
   :func:`suggest_all`.
 
 All suggestion functions take the learning rates and an (already smoothed) loss curve of the same
-length and return a learning rate, or ``None`` when the curve does not support one. The sweep's online
+length and return a learning rate, or ``None`` when the curve does not support one. Each reads only the
+smoothed curve's shape, so each finds "a descent" in a curve that is pure noise;
+:func:`suggest_all` with the raw losses (``raw=``) first asks :func:`descent_check` and suggests
+nothing for a curve whose fall does not stand out of its noise. The sweep's online
 stop rule, which keeps state, is the LR finder's own
 (:class:`~lightning_gradguard.monitors.lr_finder.divergence.DivergenceMonitor`).
 """
@@ -22,13 +27,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 __all__ = [
+    "DESCENT_NOISE_MULTIPLE",
+    "NOISE_POINTS",
+    "RELATIVE_NOISE_FLOOR",
     "SUGGESTION_METHODS",
+    "DescentCheck",
     "centered_smooth",
+    "descent_check",
     "ema_smooth",
+    "loss_noise",
+    "smoothing_gain",
     "suggest_all",
     "suggest_minimum",
     "suggest_slide",
@@ -38,6 +51,19 @@ __all__ = [
 ]
 
 SUGGESTION_METHODS: tuple[str, ...] = ("valley", "steep", "minimum", "slide")
+
+#: a suggestion needs the smoothed curve's fall to be at least this many times the noise of that fall
+#: (measured margins in docs/lr_finder.md: sweeps of models whose loss cannot fall reached at most 5.1
+#: with 20 to 100 points, 7.8 with 12; real sweeps of small models learning at batch size 4 or more at
+#: least 7.8)
+DESCENT_NOISE_MULTIPLE = 6.0
+
+#: the fewest raw losses the noise is read from (20 differences), even when the minimum comes earlier
+NOISE_POINTS = 21
+
+#: the noise is never taken below this fraction of the loss's size: a fall smaller than a few of these
+#: is float rounding or a loss that barely depends on the weights (a bias-only model), not a descent
+RELATIVE_NOISE_FLOOR = 1e-4
 
 
 def sweep_lrs(min_lr: float, max_lr: float, num: int, mode: str = "exponential") -> list[float]:
@@ -76,22 +102,28 @@ def centered_smooth(values: Sequence[float], sigma: float | None = None) -> list
     descent. ``sigma`` defaults to 5 % of the number of points (at least 1).
     """
     y = np.asarray(values, dtype=np.float64)
-    n = y.size
+    kernel = _kernel(y.size, sigma)
+    if kernel is None:
+        return [float(v) for v in y]
+    return [float(v) for v in _convolve(y, kernel) / _convolve(np.ones(y.size), kernel)]
+
+
+def _kernel(n: int, sigma: float | None) -> np.ndarray | None:
+    """The Gaussian kernel of :func:`centered_smooth` for ``n`` points; ``None``: no smoothing."""
     if n == 0:
-        return []
+        return None
     sig = max(1.0, 0.05 * n) if sigma is None else float(sigma)
     if sig <= 0:
-        return [float(v) for v in y]
-    half = math.ceil(4 * sig)
-    offsets = np.arange(-half, half + 1)
-    kernel = np.exp(-0.5 * (offsets / sig) ** 2)
-    num = np.convolve(y, kernel, mode="same") if n >= kernel.size else _direct(y, kernel, half)
-    den = (
-        np.convolve(np.ones(n), kernel, mode="same")
-        if n >= kernel.size
-        else _direct(np.ones(n), kernel, half)
-    )
-    return [float(v) for v in num / den]
+        return None
+    offsets = np.arange(-math.ceil(4 * sig), math.ceil(4 * sig) + 1)
+    return np.asarray(np.exp(-0.5 * (offsets / sig) ** 2))
+
+
+def _convolve(y: np.ndarray, kernel: np.ndarray) -> np.ndarray:
+    """``np.convolve(y, kernel, mode="same")``, also for a kernel longer than the signal."""
+    if y.size >= kernel.size:
+        return np.asarray(np.convolve(y, kernel, mode="same"))
+    return _direct(y, kernel, kernel.size // 2)
 
 
 def _direct(y: np.ndarray, kernel: np.ndarray, half: int) -> np.ndarray:
@@ -104,6 +136,111 @@ def _direct(y: np.ndarray, kernel: np.ndarray, half: int) -> np.ndarray:
             if 0 <= k < kernel.size:
                 out[i] += kernel[k] * y[j]
     return out
+
+
+def loss_noise(losses: Sequence[float] | np.ndarray) -> float:
+    """The batch-to-batch noise of a sweep's raw losses: the standard deviation of one loss around the trend.
+
+    Read from the point-to-point differences, robustly: ``1.4826 * MAD(diff) / sqrt(2)`` (the MAD of
+    the differences around their median, scaled so that independent Gaussian noise of standard deviation
+    ``s`` gives ``s``). Differences take out the trend, the median its slope, and the MAD ignores the few
+    big jumps of a diverging tail. Never below :data:`RELATIVE_NOISE_FLOOR` times the median ``|loss|``;
+    ``0.0`` for fewer than two points.
+    """
+    y = np.asarray(losses, dtype=np.float64)
+    if y.size < 2:
+        return 0.0
+    d = np.diff(y)
+    mad = float(np.median(np.abs(d - np.median(d))))
+    return max(1.4826 * mad / math.sqrt(2.0), RELATIVE_NOISE_FLOOR * float(np.median(np.abs(y))))
+
+
+def smoothing_gain(n: int, sigma: float | None = None) -> np.ndarray:
+    """How much of independent point noise :func:`centered_smooth` keeps at each of ``n`` points.
+
+    A smoothed value is a weighted mean, so its noise is ``noise * sqrt(sum w**2) / sum w`` over the
+    weights it used: about ``1 / sqrt(3.5 * sigma)`` inside the curve, more at the ends where the kernel
+    is cut.
+    """
+    kernel = _kernel(n, sigma)
+    if kernel is None:
+        return np.ones(n)
+    ones = np.ones(n)
+    return np.asarray(np.sqrt(_convolve(ones, kernel**2)) / _convolve(ones, kernel))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DescentCheck:
+    """Whether a smoothed range-test curve falls by more than its own noise (see :func:`descent_check`).
+
+    Attributes:
+        fall: how far the smoothed curve falls, from ``start`` to its minimum at ``lowest``.
+        start: index of the point the fall is measured from (the one where it stands out most).
+        lowest: index of the smoothed curve's minimum.
+        noise: the raw losses' noise (:func:`loss_noise`).
+        fall_noise: the noise of that fall on the smoothed curve (``noise`` times the smoother's gain at
+            both ends, added in quadrature).
+        ratio: ``fall / fall_noise`` (``inf`` for a fall on a noiseless curve, ``0`` without a fall).
+        required: the ratio a suggestion needs.
+    """
+
+    fall: float
+    start: int
+    lowest: int
+    noise: float
+    fall_noise: float
+    ratio: float
+    required: float
+
+    @property
+    def stands_out(self) -> bool:
+        """``True`` when the fall is at least ``required`` times its noise."""
+        return self.ratio >= self.required
+
+
+def descent_check(
+    losses: Sequence[float],
+    curve: Sequence[float] | None = None,
+    required: float = DESCENT_NOISE_MULTIPLE,
+    sigma: float | None = None,
+) -> DescentCheck:
+    """Does the smoothed curve's fall to its minimum stand out of the noise of the raw ``losses``?
+
+    ``curve`` is :func:`centered_smooth` of ``losses`` (computed when not given, with ``sigma``). The
+    noise is :func:`loss_noise` of the raw losses up to the curve's minimum ``m`` (at least the first
+    :data:`NOISE_POINTS`): what comes after is the divergence, and with no stop rule it can be most of
+    the curve. For every point ``i`` before ``m``, its fall ``curve[i] - curve[m]`` is compared with the
+    noise that fall has on a curve of pure noise, ``noise * sqrt(g_i**2 + g_m**2)`` (``g``:
+    :func:`smoothing_gain`); the point where the ratio is largest is kept. On pure noise the
+    ratio stays below about 5 (99th percentile of Gaussian noise, 40 points or more; heavier tails and
+    fewer points reach higher); a real descent gives tens.
+    """
+    y = np.asarray(losses, dtype=np.float64)
+    c = np.asarray(centered_smooth(losses, sigma) if curve is None else curve, dtype=np.float64)
+    if c.shape != y.shape:
+        raise ValueError(f"`curve` and `losses` must have the same length; got {c.size} and {y.size}")
+    if y.size < 2:
+        return DescentCheck(
+            fall=0.0, start=0, lowest=0, noise=loss_noise(y), fall_noise=0.0, ratio=0.0, required=required
+        )
+    m = int(np.argmin(c))
+    # the noise before the divergence: a long diverging tail (no stop rule) is no noise of the descent
+    noise = loss_noise(y[: max(m + 1, min(y.size, NOISE_POINTS))])
+    gain = smoothing_gain(y.size, sigma)
+    spread = noise * np.sqrt(gain[: m + 1] ** 2 + gain[m] ** 2)
+    fall = c[: m + 1] - c[m]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = np.where(fall > 0, fall / spread, 0.0)
+    i = int(np.argmax(ratios))
+    return DescentCheck(
+        fall=float(fall[i]),
+        start=i,
+        lowest=m,
+        noise=noise,
+        fall_noise=float(spread[i]),
+        ratio=float(ratios[i]),
+        required=required,
+    )
 
 
 def _as_arrays(lrs: Sequence[float], losses: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -237,8 +374,20 @@ def suggest_slide(
     return float(10.0 ** x[left])
 
 
-def suggest_all(lrs: Sequence[float], losses: Sequence[float]) -> dict[str, float | None]:
-    """Every suggestion method on one (already smoothed) curve, keyed by method name."""
+def suggest_all(
+    lrs: Sequence[float],
+    losses: Sequence[float],
+    raw: Sequence[float] | None = None,
+    required: float = DESCENT_NOISE_MULTIPLE,
+) -> dict[str, float | None]:
+    """Every suggestion method on one (already smoothed) curve, keyed by method name.
+
+    With ``raw`` (the raw losses ``losses`` was smoothed from) every method gives ``None`` unless the
+    curve's fall stands out of its noise (:func:`descent_check` with ``required``): each method alone
+    finds a "descent" in any wiggle of a curve that cannot fall.
+    """
+    if raw is not None and not descent_check(raw, losses, required).stands_out:
+        return dict.fromkeys(SUGGESTION_METHODS)
     return {
         "valley": suggest_valley(lrs, losses),
         "steep": suggest_steep(lrs, losses),

@@ -156,7 +156,7 @@ def test_every_tag_family_a_run_writes_is_in_the_tag_reference(tmp_path: Path) -
     logger = TensorBoardLogger(str(tmp_path), name="docs", default_hp_metric=False)
     callbacks = [
         OverfitBatchSanity(),
-        LRFinderPlus(num_training=20, progress=False),
+        LRFinderPlus(num_training=40, max_lr=30.0, progress=False),
         GradientNormLogger(histogram_every_n_steps=4),
         VanishingExplodingDetector(),
         DeadReLUMonitor(),
@@ -167,9 +167,13 @@ def test_every_tag_family_a_run_writes_is_in_the_tag_reference(tmp_path: Path) -
     ]
     model = RecordingMLP()
     model.net[1] = torch.nn.ReLU()
-    make_trainer(callbacks, logger, gradient_clip_val=1e-4, max_steps=24, log_every_n_steps=2).fit(
-        model, random_loader(n=400)
-    )
+    # labels a linear map of the inputs decides: the sweep's loss can fall, so it suggests (a curve of
+    # random labels has a descent lost in its noise, and LRFinderPlus rightly suggests nothing)
+    loader = random_loader(n=400)
+    x, _ = loader.dataset.tensors
+    labels = (x @ torch.randn(x.shape[1], 4, generator=torch.Generator().manual_seed(1))).argmax(1)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, labels), batch_size=32)
+    make_trainer(callbacks, logger, gradient_clip_val=0.5, max_steps=24, log_every_n_steps=2).fit(model, data)
     events = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
     events.Reload()
     found = events.Tags()

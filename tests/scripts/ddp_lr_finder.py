@@ -22,7 +22,7 @@ from lightning_gradguard import LRFinderPlus
 class Model(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
         self.first_loss: float | None = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -38,9 +38,15 @@ class Model(pl.LightningModule):
 
 def main(out: Path) -> None:
     pl.seed_everything(0)
-    x = torch.randn(64, 8)  # 4 batches a rank an epoch; the 40-step sweeps start the loader over
-    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=True)
+    # 256 scikit-learn digits: 4 batches a rank an epoch; the 40-step sweeps start the loader over. (Random
+    # data of 64 samples in batches of 8 gave sweeps whose fall did not stand out of their noise.)
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data[:256], dtype=torch.float32)
+    x = (x - x.mean(0)) / (x.std(0) + 1e-3)
+    y = torch.tensor(digits.target[:256], dtype=torch.long)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
     model = Model()
     finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False, milestones=[0, 1])
     trainer = pl.Trainer(

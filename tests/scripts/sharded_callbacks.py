@@ -82,15 +82,16 @@ def whole_weights(trainer: pl.Trainer, module: nn.Module) -> dict[str, list[floa
 
 
 class Model(pl.LightningModule):
-    def __init__(self, kind: str, spikes: tuple[int, ...] = ()) -> None:
+    def __init__(self, kind: str, spikes: tuple[int, ...] = (), dead: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
         layers: list[nn.Module] = []
         for i, (a, b) in enumerate(itertools.pairwise(SIZES)):
             layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(SIZES) - 2 else [])
         self.net = nn.Sequential(*layers)
-        with torch.no_grad():
-            self.net[0].bias[:DEAD] = -50.0
+        if dead:
+            with torch.no_grad():
+                self.net[0].bias[:DEAD] = -50.0
         self.kind, self.spikes = kind, spikes
 
     def configure_model(self) -> None:
@@ -115,10 +116,14 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
 
 
-def loader() -> Any:
+def loader(learnable: bool = False) -> Any:
+    """Random inputs; random labels, or (``learnable``) labels a fixed linear map of the input decides,
+    so that a range test's loss falls out of its noise and LRFinderPlus suggests a rate."""
     g = torch.Generator().manual_seed(0)
     n = 2 * 8 * STEPS
     x, y = torch.randn(n, SIZES[0], generator=g), torch.randint(0, SIZES[-1], (n,), generator=g)
+    if learnable:
+        y = (x @ torch.randn(SIZES[0], SIZES[-1], generator=g)).argmax(1)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
 
 
@@ -185,12 +190,14 @@ def _gradguard_warnings(caught: list[Any]) -> list[str]:
 
 
 def lr_run(kind: str, out: Path) -> None:
-    finder = LRFinderPlus(num_training=20, min_lr=1e-4, max_lr=10.0, plot=False, progress=False)
+    # a model without dead units on learnable labels: its sweep's descent stands out of the noise, so a
+    # suggestion is made and applied (random labels give a curve LRFinderPlus rightly suggests nothing on)
+    finder = LRFinderPlus(num_training=30, min_lr=1e-3, max_lr=3.0, plot=False, progress=False)
     t = trainer(kind, out / "lr", [finder])
-    model = Model(kind)
+    model = Model(kind, dead=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t.fit(model, loader())
+        t.fit(model, loader(learnable=True))
     r = finder.results[0]
     seen = {
         "stop_reason": r.stop_reason,

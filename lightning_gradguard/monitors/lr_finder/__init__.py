@@ -7,6 +7,6 @@
 * ``result``: ``LRFinderResult``, the outcome of one test, and its figure.
 * ``output``: where a result goes on rank 0: scalars, the summary line, CSV, figure, hyperparameters.
 
-The stateless math (the LR schedule, the smoothing of the curve, the suggestions) is
-:mod:`lightning_gradguard.functional.lr_suggest`.
+The stateless math (the LR schedule, the smoothing of the curve, whether its fall stands out of its
+noise, the suggestions) is :mod:`lightning_gradguard.functional.lr_suggest`.
 """

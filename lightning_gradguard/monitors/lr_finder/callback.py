@@ -61,11 +61,13 @@ class LRFinderPlus(GradGuardCallback):
 
     Under DDP and FSDP every rank runs the same sweep on its own shard; the loss of each step is averaged
     across ranks, so all ranks see the same curve and stop at the same step; rank 0's result is
-    broadcast. When no suggestion is possible the LR is left alone and an ``lr_finder_failed`` alert
-    says why. The sweep needs automatic optimization with one optimizer, on a single device, under
-    DDP or under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``): in any other setup (manual
-    optimization, for one) no sweep runs, and the alert says that the setup is not supported and what
-    to do instead.
+    broadcast. A suggestion needs a descent that stands out of the curve's own noise (its fall at least
+    six times the noise of that fall, read from the raw losses' step-to-step scatter); a curve of a loss
+    that cannot fall gives none. When no suggestion is possible the LR is left alone and an
+    ``lr_finder_failed`` alert says why. The sweep needs automatic optimization with one optimizer, on a
+    single device, under DDP or under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``): in any other
+    setup (manual optimization, for one) no sweep runs, and the alert says that the setup is not
+    supported and what to do instead.
 
     Output (rank 0): scalars ``lr_finder/loss``, ``lr_finder/smoothed_loss`` and ``lr_finder/lr``
     against the sweep step, ``lr_finder/suggested_lr`` at the trainer's step; a CSV
@@ -74,7 +76,8 @@ class LRFinderPlus(GradGuardCallback):
     logger's hyperparameters (``lr_finder/applied_lr`` and ``lr_finder/method``; in ``hparams.yaml`` for
     TensorBoard and CSV) and to ``result.applied_lr``. Later milestones get an ``_epoch<N>`` suffix.
     While the sweep runs, a tqdm bar of its own (stderr, below Lightning's training bar, gone when the
-    sweep ends) shows the LR and loss; the result is one INFO line on the ``lightning_gradguard`` logger.
+    sweep ends) shows the LR and loss, if the Trainer shows tqdm bars; the result is one INFO line on the
+    ``lightning_gradguard`` logger.
     Under ``fast_dev_run`` the test is skipped, like Lightning's tuner.
 
     Args:
@@ -90,7 +93,8 @@ class LRFinderPlus(GradGuardCallback):
         milestones: epochs at whose start the test runs (default ``[0]``: fit start).
         apply: set the suggested LR on the optimizer and schedulers.
         plot: save a figure (needs matplotlib; skipped quietly without it).
-        progress: show the sweep's progress bar on rank 0.
+        progress: show the sweep's progress bar on rank 0, when the Trainer shows tqdm bars itself: with
+            ``enable_progress_bar=False`` (or a ``RichProgressBar``) there is none, whatever ``progress``.
         min_points: fewest recorded points for a suggestion (default: a tenth of ``num_training``, >= 5).
 
     Example::
@@ -145,6 +149,7 @@ class LRFinderPlus(GradGuardCallback):
         self.results: list[LRFinderResult] = []
         self._done_epochs: set[int] = set()
         self._stop_after = False  # set by lr_find: end the fit once the sweep is done
+        self._standalone_bar = False  # set by lr_find: its Trainer's bars are off by lr_find's choice
 
     @property
     def result(self) -> LRFinderResult | None:
@@ -199,6 +204,7 @@ class LRFinderPlus(GradGuardCallback):
             divergence_threshold=self.divergence_threshold,
             min_points=self.min_points,
             progress=self.progress,
+            standalone_bar=self._standalone_bar,
         )
         problem = engine.unsupported_setup(trainer, pl_module)
         if problem is not None:
@@ -211,20 +217,11 @@ class LRFinderPlus(GradGuardCallback):
         result = test.run(trainer, pl_module, epoch=epoch, apply=self.apply)
         self.results.append(result)
         if result.suggestion is None:
-            hint = (
-                "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
-                "raise num_training, or check that the loss depends on the learning rate at all."
-            )
-            if result.limited_to is not None and len(result.lrs) < self.min_points:
-                hint = (
-                    "The Trainer's batch limit left too few batches for the sweep: raise "
-                    "limit_train_batches (or overfit_batches), or run lr_find() without the limit."
-                )
             self._alert(
                 trainer,
                 epoch,
                 f"LR range test gave no suggestion: {result.reason}.",
-                hint,
+                _hint(result, self.min_points),
                 points=len(result.lrs),
             )
         # lr_find's throwaway fit has no logger on purpose: no "the trainer has no logger" line for it
@@ -259,6 +256,25 @@ class LRFinderPlus(GradGuardCallback):
         self._done_epochs = set(state_dict.get("done_epochs", []))
 
 
+def _hint(result: LRFinderResult, min_points: int) -> str:
+    """What to change after a sweep that gave no suggestion."""
+    if result.limited_to is not None and len(result.lrs) < min_points:
+        return (
+            "The Trainer's batch limit left too few batches for the sweep: raise "
+            "limit_train_batches (or overfit_batches), or run lr_find() without the limit."
+        )
+    if len(result.lrs) >= min_points and result.descent is not None and not result.descent.stands_out:
+        return (
+            "If the loss should fall, check that it depends on the trained weights (a detached output, "
+            "frozen layers, a loss computed from constants). If it does, make the curve less noisy: raise "
+            "num_training (more points in the descent), the batch size or accumulate_grad_batches."
+        )
+    return (
+        "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
+        "raise num_training, or check that the loss depends on the learning rate at all."
+    )
+
+
 def lr_find(
     model: pl.LightningModule,
     train_dataloaders: Any = None,
@@ -288,6 +304,9 @@ def lr_find(
     finder_kwargs.setdefault("plot", False)
     finder = LRFinderPlus(milestones=[0], **finder_kwargs)
     finder._stop_after = True
+    # lr_find turns its throwaway Trainer's bars off (it trains nothing); the sweep's bar follows only a
+    # choice the user made in trainer_kwargs
+    finder._standalone_bar = "enable_progress_bar" not in (trainer_kwargs or {})
     kwargs: dict[str, Any] = dict(
         devices=1,
         max_epochs=1,

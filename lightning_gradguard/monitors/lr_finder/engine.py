@@ -40,7 +40,9 @@ from lightning_gradguard.core.trial import (
 )
 from lightning_gradguard.functional.lr_suggest import (
     SUGGESTION_METHODS,
+    DescentCheck,
     centered_smooth,
+    descent_check,
     suggest_all,
     sweep_lrs,
 )
@@ -102,6 +104,7 @@ class RangeTest:
     divergence_threshold: float | None
     min_points: int
     progress: bool
+    standalone_bar: bool = False  # lr_find's throwaway Trainer: its bars are off by lr_find's choice
 
     def run(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, epoch: int, apply: bool
@@ -132,7 +135,7 @@ class RangeTest:
         accumulate = max(1, int(trainer.accumulate_grad_batches))
         plan = self.plan(trainer, accumulate)
         schedule = sweep_lrs(self.min_lr, self.max_lr, plan.steps, self.mode)
-        show = self.progress and trainer.is_global_zero
+        show = self.shows_bar(trainer)
         sweep = _Sweep(
             trainer=trainer,
             pl_module=pl_module,
@@ -157,6 +160,20 @@ class RangeTest:
             skipped=sweep.skipped,
             plan=plan,
         )
+
+    def shows_bar(self, trainer: pl.Trainer) -> bool:
+        """Whether this rank shows the sweep's tqdm bar: the Trainer decides, ``progress=False`` vetoes.
+
+        Only rank 0, only with ``progress=True``, and only when the Trainer itself draws tqdm bars (its
+        progress bar callback is an enabled ``TQDMProgressBar``, a subclass included): a user who turned
+        the Trainer's bars off (``enable_progress_bar=False``, or ``refresh_rate=0``) gets none from the
+        sweep either, and under a ``RichProgressBar`` (or any other bar) a tqdm bar would write across
+        its live display. The one exception is :func:`~lightning_gradguard.lr_find`'s throwaway Trainer,
+        whose bars are off because it trains nothing (``standalone_bar``), not because the user asked.
+        """
+        if not (self.progress and trainer.is_global_zero):
+            return False
+        return self.standalone_bar or _tqdm_bar_of(trainer) is not None
 
     def plan(self, trainer: pl.Trainer, accumulate: int) -> SweepPlan:
         """``num_training`` steps, or what Lightning's own finder takes under a batch limit.
@@ -194,10 +211,16 @@ class RangeTest:
         return SweepPlan(steps, f"capped at {steps} by {what}", per_pass=per_pass)
 
     def decide(self, sweep: SweepResult, epoch: int) -> LRFinderResult:
-        """The suggestions on the zero-lag smoothed curve, and the chosen one (or why there is none)."""
+        """The suggestions on the zero-lag smoothed curve, and the chosen one (or why there is none).
+
+        Every method suggests only when the curve's fall stands out of its own noise
+        (:func:`~lightning_gradguard.functional.lr_suggest.descent_check`); otherwise none does, and the
+        reason gives the numbers.
+        """
         lrs = sweep.lrs
         curve = centered_smooth(sweep.losses) if sweep.losses else []
         suggestions: dict[str, float | None] = dict.fromkeys(SUGGESTION_METHODS)
+        check = descent_check(sweep.losses, curve) if sweep.losses else None
         reason = ""
         if len(lrs) < self.min_points:
             cap = f"; the sweep was {sweep.plan.limit}" if sweep.plan.limit else ""
@@ -205,6 +228,8 @@ class RangeTest:
                 f"only {len(lrs)} of {sweep.plan.steps} sweep steps were usable "
                 f"(stopped: {sweep.stop_reason}{cap}); at least {self.min_points} are needed"
             )
+        elif check is not None and not check.stands_out:
+            reason = _lost_in_noise(lrs, curve, check)
         else:
             suggestions = suggest_all(lrs, curve)
             if suggestions[self.method] is None:
@@ -223,6 +248,7 @@ class RangeTest:
             epoch=epoch,
             stop_reason=sweep.stop_reason,
             reason=reason,
+            descent=check,
             skipped_steps=sweep.skipped,
             limited_to=sweep.plan.steps if sweep.plan.limit else None,
         )
@@ -241,6 +267,24 @@ class RangeTest:
             stop_reason="not run",
             reason=reason,
         )
+
+
+def _lost_in_noise(lrs: list[float], curve: list[float], check: DescentCheck) -> str:
+    """Why a curve whose fall does not stand out of its noise gives no suggestion, with the numbers."""
+    if check.fall <= 0:
+        what = f"the smoothed loss never fell below its level at {lrs[0]:.2e}"
+    else:
+        top, low = curve[check.start], curve[check.lowest]
+        share = 100 * check.fall / (abs(top) or 1.0)
+        what = (
+            f"the smoothed loss fell by only {check.fall:.3g} ({share:.3g} % of its level), from {top:.5g} "
+            f"at lr {lrs[check.start]:.2e} to {low:.5g} at lr {lrs[check.lowest]:.2e}, "
+            f"{check.ratio:.2g} times the noise of that fall ({check.fall_noise:.3g})"
+        )
+    return (
+        f"the loss curve's descent does not stand out of its noise: {what}; a suggestion needs "
+        f"{check.required:g} times (the raw losses scatter by {check.noise:.3g} from step to step)"
+    )
 
 
 class _SweepStopped(Exception):
@@ -451,17 +495,23 @@ def _batches(loader: Any, per_pass: int | None = None) -> Iterator[tuple[Any, in
             return
 
 
+def _tqdm_bar_of(trainer: pl.Trainer) -> TQDMProgressBar | None:
+    """The Trainer's own tqdm progress bar callback when it draws (``None``: no bar, disabled, or another
+    kind of bar such as ``RichProgressBar``)."""
+    main = trainer.progress_bar_callback
+    if isinstance(main, TQDMProgressBar) and main.is_enabled:
+        return main
+    return None
+
+
 def _progress_bar(trainer: pl.Trainer, total: int) -> Tqdm:
     """The sweep's own bar: placed like Lightning's validation bar, under the training bar when there is one.
 
     ``leave=False``: it disappears when the sweep ends and leaves Lightning's bars as they were. It writes
     to stderr (tqdm's default), so the program's own output on stdout stays clean.
     """
-    main = trainer.progress_bar_callback
-    position = 0
-    if main is not None and getattr(main, "is_enabled", True):
-        offset = main.process_position if isinstance(main, TQDMProgressBar) else 0
-        position = 2 * offset + 1
+    main = _tqdm_bar_of(trainer)
+    position = 0 if main is None else 2 * main.process_position + 1
     return Tqdm(
         total=total,
         desc=f"LRFinderPlus [epoch {trainer.current_epoch}]",

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_gradguard.functional.lr_suggest import DescentCheck
+
 __all__ = ["LRFinderResult"]
 
 
@@ -27,6 +29,8 @@ class LRFinderResult:
             loss), ``"no data"`` (the training dataloader yielded no batch), or ``"not run"`` (an
             unsupported setup: see ``reason``).
         reason: why there is no suggestion (empty when there is one).
+        descent: how far the smoothed curve falls to its minimum against its own noise (``None`` without
+            points); with ``descent.stands_out`` false no method suggests anything.
         skipped_steps: optimizer steps the GradScaler skipped (their points are dropped).
         limited_to: the steps the sweep was cut to because the Trainer limits the training batches of
             an epoch (``limit_train_batches``, ``overfit_batches``); ``None``: it planned ``num_training``.
@@ -47,6 +51,7 @@ class LRFinderResult:
     epoch: int = 0
     stop_reason: str = "completed"
     reason: str = ""
+    descent: DescentCheck | None = None
     skipped_steps: int = 0
     limited_to: int | None = None
     seconds: float = 0.0

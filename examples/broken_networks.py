@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import tempfile
 import textwrap
 import warnings
@@ -65,7 +66,9 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print only the results table (all cases)")
     args = parser.parse_args()
     quiet()
-    torch.set_num_threads(1)
+    # one torch thread unless OMP_NUM_THREADS says otherwise: on a busy machine threads wait on each other
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
     cases = [c for c in CASES if args.all or args.markdown or not c.healthy]
     results = []
     with tempfile.TemporaryDirectory(prefix="gradguard-zoo-") as tmp:

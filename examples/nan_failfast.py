@@ -107,7 +107,9 @@ def quiet() -> None:
 def main() -> None:
     quiet()
     pl.seed_everything(SEED, verbose=False)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # one torch thread unless OMP_NUM_THREADS says otherwise: on a busy machine threads wait on each other
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
     loader = digits_with_a_blank_scan()
 
     print("=== 1. training with a layer that divides by a per-image std (no eps) ===")

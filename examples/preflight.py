@@ -18,6 +18,7 @@ What it does:
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from typing import Any
@@ -144,7 +145,9 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning_gradguard").setLevel(logging.CRITICAL)  # we print the errors ourselves
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+    # one torch thread unless OMP_NUM_THREADS says otherwise: on a busy machine threads wait on each other
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
     train, val = digits_loaders()
 
     print("=== 1. healthy model: both checks pass, then the real run ===")

@@ -227,7 +227,9 @@ def health_summary(trainer: pl.Trainer, callbacks: list[GradGuardCallback], seco
 def main() -> None:
     quiet_lightning()
     pl.seed_everything(SEED, verbose=False)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # one torch thread unless OMP_NUM_THREADS says otherwise: on a busy machine threads wait on each other
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
     train, val = digits_loaders()
     callbacks = gradguard_callbacks()
     trainer = pl.Trainer(

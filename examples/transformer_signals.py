@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     quiet_lightning()
     pl.seed_everything(SEED, verbose=False)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # one torch thread unless OMP_NUM_THREADS says otherwise: on a busy machine threads wait on each other
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(1)
     train, val = digits_sequences()
     grads = GradientNormLogger(log_noise_scale=True, histogram_every_n_steps=0)
     optim, ranges = OptimizerMonitor(), ActivationRangeMonitor()

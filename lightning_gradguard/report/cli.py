@@ -54,15 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
-        path = build_report(args.run_dir, args.output, args.version, args.loss_tag)
+        path, run = _write(args.run_dir, args.output, args.version, args.loss_tag)  # the run is read once
     except FileNotFoundError as err:
         print(f"gradguard report: {err}", file=sys.stderr)
         return 2
-    run = read_run(
-        os.path.dirname(os.path.abspath(path))
-        if args.output is None
-        else find_run(args.run_dir, args.version)
-    )
     for line in summary_lines(run, path):
         print(line)
     print(f"  made in {time.perf_counter() - started:.1f} s")

@@ -1,16 +1,20 @@
 """The report's pictures, drawn with matplotlib (the ``[report]`` extra) and returned as PNG bytes.
 
 Each function takes :class:`~lightning_gradguard.report.read.RunData` and returns ``None`` when the run
-has nothing to draw for it. Colours: one sequential map (``magma``: dark is small, bright is large) for
-the heatmap; alert markers coloured by severity.
+has nothing to draw for it. A series with one point is drawn as a marker, a chart whose points are all
+gaps (NaN/inf, or 0 on a log axis) says so, and the step axis spans the run's steps. Colours: one
+sequential map (``magma``: dark is small, bright is large) for the heatmap; alert markers coloured by
+severity.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import textwrap
 from typing import Any
 
+import lightning_gradguard.report.gaps as gaps
 from lightning_gradguard.functional.lr_suggest import suggest_all
 from lightning_gradguard.report.read import RunData
 
@@ -54,37 +58,101 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
-def alert_timeline(run: RunData) -> bytes | None:
-    """The training loss (log y) with every alert as a vertical line at its step, coloured by severity."""
-    loss = run.scalars.get(run.loss_tag) if run.loss_tag else None
-    if loss is None and not run.alerts:
-        return None
-    plt = matplotlib_or_exit()
-    fig, ax = plt.subplots(figsize=(10, 3.6))
-    if loss is not None:
-        finite = [(s, v) for s, v in zip(loss.steps, loss.values, strict=True) if math.isfinite(v) and v > 0]
-        if finite:
-            ax.plot(*zip(*finite, strict=True), color="#333333", lw=1.2, label=run.loss_tag)
-            ax.set_yscale("log")
-    else:
-        ax.set_yticks([])
-        ax.text(
-            0.5,
-            0.5,
-            "no training loss logged (self.log a tag with 'loss' in its name, or pass --loss-tag)",
-            transform=ax.transAxes,
-            ha="center",
-            va="center",
-            color="grey",
+def _series(ax: Any, steps: list[int], values: list[float], *, log: bool = False, **style: Any) -> int:
+    """Draw one series on ``ax``; return how many of its points can be seen.
+
+    NaN/inf points (and points at or below 0 on a log axis) are gaps. A series with a single visible point
+    gets a marker: a one-point line draws nothing, and a short run logs single points.
+    """
+    ys = [v if math.isfinite(v) and (v > 0 or not log) else math.nan for v in values]
+    visible = sum(not math.isnan(v) for v in ys)
+    if visible == 1:
+        style.setdefault("marker", "o")
+        style.setdefault("ms", 5)
+    if visible:
+        ax.plot(steps, ys, **style)
+    return visible
+
+
+def _say_why(ax: Any, text: str) -> None:
+    """Write why a chart holds nothing (or less than it should) across its middle."""
+    ax.text(
+        0.5,
+        0.5,
+        textwrap.fill(text, 95),
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        color="#555555",
+        fontsize=8,
+        bbox={"facecolor": "white", "edgecolor": "#cccccc", "alpha": 0.9},
+    )
+
+
+def _run_span(ax: Any, run: RunData) -> None:
+    """Put the x axis over the run's steps, so a lone point or alert sits where it happened."""
+    span = run.step_range()
+    if span is not None:
+        pad = max(0.5, 0.02 * (span[1] - span[0]))
+        ax.set_xlim(span[0] - pad, span[1] + pad)
+
+
+def _legend(fig: Any, ax: Any, **kwargs: Any) -> None:
+    """One legend of every labelled line on the figure's axes (none when nothing is labelled)."""
+    handles, labels = [], []
+    for axis in fig.axes:
+        h, lab = axis.get_legend_handles_labels()
+        handles += h
+        labels += lab
+    if handles:
+        ax.legend(handles, labels, **kwargs)
+
+
+def _loss_line(ax: Any, tag: str, loss: Any) -> int:
+    """The logged loss: log y when every finite value is positive, linear otherwise (a negative loss)."""
+    log = all(v > 0 for v in loss.values if math.isfinite(v))
+    drawn = _series(ax, loss.steps, loss.values, log=log, color="#333333", lw=1.2, label=tag)
+    if drawn and log:
+        ax.set_yscale("log")
+    ax.set_ylabel(tag)
+    return drawn
+
+
+def _stand_in_lines(ax: Any, found: list[gaps.StandIn]) -> int:
+    """What the run has in place of the loss: losses on ``ax``, gradient norms on a right axis (or on
+    ``ax`` when there is no loss at all)."""
+    losses = [s for s in found if s.axis == "loss"]
+    log = all(v > 0 for s in losses for v in s.values if math.isfinite(v))
+    drawn = 0
+    for i, s in enumerate(losses):
+        style = {"ls": "none", "marker": "D", "ms": 5} if s.markers else {"lw": 1.2}
+        drawn += _series(ax, s.steps, s.values, log=log, color=f"C{i}", label=s.label, **style)
+    if drawn and log:
+        ax.set_yscale("log")
+    ax.set_ylabel("loss" if drawn else "total gradient norm")
+    norms = [s for s in found if s.axis == "grad_norm"]
+    if norms:
+        other = ax.twinx() if drawn else ax
+        shown = sum(
+            _series(other, s.steps, s.values, log=True, color="#777777", ls="--", lw=1.2, label=s.label)
+            for s in norms
         )
+        if shown:
+            other.set_yscale("log")
+            other.set_ylabel("total gradient norm")
+        drawn += shown
+    return drawn
+
+
+def _alert_lines(ax: Any, alerts: list[dict[str, Any]]) -> None:
+    """Every alert as a vertical line at its step, coloured by severity and labelled with its kind."""
     seen: set[str] = set()
-    for alert in run.alerts:
+    for alert in alerts:
         sev = alert.get("severity", "info")
         label = None if sev in seen else sev
         seen.add(sev)
-        ax.axvline(
-            alert.get("step", 0), color=SEVERITY_COLORS.get(sev, "grey"), lw=1.5, alpha=0.8, label=label
-        )
+        color = SEVERITY_COLORS.get(sev, "grey")
+        ax.axvline(alert.get("step", 0), color=color, lw=1.5, alpha=0.8, label=label)
         ax.annotate(
             alert.get("kind", ""),
             (alert.get("step", 0), 1.0),
@@ -93,12 +161,40 @@ def alert_timeline(run: RunData) -> bytes | None:
             va="top",
             ha="right",
             fontsize=7,
-            color=SEVERITY_COLORS.get(sev, "grey"),
+            color=color,
         )
+
+
+def alert_timeline(run: RunData) -> bytes | None:
+    """The training loss with every alert as a vertical line at its step, coloured by severity.
+
+    Without a logged loss it draws what the run has instead (``gaps.stand_ins``) and says why the loss
+    is missing; the x axis spans the run's steps.
+    """
+    loss = run.scalars.get(run.loss_tag) if run.loss_tag else None
+    loss = loss if loss is not None and loss.steps else None
+    found = gaps.stand_ins(run) if loss is None else []
+    if loss is None and not run.alerts and not found:
+        return None
+    plt = matplotlib_or_exit()
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    if loss is not None:
+        drawn = _loss_line(ax, run.loss_tag or "loss", loss)
+        why = f"The loss tag {run.loss_tag} holds no finite value ({len(loss.values)} point(s), all NaN/inf)."
+    else:
+        drawn = _stand_in_lines(ax, found)
+        why = gaps.loss_gap(run) or "No training loss logged."
+    if not drawn:
+        ax.set_yticks([])
+        _say_why(ax, why)
+    _alert_lines(ax, run.alerts)
+    _run_span(ax, run)
     ax.set_xlabel("step")
-    ax.set_ylabel(run.loss_tag or "")
-    ax.set_title("Training loss and alerts")
-    ax.legend(loc="upper right", fontsize=8)
+    if loss is not None:
+        ax.set_title("Training loss and alerts")
+    else:
+        ax.set_title(f"No training loss logged: {'what the run has, and ' if drawn else ''}the alerts")
+    _legend(fig, ax, loc="upper left", fontsize=8)
     return _png(fig)
 
 
@@ -133,6 +229,13 @@ def gradient_flow(run: RunData) -> bytes | None:
         interpolation="nearest",
         extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
     )
+    if matrix.mask.all():
+        _say_why(ax, "Every logged layer norm is 0 or NaN/inf: no colour to show.")
+    if len(steps) <= 12:  # few columns: name each column's step (they are spread evenly over the extent)
+        width = (steps[-1] - steps[0] + 1) / len(steps)
+        ax.set_xticks(
+            [steps[0] - 0.5 + (i + 0.5) * width for i in range(len(steps))], [str(s) for s in steps]
+        )
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set_xlabel("step")
     ax.set_title("Gradient flow: log10 gradient norm per layer (first layer at the top)")
@@ -148,17 +251,25 @@ def _per_layer(
         return None
     plt = matplotlib_or_exit()
     fig, ax = plt.subplots(figsize=(10, 3.6))
-    for name, series in layers.items():
-        width = 2.2 if name == "total" else 1.0
-        ax.plot(series.steps, series.values, lw=width, label=name, color="black" if name == "total" else None)
+    drawn = 0
+    for name, series in layers.items():  # a step the optimizer skipped logs 0: a gap on the log axis
+        style = {"lw": 2.2, "color": "black"} if name == "total" else {"lw": 1.0}
+        drawn += _series(ax, series.steps, series.values, log=log, label=name, **style)
     if guide is not None:
         ax.axhline(guide, color="#2ca02c", ls="--", lw=1.2, label=f"guide {guide:g}")
-    if log:  # a step the optimizer skipped logs 0: masked on the log axis
+    if log and drawn:
         ax.set_yscale("log", nonpositive="mask")
+    if not drawn:
+        points = sum(len(series.values) for series in layers.values())
+        zero = "0 or " if log else ""
+        _say_why(ax, f"Nothing to draw: all {points} logged value(s) are {zero}NaN/inf.")
+    _run_span(ax, run)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=7, ncol=2 if len(layers) > 8 else 1, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    _legend(
+        fig, ax, fontsize=7, ncol=2 if len(layers) > 8 else 1, loc="center left", bbox_to_anchor=(1.01, 0.5)
+    )
     return _png(fig)
 
 
@@ -174,14 +285,20 @@ def unit_health(run: RunData) -> bytes | None:
         return None
     plt = matplotlib_or_exit()
     fig, ax = plt.subplots(figsize=(10, 3.6))
+    drawn = 0
     for prefix, family in (("dead", dead), ("saturated", sat)):
         for name, series in family.items():
-            ax.plot(series.steps, series.values, marker="o", ms=3, lw=1, label=f"{prefix}: {name}")
+            drawn += _series(
+                ax, series.steps, series.values, marker="o", ms=3, lw=1, label=f"{prefix}: {name}"
+            )
+    if not drawn:
+        _say_why(ax, "Nothing to draw: every sampled fraction is NaN/inf.")
     ax.set_ylim(-0.02, 1.02)
+    _run_span(ax, run)
     ax.set_xlabel("step")
     ax.set_ylabel("fraction of units")
     ax.set_title("Dead and saturated units per layer")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    _legend(fig, ax, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _png(fig)
 
 
@@ -192,22 +309,28 @@ def clipping(run: RunData) -> bytes | None:
         return None
     plt = matplotlib_or_exit()
     fig, ax = plt.subplots(figsize=(10, 3.6))
+    drawn = 0
     for key in ("pre_clip_norm_p50", "pre_clip_norm_p90", "pre_clip_norm_p99", "suggested_clip_val"):
         if key in clip:
             style = "--" if key == "suggested_clip_val" else "-"
-            ax.plot(clip[key].steps, clip[key].values, ls=style, label=key.replace("_", " "))
-    ax.set_yscale("log")
+            drawn += _series(
+                ax, clip[key].steps, clip[key].values, log=True, ls=style, label=key.replace("_", " ")
+            )
+    if drawn:
+        ax.set_yscale("log")
+    else:
+        _say_why(ax, "No pre-clip norm percentile to draw: none logged, or all 0 or NaN/inf.")
+    _run_span(ax, run)
     ax.set_xlabel("step")
     ax.set_ylabel("gradient norm")
     if "fraction_clipped" in clip:
         twin = ax.twinx()
-        twin.plot(
-            clip["fraction_clipped"].steps, clip["fraction_clipped"].values, color="grey", lw=1, alpha=0.7
-        )
+        fraction = clip["fraction_clipped"]
+        _series(twin, fraction.steps, fraction.values, color="grey", lw=1, alpha=0.7)
         twin.set_ylim(0, 1)
         twin.set_ylabel("fraction of steps clipped (grey)")
     ax.set_title("Gradient clipping: pre-clip norm percentiles and the suggested gradient_clip_val")
-    ax.legend(fontsize=8, loc="upper left")
+    _legend(fig, ax, fontsize=8, loc="upper left")
     return _png(fig)
 
 
@@ -248,13 +371,16 @@ def spikes(run: RunData) -> bytes | None:
         return None
     plt = matplotlib_or_exit()
     fig, ax = plt.subplots(figsize=(10, 3.2))
-    for name, series in zs.items():
-        ax.plot(series.steps, series.values, lw=1, label=name)
+    drawn = sum(_series(ax, series.steps, series.values, lw=1, label=name) for name, series in zs.items())
     for entry in run.spikes:
         ax.axvline(entry.get("step", 0), color=SEVERITY_COLORS["warning"], lw=1, alpha=0.7)
+    if not drawn:
+        _say_why(
+            ax, "No z-score logged: LossSpikeGuard logs them on Lightning's logging steps and at a spike."
+        )
+    _run_span(ax, run)
     ax.set_xlabel("step")
     ax.set_ylabel("robust z-score")
     ax.set_title(f"Loss spikes: z-scores; {len(run.spikes)} spike(s) recorded (orange lines)")
-    if zs:
-        ax.legend(fontsize=8)
+    _legend(fig, ax, fontsize=8)
     return _png(fig)

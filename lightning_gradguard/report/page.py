@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning_gradguard.report.figures as figures
+import lightning_gradguard.report.gaps as gaps
 from lightning_gradguard.report.read import RunData
 from lightning_gradguard.tags import families_of
 
@@ -83,8 +84,9 @@ def verdicts(run: RunData) -> list[Verdict]:
 
 
 def _steps(run: RunData) -> str:
-    steps = [s for series in run.scalars.values() for s in series.steps]
-    return f"steps {min(steps)}-{max(steps)}" if steps else "no scalars"
+    """The run's step range (a range test's sweep and the overfit check's own steps are not the run's)."""
+    span = run.step_range()
+    return f"steps {span[0]}-{span[1]}" if span else "no step recorded"
 
 
 def summary_lines(run: RunData, out_path: str | None = None) -> list[str]:
@@ -104,6 +106,9 @@ def summary_lines(run: RunData, out_path: str | None = None) -> list[str]:
         )
     if run.spikes:
         lines.append(f"  loss spikes recorded: {len(run.spikes)}")
+    gap = gaps.loss_gap(run)
+    if gap is not None:
+        lines.append(f"  training loss: {gap}")
     if out_path:
         lines.append(f"  HTML report: {out_path}")
     return lines
@@ -117,6 +122,7 @@ table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #ddd;paddin
 vertical-align:top;font-size:0.9em}th{background:#f4f4f4}.healthy{color:#1a7f37;font-weight:600}
 .warning{color:#b35900;font-weight:600}.failed{color:#c0392b;font-weight:600}img{max-width:100%}
 .caption{color:#555;font-size:0.9em}code{background:#f4f4f4;padding:0 3px}
+.note{background:#fff8e6;border-left:3px solid #dd8452;padding:4px 8px;font-size:0.9em}
 """
 
 
@@ -237,7 +243,7 @@ def _nan_reports(run: RunData) -> list[str]:
             report.get("step"),
             report.get("epoch"),
             report.get("batch_idx"),
-            origin.get("module", origin.get("where", "")),
+            gaps.nan_origin(report),
             origin.get("op", ""),
             report.get("folder"),
         ]
@@ -252,7 +258,9 @@ def _figures(run: RunData) -> list[str]:
     for title, draw, caption in _SECTIONS:
         image = draw(run)
         if image is not None:
-            parts.append(f"<h2>{html.escape(title)}</h2>{_img(image, title, caption)}")
+            note = gaps.loss_note(run) if draw is figures.alert_timeline else None
+            shown = f"<p class='note'>{html.escape(note)}</p>" if note else ""
+            parts.append(f"<h2>{html.escape(title)}</h2>{shown}{_img(image, title, caption)}")
     for name in run.lr_curves:
         image = figures.lr_range_test(run, name)
         caption = "Dotted: every suggestion; green: the LR the run trained with."

@@ -2,9 +2,9 @@
 
 What a run leaves (each part optional; a report is made of what is there): event files
 (``events.out.tfevents.*``), ``gradguard_alerts.jsonl``, ``nan_report/step_<k>/report.json``,
-``spikes.json``, ``lr_finder*.csv`` and ``hparams.yaml``. Event files are read with TensorBoard's own
-``EventAccumulator``, scalars only and every point kept; only GradGuard's tag families and the run's loss
-are held in memory.
+``spikes.json``, ``lr_finder*.csv``, ``hparams.yaml`` and LightningCLI's ``config.yaml``. Event files are
+read with TensorBoard's own ``EventAccumulator``, scalars only and every point kept; only GradGuard's tag
+families and the run's loss are held in memory.
 """
 
 from __future__ import annotations
@@ -19,14 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_gradguard.tags import ACROSS_LAYERS as _ACROSS
-from lightning_gradguard.tags import SCALAR_PREFIXES
+from lightning_gradguard.tags import LR_FINDER, PREFLIGHT, SCALAR_PREFIXES
 
-__all__ = ["GRADGUARD_PREFIXES", "RunData", "Series", "find_run", "read_run"]
+__all__ = ["GRADGUARD_PREFIXES", "OWN_AXIS", "RunData", "Series", "find_run", "read_run"]
 
 #: the aggregates over all layers of a monitor with ``max_layers``
 ACROSS_LAYERS = f"{_ACROSS}/"
 #: the scalar tag families GradGuard writes (docs/tags.md)
 GRADGUARD_PREFIXES = SCALAR_PREFIXES
+#: the tags whose x is not the run's step: a range test's sweep step (``lr_finder/loss``, ``smoothed_loss``
+#: and ``lr``, with their ``_epoch<N>`` variants) and the overfit check's own step (``preflight/*``)
+OWN_AXIS = re.compile(
+    rf"{re.escape(LR_FINDER.prefix)}(?:loss|smoothed_loss|lr)(?:_epoch\d+)?$|{re.escape(PREFLIGHT.prefix)}"
+)
 
 
 @dataclass
@@ -50,6 +55,8 @@ class RunData:
         spikes: the entries of ``spikes.json``.
         lr_curves: ``lr_finder*.csv`` name -> columns (``lr``, ``loss``, ``smoothed_loss``, ``curve``).
         hparams: ``hparams.yaml`` as flat ``key: value`` strings.
+        log_every_n_steps: the Trainer's ``log_every_n_steps`` where the run recorded it (LightningCLI's
+            ``config.yaml``, or a ``log_every_n_steps`` hyperparameter), else ``None``.
     """
 
     path: str
@@ -60,6 +67,21 @@ class RunData:
     spikes: list[dict[str, Any]] = field(default_factory=list)
     lr_curves: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     hparams: dict[str, str] = field(default_factory=dict)
+    log_every_n_steps: int | None = None
+
+    def step_range(self) -> tuple[int, int] | None:
+        """The first and last step of the run: its scalars on the run's axis (not a range test's sweep
+        nor the overfit check's own steps, :data:`OWN_AXIS`), its alerts, NaN reports and spikes."""
+        ends = [
+            (min(s.steps), max(s.steps))
+            for tag, s in self.scalars.items()
+            if s.steps and not OWN_AXIS.match(tag)
+        ]
+        steps = [step for end in ends for step in end]
+        for record in (*self.alerts, *self.nan_reports, *self.spikes):
+            if isinstance(record.get("step"), int | float):
+                steps.append(int(record["step"]))
+        return (min(steps), max(steps)) if steps else None
 
     def family(self, prefix: str, total: bool = False) -> dict[str, Series]:
         """The tags under ``prefix`` (``"grad_norm/"``), keyed by the rest of the name, in model order;
@@ -153,6 +175,41 @@ def _lr_csv(path: str) -> dict[str, list[float]]:
     return {k: [float(r[k]) if r[k] not in ("", "nan") else float("nan") for r in rows] for k in keys}
 
 
+def _hparams(path: str) -> dict[str, str]:
+    """``hparams.yaml``'s top-level ``key: value`` lines, as strings."""
+    out: dict[str, str] = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                key, sep, value = line.partition(":")
+                if sep and not line.startswith((" ", "-")):
+                    out[key.strip()] = value.strip()
+    return out
+
+
+#: Lightning's ``log_every_n_steps`` when the Trainer is given ``None`` (its default)
+LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS = 50
+
+
+def _recorded_log_every_n_steps(run: str, hparams: dict[str, str]) -> int | None:
+    """The Trainer's ``log_every_n_steps`` where the run wrote it down: LightningCLI's ``config.yaml``
+    (``trainer.log_every_n_steps``; ``null`` is Lightning's default, 50), else a hyperparameter."""
+    config = os.path.join(run, "config.yaml")
+    if os.path.exists(config):
+        import yaml
+
+        try:
+            with open(config, encoding="utf-8") as fh:
+                trainer = (yaml.safe_load(fh) or {}).get("trainer") or {}
+        except (yaml.YAMLError, AttributeError):
+            trainer = {}
+        if isinstance(trainer, dict) and "log_every_n_steps" in trainer:
+            value = trainer["log_every_n_steps"]
+            return LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS if value is None else int(value)
+    value = hparams.get("log_every_n_steps", "")
+    return int(value) if value.isdigit() else None
+
+
 def read_run(run: str, loss_tag: str | None = None) -> RunData:
     """Read everything a report shows from the run directory ``run`` (see :func:`find_run`)."""
     data = RunData(path=run)
@@ -169,11 +226,6 @@ def read_run(run: str, loss_tag: str | None = None) -> RunData:
             data.spikes = list(json.load(fh).get("spikes", []))
     for path in sorted(glob.glob(os.path.join(run, "lr_finder*.csv"))):
         data.lr_curves[os.path.splitext(os.path.basename(path))[0]] = _lr_csv(path)
-    hparams = os.path.join(run, "hparams.yaml")
-    if os.path.exists(hparams):
-        with open(hparams, encoding="utf-8") as fh:
-            for line in fh:
-                key, sep, value = line.partition(":")
-                if sep and not line.startswith((" ", "-")):
-                    data.hparams[key.strip()] = value.strip()
+    data.hparams = _hparams(os.path.join(run, "hparams.yaml"))
+    data.log_every_n_steps = _recorded_log_every_n_steps(run, data.hparams)
     return data

@@ -8,6 +8,7 @@ against the step where the NaN was injected, the vanishing picture against the z
 from __future__ import annotations
 
 import contextlib
+import html
 import math
 import os
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import torch
 from conftest import ROOT, RecordingMLP, make_trainer, random_loader
 from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
 
 from lightning_gradguard import (
     GradientNormLogger,
@@ -43,13 +45,25 @@ def _fit(tmp_path: Path, model: pl.LightningModule, callbacks: list[Any], loader
     return str(logger.log_dir)
 
 
+def learnable_loader(n: int = 512, features: int = 8, classes: int = 4, batch_size: int = 8) -> Any:
+    """Labels a fixed linear map of the inputs decides: a task the model learns, so a range test's loss
+    falls clearly (random labels give a curve of noise, which LRFinderPlus rightly declines to read)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, features, generator=g)
+    y = (x @ torch.randn(features, classes, generator=g)).argmax(dim=1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+
+
 @pytest.fixture(scope="module")
 def healthy_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, RecordingMLP]:
     tmp = tmp_path_factory.mktemp("healthy")
     torch.manual_seed(0)
     model = RecordingMLP()
-    callbacks = [LRFinderPlus(num_training=40, progress=False), GradientNormLogger(log_every_n_steps=1)]
-    return _fit(tmp, model, callbacks, random_loader(n=512), max_epochs=2), model
+    callbacks = [
+        LRFinderPlus(num_training=40, method="valley", progress=False),
+        GradientNormLogger(log_every_n_steps=1),
+    ]
+    return _fit(tmp, model, callbacks, learnable_loader(), max_epochs=2), model
 
 
 def test_the_report_reads_what_the_run_logged(healthy_run: tuple[str, RecordingMLP]) -> None:
@@ -182,3 +196,212 @@ def test_the_newer_monitors_get_verdicts_and_their_tags_are_not_taken_for_the_lo
     assert (first["kind"], first["step"]) == (stall.alerts[0].kind, stall.alerts[0].step)
     assert run.loss_tag == "train_loss"
     assert any(line.split()[:2] == ["StallDetector", "warning"] for line in summary_lines(run))
+
+
+def _drawn(monkeypatch: pytest.MonkeyPatch, draw: Any, run: Any) -> Any:
+    """The matplotlib figure ``draw(run)`` made (kept open instead of turned into PNG bytes)."""
+    import lightning_gradguard.report.figures as figures
+
+    made: list[Any] = []
+    monkeypatch.setattr(figures, "_png", lambda fig: made.append(fig) or b"png")
+    assert draw(run) == b"png"
+    return made[0]
+
+
+def _visible(fig: Any) -> dict[str, tuple[list[float], list[float], str]]:
+    """label -> (x, y, marker) of every line of ``fig`` with a finite point (alert lines left out)."""
+    out = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            xs, ys = list(map(float, line.get_xdata())), list(map(float, line.get_ydata()))
+            pts = [(x, y) for x, y in zip(xs, ys, strict=True) if math.isfinite(y)]
+            if (pts and len(set(xs)) > 1) or (pts and line.get_marker() not in ("None", None, "")):
+                out[str(line.get_label())] = (
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    str(line.get_marker()),
+                )
+    return out
+
+
+@pytest.fixture(scope="module")
+def short_nan_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, RecordingMLP]:
+    """Issue 25's run: 20 steps at Lightning's default ``log_every_n_steps=50``, then a NaN loss.
+    ``training_step`` logs ``train_loss`` every step, yet Lightning never reaches a logging step."""
+    tmp = tmp_path_factory.mktemp("short_nan")
+    torch.manual_seed(0)
+    model = NaNAt(20)
+    callbacks = [NaNSentinel(), GradientNormLogger()]
+    log_dir = _fit(tmp, model, callbacks, random_loader(n=512), log_every_n_steps=50, max_epochs=3)
+    return log_dir, model
+
+
+def test_a_run_that_dies_before_lightnings_first_logging_step_says_why_and_shows_what_it_has(
+    short_nan_run: tuple[str, RecordingMLP], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No loss reached the event file: the report says why (the run ended at step 20, before a logging
+    step), draws the total gradient norm NaNSentinel's report kept for every step (equal to the norms the
+    model recorded itself), gives the NaN report an origin and the run its true step range."""
+    from lightning_gradguard.report import figures, gaps
+
+    log_dir, model = short_nan_run
+    run = read_run(find_run(log_dir))
+    assert run.loss_tag is None  # Lightning logged no train_loss: the premise of the issue
+    gap = gaps.loss_gap(run)
+    assert gap is not None and "the run ended at step 20" in gap and "never reached a logging step" in gap
+    lines = summary_lines(run)
+    assert lines[0].endswith("(steps 0-20, 1 alert(s))")
+    assert any(
+        line.startswith("  training loss: No training loss logged: the run ended at step 20")
+        for line in lines
+    )
+    shown = _visible(_drawn(monkeypatch, figures.alert_timeline, run))
+    (label,) = shown
+    assert label == "total gradient norm (NaN report, step 20)"
+    steps, norms, _ = shown[label]
+    assert steps == list(range(20))
+    assert norms == pytest.approx([model.true_total[s] for s in range(20)], rel=1e-5)
+    page = Path(build_report(log_dir)).read_text(encoding="utf-8")
+    assert "Drawn instead: total gradient norm (NaN report, step 20)." in page
+    assert "No training loss logged: the run ended at step 20" in page
+    (report,) = run.nan_reports
+    origin = gaps.nan_origin(report)  # what the replay found, or why it found nothing: never blank
+    assert origin and f"<td>{html.escape(origin)}</td>" in page
+
+
+def test_a_nan_report_without_an_origin_says_why_and_names_the_first_bad_tensor(
+    short_nan_run: tuple[str, RecordingMLP], tmp_path: Path
+) -> None:
+    """``report.json`` as NaNSentinel(find_origin=False) writes it (``"origin": null``): the origin cell
+    says it was not located and names the first non-finite gradient instead of staying blank."""
+    import json
+    import shutil
+
+    from lightning_gradguard.report import gaps
+
+    copy = tmp_path / "run"
+    shutil.copytree(short_nan_run[0], copy)
+    (path,) = copy.glob("nan_report/step_20/report.json")
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"origin": None}))
+    (report,) = read_run(str(copy)).nan_reports
+    origin = gaps.nan_origin(report)
+    assert origin.startswith("not located:") and origin.endswith("first non-finite tensor: net.0.weight")
+    page = Path(build_report(str(copy))).read_text(encoding="utf-8")
+    assert f"<td>{html.escape(origin)}</td>" in page
+
+
+def test_single_point_charts_are_drawn_as_markers(
+    short_nan_run: tuple[str, RecordingMLP], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GradientNormLogger logged step 0 only: each layer's update ratio is one marker at step 0, and the
+    x axis spans the run's steps 0-20."""
+    from lightning_gradguard.report import figures
+
+    run = read_run(find_run(short_nan_run[0]))
+    fig = _drawn(monkeypatch, figures.update_ratios, run)
+    shown = _visible(fig)
+    assert set(shown) >= {"total", "net.0", "net.2"}
+    for name in ("total", "net.0", "net.2"):
+        steps, values, marker = shown[name]
+        assert steps == [0.0] and marker == "o"
+        assert values == pytest.approx(run.scalars[f"update_ratio/{name}"].values)
+    low, high = fig.axes[0].get_xlim()
+    assert low < 0 < 20 < high
+
+
+def test_the_recorded_log_every_n_steps_is_read_from_lightningclis_config(
+    short_nan_run: tuple[str, RecordingMLP], tmp_path: Path
+) -> None:
+    import shutil
+
+    from lightning_gradguard.report import gaps
+
+    copy = tmp_path / "run"
+    shutil.copytree(short_nan_run[0], copy)
+    (copy / "config.yaml").write_text(
+        "seed_everything: 0\ntrainer:\n  max_epochs: 3\n  log_every_n_steps: null\n"
+    )
+    run = read_run(str(copy))
+    assert run.log_every_n_steps == 50  # null: Lightning's default
+    gap = gaps.loss_gap(run)
+    assert gap is not None
+    assert (
+        "before Lightning's first logging step (step 49 at log_every_n_steps=50, recorded in the run's" in gap
+    )
+
+
+class QuietMLP(RecordingMLP):
+    """Logs no loss at all."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def test_a_run_that_logs_no_loss_is_not_blamed_on_the_logging_interval(tmp_path: Path) -> None:
+    """Past its logging steps (every 5, read from GradGuard's charts) a run without a loss tag is told to
+    log one; nothing claims it ended too early."""
+    from lightning_gradguard.report import gaps
+
+    torch.manual_seed(0)
+    log_dir = _fit(
+        tmp_path, QuietMLP(), [GradientNormLogger()], random_loader(), max_steps=12, log_every_n_steps=5
+    )
+    run = read_run(find_run(log_dir))
+    assert gaps.logging_interval(run).every == 5
+    gap = gaps.loss_gap(run)
+    assert gap is not None and gap.startswith("No training loss in the event files") and "ended" not in gap
+
+
+class ShiftedLoss(RecordingMLP):
+    """Logs a loss below zero (a cross entropy minus 10), then a NaN one at ``nan_step`` (no sentinel)."""
+
+    def __init__(self, nan_from: int) -> None:
+        super().__init__()
+        self.nan_from = nan_from
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y) - 10.0
+        shown = loss.detach() * float("nan") if self.global_step >= self.nan_from else loss.detach()
+        self.log("train_loss", shown)
+        return loss
+
+
+def test_a_negative_loss_is_drawn_and_an_all_nan_loss_chart_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_gradguard.report import figures
+
+    torch.manual_seed(0)
+    negative = read_run(find_run(_fit(tmp_path / "neg", ShiftedLoss(99), [], random_loader(), max_steps=6)))
+    shown = _visible(_drawn(monkeypatch, figures.alert_timeline, negative))
+    assert shown["train_loss"][0] == [0, 1, 2, 3, 4, 5]
+    assert shown["train_loss"][1] == pytest.approx(negative.scalars["train_loss"].values)
+    assert all(v < 0 for v in shown["train_loss"][1])
+    nan = read_run(find_run(_fit(tmp_path / "nan", ShiftedLoss(0), [], random_loader(), max_steps=3)))
+    fig = _drawn(monkeypatch, figures.alert_timeline, nan)
+    assert not _visible(fig)
+    assert any("holds no finite value (3 point(s)" in t.get_text() for t in fig.axes[0].texts)
+
+
+def test_the_step_range_is_the_runs_not_the_range_tests_sweep(tmp_path: Path) -> None:
+    """A 40-point LR range test and a 30-step overfit check write their curves at their own steps 0..39 and
+    0..30; the run itself has 10 steps: the report says steps 0-9."""
+    from lightning_gradguard import OverfitBatchSanity
+
+    torch.manual_seed(0)
+    callbacks = [
+        OverfitBatchSanity(max_steps=30, target_mode="absolute", target=0.0, action="warn"),
+        LRFinderPlus(num_training=40, progress=False),
+        GradientNormLogger(),
+    ]
+    log_dir = _fit(tmp_path, RecordingMLP(), callbacks, random_loader(n=512), max_steps=10)
+    run = read_run(find_run(log_dir))
+    assert max(run.scalars["lr_finder/loss"].steps) == 39  # the sweep is in the event file
+    assert max(run.scalars["preflight/overfit_loss"].steps) == 30  # its initial loss, then 30 steps
+    assert max(run.scalars["train_loss"].steps) == 9
+    assert run.step_range() == (0, 9)
+    assert f"(steps 0-9, {len(run.alerts)} alert(s))" in summary_lines(run)[0]
+    page = Path(build_report(log_dir)).read_text(encoding="utf-8")
+    assert f"</code>, steps 0-9, {len(run.alerts)} alert(s)." in page

@@ -141,6 +141,25 @@ def test_healthy_adam_family_runs_stay_quiet(name: str, tmp_path: Any) -> None:
     assert max(max(s.values()) for s in truth.max_step.values()) < band  # the limit is 10 x lr
 
 
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=100.0),
+        lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=100.0, decoupled_weight_decay=True),
+    ],
+    ids=["adamw", "adam_decoupled"],
+)
+def test_a_strong_decoupled_weight_decay_is_not_read_as_adams_step(make_opt: Any, tmp_path: Any) -> None:
+    """Regression: AdamW's decay moves an entry by lr * weight_decay * |w| beside Adam's step; with
+    weight_decay=100 that is 12x lr for the largest weights at step 0, and the rule named beta2/eps for
+    what is a weight-decay collapse (StallDetector's weight_decay_collapse names it). Adam's own part of
+    the step stays within its bound."""
+    monitor = OptimizerMonitor(log_every_n_steps=1)
+    truth = _run(_zoo(_mlp, make_opt), [monitor], 12, tmp_path)
+    assert max(truth.max_step[0].values()) > 10.0  # the move itself is over the 10 x lr limit
+    assert [a.format() for a in monitor.alerts if a.kind == "adam_step_too_large"] == []
+
+
 # ------------------------------------------------------------------------------------ the learning rate
 def _sgd(lr: float, momentum: float = 0.9) -> Callable[[Any], Any]:
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)

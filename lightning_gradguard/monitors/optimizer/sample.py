@@ -196,6 +196,14 @@ class OptimizerSample:
         self.kind = _adam_kind(self.opt)
         self._moment_index: dict[str, list[int]] = {}
         self._second: dict[int, tuple[float | Tensor, float, float]] = {}  # step, beta2, eps
+        # decoupled weight decay (AdamW's) moves an entry by lr * weight_decay * |w| on top of Adam's step:
+        # the largest |w| of each such parameter on the sample, before the step (a device tensor)
+        self._decay = _decoupled_decay(self.opt, self.groups) if self.kind is not None else {}
+        self._weight_max: Tensor | None = None
+        if self._decay:
+            decayed = [self.params[i] for i in self._decay]
+            strides = [sample.strides[i] for i in self._decay]
+            self._weight_max = foreach_norms(sampled(decayed, strides), math.inf)
 
     def queue(self, transfer: HostTransfer, key: Hashable) -> None:
         """Queue the step's geometry and the optimizer's moments under ``(key, name)``; after the step."""
@@ -214,6 +222,8 @@ class OptimizerSample:
                 transfer.add((key, f"lr:{i}"), lr)
         if self.kind is not None:  # each parameter's largest |delta w| on the sample (not scaled up)
             transfer.add((key, "update_max"), self.sample.norms(math.inf))
+        if self._weight_max is not None:
+            transfer.add((key, "weight_max"), self._weight_max)
         moments = self._moments(transfer, key)
         for name, tensors in moments.items():
             if tensors:
@@ -272,7 +282,13 @@ class OptimizerSample:
             for i, (t, _, _) in self._second.items()
         }
         graded = frozenset(self.labels[self.index[i]] for i in self.sample.with_grad)
-        adam = self._adam_steps(v["update_max"].tolist(), lrs, steps) if "update_max" in v else {}
+        adam = {}
+        if "update_max" in v:
+            update_max = v["update_max"].tolist()
+            if "weight_max" in v:  # Adam's own part of the step: at least the move less the decay's largest
+                for (i, decay), w in zip(self._decay.items(), v["weight_max"].tolist(), strict=True):
+                    update_max[i] = max(0.0, update_max[i] - lrs[i] * decay * w)
+            adam = self._adam_steps(update_max, lrs, steps)
         return OptimizerReading(
             self.stats.step, geometry, self._read_moments(v, steps), self.keeps, graded, adam
         )
@@ -320,6 +336,18 @@ class OptimizerSample:
                 optimizer=type(self.opt).__name__,
             )
         return out
+
+
+def _decoupled_decay(opt: Any, groups: list[dict[str, Any]]) -> dict[int, float]:
+    """``weight_decay`` of each parameter whose Adam-family optimizer decays it apart from the gradient
+    (AdamW; Adam, NAdam, RAdam with ``decoupled_weight_decay=True``), by position; the others left out."""
+    default = isinstance(opt, torch.optim.AdamW)
+    out = {}
+    for i, group in enumerate(groups):
+        decay = float(group.get("weight_decay", 0.0) or 0.0)
+        if decay > 0 and group.get("decoupled_weight_decay", default):
+            out[i] = decay
+    return out
 
 
 def _shared_ratios(labels: list[str], v: dict[str, Tensor]) -> dict[str, Any]:

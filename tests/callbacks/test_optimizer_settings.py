@@ -184,6 +184,22 @@ def test_a_learning_rate_ten_times_too_high_is_named(net: Any, shape: tuple[int,
     assert logger.state_dict()["update_ratio"][""]["count"] == 45 - 20
 
 
+def test_a_weight_decay_far_too_strong_is_named_instead_of_the_learning_rate(tmp_path: Any) -> None:
+    """Regression: AdamW(lr=1e-3, weight_decay=50) removes 5 % of every weight a step; the ratio sits near
+    that 0.05 and the alert told the user to lower a healthy learning rate. Now it names the weight
+    decay, with lr * weight_decay."""
+    logger = GradientNormLogger(log_every_n_steps=1, histogram_every_n_steps=0)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3, weight_decay=50.0)  # noqa: E731
+    truth = _run(_zoo(_mlp, adamw), [logger], 45, tmp_path)
+    alerts = [a for a in logger.alerts if a.kind == "update_ratio_high"]
+    assert alerts, [a.format() for a in logger.alerts]
+    a = alerts[0]
+    assert a.data["update_ratio"] == pytest.approx(truth.ratio[a.step], rel=1e-4)
+    assert a.data["decay_share"] == pytest.approx(0.05) and a.data["lowest"] <= 2 * 0.05
+    assert "weight decay is far too strong" in a.message and "weight_decay=50" in a.message
+    assert "Lower weight_decay" in a.hint and "try lr=" not in a.hint
+
+
 class _Warmup(ZooModule):
     """AdamW with a linear warm-up over 20 steps."""
 

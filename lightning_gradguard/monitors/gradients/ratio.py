@@ -7,7 +7,9 @@ naturally larger ratios of biases and LayerNorm gains hardly count) is read on e
 :class:`RatioWatch` keeps the run of consecutive checks above the ceiling and says when it was
 sustained: ``SUSTAIN_CHECKS`` checks spanning ``SUSTAIN_STEPS`` steps, none before ``SETTLE_STEPS``
 (Adam's first steps move every entry by about ``lr``, and a freshly initialised head moves fast for its
-first 20 steps). :func:`ratio_finding` says it, naming the optimizer's learning rate.
+first 20 steps). :func:`ratio_finding` says it, naming the optimizer's learning rate, or its weight decay
+when ``lr * weight_decay`` alone is half the ratio or more (AdamW with a decay far too strong: the update
+is mostly the decay's shrinking, and lowering the LR would not be the fix).
 """
 
 from __future__ import annotations
@@ -16,7 +18,17 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["SETTLE_STEPS", "SUSTAIN_CHECKS", "SUSTAIN_STEPS", "RatioFinding", "RatioWatch", "ratio_finding"]
+from lightning_gradguard.core.lr import decoupled_decay_groups
+
+__all__ = [
+    "DECAY_SHARE",
+    "SETTLE_STEPS",
+    "SUSTAIN_CHECKS",
+    "SUSTAIN_STEPS",
+    "RatioFinding",
+    "RatioWatch",
+    "ratio_finding",
+]
 
 #: checks before this step are not judged (Adam's bias correction, fresh layers' first moves)
 SETTLE_STEPS = 20
@@ -26,6 +38,9 @@ SUSTAIN_CHECKS = 3
 SUSTAIN_STEPS = 20
 #: the top of the band the healthy runs sat in after their first 20 steps: what a suggested lr aims at
 _HEALTHY_TOP = 1e-2
+#: the weight decay is named instead of the LR when ``lr * weight_decay`` is at least this share of the
+#: lowest ratio seen (a decay that removes half of what moves is the cause, not a side effect)
+DECAY_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -80,6 +95,8 @@ class _Setting:
     lrs: list[float]
     betas: tuple[float, float] | None
     momentum: float
+    decay: float = 0.0  # the largest share of a weight its weight decay removes per step (lr * weight_decay)
+    weight_decay: float = 0.0  # that group's weight_decay
 
     def __str__(self) -> str:
         lr = f"lr={self.lrs[0]:g}" if len(self.lrs) == 1 else "lr " + ", ".join(f"{x:g}" for x in self.lrs)
@@ -95,17 +112,32 @@ def _setting(optimizer: Any) -> _Setting:
     groups = list(getattr(opt, "param_groups", []))
     first = groups[0] if groups else {}
     betas = (float(first["betas"][0]), float(first["betas"][1])) if "betas" in first else None
+    decayed = [
+        (float(g["lr"]) * float(g["weight_decay"]), float(g["weight_decay"]))
+        for g in decoupled_decay_groups(opt)
+    ]
+    decay, weight_decay = max(decayed, default=(0.0, 0.0))
     return _Setting(
         name=type(opt).__name__,
         lrs=sorted({float(g["lr"]) for g in groups if "lr" in g}),
         betas=betas,
         momentum=float(first.get("momentum", 0.0) or 0.0),
+        decay=decay,
+        weight_decay=weight_decay,
     )
 
 
+def _decay_dominates(setting: _Setting, watch: RatioWatch) -> bool:
+    """The weight decay alone removes at least half the update ratio seen: it, not the LR, is the cause."""
+    return setting.decay >= DECAY_SHARE * watch.lowest
+
+
 def ratio_finding(watch: RatioWatch, step: int, ceiling: float, optimizer: Any) -> RatioFinding:
-    """The learning rate of ``optimizer`` named for a ratio that stayed above ``ceiling`` (``watch``)."""
+    """The learning rate of ``optimizer`` named for a ratio that stayed above ``ceiling`` (``watch``); its
+    weight decay instead when the decay alone removes most of that ratio each step."""
     setting = _setting(optimizer)
+    if _decay_dominates(setting, watch):
+        return _decay_finding(watch, step, ceiling, setting)
     unbounded = setting.betas is not None and setting.betas[1] <= setting.betas[0] ** 2
     cause = (
         "Adam's beta2 is far too small (beta2 <= beta1^2: its step has no bound), or the lr too high"
@@ -130,10 +162,32 @@ def ratio_finding(watch: RatioWatch, step: int, ceiling: float, optimizer: Any) 
             " Here beta2 <= beta1^2: Adam's own step has no bound, so raise beta2 first (OptimizerMonitor "
             "reports it as adam_step_too_large)."
         )
-    data = {
+    return RatioFinding("update_ratio_high", message, hint, {**_data(watch, ceiling), "lr": lr})
+
+
+def _decay_finding(watch: RatioWatch, step: int, ceiling: float, setting: _Setting) -> RatioFinding:
+    """The ratio is the weight decay's doing: it removes ``lr * weight_decay`` of every weight a step."""
+    message = (
+        f"The update/weight ratio ||delta w|| / ||w|| over all trainable parameters stayed above {ceiling:g} "
+        f"on {watch.count} checks in a row (steps {watch.first}-{step}; latest {watch.last:.3g}, lowest "
+        f"{watch.lowest:.3g}), and the weight decay alone accounts for most of it: {setting} removes "
+        f"lr * weight_decay = {setting.decay:.3g} of every weight each step (weight_decay="
+        f"{setting.weight_decay:g}). The weight decay is far too strong for this learning rate."
+    )
+    hint = (
+        "Lower weight_decay: AdamW's usual values are 0.01-0.1 (1e-4 to 5e-4 is SGD's L2 scale), so that "
+        "lr * weight_decay stays near 1e-4 or below. StallDetector's weight_decay_collapse says when the "
+        "weights have shrunk."
+    )
+    return RatioFinding(
+        "update_ratio_high", message, hint, {**_data(watch, ceiling), "decay_share": setting.decay}
+    )
+
+
+def _data(watch: RatioWatch, ceiling: float) -> dict[str, float]:
+    return {
         "update_ratio": watch.last,
         "lowest": watch.lowest,
         "ceiling": ceiling,
         "checks": float(watch.count),
     }
-    return RatioFinding("update_ratio_high", message, hint, {**data, "lr": lr})

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.lr import decoupled_decay_groups
 from lightning_gradguard.core.state import trainer_state
 from lightning_gradguard.core.stats import StepStats, active_scaler
 from lightning_gradguard.core.transfer import HostTransfer
@@ -198,12 +199,14 @@ class OptimizerSample:
         self._second: dict[int, tuple[float | Tensor, float, float]] = {}  # step, beta2, eps
         # decoupled weight decay (AdamW's) moves an entry by lr * weight_decay * |w| on top of Adam's step:
         # the largest |w| of each such parameter on the sample, before the step (a device tensor)
-        self._decay = _decoupled_decay(self.opt, self.groups) if self.kind is not None else {}
+        decay = (
+            {id(g): float(g["weight_decay"]) for g in decoupled_decay_groups(self.opt)} if self.kind else {}
+        )
+        self._decay = {i: decay[id(g)] for i, g in enumerate(self.groups) if id(g) in decay}
         self._weight_max: Tensor | None = None
         if self._decay:
-            decayed = [self.params[i] for i in self._decay]
-            strides = [sample.strides[i] for i in self._decay]
-            self._weight_max = foreach_norms(sampled(decayed, strides), math.inf)
+            params, strides = zip(*((self.params[i], sample.strides[i]) for i in self._decay), strict=True)
+            self._weight_max = foreach_norms(sampled(list(params), list(strides)), math.inf)
 
     def queue(self, transfer: HostTransfer, key: Hashable) -> None:
         """Queue the step's geometry and the optimizer's moments under ``(key, name)``; after the step."""
@@ -336,18 +339,6 @@ class OptimizerSample:
                 optimizer=type(self.opt).__name__,
             )
         return out
-
-
-def _decoupled_decay(opt: Any, groups: list[dict[str, Any]]) -> dict[int, float]:
-    """``weight_decay`` of each parameter whose Adam-family optimizer decays it apart from the gradient
-    (AdamW; Adam, NAdam, RAdam with ``decoupled_weight_decay=True``), by position; the others left out."""
-    default = isinstance(opt, torch.optim.AdamW)
-    out = {}
-    for i, group in enumerate(groups):
-        decay = float(group.get("weight_decay", 0.0) or 0.0)
-        if decay > 0 and group.get("decoupled_weight_decay", default):
-            out[i] = decay
-    return out
 
 
 def _shared_ratios(labels: list[str], v: dict[str, Tensor]) -> dict[str, Any]:

@@ -7,9 +7,10 @@ Run it from the repository root::
     .venv/bin/python examples/broken_networks.py --markdown # the results table of docs/detectors.md
 
 Every case (``examples/zoo.py``) is a real Lightning run on scikit-learn's digits or small synthetic
-sequences, with ``VanishingExplodingDetector()`` and ``DeadReLUMonitor()`` at their DEFAULT arguments.
-For each case it prints the alerts (kind, layer, step, message, hint), then a summary table: what was
-expected, what was detected and at which step, and any false alert.
+sequences, with every training monitor of gradguard at its DEFAULT arguments (``zoo.monitors()``). For
+each case it prints the alerts (kind, layer, step, message, hint), then a summary table: what was
+expected, what was detected and at which step, whether the first alert named the cause, and any false
+alert.
 """
 
 from __future__ import annotations
@@ -37,16 +38,27 @@ def show(result: Result) -> None:
     print(f"\n=== {case.name}: {case.description} ({label}) ===")
     if not result.serious:
         print("  no alert")
+    if result.stopped:
+        print(f"  the run was stopped by a monitor: {result.stopped}")
     for alert in result.serious:
         print(f"  [{alert.severity}] {alert.kind} at {alert.where} (step {alert.step})")
         print(textwrap.indent(textwrap.fill(alert.message, 100), "      "))
         print(textwrap.indent(textwrap.fill("hint: " + alert.hint, 100), "      "))
 
 
+def cause_named(r: Result) -> str:
+    """Whether the first expected alert says the case's cause words (``-`` where none are set)."""
+    if not r.case.cause:
+        return "-"
+    first = next((a for a in r.serious if a.kind == r.case.expected[0]), None)
+    return "yes" if first is not None and r.case.cause in f"{first.message} {first.hint}" else "no"
+
+
 def table(results: list[Result]) -> str:
     rows = [
-        "| case | what | expected | detected (first step) | onset | allowed delay | false alerts |",
-        "|---|---|---|---|---:|---:|---|",
+        "| case | what | expected | detected (first step) | onset | allowed delay | cause named "
+        "| false alerts |",
+        "|---|---|---|---|---:|---:|---|---|",
     ]
     for r in results:
         expected = ", ".join(f"`{k}`" for k in r.case.expected) or "nothing (healthy)"
@@ -55,8 +67,8 @@ def table(results: list[Result]) -> str:
             detected = "nothing" if not r.serious else detected
         false = ", ".join(f"`{a.kind}`@{a.where} ({a.step})" for a in r.false_alerts) or "none"
         delay = "-" if r.case.healthy else str(r.case.max_delay)
-        cells = [f"`{r.case.name}`", r.case.description, expected, detected, str(r.case.onset), delay, false]
-        rows.append("| " + " | ".join(cells) + " |")
+        cells = [f"`{r.case.name}`", r.case.description, expected, detected, str(r.case.onset), delay]
+        rows.append("| " + " | ".join([*cells, cause_named(r), false]) + " |")
     return "\n".join(rows)
 
 

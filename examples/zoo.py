@@ -9,9 +9,12 @@ the catalogue lives here, beside the example, and not inside the package.
 The broken ones follow the classic deliberately-broken gallery: a learning rate of 10 with SGD, every
 ReLU killed by its initialization (weights -1, biases -5), a deep sigmoid stack, a deep ReLU stack with
 a far too large initialization, a vanilla RNN whose recurrent matrix has spectral radius 3, and tanh
-units driven deep into saturation. The healthy controls are what people actually train: a ReLU MLP, a
-CNN with BatchNorm, a small GELU transformer with AdamW, an LSTM with gradient clipping, a deep pre-
-LayerNorm residual network, a fine-tuned head on a frozen backbone and a bf16-mixed run.
+units driven deep into saturation. Then faults that must be named at their onset, by their cause: a loss
+that climbs from the first step (SGD at lr 2), Adam with beta2 far below beta1^2, attention that is
+one-hot at initialization, a weight decay far too strong, and a model whose output ignores its input.
+The healthy controls are what people actually train, and the faults' twins: a ReLU MLP with Adam and
+with SGD, a CNN with BatchNorm, a small GELU transformer with AdamW, an LSTM with gradient clipping, a
+deep pre-LayerNorm residual network, a fine-tuned head on a frozen backbone and a bf16-mixed run.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["CASES", "Case", "ZooModule", "digits", "run_case"]
+__all__ = ["CASES", "Case", "ZooModule", "digits", "monitors", "run_case"]
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -204,6 +207,10 @@ def relu_mlp() -> tuple[pl.LightningModule, DataLoader[Any]]:
     return ZooModule(_mlp([64, 128, 64, 10], nn.ReLU), _adam()), digits()
 
 
+def sgd_mlp() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    return ZooModule(_mlp([64, 128, 64, 10], nn.ReLU), lambda p: torch.optim.SGD(p, lr=0.05)), digits()
+
+
 def cnn_batchnorm() -> tuple[pl.LightningModule, DataLoader[Any]]:
     net = nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1),
@@ -291,6 +298,51 @@ def bf16_mlp() -> tuple[pl.LightningModule, DataLoader[Any]]:
     return ZooModule(_mlp([64, 128, 64, 10], nn.ReLU), _adam()), digits()
 
 
+# ---------------------------------------------------------------------------------------------- at onset
+def sgd_lr_climb() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """SGD at lr 2 on the healthy MLP: the loss climbs from the first steps while the gradient norms stay
+    in a normal band (the twin: ``sgd_mlp``, lr 0.05)."""
+    return ZooModule(_mlp([64, 128, 64, 10], nn.ReLU), lambda p: torch.optim.SGD(p, lr=2.0)), digits()
+
+
+def adam_small_beta2() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """Adam with betas (0.9, 0.3): beta2 below beta1^2 = 0.81 leaves its step without a bound (the twin:
+    ``relu_mlp``, default betas)."""
+    net = _mlp([64, 128, 64, 10], nn.ReLU)
+    return ZooModule(net, lambda p: torch.optim.Adam(p, lr=1e-3, betas=(0.9, 0.3))), digits()
+
+
+def attention_one_hot() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """The transformer's query and key projections initialised 10x too large: attention is one-hot from
+    step 0 (the twin: ``gelu_transformer``)."""
+    net = _TinyTransformer()
+    with torch.no_grad():
+        for layer in net.encoder.layers:
+            d = layer.self_attn.embed_dim
+            layer.self_attn.in_proj_weight[: 2 * d].mul_(10.0)  # the q and k rows of the packed projection
+    return ZooModule(net, lambda p: torch.optim.AdamW(p, lr=1e-3)), digits(shape=(8, 8))
+
+
+def weight_decay_too_strong() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """AdamW with weight_decay=50: lr * weight_decay removes 5 % of every weight a step and the loss sits
+    at chance (the twin: ``gelu_transformer``, AdamW's default 0.01)."""
+    opt = lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=50.0)  # noqa: E731
+    return ZooModule(_TinyTransformer(), opt), digits(shape=(8, 8))
+
+
+class _InputIgnored(_TinyTransformer):
+    """A bug multiplies the embedded input by 0: the output depends on the positions only."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.encoder(0.0 * self.embed(x) + self.pos).mean(dim=1))
+
+
+def input_ignored() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """The transformer with its input zeroed: nothing can be learned beyond the class frequencies (the
+    twin: ``gelu_transformer``)."""
+    return ZooModule(_InputIgnored(), lambda p: torch.optim.AdamW(p, lr=1e-3)), digits(shape=(8, 8))
+
+
 # ---------------------------------------------------------------------------------------------- the catalogue
 @dataclass(frozen=True)
 class Case:
@@ -307,6 +359,9 @@ class Case:
         max_delay: steps after ``onset`` by which the alert must come. After the dense start the
             gradient detector checks every 5th step and wants 2 checks in a row, hence 10 for a
             pathology that begins mid-run.
+        also: other alert kinds that are right about this fault (a symptom or a second rule that sees
+            it too): not counted as false alerts.
+        cause: words the first expected alert must say (its message or hint): the cause, named.
     """
 
     name: str
@@ -317,6 +372,8 @@ class Case:
     steps: int = 60
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     max_delay: int = 5
+    also: tuple[str, ...] = ()
+    cause: str = ""
 
     @property
     def healthy(self) -> bool:
@@ -324,7 +381,14 @@ class Case:
 
 
 CASES: list[Case] = [
-    Case("sgd_lr10", sgd_lr10, ("exploding_gradient",), "ReLU MLP, SGD lr=10", steps=12),
+    Case(
+        "sgd_lr10",
+        sgd_lr10,
+        ("exploding_gradient",),
+        "ReLU MLP, SGD lr=10",
+        steps=12,
+        also=("early_divergence",),
+    ),
     Case(
         "lr_jump",
         lr_jump,
@@ -333,6 +397,7 @@ CASES: list[Case] = [
         onset=40,
         steps=60,
         max_delay=10,
+        also=("early_divergence", "loss_spike"),
     ),
     Case(
         "dead_relu_init", dead_relu_init, ("dead_relu",), "weights -1, biases -5: every ReLU dead", steps=12
@@ -356,7 +421,55 @@ CASES: list[Case] = [
         "tanh fed pre-activations ~100s",
         steps=12,
     ),
+    Case(
+        "sgd_lr_climb",
+        sgd_lr_climb,
+        ("early_divergence",),
+        "ReLU MLP, SGD lr=2: the loss climbs from step 1",
+        steps=40,
+        max_delay=30,
+        cause="learning rate",
+    ),
+    Case(
+        "adam_small_beta2",
+        adam_small_beta2,
+        ("adam_step_too_large",),
+        "ReLU MLP, Adam betas (0.9, 0.3)",
+        steps=20,
+        max_delay=10,
+        cause="beta2",
+    ),
+    Case(
+        "attention_one_hot",
+        attention_one_hot,
+        ("attention_entropy_collapse",),
+        "GELU transformer, q/k init x10",
+        steps=5,
+        max_delay=0,
+        also=("attention_logit_growth",),
+        cause="initialization",
+    ),
+    Case(
+        "weight_decay_too_strong",
+        weight_decay_too_strong,
+        ("update_ratio_high", "weight_decay_collapse"),
+        "GELU transformer, AdamW weight_decay=50",
+        steps=80,
+        max_delay=70,
+        also=("chance_level",),
+        cause="weight decay is far too strong",
+    ),
+    Case(
+        "input_ignored",
+        input_ignored,
+        ("chance_level",),
+        "GELU transformer whose input is zeroed",
+        steps=80,
+        max_delay=60,
+        cause="Nothing about the inputs is being learned",
+    ),
     Case("relu_mlp", relu_mlp, (), "ReLU MLP, Adam", steps=120),
+    Case("sgd_mlp", sgd_mlp, (), "ReLU MLP, SGD lr=0.05", steps=120),
     Case("cnn_batchnorm", cnn_batchnorm, (), "CNN + BatchNorm + (in-place) ReLU, SGD momentum", steps=120),
     Case("gelu_transformer", gelu_transformer, (), "2-layer pre-LN GELU transformer, AdamW", steps=120),
     Case(
@@ -424,6 +537,9 @@ class Result:
     alerts: list[Any]
     seconds: float
     losses: list[float]
+    stopped: str = (
+        ""  # the error a monitor stopped the run with (LossSpikeGuard, NaNSentinel; no losses then)
+    )
 
     @property
     def serious(self) -> list[Any]:
@@ -442,20 +558,51 @@ class Result:
     @property
     def false_alerts(self) -> list[Any]:
         """Alerts of a kind the case does not expect (for a healthy case: every alert)."""
-        return [a for a in self.serious if a.kind not in self.case.expected]
+        right = {*self.case.expected, *self.case.also}
+        return [a for a in self.serious if a.kind not in right]
+
+
+def monitors() -> list[pl.Callback]:
+    """Every training monitor of gradguard at its default arguments (the pre-flight checks and the LR
+    finder run before training and are not part of the zoo)."""
+    from lightning_gradguard import (
+        ActivationRangeMonitor,
+        DeadReLUMonitor,
+        GradientNormLogger,
+        LossSpikeGuard,
+        NaNSentinel,
+        OptimizerMonitor,
+        StallDetector,
+        VanishingExplodingDetector,
+    )
+
+    return [
+        GradientNormLogger(),
+        VanishingExplodingDetector(),
+        DeadReLUMonitor(),
+        ActivationRangeMonitor(),
+        OptimizerMonitor(),
+        StallDetector(),
+        NaNSentinel(),
+        LossSpikeGuard(),
+    ]
 
 
 def detect(case: Case, root_dir: str | None = None) -> Result:
-    """Train ``case`` with ``VanishingExplodingDetector()``, ``DeadReLUMonitor()`` and ``StallDetector()``
-    at their defaults."""
+    """Train ``case`` with every training monitor at its defaults (:func:`monitors`); a run a monitor
+    stops (LossSpikeGuard escalating to ``raise``) is a verdict, kept in ``Result.stopped``."""
     import time
 
-    from lightning_gradguard import DeadReLUMonitor, StallDetector, VanishingExplodingDetector
+    from lightning_gradguard import GradGuardError
 
-    detectors = [VanishingExplodingDetector(), DeadReLUMonitor(), StallDetector()]
+    watching = monitors()
     start = time.perf_counter()
-    trainer = run_case(case, list(detectors), root_dir=root_dir)
+    stopped = ""
+    try:
+        trainer = run_case(case, list(watching), root_dir=root_dir)
+        module = trainer.lightning_module
+    except GradGuardError as err:  # LossSpikeError, NonFiniteError: the monitor's verdict
+        stopped, module = type(err).__name__, None
     seconds = time.perf_counter() - start
-    alerts = sorted((a for d in detectors for a in d.alerts), key=lambda a: a.step)
-    module = trainer.lightning_module
-    return Result(case, alerts, seconds, list(getattr(module, "losses", [])))
+    alerts = sorted((a for m in watching for a in getattr(m, "alerts", [])), key=lambda a: a.step)
+    return Result(case, alerts, seconds, list(getattr(module, "losses", [])), stopped)

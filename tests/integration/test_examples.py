@@ -110,12 +110,13 @@ def test_broken_networks_every_case_detected_in_time_without_false_alerts(tmp_pa
     assert len(rows) >= 8
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        expected, detected, onset, delay, false = cells[2], cells[3], cells[4], cells[5], cells[6]
+        expected, detected, onset, delay, named, false = cells[2:8]
         for kind in expected.split(", "):  # each expected kind detected, in time: "`kind` (step)"
             assert f"{kind} (" in detected, row
             step = int(detected.split(f"{kind} (", 1)[1].split(")")[0])
             assert step - int(onset) <= int(delay), row
-        assert false == "none", row
+        assert named in ("yes", "-") and false == "none", row
+    assert sum(row.split("|")[7].strip() == "yes" for row in rows) >= 5  # the causes named at onset
 
 
 @pytest.mark.timeout(_TEST_TIMEOUT["lr_find.py"])

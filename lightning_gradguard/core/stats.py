@@ -219,6 +219,12 @@ class UpdateSample:
         views = sampled(picked, [self.strides[i] for i in self.with_grad])  # type: ignore[arg-type]
         self._grads = list(torch._foreach_mul(views, 1.0)) if views else []
 
+    @property
+    def grads(self) -> list[Tensor]:
+        """The sampled gradients, one per parameter of :attr:`with_grad` (empty before
+        :meth:`sample_grads`)."""
+        return self._grads or []
+
     def diff(self) -> list[Tensor]:
         """``w_before - w_after`` on the sampled entries (computed once, after the step)."""
         if self._diff is None:

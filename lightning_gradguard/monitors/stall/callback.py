@@ -4,8 +4,9 @@ StallDetector
 
 Says when a run has quietly stopped learning (no crash, no NaN: the loss just stops moving) and names
 the likely cause: an LR the scheduler drove to ~0 or never let rise, an LR that jumped, updates that are
-zero or clipped to nothing, a weight decay that shrinks the weights away, a loss stuck at the chance level
-(of a classifier, or of a sequence model's tokens), a loader sorted by class. The rules are
+zero or clipped to nothing, a weight decay that shrinks the weights away, 16-bit weights whose updates are
+rounded away, a loss stuck at the chance level (of a classifier, or of a sequence model's tokens), a loader
+sorted by class. The rules are
 :mod:`lightning_gradguard.monitors.stall.rules`; the measuring is
 :mod:`lightning_gradguard.monitors.stall.probe`.
 """
@@ -26,7 +27,7 @@ from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallb
 from lightning_gradguard.core.cadence import log_step, optimizer_index
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.validate import check_float, check_int
-from lightning_gradguard.monitors.stall.probe import StallProbe, lr_configured, lr_now
+from lightning_gradguard.monitors.stall.probe import StallProbe, has_low_precision, lr_configured, lr_now
 from lightning_gradguard.monitors.stall.rules import StallCheck, StallRules, StallState
 from lightning_gradguard.tags import STALL, charts_of
 
@@ -44,12 +45,15 @@ class StallDetector(GradGuardCallback):
     gradient the optimizer used, the mean loss since the last check and its standard error, and the class
     counts of the batch (class-index targets) or its token counts (token targets ``(batch, T)``, padding
     ``-100`` left out), read in one transfer (one collective under DDP: losses, labels and tokens are
-    summed over the ranks, so every rank reaches the same verdict).
+    summed over the ranks, so every rank reaches the same verdict). When the model has 16-bit trainable
+    weights (``precision="bf16-true"`` / ``"16-true"``; decided once, at the start of training), the check
+    also samples their gradients at the update sample's entries and counts the entries with a non-zero
+    gradient whose value did not change (their update was rounded away), in the same transfer.
 
     Alerts (each at most once per run; see :mod:`~lightning_gradguard.monitors.stall.rules` for the rules):
     ``no_update``, ``clipped_updates``, ``lr_decayed`` / ``updates_collapsed``, ``weight_decay_collapse``,
-    ``chance_level``, ``loss_plateau``, ``lr_jump``, ``warmup_never_ends``, ``sorted_labels``, all of
-    severity warning.
+    ``update_below_precision``, ``chance_level``, ``loss_plateau``, ``lr_jump``, ``warmup_never_ends``,
+    ``sorted_labels``, all of severity warning.
 
     Args:
         check_every_n_steps: take a check every this many optimizer steps (Lightning's logging rule:
@@ -121,6 +125,7 @@ class StallDetector(GradGuardCallback):
         self._optimizers: list[Any] = []  # the Trainer's, and whether it optimizes automatically: per fit
         self._automatic = True
         self._checking = False  # the current optimizer step is a check
+        self._low_precision = False  # some trainable weights are 16-bit: the checks measure their rounding
         self._checked_at = -1
         self.last_logged: dict[str, float] = {}
         #: what the latest check measured (per-layer update ratios, clip ratio, loss, labels, LRs)
@@ -141,6 +146,7 @@ class StallDetector(GradGuardCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.lr_configured = max(self.lr_configured, lr_configured(trainer))  # schedulers exist now
         self._optimizers, self._automatic = trainer.optimizers, pl_module.automatic_optimization
+        self._low_precision = has_low_precision(pl_module)  # float32 models: no extra work, ever
 
     # Every step: the LR in use and the loss (a plain read, and one detach); the rest on check steps only.
     @override
@@ -172,7 +178,8 @@ class StallDetector(GradGuardCallback):
         if optimizer_index(trainer, optimizer) != 0:
             return
         self._checking, self._checked_at = True, at
-        self._probe.start(step_stats(trainer, pl_module, optimizer), self._automatic, optimizer)
+        stats = step_stats(trainer, pl_module, optimizer)
+        self._probe.start(stats, self._automatic, optimizer, self._low_precision)
 
     @override
     def on_train_batch_end(
@@ -207,6 +214,7 @@ class StallDetector(GradGuardCallback):
             clip_ratio=reading.clip_ratio,
             labels=reading.labels,
             tokens=reading.tokens,
+            rounding=reading.rounding,
             planned_steps=int(planned) if planned != float("inf") else None,
         )
         self.last_check = check

@@ -1,11 +1,12 @@
 """What one check of a stalled-learning detector measured, the thresholds its rules use, and a finding.
 
 Plain data and helpers on host numbers, no Trainer: :class:`StallCheck` is one check's measurements,
-:class:`StallRules` the thresholds of :mod:`lightning_gradguard.monitors.stall.rules`'s rules,
-:class:`StallFinding` a rule that holds, in words; :func:`label_entropy` is the loss of a classifier that
-learned only the class frequencies, :func:`token_entropy` that of a sequence model that learned only the
-token frequencies, :func:`loss_trend` how much a loss fell over a few checks against its noise,
-:func:`batch_purity` how much of a batch its one or two largest classes hold.
+:class:`Rounding` what it measured of the low-precision weights' updates, :class:`StallRules` the
+thresholds of :mod:`lightning_gradguard.monitors.stall.rules`'s rules, :class:`StallFinding` a rule that
+holds, in words; :func:`spacing` the gap between neighbouring numbers of a dtype; :func:`label_entropy`
+is the loss of a classifier that learned only the class frequencies, :func:`token_entropy` that of a
+sequence model that learned only the token frequencies, :func:`loss_trend` how much a loss fell over a few
+checks against its noise, :func:`batch_purity` how much of a batch its one or two largest classes hold.
 """
 
 from __future__ import annotations
@@ -14,21 +15,29 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 __all__ = [
     "HINTS",
+    "LOW_PRECISION",
     "WHERE",
     "LossTrend",
+    "Rounding",
     "StallCheck",
     "StallFinding",
     "StallRules",
     "batch_purity",
     "label_entropy",
     "loss_trend",
+    "spacing",
     "spread",
     "token_entropy",
 ]
+
+#: the weight dtypes whose updates the rounding rule measures (16-bit floats: bfloat16 keeps 8 significant
+#: bits, float16 11)
+LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,9 @@ class StallRules:
         decay_fall: a weight norm this many times below its highest has been shrunk away...
         decay_dominance: ...when the weight decay's part of the update was this many times the rest of it
             (1: larger than everything the gradient did, along the weights and across them).
+        rounding_share: ``update_below_precision`` when more than this share of the low-precision weight
+            entries that had a non-zero gradient did not change (their update was rounded away), on
+            ``patience`` checks in a row, while the loss is above half its first value.
     """
 
     patience: int = 3
@@ -94,6 +106,44 @@ class StallRules:
     sorted_minority: float = 0.5
     decay_fall: float = 10.0
     decay_dominance: float = 1.0
+    rounding_share: float = 0.5
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """The updates of a check's step on its 16-bit weights (:data:`LOW_PRECISION`), from the step's
+    update sample; entry counts are scaled up from the sample to whole tensors.
+
+    Attributes:
+        dtype: the dtype of most of those weights (by entries).
+        parameters: how many such parameters had a gradient (LR not 0).
+        graded: their entries with a non-zero gradient.
+        lost: those of them whose value did not change: the update was rounded away.
+        update: the median ``|delta w|`` of the entries with a gradient that did change.
+        weight: the median ``|w|`` of the entries with a gradient.
+        lost_weight: the median ``|w|`` of the entries that did not change (NaN: none).
+    """
+
+    dtype: torch.dtype
+    parameters: int
+    graded: float
+    lost: float
+    update: float
+    weight: float
+    lost_weight: float
+
+    @property
+    def share(self) -> float:
+        """The share of the entries with a gradient whose update was rounded away (0 without any)."""
+        return self.lost / self.graded if self.graded > 0 else 0.0
+
+
+def spacing(value: float, dtype: torch.dtype) -> float:
+    """The gap between ``|value|`` and the next ``dtype`` number away from zero: ``eps * 2**e`` for
+    ``2**e <= |value| < 2**(e + 1)`` (bfloat16: 2**-7 at 1.0). An update under half of it rounds away."""
+    info = torch.finfo(dtype)
+    _, exponent = math.frexp(max(abs(value), info.tiny))
+    return info.eps * 2.0 ** (exponent - 1)
 
 
 @dataclass(frozen=True)
@@ -111,7 +161,7 @@ class StallCheck:
     ``weight_norms``: ``||w||`` per layer before the step; ``decay``: per layer, the norm of the weight
     decay's part of the update (``lr * weight_decay * ||w||``) and of the rest of it, for the layers an
     optimizer with decoupled decay updates; ``decay_groups``: ``(lr, weight_decay)`` of each param group
-    that decays.
+    that decays. ``rounding``: the updates of the 16-bit weights (only when the model has some).
     """
 
     step: int
@@ -129,6 +179,7 @@ class StallCheck:
     weight_norms: Mapping[str, float] = field(default_factory=dict)
     decay: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     decay_groups: Sequence[tuple[float, float]] = ()
+    rounding: Rounding | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +208,7 @@ WHERE: dict[str, str] = {
     "warmup_never_ends": "lr_scheduler",
     "sorted_labels": "train_dataloader",
     "weight_decay_collapse": "weight_decay",
+    "update_below_precision": "precision",
 }
 
 
@@ -274,6 +326,16 @@ HINTS: dict[str, str] = {
         " of every weight each step, whatever the gradient says, and the gradient can no longer hold the "
         "weights up. Typical AdamW values are 0.01-0.1 (a weight_decay of 1e-4..5e-4 is SGD's L2 scale); "
         "lower it, or the LR it multiplies, and keep biases and norm layers out of the decayed group."
+    ),
+    "update_below_precision": (
+        'The weights themselves are 16-bit (`precision="bf16-true"` or `"16-true"`, or a model cast '
+        "with `.to(torch.bfloat16)`): a step smaller than half the gap between two neighbouring values of "
+        "the weight's dtype rounds back to the old value, so most of the network stays at its initial "
+        "values although the gradient and the optimizer say otherwise. Keep float32 master weights: "
+        '`precision="bf16-mixed"` (or `"16-mixed"`) computes in 16 bits and updates float32 weights. Or '
+        "raise the LR until the steps clear that gap (Adam's per-entry step is about the LR), or use an "
+        "optimizer that keeps the lost low bits (float32 master weights, Kahan summation) or rounds "
+        "stochastically."
     ),
     "lr_decayed": (
         'A scheduler meant to step per epoch may be stepping per batch (`"interval": "step"` in '

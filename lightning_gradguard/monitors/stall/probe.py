@@ -14,7 +14,12 @@
   sample), the ratio of the gradient the optimizer used to the raw one (on the first entries of each
   gradient, before and after clipping), the mean loss since the last check and its standard error, and
   the label or token counts, all in one :class:`~lightning_gradguard.core.transfer.HostTransfer` (losses,
-  labels and tokens summed across ranks).
+  labels and tokens summed across ranks);
+* :func:`has_low_precision` (decided once, at the start of training) and, for a model with 16-bit
+  weights only, what became of their updates on the check's step
+  (:class:`~lightning_gradguard.monitors.stall.check.Rounding`): the sampled entries with a non-zero
+  gradient, those that did not change, the typical update and weight, from the same update sample (its
+  gradients sampled too) and in the same transfer.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_gradguard.core.lr import decoupled_decay_groups
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.stats import foreach_norms
 from lightning_gradguard.functional.updates import sampled, update_ratio
+from lightning_gradguard.monitors.stall.check import LOW_PRECISION, Rounding
 
 __all__ = [
     "MAX_CLASSES",
@@ -41,6 +48,7 @@ __all__ = [
     "StallReading",
     "class_targets",
     "decay_factors",
+    "has_low_precision",
     "lr_configured",
     "lr_now",
     "token_targets",
@@ -53,6 +61,14 @@ TOKEN_BINS = 1 << 16
 #: the clip ratio is read on the first this many entries of each gradient, before and after clipping
 CLIP_ENTRIES = 4096
 _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
+#: the typical update and weight of the rounding measure are medians of at most this many sampled entries
+MEDIAN_ENTRIES = 1 << 16
+
+
+def has_low_precision(module: torch.nn.Module) -> bool:
+    """Whether any trainable parameter of ``module`` is 16-bit (bfloat16, float16): only then does a check
+    measure what became of their updates (decided once, in ``on_train_start``)."""
+    return any(p.requires_grad and p.dtype in LOW_PRECISION for p in module.parameters())
 
 
 def lr_now(optimizers: Sequence[Any]) -> float:
@@ -160,17 +176,13 @@ def decay_factors(optimizer: Any, params: Sequence[Tensor]) -> DecayFactors | No
     term is spread over the next steps: its share is then underestimated). Other optimizers fold the decay
     into the gradient they normalize (Adam's L2): ``None``, as when no group decays. Read before the step,
     on a check step only (a loop over the param groups)."""
-    opt = getattr(optimizer, "optimizer", optimizer)
-    decoupled = isinstance(opt, (torch.optim.AdamW, torch.optim.SGD))
     by_id: dict[int, float] = {}
     groups: list[tuple[float, float]] = []
-    for g in getattr(opt, "param_groups", []):
-        wd, lr = g.get("weight_decay"), g.get("lr")
-        if not isinstance(wd, (int, float)) or not isinstance(lr, (int, float, Tensor)) or wd <= 0:
-            continue
-        if decoupled or g.get("decoupled_weight_decay") is True:
-            groups.append((float(lr), float(wd)))
-            by_id.update(dict.fromkeys(map(id, g["params"]), float(lr) * float(wd)))
+    for g in decoupled_decay_groups(optimizer):
+        lr, wd = g.get("lr"), float(g["weight_decay"])
+        if isinstance(lr, (int, float, Tensor)):
+            groups.append((float(lr), wd))
+            by_id.update(dict.fromkeys(map(id, g["params"]), float(lr) * wd))
     if not by_id:
         return None
     return DecayFactors([by_id.get(id(p), 0.0) for p in params], groups)
@@ -191,6 +203,7 @@ class StallReading:
     clip_ratio: float | None = None
     labels: list[float] | None = None
     tokens: Tensor | None = None
+    rounding: Rounding | None = None
 
 
 class _StepSample:
@@ -204,11 +217,20 @@ class _StepSample:
     With a weight decay (:func:`decay_factors`), the update ``w_before - w_after`` of the sampled entries
     is split into the decay's part ``lr * weight_decay * w_before`` and the rest (the gradient's part),
     both scaled up from the sample like the update norm: read on the same copies, after the step.
+
+    With ``rounding`` (a model with 16-bit weights), the gradients are sampled at the same entries and the
+    16-bit parameters' entries with a non-zero gradient are counted, with those that did not change
+    (:meth:`_queue_rounding`). Parameters in a param group with LR 0 are left out (nothing moves them).
     """
 
-    def __init__(self, stats: StepStats, automatic: bool, optimizer: Any = None) -> None:
+    def __init__(
+        self, stats: StepStats, automatic: bool, optimizer: Any = None, rounding: bool = False
+    ) -> None:
         self.stats = stats
-        stats.take_update_sample()
+        stats.take_update_sample(with_grads=rounding)
+        self.rounding = rounding
+        self.still = _lr_zero(optimizer) if rounding else frozenset()
+        self.dtype, self.parameters = torch.bfloat16, 0  # of the 16-bit weights measured (set when queued)
         self.graded = [p for p in stats.params if p.grad is not None]
         raw = [p.grad for p in self.graded]
         measure_clip = automatic and raw and stats.sharding is None
@@ -224,6 +246,8 @@ class _StepSample:
             transfer.add("clip", torch.cat([self.raw, foreach_norms(_heads(used)).norm().reshape(1)]))
         if self.decay is not None:
             self._queue_decay(transfer, self.decay.factors)
+        if self.rounding:
+            self._queue_rounding(transfer)
 
     def _queue_decay(self, transfer: HostTransfer, factors: list[float]) -> None:
         """The decay's part and the rest of the update, per layer (grouped like the update norms)."""
@@ -241,6 +265,44 @@ class _StepSample:
             pending = stats.pending(norms * scale.to(norms.device, norms.dtype), 2.0)
             transfer.add_norms(key, stats.grouped(pending, index, len(labels)))
 
+    def _queue_rounding(self, transfer: HostTransfer) -> None:
+        """The 16-bit parameters' sampled entries with a non-zero gradient, those of them whose value did
+        not change, both scaled up to whole tensors, and the medians of ``|delta w|`` (entries that
+        changed), of ``|w|`` (entries with a gradient) and of ``|w|`` (entries that did not change)."""
+        sample = self.stats.update_sample
+        if sample is None:
+            return
+        diff, grads = sample.diff(), sample.grads
+        picked = [
+            (i, g)
+            for i, g in zip(sample.with_grad, grads, strict=True)
+            if diff[i].dtype in LOW_PRECISION and id(self.stats.params[i]) not in self.still
+        ]
+        if not picked:
+            return
+        numels: dict[torch.dtype, int] = {}
+        for i, _ in picked:
+            numels[diff[i].dtype] = numels.get(diff[i].dtype, 0) + self.stats.params[i].numel()
+        self.dtype = max(numels, key=lambda d: numels[d])
+        self.parameters = len(picked)
+        g = torch.cat([x.reshape(-1) for _, x in picked])
+        d = torch.cat([diff[i].reshape(-1) for i, _ in picked])
+        after = sampled([sample.params[i] for i, _ in picked], [sample.strides[i] for i, _ in picked])
+        w = torch.cat([v.reshape(-1) for v in after])
+        sizes = torch.tensor([diff[i].numel() for i, _ in picked], device=g.device)
+        scales = torch.tensor([sample.scales[i] for i, _ in picked], device=g.device, dtype=torch.float32)
+        scale = torch.repeat_interleave(scales, sizes, output_size=g.numel())  # no sync for the size
+        graded = g != 0
+        lost = graded & (d == 0)
+        counts = torch.stack([(scale * graded).sum(), (scale * lost).sum()])
+        step = max(1, -(-g.numel() // MEDIAN_ENTRIES))  # the medians on a strided part of a large sample
+        nan = torch.tensor(math.nan, device=g.device)
+        medians = [
+            torch.where(mask[::step], x[::step].float().abs(), nan).nanmedian()
+            for mask, x in ((graded & ~lost, d), (graded, w), (lost, w))
+        ]
+        transfer.add("rounding", torch.cat([counts, torch.stack(medians)]))
+
     def read(self, host: dict[Any, Tensor], reading: StallReading) -> None:
         labels = self.stats.update_groups(2.0)[0]
         weights = host["weight_layers"].tolist()
@@ -255,6 +317,29 @@ class _StepSample:
             parts = zip(labels, host["decay_layers"].tolist(), host["rest_layers"].tolist(), strict=True)
             reading.decay = {label: (d, r) for label, d, r in parts}
             reading.decay_groups = list(self.decay.groups)
+        if "rounding" in host:
+            graded, lost, update, weight, lost_weight = host["rounding"].tolist()
+            reading.rounding = Rounding(
+                dtype=self.dtype,
+                parameters=self.parameters,
+                graded=graded,
+                lost=lost,
+                update=update,
+                weight=weight,
+                lost_weight=lost_weight,
+            )
+
+
+def _lr_zero(optimizer: Any) -> frozenset[int]:
+    """The ids of the parameters in a param group of ``optimizer`` with LR 0 (a check step's loop over
+    the groups, for a model with 16-bit weights only)."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    return frozenset(
+        id(p)
+        for g in getattr(opt, "param_groups", [])
+        if isinstance(g.get("lr"), (int, float, Tensor)) and float(g["lr"]) == 0
+        for p in g["params"]
+    )
 
 
 def _heads(tensors: list[Tensor]) -> list[Tensor]:
@@ -291,11 +376,12 @@ class StallProbe:
             counts = _counts(tokens, max(TOKEN_BINS, vocab or 0))
             self.tokens = counts if self.tokens is None else self.tokens + counts
 
-    def start(self, stats: StepStats, automatic: bool, optimizer: Any = None) -> None:
+    def start(self, stats: StepStats, automatic: bool, optimizer: Any = None, rounding: bool = False) -> None:
         """The check's step is about to update: take (or share) the step's update sample, the raw
-        gradient's norm for the clip ratio, and the weight decay each parameter gets this step."""
+        gradient's norm for the clip ratio, and the weight decay each parameter gets this step; with
+        ``rounding`` (16-bit weights) the sample's gradients too."""
         if stats.unsupported is None and stats.params:
-            self.sample = _StepSample(stats, automatic, optimizer)
+            self.sample = _StepSample(stats, automatic, optimizer, rounding)
 
     def read(self, trainer: pl.Trainer, device: torch.device) -> StallReading:
         """After the update: everything in one transfer (one collective under DDP).

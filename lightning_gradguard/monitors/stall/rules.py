@@ -21,6 +21,10 @@ The rules (thresholds in :class:`~lightning_gradguard.monitors.stall.check.Stall
 * ``weight_decay_collapse``: most decayed layers' weight norms fell ``decay_fall`` times below their
   highest, lower at every check, while the decay's part of the update (``lr * weight_decay * ||w||``)
   was ``decay_dominance`` times the rest of it, on ``patience`` checks, and the loss stopped improving;
+* ``update_below_precision``: more than ``rounding_share`` of the 16-bit weight entries that had a
+  non-zero gradient did not change (their update was under half the gap between neighbouring values of
+  their dtype, and rounded away), on ``patience`` checks in a row, while the loss is above half its first
+  value (measured only for models with 16-bit weights);
 * ``chance_level``: after ``warmup_steps``, on ``chance_checks`` checks in a row, over the last
   ``patience`` check intervals the loss stayed in the chance band (from ``1 - chance_margin`` times the
   chance level, the entropy of the labels or of the tokens seen, to ``chance_ceiling`` times it or just
@@ -50,12 +54,14 @@ import torch
 
 from lightning_gradguard.monitors.stall.check import (
     HINTS,
+    Rounding,
     StallCheck,
     StallFinding,
     StallRules,
     batch_purity,
     label_entropy,
     loss_trend,
+    spacing,
     spread,
     token_entropy,
 )
@@ -218,6 +224,7 @@ class StallState:
             self.window = [*self.window, (c.step, c.loss, c.loss_stderr)][-(self.rules.patience + 1) :]
         self._count(c)
         causes = (
+            self._below_precision,  # before no_update: updates rounded away are not missing gradients
             self._no_update,
             self._clipped,
             self._collapse,
@@ -254,6 +261,8 @@ class StallState:
     def _no_update(self, c: StallCheck) -> StallFinding | None:
         if c.update_total is None or not self._streak("no_update", c.update_total == 0.0):
             return None
+        if self.streaks.get("update_below_precision", 0) or "update_below_precision" in self.fired:
+            return None  # the gradients were there: their updates were rounded away
         if self._lr_fell_early(c) or (c.lr_max > 0 and 0.0 < c.lr < c.lr_max * 1e-6):
             return self._lr_finding(c, share=1.0, why="every update was exactly 0")
         n = self.streaks["no_update"]
@@ -268,6 +277,45 @@ class StallState:
             "`opt.zero_grad()` before `self.manual_backward(loss)`, never between it and `opt.step()`; "
             "check also that the loss depends on the parameters (a `.detach()`, `torch.no_grad()`).",
             {"checks": float(n), "lr": c.lr},
+        )
+
+    def _below_precision(self, c: StallCheck) -> StallFinding | None:
+        r, rounding = self.rules, c.rounding
+        # a run that learned is not stalled (16-bit weights stop moving once the steps shrink near the end)
+        learning = self.smoothed is None or self._far_from_done()
+        lost = rounding is not None and rounding.graded > 0 and rounding.share > r.rounding_share
+        if not self._streak("update_below_precision", lost and learning) or rounding is None:
+            return None
+        return self._precision_finding(c, rounding)
+
+    def _precision_finding(self, c: StallCheck, rounding: Rounding) -> StallFinding:
+        kind = str(rounding.dtype).removeprefix("torch.")
+        eps = torch.finfo(rounding.dtype).eps
+        bits = round(-math.log2(eps)) + 1
+        gap = spacing(rounding.weight, rounding.dtype)
+        needed = gap / 2 / rounding.update if rounding.update > 0 else math.nan
+        at = rounding.lost_weight
+        lost_at = f" (of the unchanged entries {at:.2g})" if math.isfinite(at) else ""
+        checks = self.streaks["update_below_precision"]
+        return StallFinding(
+            "update_below_precision",
+            f"{rounding.share:.0%} of the {kind} weight entries that had a non-zero gradient did not "
+            f"change on {checks} checks in a row (step {c.step}, {rounding.parameters} parameters): "
+            f"their updates were rounded away. {kind} keeps {bits} significant bits: neighbouring values "
+            f"are {eps / 2:.2%} to {eps:.2%} of |w| apart, and an update under half that gap (under "
+            f"{eps / 4:.2%} to {eps / 2:.2%} of |w|) leaves the weight as it was. The typical update that "
+            f"landed was {rounding.update:.2g}; the typical |w| is {rounding.weight:.2g}{lost_at}, where "
+            f"{kind} values are {gap:.2g} apart: a step there must exceed {gap / 2:.2g}, {needed:.3g}x "
+            f"the typical update. LR {c.lr:.3g}.",
+            HINTS["update_below_precision"],
+            {
+                "share": rounding.share,
+                "update": rounding.update,
+                "weight": rounding.weight,
+                "spacing": gap,
+                "relative_spacing": eps,
+                "lr": c.lr,
+            },
         )
 
     def _clipped(self, c: StallCheck) -> StallFinding | None:
@@ -556,5 +604,6 @@ _CAUSES = frozenset(
         "warmup_never_ends",
         "sorted_labels",
         "weight_decay_collapse",
+        "update_below_precision",
     }
 )

@@ -11,7 +11,8 @@ ReLU killed by its initialization (weights -1, biases -5), a deep sigmoid stack,
 a far too large initialization, a vanilla RNN whose recurrent matrix has spectral radius 3, and tanh
 units driven deep into saturation. Then faults that must be named at their onset, by their cause: a loss
 that climbs from the first step (SGD at lr 2), Adam with beta2 far below beta1^2, attention that is
-one-hot at initialization, a weight decay far too strong, and a model whose output ignores its input.
+one-hot at initialization, a weight decay far too strong, a model whose output ignores its input, and
+bfloat16 weights whose updates are rounded away.
 The healthy controls are what people actually train, and the faults' twins: a ReLU MLP with Adam and
 with SGD, a CNN with BatchNorm, a small GELU transformer with AdamW, an LSTM with gradient clipping, a
 deep pre-LayerNorm residual network, a fine-tuned head on a frozen backbone and a bf16-mixed run.
@@ -343,6 +344,13 @@ def input_ignored() -> tuple[pl.LightningModule, DataLoader[Any]]:
     return ZooModule(_InputIgnored(), lambda p: torch.optim.AdamW(p, lr=1e-3)), digits(shape=(8, 8))
 
 
+def bf16_true_small_lr() -> tuple[pl.LightningModule, DataLoader[Any]]:
+    """Adam at lr 1e-4 on bfloat16 weights (``precision="bf16-true"``): a step of about 1e-4 is below half
+    the spacing of bfloat16 (2**-8 of |w|) for most weights, so most updates are rounded away (the twin:
+    ``bf16_mixed``, whose float32 weights keep them)."""
+    return ZooModule(_mlp([64, 128, 64, 10], nn.ReLU), _adam(1e-4)), digits()
+
+
 # ---------------------------------------------------------------------------------------------- the catalogue
 @dataclass(frozen=True)
 class Case:
@@ -467,6 +475,16 @@ CASES: list[Case] = [
         steps=80,
         max_delay=60,
         cause="Nothing about the inputs is being learned",
+    ),
+    Case(
+        "bf16_true_small_lr",
+        bf16_true_small_lr,
+        ("update_below_precision",),
+        "ReLU MLP in bf16-true, Adam lr=1e-4",
+        steps=30,
+        max_delay=20,
+        trainer_kwargs={"precision": "bf16-true"},
+        cause="bfloat16",
     ),
     Case("relu_mlp", relu_mlp, (), "ReLU MLP, Adam", steps=120),
     Case("sgd_mlp", sgd_mlp, (), "ReLU MLP, SGD lr=0.05", steps=120),

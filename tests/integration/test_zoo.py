@@ -48,6 +48,7 @@ def test_zoo_covers_the_catalogue_of_the_issue() -> None:
     assert all(c.max_delay <= 5 for c in CASES if c.name in broken)  # "within a few steps of onset"
     # issue 24: each named at its onset by its cause, beside a healthy twin
     at_onset = {"sgd_lr_climb", "adam_small_beta2", "attention_one_hot", "weight_decay_too_strong"}
+    at_onset |= {"bf16_true_small_lr"}
     assert all(c.cause for c in CASES if c.name in at_onset | {"input_ignored"})
     healthy = {
         "relu_mlp",

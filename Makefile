@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup demo test lint typecheck unit docs bench bench-hooks bench-lr bench-dead-relu bench-spike bench-big bench-stall-zoo bench-matrix screenshots clean
+.PHONY: setup demo test lint typecheck unit docs bench bench-hooks bench-lr bench-dead-relu bench-spike bench-spike-healthy bench-big bench-stall-zoo bench-matrix bench-onset screenshots clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,14 @@ bench-dead-relu: $(STAMP)
 # LossSpikeGuard on injected spikes and healthy runs (detection, false alarms, final loss; about 3 minutes).
 bench-spike: $(STAMP)
 	$(PY) benchmarks/loss_spike.py
+
+# LossSpikeGuard at its defaults on healthy runs of several kinds: skips and rollbacks (false interventions), and the early-divergence margins (about 4 minutes).
+bench-spike-healthy: $(STAMP)
+	$(PY) benchmarks/spike_healthy.py
+
+# Diagnosis at onset: faults against their fixed twins, all eight training monitors at defaults; delay and cause named (about 20 s).
+bench-onset: $(STAMP)
+	$(PY) benchmarks/onset_zoo.py
 
 # The stalled-learning scenarios: every fault against its fixed twin, and the healthy runs (3 seeds, about 2 minutes).
 bench-stall-zoo: $(STAMP)

@@ -645,7 +645,12 @@ def test_a_sweep_that_ends_in_nan_trips_no_monitor(tmp_path: Path) -> None:
     callbacks = seven()
     callbacks[2] = LRFinderPlus(
         # 40 points over 6 decades: the descent (lr 0.1-1) has enough of them to stand out of its noise
-        min_lr=1e-3, max_lr=1e3, num_training=40, divergence_threshold=None, progress=False, plot=False
+        min_lr=1e-3,
+        max_lr=1e3,
+        num_training=40,
+        divergence_threshold=None,
+        progress=False,
+        plot=False,
     )
     memory = MemoryLogger(str(tmp_path))
     model = Net()

@@ -31,7 +31,21 @@ from lightning_gradguard.functional.stats import clean_name
 __all__ = ["EVAL_STEPS", "CalledModules", "LeafOutputs", "used_outside_training"]
 
 
-class LeafOutputs:
+class _Hooked:
+    """Hook handles on a model that runs uncompiled (:class:`Uncompiled`) until :meth:`remove`."""
+
+    def __init__(self, module: nn.Module, handles: list[Any]) -> None:
+        self.handles = handles
+        self._eager = Uncompiled(module).open()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self._eager.close()
+
+
+class LeafOutputs(_Hooked):
     """Forward hooks on every leaf module that keep the last output with a given leading dimension.
 
     The model runs uncompiled (:class:`Uncompiled`) until :meth:`remove`.
@@ -41,12 +55,8 @@ class LeafOutputs:
         self.batch_size = batch_size
         self.last: Tensor | None = None
         self.name: str | None = None
-        self.handles = [
-            m.register_forward_hook(self._hook(clean_name(name)))
-            for name, m in module.named_modules()
-            if not any(True for _ in m.children())
-        ]
-        self._eager = Uncompiled(module).open()
+        leaves = [(name, m) for name, m in module.named_modules() if not any(True for _ in m.children())]
+        super().__init__(module, [m.register_forward_hook(self._hook(clean_name(n))) for n, m in leaves])
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -55,14 +65,8 @@ class LeafOutputs:
 
         return hook
 
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        self._eager.close()
 
-
-class CalledModules:
+class CalledModules(_Hooked):
     """Forward pre-hooks on every sub-module that note which ones ran (``called``: their names).
 
     The model runs uncompiled (:class:`Uncompiled`) until :meth:`remove`.
@@ -70,22 +74,14 @@ class CalledModules:
 
     def __init__(self, module: nn.Module) -> None:
         self.called: set[str] = set()
-        self.handles = [
-            m.register_forward_pre_hook(self._hook(clean_name(name))) for name, m in module.named_modules()
-        ]
-        self._eager = Uncompiled(module).open()
+        modules = module.named_modules()
+        super().__init__(module, [m.register_forward_pre_hook(self._hook(clean_name(n))) for n, m in modules])
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             self.called.add(name)
 
         return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-        self._eager.close()
 
 
 #: the steps of a LightningModule that run outside training, in the order a message names them

@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,19 +37,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradguard import (
-    ActivationRangeMonitor,
-    DeadReLUMonitor,
-    GradientNormLogger,
-    LossSpikeGuard,
-    NaNSentinel,
-    OptimizerMonitor,
-    StallDetector,
-    VanishingExplodingDetector,
-)
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from zoo import digits  # the digits loader of the examples' zoo
+from zoo import digits, monitors, run_case  # the examples' zoo: its data, its monitors, its Trainer
 
 VOCAB, LENGTH = 32, 16
 
@@ -152,7 +142,7 @@ class Case:
     cause: tuple[str, ...] = ()
     twin: str = ""
     what: str = ""
-    trainer: dict[str, Any] = field(default_factory=dict)
+    trainer_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _digits_mlp(make_optimizer: Callable[[Any], Any]) -> Build:
@@ -235,32 +225,19 @@ CASES: list[Case] = [
         cause=("bf16", "bfloat16", "precision", "resolution"),
         twin="bf16_mixed_small_lr",
         what="bf16-true weights with Adam at lr 1e-4: most updates are below bfloat16's resolution",
-        trainer={"precision": "bf16-true"},
+        trainer_kwargs={"precision": "bf16-true"},
     ),
     Case(
         "bf16_mixed_small_lr",
         "healthy",
         _digits_mlp(lambda p: torch.optim.Adam(p, lr=1e-4)),
         150,
-        trainer={"precision": "bf16-mixed"},
+        trainer_kwargs={"precision": "bf16-mixed"},
     ),
 ]
 
 
 # ---------------------------------------------------------------------------------------------- running
-def monitors() -> list[pl.Callback]:
-    return [
-        GradientNormLogger(),
-        VanishingExplodingDetector(),
-        DeadReLUMonitor(),
-        ActivationRangeMonitor(),
-        OptimizerMonitor(),
-        StallDetector(),
-        NaNSentinel(),
-        LossSpikeGuard(),
-    ]
-
-
 @dataclass
 class Outcome:
     case: Case
@@ -278,35 +255,26 @@ class Outcome:
         return any(word.lower() in text for word in self.case.cause)
 
 
-def run(case: Case, seed: int = 0) -> Outcome:
-    pl.seed_everything(seed, verbose=False)
-    module, loader = case.build()
-    callbacks = monitors()
-    kwargs: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=case.steps,
-        max_epochs=-1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        log_every_n_steps=10,
-    )
-    kwargs.update(case.trainer)
+def run(case: Case) -> Outcome:
+    """Train ``case`` as the examples' zoo trains its cases (seed 0, every training monitor at its
+    defaults, no logger, ``log_every_n_steps=10``); a monitor that stops the run is a verdict."""
+    callbacks, built = monitors(), []
+
+    def build() -> tuple[pl.LightningModule, DataLoader[Any]]:
+        built.append(case.build())  # the module's losses are read even when a monitor stops the run
+        return built[-1]
+
     ended = "completed"
     start = time.perf_counter()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="gradguard-onset-") as tmp:
         warnings.simplefilter("ignore")
         try:
-            pl.Trainer(callbacks=callbacks, **kwargs).fit(module, loader)
-        except Exception as err:  # a monitor that stops the run is a verdict here
+            run_case(replace(case, build=build), callbacks, root_dir=tmp)
+        except Exception as err:  # LossSpikeError, NonFiniteError
             ended = f"stopped: {type(err).__name__}"
     seconds = time.perf_counter() - start
     alerts = sorted((a for c in callbacks for a in getattr(c, "alerts", [])), key=lambda a: a.step)
-    losses = getattr(module, "losses", [])
+    losses = getattr(built[0][0], "losses", []) if built else []
     tail = [x for x in losses[-10:] if math.isfinite(x)]
     final = sum(tail) / len(tail) if tail else math.nan
     return Outcome(case, alerts, final, ended, seconds)

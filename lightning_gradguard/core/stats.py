@@ -308,7 +308,9 @@ class StepStats:
         return self._cache[key]
 
     def groups(self, names: tuple[str, ...] | list[str], depth: int | None, per_parameter: bool) -> Any:
-        labels, index = _groups(tuple(names), depth, per_parameter)
+        """Labels and group of each of ``names`` (a subset of the optimizer's trainable parameters, such as
+        those with a gradient this step): a parameter gets the same layer here as in the full list."""
+        labels, index = _groups(tuple(names), depth, per_parameter, tuple(self.names))
         return list(labels), list(index)
 
     def local_params(self) -> list[Tensor]:
@@ -469,10 +471,11 @@ class StepStats:
 
 @functools.lru_cache(maxsize=32)
 def _groups(
-    names: tuple[str, ...], depth: int | None, per_parameter: bool
+    names: tuple[str, ...], depth: int | None, per_parameter: bool, among: tuple[str, ...] = ()
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """Labels and group of each name (made once per list of names, not once per step)."""
-    labels, index = group_index(list(names) if per_parameter else layer_names(names, depth))
+    """Labels and group of each name (made once per list of names, not once per step); ``among``: every
+    parameter's name, which decides the containers (:func:`layer_names`)."""
+    labels, index = group_index(list(names) if per_parameter else layer_names(names, depth, among or None))
     return tuple(labels), tuple(index)
 
 

@@ -184,3 +184,48 @@ def test_work_done_in_the_lightning_modules_own_forward_is_named_by_its_class() 
     tags = {tag for _, metrics in logger.calls for tag in metrics}
     assert "attention/max_logit/OwnForward" in tags
     assert not any(tag.endswith("/") for tag in tags)
+
+
+class _SpareBranch(nn.Module):
+    """A container with a parameter of its own (``pos``) and a trainable child unused in this forward (a
+    branch taken only sometimes): the child's parameters have no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.Linear(64, 32)
+        self.pos = nn.Parameter(0.1 * torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos
+
+
+class _WithSpare(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head = _SpareBranch(), nn.Linear(64, CLASSES)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.enc(x)), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_container_parameter_keeps_its_layer_when_a_sibling_gets_no_gradient(tmp_path: Path) -> None:
+    """Regression: the layers of the parameters with a gradient were decided among those alone, so with
+    ``enc.spare`` unused, ``enc`` no longer looked like a container and ``enc.pos`` was charted as
+    ``grad_norm/enc`` while its weight was ``weight_norm/enc.pos``: one parameter, two layer names (the
+    gradient flow too)."""
+    logger = MemoryLogger(str(tmp_path))
+    norms = GradientNormLogger(log_every_n_steps=1, histogram_every_n_steps=0)
+    detector = VanishingExplodingDetector()
+    make_trainer([norms, detector], logger, max_steps=2, default_root_dir=str(tmp_path)).fit(
+        _WithSpare(), digits()
+    )
+    grads, weights = _per_layer(logger, "grad_norm")[1], _per_layer(logger, "weight_norm")[1]
+    assert sorted(grads) == ["enc.pos", "head"]
+    assert set(grads) <= set(weights) and "enc" not in weights
+    flow = _per_layer(logger, "grad_flow")
+    assert all(set(layers) <= set(weights) for layers in flow.values()), flow

@@ -35,9 +35,10 @@ class LayerNorms:
 
 
 @functools.lru_cache(maxsize=16)
-def _layer_numels(names: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """Elements per layer (cached while the parameters with a gradient are the same)."""
-    labels, index = group_index(layer_names(names))
+def _layer_numels(names: tuple[str, ...], sizes: tuple[int, ...], among: tuple[str, ...]) -> tuple[int, ...]:
+    """Elements per layer (cached while the parameters with a gradient are the same); ``among``: every
+    trainable parameter's name, which decides the containers."""
+    labels, index = group_index(layer_names(names, among=among))
     numels = [0] * len(labels)
     for i, n in zip(index, sizes, strict=True):
         numels[i] += n
@@ -61,7 +62,7 @@ def read_layer_norms(stats: StepStats) -> LayerNorms | None:
         labels=labels,
         values=host["norms"].tolist(),
         total=float(host["total"]),
-        numels=list(_layer_numels(tuple(stats.grad_names), tuple(stats.grad_numels()))),
+        numels=list(_layer_numels(tuple(stats.grad_names), tuple(stats.grad_numels()), tuple(stats.names))),
         device=norms.values.device,
     )
 

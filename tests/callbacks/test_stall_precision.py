@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -156,6 +157,32 @@ def test_bf16_true_runs_that_train_are_quiet(name: str, build: Any, steps: int, 
         assert min(rounded.unchanged.values()) > 0.5  # a rule blind to the gradient would count them
 
 
+class _DropsCheckSteps(pl.Callback):
+    """Drops the update of every StallDetector check step, as LossSpikeGuard's skip does (after the
+    detector sampled the gradients)."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        from lightning_gradguard.core.skips import skip_update
+
+        step = trainer.global_step
+        if step == 0 or (step + 1) % 10 == 0:
+            skip_update(trainer, optimizer, "loss_spike")
+
+
+def test_an_update_another_callback_dropped_is_not_rounded_away() -> None:
+    """Regression: a dropped update leaves every weight unchanged although its gradient was sampled; on
+    three check steps in a row that read as 100 % rounded away on a healthy bf16-true run (and, once that
+    was fixed, as no_update: the same blind spot, for any dtype). A check whose update another callback
+    dropped judges its loss, not its update."""
+    model, stall = ZooModule(mlp(), adam(1e-2)), StallDetector()
+    trainer = make_trainer([stall, _DropsCheckSteps()], precision="bf16-true", max_steps=40, max_epochs=-1)
+    trainer.fit(model, digits())
+    assert kinds(stall) == []
+    c = stall.last_check
+    assert c is not None and c.rounding is None and c.update_total is None  # not judged
+    assert c.loss is not None  # the loss still is
+
+
 def test_a_param_group_with_lr_0_is_not_counted() -> None:
     """The first two layers in a group with LR 0: their entries have gradients and never change (99 % of
     the entries), yet nothing rounds them away; the head trains at Adam 1e-2."""
@@ -243,6 +270,22 @@ def test_updates_all_rounded_away_are_not_missing_gradients() -> None:
     state = StallState(StallRules())
     found = [state.observe(check(s, 2.3, 1.0, update_total=0.0)) for s in (0, 9, 19, 29)]
     assert [f.kind for fs in found for f in fs] == ["update_below_precision"]
+
+
+def test_updates_that_stop_later_for_another_reason_are_still_no_update() -> None:
+    """Regression: once update_below_precision had fired, no_update stayed silent for the rest of the run,
+    even after the rounding streak ended and every update became exactly 0 (the gradients gone)."""
+    shares = [0.9, 0.9, 0.9, 0.9, *[None] * 4]
+    state = StallState(StallRules())
+    found = []
+    for i, share in enumerate(shares):
+        step = 10 * i + 9 if i else 0
+        if share is None:  # nothing moves any more, and no 16-bit entry had a gradient
+            c = replace(check(step, 2.3, 0.0, update_total=0.0), rounding=rounding(0.0, graded=0.0))
+        else:
+            c = check(step, 2.3, share)
+        found += [(step, f.kind) for f in state.observe(c)]
+    assert [kind for _, kind in found][:2] == ["update_below_precision", "no_update"], found
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -25,9 +25,16 @@ from typing_extensions import override
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, optimizer_index
+from lightning_gradguard.core.skips import skipped_updates
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.validate import check_float, check_int
-from lightning_gradguard.monitors.stall.probe import StallProbe, has_low_precision, lr_configured, lr_now
+from lightning_gradguard.monitors.stall.probe import (
+    StallProbe,
+    StallReading,
+    has_low_precision,
+    lr_configured,
+    lr_now,
+)
 from lightning_gradguard.monitors.stall.rules import StallCheck, StallRules, StallState
 from lightning_gradguard.tags import STALL, charts_of
 
@@ -126,6 +133,7 @@ class StallDetector(GradGuardCallback):
         self._automatic = True
         self._checking = False  # the current optimizer step is a check
         self._low_precision = False  # some trainable weights are 16-bit: the checks measure their rounding
+        self._skips_at_check = 0  # updates dropped by callbacks before the check's step
         self._checked_at = -1
         self.last_logged: dict[str, float] = {}
         #: what the latest check measured (per-layer update ratios, clip ratio, loss, labels, LRs)
@@ -180,6 +188,7 @@ class StallDetector(GradGuardCallback):
         self._checking, self._checked_at = True, at
         stats = step_stats(trainer, pl_module, optimizer)
         self._probe.start(stats, self._automatic, optimizer, self._low_precision)
+        self._skips_at_check = sum(skipped_updates(trainer).values())  # a small dict, on check steps only
 
     @override
     def on_train_batch_end(
@@ -198,6 +207,8 @@ class StallDetector(GradGuardCallback):
         self._checking = False
         reading = self._probe.read(trainer, pl_module.device)
         self.lr_configured = max(self.lr_configured, lr_configured(trainer))
+        if sum(skipped_updates(trainer).values()) != self._skips_at_check:
+            reading = _without_update(reading)  # NaNSentinel or LossSpikeGuard dropped it: not the run's
         planned = trainer.estimated_stepping_batches
         check = StallCheck(
             step=self._checked_at,
@@ -261,3 +272,10 @@ class StallDetector(GradGuardCallback):
         self.lr_max = float(state_dict.get("lr_max", 0.0))
         self.lr_configured = float(state_dict.get("lr_configured", 0.0))
         self.rules.load_state_dict(state_dict.get("rules", {}))
+
+
+def _without_update(reading: StallReading) -> StallReading:
+    """A check whose update another callback dropped (a skip or a rollback): its update measurements are
+    the drop's, not the run's (every weight unchanged: no update, nothing rounded away), so they are not
+    judged; the loss and the labels still are."""
+    return replace(reading, update_ratios={}, update_total=None, decay={}, clip_ratio=None, rounding=None)

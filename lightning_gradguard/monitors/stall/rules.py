@@ -261,8 +261,8 @@ class StallState:
     def _no_update(self, c: StallCheck) -> StallFinding | None:
         if c.update_total is None or not self._streak("no_update", c.update_total == 0.0):
             return None
-        if self.streaks.get("update_below_precision", 0) or "update_below_precision" in self.fired:
-            return None  # the gradients were there: their updates were rounded away
+        if self.streaks.get("update_below_precision", 0):
+            return None  # the gradients are there: their updates are being rounded away (now, not earlier)
         if self._lr_fell_early(c) or (c.lr_max > 0 and 0.0 < c.lr < c.lr_max * 1e-6):
             return self._lr_finding(c, share=1.0, why="every update was exactly 0")
         n = self.streaks["no_update"]

@@ -25,6 +25,7 @@ __all__ = [
     "gradient_flow",
     "lr_range_test",
     "matplotlib_or_exit",
+    "range_test_suggestions",
     "spikes",
     "unit_health",
     "update_ratios",
@@ -334,6 +335,16 @@ def clipping(run: RunData) -> bytes | None:
     return _png(fig)
 
 
+def range_test_suggestions(curve: dict[str, list[float]]) -> dict[str, float | None]:
+    """What each method suggests on a range test's CSV columns, as LRFinderPlus decides: nothing from a
+    curve whose fall does not stand out of the raw losses' noise (the raw losses gate the methods)."""
+    smooth = curve.get("curve") or curve.get("smoothed_loss") or []
+    if not smooth:
+        return {}
+    lrs, raw = curve["lr"][: len(smooth)], curve.get("loss") or []
+    return suggest_all(lrs, smooth, raw=raw if len(raw) == len(smooth) else None)
+
+
 def lr_range_test(run: RunData, name: str) -> bytes | None:
     """One range test's loss against the LR (log x), every suggestion marked, the applied LR in green."""
     curve = run.lr_curves.get(name)
@@ -349,9 +360,19 @@ def lr_range_test(run: RunData, name: str) -> bytes | None:
     if finite:
         low, high = min(finite), max(finite)
         ax.set_ylim(low - 0.1 * (high - low), high + 0.3 * (high - low) + 1e-12)
-    for i, (method, lr) in enumerate(suggest_all(lrs, smooth).items() if smooth else []):
+    suggestions = range_test_suggestions(curve)
+    for i, (method, lr) in enumerate(suggestions.items()):
         if lr is not None:
             ax.axvline(lr, color=f"C{i}", ls=":", lw=1.4, label=f"{method} {lr:.2e}")
+    if smooth and not any(suggestions.values()):
+        ax.text(
+            0.5,
+            0.5,
+            "no suggestion: the descent does not stand out of the curve's noise",
+            transform=ax.transAxes,
+            ha="center",
+            color="#c0392b",
+        )
     suffix = name.removeprefix("lr_finder")
     applied = run.hparams.get(f"lr_finder/applied_lr{suffix}")
     if applied:

@@ -405,3 +405,24 @@ def test_the_step_range_is_the_runs_not_the_range_tests_sweep(tmp_path: Path) ->
     assert f"(steps 0-9, {len(run.alerts)} alert(s))" in summary_lines(run)[0]
     page = Path(build_report(log_dir)).read_text(encoding="utf-8")
     assert f"</code>, steps 0-9, {len(run.alerts)} alert(s)." in page
+
+
+def test_the_range_test_chart_marks_no_suggestion_the_finder_rejected_as_noise() -> None:
+    """Regression: the report recomputed every method's suggestion from the smoothed curve alone and drew
+    four of them on a curve of pure noise, beside the finder's lr_finder_failed alert saying there was none.
+    It now asks the same noise check as LRFinderPlus (the raw losses in the CSV)."""
+    import numpy as np
+
+    from lightning_gradguard.functional.lr_suggest import centered_smooth, descent_check, sweep_lrs
+    from lightning_gradguard.report.figures import range_test_suggestions
+
+    lrs = sweep_lrs(1e-6, 1.0, 100)
+    noise = list(2.3 + 0.05 * np.random.default_rng(0).standard_normal(100))
+    falling = [2.3 - 2.0 / (1.0 + math.exp(-(i - 60) / 6.0)) + n - 2.3 for i, n in enumerate(noise)]
+    for losses, stands_out in ((noise, False), (falling, True)):
+        smooth = centered_smooth(losses)
+        assert descent_check(losses, smooth).stands_out is stands_out
+        columns = {"lr": lrs, "loss": losses, "smoothed_loss": smooth, "curve": smooth}
+        drawn = range_test_suggestions(columns)
+        assert any(drawn.values()) is stands_out, drawn
+    assert range_test_suggestions({"lr": lrs, "loss": noise}) == {}  # no smoothed curve: nothing drawn

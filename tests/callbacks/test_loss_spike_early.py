@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_gradguard import LossSpikeError, LossSpikeGuard
 from lightning_gradguard.functional.spikes import start_level
-from lightning_gradguard.monitors.spike.early import EarlyWatch
+from lightning_gradguard.monitors.spike.early import EarlyWatch, early_alert
 
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -132,6 +132,7 @@ def test_the_watch_resumes_from_its_state_and_a_zero_start_never_fires() -> None
     assert resumed.above == 2 and resumed.threshold == pytest.approx(2.1 + 5 * 2.1)
     assert [resumed.observe(v) for v in (15.0, 16.0, 17.0)] == [False, False, True]
     assert not resumed.active  # once per run
+    assert not any(resumed.observe(v) for v in (18.0, 19.0, 20.0))  # closed: never True again
     zero = EarlyWatch(6.0, horizon=50)
     assert not any(zero.observe(v) for v in [0.0, 0.0, 0.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0])
     assert start_level([0.51, -0.086, 0.15]).scale == pytest.approx(0.236)  # the spread, not |0.15|
@@ -142,6 +143,24 @@ def test_the_watch_resumes_from_its_state_and_a_zero_start_never_fires() -> None
     state["counters"]["judged"] = 60
     guard.load_state_dict(state)
     assert not guard._early.active and guard._early.seen == 60
+
+
+@pytest.mark.parametrize(
+    ("first", "loss", "said"),
+    [
+        ([2.3, 2.4, 2.2], 20.0, "(8.7x the start)"),
+        ([-1.0, 0.1, 2.0], 6.7, "(up by 6.6: 7 starts, a start being 1.1, the first losses' spread)"),
+        ([-2.0, -2.1, -1.9], 9.0, "(up by 11: 6.5 starts, a start being 2, the start's magnitude)"),
+    ],
+)
+def test_the_alert_counts_the_rise_in_the_unit_of_its_factor(
+    first: list[float], loss: float, said: str
+) -> None:
+    """Regression: a start near zero (scale: the first losses' spread) was called "7x the start" for a
+    67x ratio, and a negative start gave "5.5 starts" beside "6 starts or more"."""
+    alert = early_alert(step=9, first=first, loss=loss, factor=6.0, lr=0.1)
+    assert said in alert.message, alert.message
+    assert alert.data["factor"] == pytest.approx(start_level(first).factor(loss))
 
 
 def test_early_divergence_factor_is_checked_and_none_turns_the_rule_off(tmp_path: Path) -> None:

@@ -60,6 +60,8 @@ class EarlyWatch:
 
     def observe(self, loss: float) -> bool:
         """One judged step's (finite) loss; ``True`` at the step the rule fires (once per run)."""
+        if not self.active:
+            return False
         self.seen += 1
         if len(self.first) < START_STEPS:
             self.first.append(loss)
@@ -86,11 +88,11 @@ def early_alert(*, step: int, first: list[float], loss: float, factor: float, lr
     :data:`SUSTAIN_STEPS` judged steps; ``first`` are the run's first losses, ``lr`` group 0's rate."""
     start = start_level(first)
     now = start.factor(loss)
-    rise = (
-        f"{now:.3g}x the start"
-        if start.level > 0
-        else f"up by {loss - start.level:.4g}, {now - 1:.3g} starts"
-    )
+    if start.level > 0 and start.scale == start.level:  # a ratio reads as one
+        rise = f"{now:.3g}x the start"
+    else:  # a difference, counted in the same unit as the factor
+        unit = "the start's magnitude" if start.scale == abs(start.level) else "the first losses' spread"
+        rise = f"up by {loss - start.level:.4g}: {now:.3g} starts, a start being {start.scale:.3g}, {unit}"
     rate = f"the learning rate (param group 0: {lr:.3g})" if lr is not None else "the learning rate"
     message = (
         f"Early divergence at step {step}: the loss started at {start.level:.4g} (median of the first "

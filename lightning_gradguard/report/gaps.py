@@ -17,10 +17,21 @@ from typing import Any
 from lightning_gradguard.report.read import LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS, RunData
 from lightning_gradguard.tags import GRAD_NORM, OPTIMIZER, STALL, UPDATE_RATIO, WEIGHT_NORM
 
-__all__ = ["Interval", "StandIn", "logging_interval", "loss_gap", "loss_note", "nan_origin", "stand_ins"]
+__all__ = [
+    "FROM_CHARTS",
+    "Interval",
+    "StandIn",
+    "logging_interval",
+    "loss_gap",
+    "loss_note",
+    "nan_origin",
+    "stand_ins",
+]
 
 #: the families written on Lightning's logging steps (step 0, then ``(step + 1) % every == 0``)
 _ON_LOGGING_STEPS = tuple(f.prefix for f in (GRAD_NORM, WEIGHT_NORM, UPDATE_RATIO, OPTIMIZER))
+#: where :func:`logging_interval` found the interval when the run recorded none
+FROM_CHARTS = "read from the steps of GradGuard's charts"
 _ADVICE = (
     "Lightning writes self.log values only on its logging steps ((step + 1) % log_every_n_steps == 0) and "
     "at epoch end; for short runs pass Trainer(log_every_n_steps=1)."
@@ -67,7 +78,7 @@ def logging_interval(run: RunData) -> Interval:
         elif series.steps:
             only_first = True
     if seen:
-        return Interval(every=seen.most_common(1)[0][0], source="read from the steps of GradGuard's charts")
+        return Interval(every=seen.most_common(1)[0][0], source=FROM_CHARTS)
     span = run.step_range()
     if only_first and span is not None and span[1] > 0:
         return Interval(above=span[1] + 1, source="GradGuard's charts hold only step 0")
@@ -100,10 +111,18 @@ def loss_gap(run: RunData) -> str | None:
             f"log_every_n_steps={LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS} (the run's own setting is not "
             f"recorded). {_ADVICE}"
         )
-    return (
+    told = (
         "No training loss in the event files: self.log a tag with 'loss' in its name from training_step, "
         "or pass --loss-tag."
     )
+    if interval.source == FROM_CHARTS and last < LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS - 1:
+        # a monitor's own log_every_n_steps (GradientNormLogger, OptimizerMonitor) also makes those steps
+        told += (
+            f" Or, if {interval.every} steps is a monitor's own log_every_n_steps and the Trainer kept "
+            f"Lightning's default of {LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS}, the run (last step {last}) never "
+            f"reached the Trainer's first logging step ({LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS - 1}). {_ADVICE}"
+        )
+    return told
 
 
 def _records_with_loss(label: str, records: list[dict[str, Any]], key: str) -> StandIn | None:

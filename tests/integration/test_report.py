@@ -351,6 +351,25 @@ def test_a_run_that_logs_no_loss_is_not_blamed_on_the_logging_interval(tmp_path:
     assert gaps.logging_interval(run).every == 5
     gap = gaps.loss_gap(run)
     assert gap is not None and gap.startswith("No training loss in the event files") and "ended" not in gap
+    # the charts' interval could be a monitor's own: before step 49 the report names that case too
+    assert "a monitor's own log_every_n_steps" in gap and "first logging step (49)" in gap
+
+
+def test_a_monitors_own_logging_interval_is_not_taken_for_the_trainers(tmp_path: Path) -> None:
+    """Regression: GradientNormLogger(log_every_n_steps=5) under the Trainer's default 50, a 20-step run
+    without a loss on the charts: the report told the user to log a loss they had logged (Lightning never
+    reached step 49); it now names that case."""
+    from lightning_gradguard.report import gaps
+
+    torch.manual_seed(0)
+    logger = GradientNormLogger(log_every_n_steps=5)
+    log_dir = _fit(
+        tmp_path, RecordingMLP(), [logger], random_loader(n=160), max_steps=20, log_every_n_steps=50
+    )
+    run = read_run(find_run(log_dir))
+    assert run.loss_tag is None or not run.scalars.get(run.loss_tag)  # training_step's loss never written
+    gap = gaps.loss_gap(run)
+    assert gap is not None and "never reached the Trainer's first logging step (49)" in gap, gap
 
 
 class ShiftedLoss(RecordingMLP):

@@ -200,6 +200,24 @@ def test_a_weight_decay_far_too_strong_is_named_instead_of_the_learning_rate(tmp
     assert "Lower weight_decay" in a.hint and "try lr=" not in a.hint
 
 
+@pytest.mark.parametrize(
+    ("make_opt", "usual"),
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.5), "SGD's usual values are 1e-4 to 5e-4"),
+        (lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=50.0), "AdamW's usual values are 0.01-0.1"),
+    ],
+    ids=["sgd", "adamw"],
+)
+def test_the_weight_decay_advice_fits_the_optimizer(make_opt: Any, usual: str) -> None:
+    """SGD's decay also removes lr * weight_decay a step; its advice is SGD's scale, not AdamW's."""
+    from lightning_gradguard.monitors.gradients.ratio import RatioWatch, ratio_finding
+
+    watch = RatioWatch()
+    assert [watch.check(step, 0.06, 0.03) for step in (20, 30, 40)] == [False, False, True]
+    finding = ratio_finding(watch, 40, 0.03, make_opt([nn.Parameter(torch.zeros(3))]))
+    assert "weight decay is far too strong" in finding.message and usual in finding.hint
+
+
 class _Warmup(ZooModule):
     """AdamW with a linear warm-up over 20 steps."""
 

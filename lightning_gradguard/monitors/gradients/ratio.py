@@ -174,10 +174,14 @@ def _decay_finding(watch: RatioWatch, step: int, ceiling: float, setting: _Setti
         f"lr * weight_decay = {setting.decay:.3g} of every weight each step (weight_decay="
         f"{setting.weight_decay:g}). The weight decay is far too strong for this learning rate."
     )
+    usual = (
+        "SGD's usual values are 1e-4 to 5e-4"
+        if setting.name == "SGD"
+        else f"{setting.name}'s usual values are 0.01-0.1 (1e-4 to 5e-4 is SGD's L2 scale)"
+    )
     hint = (
-        "Lower weight_decay: AdamW's usual values are 0.01-0.1 (1e-4 to 5e-4 is SGD's L2 scale), so that "
-        "lr * weight_decay stays near 1e-4 or below. StallDetector's weight_decay_collapse says when the "
-        "weights have shrunk."
+        f"Lower weight_decay: {usual}, so that lr * weight_decay stays near 1e-4 or below. "
+        "StallDetector's weight_decay_collapse says when the weights have shrunk."
     )
     return RatioFinding(
         "update_ratio_high", message, hint, {**_data(watch, ceiling), "decay_share": setting.decay}

@@ -38,6 +38,7 @@ __all__ = [
     "SAMPLE_ENTRIES",
     "UpdateNorms",
     "WeightSnapshot",
+    "dtype_spacing",
     "foreach_dots",
     "sampled",
     "update_norms",
@@ -136,3 +137,12 @@ def foreach_dots(a: Sequence[Tensor], b: Sequence[Tensor]) -> Tensor:
     return torch.stack(
         [torch.dot(x.reshape(-1).float(), y.reshape(-1).float()) for x, y in zip(a, b, strict=True)]
     )
+
+
+def dtype_spacing(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """The gap between each ``|value|`` and the next ``dtype`` number away from zero, in float32:
+    ``eps * 2**e`` for ``2**e <= |value| < 2**(e + 1)`` (bfloat16: 2**-7 at 1.0; values below ``tiny``
+    count as ``tiny``). The resolution of ``dtype`` there: an update under half of it rounds away."""
+    info = torch.finfo(dtype)
+    _, exponent = torch.frexp(values.detach().float().abs().clamp_min(info.tiny))
+    return info.eps * torch.exp2((exponent - 1).float())

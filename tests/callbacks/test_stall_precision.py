@@ -29,8 +29,9 @@ from conftest import ROOT, make_trainer
 from torch import nn
 
 from lightning_gradguard.core.stats import UpdateSample
+from lightning_gradguard.functional.updates import dtype_spacing
 from lightning_gradguard.monitors.stall.callback import StallDetector
-from lightning_gradguard.monitors.stall.check import Rounding, StallRules, spacing
+from lightning_gradguard.monitors.stall.check import Rounding, StallRules
 from lightning_gradguard.monitors.stall.rules import StallCheck, StallState
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -286,6 +287,10 @@ def test_updates_that_stop_later_for_another_reason_are_still_no_update() -> Non
             c = check(step, 2.3, share)
         found += [(step, f.kind) for f in state.observe(c)]
     assert [kind for _, kind in found][:2] == ["update_below_precision", "no_update"], found
+
+
+def spacing(value: float, dtype: torch.dtype) -> float:
+    return float(dtype_spacing(torch.tensor(value), dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from lightning_gradguard.core.batch import batch_size_of, tensors_in
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import quiet_logging, training_step_of
+from lightning_gradguard.functional.updates import dtype_spacing
 from lightning_gradguard.monitors.preflight.modules import LeafOutputs
 from lightning_gradguard.monitors.preflight.verdict import MAX_LISTED, Finding
 
@@ -411,15 +412,6 @@ def _not_updated_finding(optimizer: torch.optim.Optimizer, why: dict[str, list[s
     ]
 
 
-def _spacing(values: Tensor, dtype: torch.dtype) -> Tensor:
-    """The gap between each of ``values`` and the next ``dtype`` number away from zero (float32): the
-    resolution of ``dtype`` there (``eps`` at 1.0, 2**-7 for bfloat16); an update under half of it
-    rounds away."""
-    info = torch.finfo(dtype)
-    _, exponent = torch.frexp(values.detach().float().abs().clamp_min(info.tiny))
-    return info.eps * torch.exp2((exponent - 1).float())
-
-
 def _lost_to_rounding(record: ParameterRecord, indices: list[int]) -> tuple[dict[int, Tensor], set[int]]:
     """Of the parameters at ``indices`` (a gradient, an LR, and no change): those the optimizer does
     update, by no more than their dtype's resolution at their values (their measured updates, by index),
@@ -439,7 +431,7 @@ def _lost_to_rounding(record: ParameterRecord, indices: list[int]) -> tuple[dict
         measured.add(i)
         size = update.detach().float().abs()
         moved = size.ne(0)
-        if bool(moved.any()) and bool((size <= _spacing(p, p.dtype))[moved].all()):
+        if bool(moved.any()) and bool((size <= dtype_spacing(p, p.dtype))[moved].all()):
             lost[i] = size[moved]
     return lost, measured
 
@@ -451,7 +443,7 @@ def _below_precision(record: ParameterRecord, lost: dict[int, Tensor], indices: 
     magnitude = float(
         torch.cat([record.params[i].detach().float().abs().flatten() for i in indices]).median()
     )
-    resolution = float(_spacing(torch.tensor(magnitude), dtype))
+    resolution = float(dtype_spacing(torch.tensor(magnitude), dtype))
     sizes = torch.cat([lost[i] for i in indices])
     typical, largest = float(sizes.median()), float(sizes.max())
     kind = str(dtype).removeprefix("torch.")

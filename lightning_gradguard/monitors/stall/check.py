@@ -3,7 +3,7 @@
 Plain data and helpers on host numbers, no Trainer: :class:`StallCheck` is one check's measurements,
 :class:`Rounding` what it measured of the low-precision weights' updates, :class:`StallRules` the
 thresholds of :mod:`lightning_gradguard.monitors.stall.rules`'s rules, :class:`StallFinding` a rule that
-holds, in words; :func:`spacing` the gap between neighbouring numbers of a dtype; :func:`label_entropy`
+holds, in words; :func:`label_entropy`
 is the loss of a classifier that learned only the class frequencies, :func:`token_entropy` that of a
 sequence model that learned only the token frequencies, :func:`loss_trend` how much a loss fell over a few
 checks against its noise, :func:`batch_purity` how much of a batch its one or two largest classes hold.
@@ -30,7 +30,6 @@ __all__ = [
     "batch_purity",
     "label_entropy",
     "loss_trend",
-    "spacing",
     "spread",
     "token_entropy",
 ]
@@ -136,14 +135,6 @@ class Rounding:
     def share(self) -> float:
         """The share of the entries with a gradient whose update was rounded away (0 without any)."""
         return self.lost / self.graded if self.graded > 0 else 0.0
-
-
-def spacing(value: float, dtype: torch.dtype) -> float:
-    """The gap between ``|value|`` and the next ``dtype`` number away from zero: ``eps * 2**e`` for
-    ``2**e <= |value| < 2**(e + 1)`` (bfloat16: 2**-7 at 1.0). An update under half of it rounds away."""
-    info = torch.finfo(dtype)
-    _, exponent = math.frexp(max(abs(value), info.tiny))
-    return info.eps * 2.0 ** (exponent - 1)
 
 
 @dataclass(frozen=True)

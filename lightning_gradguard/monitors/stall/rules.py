@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from lightning_gradguard.functional.updates import dtype_spacing
 from lightning_gradguard.monitors.stall.check import (
     HINTS,
     Rounding,
@@ -61,7 +62,6 @@ from lightning_gradguard.monitors.stall.check import (
     batch_purity,
     label_entropy,
     loss_trend,
-    spacing,
     spread,
     token_entropy,
 )
@@ -292,7 +292,7 @@ class StallState:
         kind = str(rounding.dtype).removeprefix("torch.")
         eps = torch.finfo(rounding.dtype).eps
         bits = round(-math.log2(eps)) + 1
-        gap = spacing(rounding.weight, rounding.dtype)
+        gap = float(dtype_spacing(torch.tensor(rounding.weight), rounding.dtype))
         needed = gap / 2 / rounding.update if rounding.update > 0 else math.nan
         at = rounding.lost_weight
         lost_at = f" (of the unchanged entries {at:.2g})" if math.isfinite(at) else ""

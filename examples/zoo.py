@@ -301,9 +301,11 @@ def bf16_mlp() -> tuple[pl.LightningModule, DataLoader[Any]]:
 
 # ---------------------------------------------------------------------------------------------- at onset
 def sgd_lr_climb() -> tuple[pl.LightningModule, DataLoader[Any]]:
-    """SGD at lr 2 on the healthy MLP: the loss climbs from the first steps while the gradient norms stay
-    in a normal band (the twin: ``sgd_mlp``, lr 0.05)."""
-    return ZooModule(_mlp([64, 128, 64, 10], nn.ReLU), lambda p: torch.optim.SGD(p, lr=2.0)), digits()
+    """SGD at lr 3 on the healthy MLP: the loss climbs from the third step on, to thousands by step 8 (the
+    twin: ``sgd_mlp``, lr 0.05). At lr 2 the run was chaotic: where its loss first climbed (step 20, or
+    33, or never within 40 steps) moved with the CPU's rounding; at 3 the climb starts at once on any
+    machine, and the gradient norm grows with it."""
+    return ZooModule(_mlp([64, 128, 64, 10], nn.ReLU), lambda p: torch.optim.SGD(p, lr=3.0)), digits()
 
 
 def adam_small_beta2() -> tuple[pl.LightningModule, DataLoader[Any]]:
@@ -433,10 +435,11 @@ CASES: list[Case] = [
         "sgd_lr_climb",
         sgd_lr_climb,
         ("early_divergence",),
-        "ReLU MLP, SGD lr=2: the loss climbs from step 1",
+        "ReLU MLP, SGD lr=3: the loss climbs from step 3",
         steps=40,
         max_delay=30,
         cause="learning rate",
+        also=("exploding_gradient", "nonfinite_loss", "nonfinite_gradient"),  # where the climb leads
     ),
     Case(
         "adam_small_beta2",

@@ -23,6 +23,10 @@ os.environ.setdefault("PL_DISABLE_FORK", "1")
 # A monitor's own exception is raised in tests, not turned into a warning (see core.base.guarded).
 os.environ.setdefault("GRADGUARD_STRICT", "1")
 logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+sys.path.insert(0, str(Path(__file__).resolve().parent / "machine"))
+import other_machine  # noqa: E402  (this machine rounding like another one, on request)
+
+other_machine.apply()
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*is smaller than the logging interval.*")
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -165,7 +169,7 @@ def _launch(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]
     an active exception" after the run finished): that is a shutdown race in the C++ library, not in
     the code under test, and the scripts already destroy their process group to make it rare.
     """
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=other_machine.subprocess_path(str(ROOT)), OMP_NUM_THREADS="1")
     env.pop("PL_DISABLE_FORK", None)
     for attempt in range(2):
         proc = subprocess.run(
@@ -217,7 +221,7 @@ def run_example(
     name: str, cwd: Path, timeout: float = 240, args: list[str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ``examples/<name>`` (with ``args``) in ``cwd`` as a user would; it must exit cleanly."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=other_machine.subprocess_path(str(ROOT)), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *(args or [])],
         cwd=cwd,

@@ -168,20 +168,26 @@ def _sgd(lr: float, momentum: float = 0.9) -> Callable[[Any], Any]:
 @pytest.mark.parametrize(("net", "shape"), [(_cnn, (1, 8, 8)), (_mlp, (64,))], ids=["cnn", "mlp"])
 def test_a_learning_rate_ten_times_too_high_is_named(net: Any, shape: tuple[int, ...], tmp_path: Any) -> None:
     """SGD with momentum at 0.5, ten times the zoo's healthy 0.05: the ratio sits at 4-6e-2 for 20 steps
-    (the healthy twin below: under 1.6e-2), and the alert names lr=0.5 with the ratio Truth measured."""
+    (the healthy twin below: under 1.6e-2), and the alert names lr=0.5 with the ratio Truth measured.
+
+    The run ends at the alert's step: at lr 0.5 the trajectory is chaotic, and where it goes after the
+    alert moves with the CPU's rounding (issue 28: on another machine the ratio fell under 0.03 by step
+    44); what this test is about, the alert and the run of checks behind it, is all before that."""
     logger = GradientNormLogger(log_every_n_steps=1, histogram_every_n_steps=0)
-    truth = _run(_zoo(net, _sgd(0.5)), [logger], 45, tmp_path, shape)
+    truth = _run(_zoo(net, _sgd(0.5)), [logger], 41, tmp_path, shape)
+    lowest = min(truth.ratio[s] for s in range(20, 41))
+    assert lowest > 1.2 * 0.03  # the premise; measured: 0.040 cnn, 0.047-0.055 mlp across rounding
     alerts = [a for a in logger.alerts if a.kind == "update_ratio_high"]
     assert [a.step for a in alerts] == [40], [a.format() for a in logger.alerts]  # steps 20-40 above 0.03
     a = alerts[0]
     assert a.data["update_ratio"] == pytest.approx(truth.ratio[40], rel=1e-4)
-    assert a.data["lowest"] == pytest.approx(min(truth.ratio[s] for s in range(20, 41)), rel=1e-4)
+    assert a.data["lowest"] == pytest.approx(lowest, rel=1e-4)
     assert a.data["lr"] == 0.5 and "lr=0.5" in a.message and "learning rate" in a.message
     assert "try lr=" in a.hint
     resumed = GradientNormLogger()  # the run of checks above the ceiling survives a checkpoint
     resumed.load_state_dict(logger.state_dict())
     assert resumed.state_dict()["update_ratio"] == logger.state_dict()["update_ratio"]
-    assert logger.state_dict()["update_ratio"][""]["count"] == 45 - 20
+    assert logger.state_dict()["update_ratio"][""]["count"] == 41 - 20
 
 
 def test_a_weight_decay_far_too_strong_is_named_instead_of_the_learning_rate(tmp_path: Any) -> None:

@@ -82,6 +82,7 @@ ALERT_KINDS: dict[str, str] = {
     "gradient_mismatch": "GradientCheck: autograd and finite differences disagree for a parameter",
     "loss_spike": "LossSpikeGuard: a step's loss or gradient norm spiked far above the recent steps",
     "early_divergence": "LossSpikeGuard: in the first steps the loss climbed and stayed far above its start",
+    "batch_statistics_outlier": "LossSpikeGuard: a batch's BatchNorm variance was far off the running one",
     "lr_finder_failed": "the LR range test gave no suggestion; the learning rate was left unchanged",
     "no_update": "StallDetector: every update was exactly 0 on consecutive checks (nothing moves)",
     "clipped_updates": "StallDetector: the gradient the optimizer used was far smaller than the raw one",

@@ -1,7 +1,8 @@
 """Updates a callback drops, and why: one record per Trainer, shared by the callbacks that drop or count them.
 
 :func:`skip_update` is how NaNSentinel and LossSpikeGuard drop an update (every gradient to ``None``, as
-:func:`~lightning_gradguard.core.trial.drop_update`) and record the cause in the Trainer's shared
+:func:`~lightning_gradguard.core.trial.drop_update`, and the buffers the step's forward wrote put back)
+and record the cause in the Trainer's shared
 :class:`~lightning_gradguard.core.state.TrainerState` (a Python counter: no device work, no sync);
 OptimizerMonitor reads the counts with :func:`skipped_updates`.
 """
@@ -12,6 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_gradguard.core.buffers import restore_step_buffers
 from lightning_gradguard.core.state import trainer_state
 from lightning_gradguard.core.trial import drop_update
 
@@ -23,8 +25,11 @@ SKIP_CAUSES = ("grad_scaler", "nan_sentinel", "loss_spike")
 
 
 def skip_update(trainer: pl.Trainer, optimizer: Any, cause: str) -> None:
-    """Drop this step's update of ``optimizer`` (its state untouched) and count it under ``cause``."""
+    """Drop this step's update of ``optimizer`` (its state untouched), put back the buffers its forward
+    wrote (BatchNorm's running statistics, when a callback keeps them: ``core.buffers``) and count it
+    under ``cause``."""
     drop_update(optimizer)
+    restore_step_buffers(trainer)
     counts = trainer_state(trainer).skipped_updates
     counts[cause] = counts.get(cause, 0) + 1
 

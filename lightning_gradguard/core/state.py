@@ -43,6 +43,8 @@ class TrainerState:
     sharded: bool | None = None
     #: updates a callback dropped, per cause (``core.skips.skip_update``): Python ints, no sync
     skipped_updates: dict[str, int] = field(default_factory=dict)
+    #: the buffers as they were at the start of the step, when a callback keeps them (``core.buffers``)
+    step_buffers: Any = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, TrainerState] = weakref.WeakKeyDictionary()

@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback
+from lightning_gradguard.core.buffers import keep_step_buffers, restore_step_buffers
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
@@ -62,7 +63,9 @@ class NaNSentinel(GradGuardCallback):
     On detection (alert ``nonfinite_loss``, ``nonfinite_gradient`` or ``nonfinite_parameter``, severity
     critical) every rank takes the same decision at the same point (one collective) and, with the
     default ``action="raise"``, raises :class:`~lightning_gradguard.NonFiniteError` before the optimizer
-    step: the weights are those after the last good step. Beside the run's logs, in
+    step: the weights, and the buffers the bad step's forward wrote (BatchNorm's running statistics, put
+    back from a copy kept at the start of every step), are those after the last good step. Beside the
+    run's logs, in
     ``nan_report/step_<k>/``, it writes ``report.json`` (step, kind, non-finite parameters in model
     order with counts, loss, learning rates, the last total gradient norms, precision, origin), the
     offending batch (``batch.pt``) and ``last_good.ckpt``, a checkpoint Lightning can resume from. The
@@ -82,7 +85,9 @@ class NaNSentinel(GradGuardCallback):
         action: ``"raise"`` (default), ``"stop"``, ``"warn"`` or ``"skip"``. ``"skip"`` drops the
             poisoned update and goes on: every gradient of the optimizer is set to ``None``, which
             ``torch.optim`` optimizers treat as "no update" (Adam's step count and moments stay as
-            they were), exactly like the GradScaler's own skip; the LR scheduler still advances.
+            they were), exactly like the GradScaler's own skip, and the buffers the step's forward wrote
+            (BatchNorm's running statistics) go back to what they were at its start
+            (:mod:`lightning_gradguard.core.buffers`); the LR scheduler still advances.
             ``"stop"`` drops the poisoned update the same way and sets ``trainer.should_stop``: the run
             ends with the weights of the last good step (Lightning ends it after the current batch and
             a validation run, if any; with ``accumulate_grad_batches > 1`` possibly before the
@@ -160,6 +165,7 @@ class NaNSentinel(GradGuardCallback):
         #: one process, automatic optimization, no GradScaler, no sharding: a step without accumulation
         #: is judged by one read of its loss and total gradient norm (see :meth:`on_train_start`)
         self._one_read = False
+        self._scaler = False  # a GradScaler is active (its skipped steps leave the buffers as they were)
 
     @property
     def skipped_steps(self) -> int:
@@ -196,12 +202,17 @@ class NaNSentinel(GradGuardCallback):
             and not is_sharded(trainer)
             and unsupported_reason(trainer) is None
         )
+        self._scaler = active_scaler(trainer) is not None
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step.batch, self._step.batch_idx = batch, batch_idx
+        if (
+            self.action != "warn" or self._scaler
+        ):  # a step it or the GradScaler drops leaves them as they were
+            keep_step_buffers(trainer, pl_module, batch_idx)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -296,6 +307,8 @@ class NaNSentinel(GradGuardCallback):
             max_consecutive_skips=self.max_consecutive_skips,
         )
         if verdict.finding is None:
+            if verdict.counters.skipped_steps > self._skips.skipped_steps:  # the GradScaler drops this step
+                restore_step_buffers(trainer)
             self._skips = verdict.counters
             return
         if opt is None:  # under accumulation: the rest of this optimizer step is not judged
@@ -310,6 +323,10 @@ class NaNSentinel(GradGuardCallback):
         files: only the action. Every rank has the same cooldown, so all skip alike. ``action="raise"``
         always builds the report (the error carries it); its files too, unless within the cooldown.
         """
+        if self.action == "raise" or (self.action != "warn" and finding.optimizer is not None):
+            # the bad step is dropped: what its forwards wrote goes, before last_good.ckpt (not before a
+            # micro-batch's backward under accumulation, which reads BatchNorm's buffers: at the step)
+            restore_step_buffers(trainer)
         due = self.would_report(finding.kind, int(trainer.global_step))
         filed = self._file(trainer, finding, counters, due) if due or self.action == "raise" else None
         self._skips = counters  # last_good.ckpt is written: the counters may count this step now

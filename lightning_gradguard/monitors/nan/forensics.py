@@ -106,11 +106,13 @@ class BackwardOrigin:
 
 @contextmanager
 def replayed(module: nn.Module, requires_grad: bool) -> Iterator[None]:
-    """Run the body on detached copies of ``module``'s parameters, restoring the RNG state afterwards."""
+    """Run the body on detached copies of ``module``'s parameters and buffers, restoring the RNG state
+    afterwards: the replayed forward writes BatchNorm's running statistics into the copies, not the model."""
     params = {
         n: p.detach().clone().requires_grad_(requires_grad and p.requires_grad)
         for n, p in module.named_parameters()
     }
+    params.update((n, b.detach().clone()) for n, b in module.named_buffers() if isinstance(b, torch.Tensor))
     rng = RNGState()
     try:
         with torch.nn.utils.stateless._reparametrize_module(module, params):

@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_gradguard.alerts import LossSpikeError
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.buffers import keep_step_buffers, restore_step_buffers, step_buffers
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.lr import rescale_learning_rates
 from lightning_gradguard.core.skips import skip_update
@@ -36,7 +37,13 @@ from lightning_gradguard.core.validate import check_choice, check_float, check_i
 from lightning_gradguard.functional.spikes import SpikeScore, spike_score
 from lightning_gradguard.monitors.spike.early import EarlyWatch, early_alert
 from lightning_gradguard.monitors.spike.records import SpikeRecord, read_skip_batches, record_spike
-from lightning_gradguard.monitors.spike.rules import escalated_action, snapshot_due, spike_alert, step_verdict
+from lightning_gradguard.monitors.spike.rules import (
+    batch_variance_outlier,
+    escalated_action,
+    snapshot_due,
+    spike_alert,
+    step_verdict,
+)
 from lightning_gradguard.monitors.spike.step import StepInputs, read_step_values
 from lightning_gradguard.tags import SPIKE, charts_of
 
@@ -103,6 +110,13 @@ class LossSpikeGuard(GradGuardCallback):
         early_divergence_factor: while the windows warm up, how many times its start the loss must stay at
             (in units of the start's magnitude: a difference, for a loss at or below zero) for 5 steps in a
             row to be an early divergence (``None``: not watched).
+        batch_variance_factor: a step whose batch has, in some BatchNorm layer, a variance this many times
+            over or under the layer's running variance is an outlier (alert ``batch_statistics_outlier``)
+            and gets the action like a spike, even when the loss does not move (BatchNorm normalises a
+            batch x1000 away in training mode, but its running statistics keep it). Judged once the
+            running statistics hold the run's data (three time constants of the layer's momentum: 30
+            steps at PyTorch's 0.1), from the running variance before and after the forward (``None``:
+            not judged).
         cooldown_steps: minimum steps between two alerts of the same kind and place. ``0`` by default:
             every spike is an intervention whose alert must be reported.
 
@@ -134,6 +148,7 @@ class LossSpikeGuard(GradGuardCallback):
         lr_cooldown_steps: int = 100,
         skip_batches_path: str | None = None,
         early_divergence_factor: float | None = 6.0,
+        batch_variance_factor: float | None = 100.0,
         cooldown_steps: int = 0,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
@@ -159,6 +174,9 @@ class LossSpikeGuard(GradGuardCallback):
         self.skip_batches_path: str | None = check_path("skip_batches_path", skip_batches_path)
         self.early_divergence_factor = check_float(
             "early_divergence_factor", early_divergence_factor, 1.0, low_open=True, allow_none=True
+        )
+        self.batch_variance_factor = check_float(
+            "batch_variance_factor", batch_variance_factor, 1.0, low_open=True, allow_none=True
         )
         self._early = EarlyWatch(self.early_divergence_factor, min(self.warmup_steps, self.window))
         self._skip: set[tuple[int, int]] = set()
@@ -207,6 +225,9 @@ class LossSpikeGuard(GradGuardCallback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._step.add_batch(trainer, batch, batch_idx, self._skip)
+        if self.action != "warn" or self.batch_variance_factor is not None:
+            # what the forward writes: put back on a dropped step, and the batch's BatchNorm statistics
+            keep_step_buffers(trainer, pl_module, batch_idx)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -226,6 +247,7 @@ class LossSpikeGuard(GradGuardCallback):
             loss=None if manual else step.loss,  # manual: no telling which optimizer a loss belongs to
             grad_norm=self.grad_norm_threshold is not None,
             short=step.short,
+            batch_variance=self._batch_variance(trainer, manual),
         )  # the one transfer (and collective) of the step, on every path
         if step.replay:  # a batch an earlier run recorded: its update is dropped again, unjudged
             self._drop_replayed(trainer, optimizer, step.batches, read.values)
@@ -236,10 +258,19 @@ class LossSpikeGuard(GradGuardCallback):
             judged = self._judge(step.batches, read.values, suffix)
             if self._early.active and "loss" in read.values and self._early.observe(read.values["loss"]):
                 self._on_early_divergence(trainer, optimizer, read.values["loss"])
-            if judged.verdict == "spike":
-                self._on_spike(trainer, optimizer, judged)
+            outlier = batch_variance_outlier(read.values.get("batch_variance"), self.batch_variance_factor)
+            if judged.verdict == "spike" or outlier:
+                self._on_spike(trainer, optimizer, judged, outlier)
             else:
                 self._on_calm(trainer, judged)
+
+    def _batch_variance(self, trainer: pl.Trainer, manual: bool) -> Tensor | None:
+        """The step's largest BatchNorm batch-variance ratio (``|log10|``), on the device, once its
+        running statistics hold the run's data; ``None`` when not judged."""
+        kept = None if manual or self.batch_variance_factor is None else step_buffers(trainer)
+        if kept is None or trainer.global_step < kept.warm_after:
+            return None
+        return kept.batch_variance_ratio()
 
     @override
     def on_train_batch_end(
@@ -264,7 +295,7 @@ class LossSpikeGuard(GradGuardCallback):
         scores: dict[str, SpikeScore] = {}
         warm = True
         for key, value in values.items():
-            if thresholds[key] is None:
+            if thresholds.get(key) is None:  # not judged by a window (the batch's BatchNorm statistics)
                 continue
             window = self.windows.setdefault(key + suffix, deque(maxlen=self.window))
             scores[key] = spike_score(value, window)
@@ -286,30 +317,29 @@ class LossSpikeGuard(GradGuardCallback):
         self._outcome = "applied" if judged.verdict == "excursion" else "calm"  # no rollback point after it
         self._log_scalars(trainer, judged.scores, force=False)
 
-    def _on_spike(self, trainer: pl.Trainer, optimizer: Any, judged: _Judged) -> None:
-        """A spike: one more in its streak, the action that streak has escalated to, a record, an alert,
-        and the action carried out."""
+    def _on_spike(self, trainer: pl.Trainer, optimizer: Any, judged: _Judged, outlier: bool) -> None:
+        """A spike (or a batch whose BatchNorm statistics are an ``outlier``): one more in its streak, the
+        action that streak has escalated to, a record, an alert, and the action carried out."""
         streak = self._lengthen_streak(judged)
         can_roll_back = self._snapshot is not None and not judged.manual
         action = escalated_action(self.action, streak, self.patience, can_roll_back)
         self.skipped_steps += action != "warn"
+        values = {k: v for k, v in judged.values.items() if k != "batch_variance" or outlier}
         record_spike(
-            trainer,
-            self.records,
-            batches=judged.batches,
-            values=judged.values,
-            scores=judged.scores,
-            action=action,
+            trainer, self.records, batches=judged.batches, values=values, scores=judged.scores, action=action
         )
         self._log_scalars(trainer, judged.scores, force=True)
+        spiked = judged.verdict == "spike"
         alert = spike_alert(
             step=int(trainer.global_step),
             action=action,
-            values=judged.values,
-            scores=judged.scores,
+            values=values,
+            scores=judged.scores if spiked else {},
             streak=streak,
+            spiked=spiked,
         )
-        self.report(trainer, "loss_spike", alert.severity, None, alert.message, alert.hint, alert.data)
+        kind = "loss_spike" if spiked else "batch_statistics_outlier"
+        self.report(trainer, kind, alert.severity, None, alert.message, alert.hint, alert.data)
         self._act(trainer, optimizer, action)
 
     def _on_early_divergence(self, trainer: pl.Trainer, optimizer: Any, loss: float) -> None:
@@ -340,14 +370,18 @@ class LossSpikeGuard(GradGuardCallback):
         return self.streak
 
     def _act(self, trainer: pl.Trainer, optimizer: Any, action: str) -> None:
-        """Raise; or roll back and drop the update; or drop it; or (``"warn"``) let it be applied."""
+        """Raise; or drop the update and roll back; or drop it; or (``"warn"``) let it be applied.
+
+        Whatever drops the step also puts back the buffers its forward wrote (``skip_update``), before a
+        rollback writes the rollback point's."""
         if action == "raise":
+            restore_step_buffers(trainer)  # the step is never applied: the model in memory is the last good
             raise LossSpikeError(self.alerts[-1].format() if self.alerts else "loss spike", self.alerts[-1:])
-        if action == "rollback" and self._snapshot is not None:
-            self._roll_back(trainer, optimizer, self._snapshot)
         if action in ("skip", "rollback"):
             skip_update(trainer, optimizer, "loss_spike")
             self._outcome = "dropped"
+        if action == "rollback" and self._snapshot is not None:
+            self._roll_back(trainer, optimizer, self._snapshot)
 
     def _roll_back(self, trainer: pl.Trainer, optimizer: Any, snapshot: TrainingSnapshot) -> None:
         """Restore the rollback point, go on probation and start the LR cool-down (when one is set)."""

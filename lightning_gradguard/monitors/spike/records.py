@@ -42,6 +42,8 @@ class SpikeRecord:
         loss_zscore: its robust z-score against the recent steps.
         grad_norm: the total gradient norm before clipping, ``None`` when not judged.
         grad_norm_zscore: its robust z-score.
+        batch_variance_factor: how many times a BatchNorm layer's batch variance was over (or, below 1,
+            under) its running variance, when that made the step an outlier.
         action: ``"warn"``, ``"skip"``, ``"rollback"``, ``"raise"`` or ``"replayed"`` (a batch a former
             run recorded, skipped again).
     """
@@ -53,6 +55,7 @@ class SpikeRecord:
     loss_zscore: float | None = None
     grad_norm: float | None = None
     grad_norm_zscore: float | None = None
+    batch_variance_factor: float | None = None
     action: str = "skip"
 
     def to_dict(self) -> dict[str, object]:
@@ -110,6 +113,7 @@ def record_spike(
             loss_zscore=scores["loss"].zscore if "loss" in scores else None,
             grad_norm=values.get("grad_norm"),
             grad_norm_zscore=scores["grad_norm"].zscore if "grad_norm" in scores else None,
+            batch_variance_factor=values.get("batch_variance"),
             action=action,
         )
     )

@@ -21,6 +21,7 @@ __all__ = [
     "LOSS_CONFIRMS_Z",
     "SPIKE_HINTS",
     "SpikeAlert",
+    "batch_variance_outlier",
     "escalated_action",
     "snapshot_due",
     "spike_alert",
@@ -114,19 +115,48 @@ class SpikeAlert:
     data: dict[str, float]
 
 
+def batch_variance_outlier(value: float | None, limit: float | None) -> bool:
+    """Whether a BatchNorm layer's batch variance was ``limit`` times over (or under) its running variance."""
+    return value is not None and limit is not None and max(value, 1 / max(value, 1e-300)) > limit
+
+
 def spike_alert(
-    *, step: int, action: str, values: dict[str, float], scores: dict[str, SpikeScore], streak: int
+    *,
+    step: int,
+    action: str,
+    values: dict[str, float],
+    scores: dict[str, SpikeScore],
+    streak: int,
+    spiked: bool = True,
 ) -> SpikeAlert:
-    """The alert of the ``streak``-th spike in a row, at ``step``, that got ``action``."""
+    """The alert of the ``streak``-th spike in a row, at ``step``, that got ``action``.
+
+    ``spiked``: the loss or the gradient norm spiked (else only the batch's statistics were far out: the
+    loss may not move at all, since BatchNorm normalises a batch x1000 away in training mode)."""
     parts = [
         f"{k.replace('_', ' ')} {values[k]:.4g} is {s.ratio:.3g}x the recent median {s.level:.4g} "
         f"(robust z-score {s.zscore:.1f})"
         for k, s in scores.items()
     ]
+    if not spiked:
+        parts = [f"loss {values['loss']:.4g}"] if "loss" in values else []
+    if "batch_variance" in values:
+        factor = values["batch_variance"]
+        words = f"{factor:.3g}x over" if factor >= 1 else f"{1 / max(factor, 1e-300):.3g}x under"
+        parts.append(f"a BatchNorm layer's batch variance is {words} its running variance")
     run = f"; {streak} spikes in a row" if streak > 1 else ""
+    what = "Spike" if spiked else "Batch far outside the run's statistics"
+    hint = SPIKE_HINTS[action]
+    if "batch_variance" in values:
+        hint += (
+            " A batch whose BatchNorm statistics are this far off is usually corrupt data: check its inputs."
+        )
+    data = {f"{k}_zscore": s.zscore for k, s in scores.items()} | {"streak": float(streak)}
+    if "batch_variance" in values:
+        data["batch_variance_factor"] = values["batch_variance"]
     return SpikeAlert(
         severity="error" if action == "raise" else "warning",
-        message=f"Spike at step {step}: " + "; ".join(parts) + f"{run}. Action: {action}.",
-        hint=SPIKE_HINTS[action],
-        data={f"{k}_zscore": s.zscore for k, s in scores.items()} | {"streak": float(streak)},
+        message=f"{what} at step {step}: " + "; ".join(parts) + f"{run}. Action: {action}.",
+        hint=hint,
+        data=data,
     )

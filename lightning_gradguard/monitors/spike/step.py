@@ -108,8 +108,9 @@ class StepValues:
     """The step's numbers on the host, the mean over the ranks.
 
     Attributes:
-        values: by name: ``"loss"`` (when it was read) and ``"grad_norm"`` (the total gradient norm before
-            clipping, when it was read).
+        values: by name: ``"loss"`` (when it was read), ``"grad_norm"`` (the total gradient norm before
+            clipping, when it was read) and ``"batch_variance"`` (how many times a BatchNorm layer's batch
+            variance is over, or under, its running variance, when it was read).
         short: whether any rank's step was a short last batch (then no rank judges it).
     """
 
@@ -130,9 +131,14 @@ def read_step_values(
     loss: Tensor | None,
     grad_norm: bool,
     short: bool,
+    batch_variance: Tensor | None = None,
 ) -> StepValues:
     """The step's ``loss`` (``None``: not read) and, when ``grad_norm`` or without a loss, its total
     gradient norm, with the ``short`` flag: one transfer, the step's one collective.
+
+    ``batch_variance`` (``core.buffers.StepBuffers.batch_variance_ratio``: the largest ``|log10|`` of a
+    BatchNorm batch variance over its running variance) comes back as ``"batch_variance"``, the factor
+    itself (``10 ** value``), the largest over the ranks.
 
     Under DeepSpeed the statistics pass measures nothing: with a loss, the loss alone is read. Every path
     reads at least one tensor, which places the flag on the step's device.
@@ -148,6 +154,10 @@ def read_step_values(
         transfer.add("loss", loss)
         anchor = loss
     transfer.add("short", anchor.new_full((1,), float(short)))  # any rank's: every rank passes alike
+    if batch_variance is not None:
+        transfer.add("batch_variance", batch_variance.reshape(1).to(anchor.device), reduce="max")
     host = transfer.fetch(trainer, reduce_op="mean")
     values = {k: float(v) for k, v in host.items() if k != "short"}
+    if "batch_variance" in values:
+        values["batch_variance"] = 10 ** values["batch_variance"]
     return StepValues(values=values, short=float(host["short"]) > 0)

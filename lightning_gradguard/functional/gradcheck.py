@@ -5,7 +5,9 @@ some tensors (usually parameters), perturbs those tensors in place and restores 
 afterwards. Run them in float64: in float32 a finite-difference estimate drowns in rounding error before
 it gets accurate enough to be compared with autograd. No Trainer, no Lightning: usable on any closure.
 
-* :func:`relative_error` is the one comparison: ``|a - n| / max(|a|, |n|, tiny)``.
+* :func:`relative_error` is the one comparison: ``|a - n| / max(|a|, |n|, tiny)``; :func:`slope_error`
+  applies it to a finite difference that knows ``L(θ)``: where the one-sided differences disagree with
+  each other the loss has a kink within ``ε``, and a slope between them is not an error.
 * :func:`finite_difference_check` compares ``g`` with ``(L(θ + ε e_i) - L(θ - ε e_i)) / (2 ε)`` on a
   bounded sample of coordinates ``i`` per tensor (:func:`sample_coordinates`: the largest ``|g|`` and
   random ones).
@@ -56,6 +58,32 @@ EPS64 = float(torch.finfo(torch.float64).eps)
 
 
 # ----------------------------------------------------------------------------------------- shared parts
+
+
+def slope_error(
+    analytic: float, plus: float, minus: float, base: float | None, step: float, tiny: float
+) -> float:
+    """The relative error of a claimed slope against the loss at ``θ - ε``, ``θ`` and ``θ + ε``.
+
+    On a smooth loss the symmetric difference ``(L₊ - L₋) / 2ε`` measures the slope to ``O(ε²)``. A kink
+    within ``ε`` (a ReLU6 at its clip, a BatchNorm'd unit at exactly 0, a max-pooling tie: a piecewise-linear
+    model with batch statistics has them at almost every scale) makes the symmetric difference an average
+    of two slopes that autograd never gives; there the one-sided differences ``(L₊ - L) / ε`` and
+    ``(L - L₋) / ε`` disagree with each other, and a correct gradient is one of them or, at the kink
+    itself, a subgradient between them. So the error is the smaller of the error against the symmetric
+    difference and the distance of the claimed slope from the interval the one-sided differences span
+    (relative to the largest of the slopes): the same number as before on a smooth loss (the one-sided
+    differences are ``O(ε)`` apart), and a wrong gradient beside a kink still falls outside the interval.
+    Without ``base`` (``L(θ)``), the symmetric error alone.
+    """
+    symmetric = relative_error(analytic, (plus - minus) / (2 * step), tiny)
+    if base is None:
+        return symmetric
+    low, high = sorted(((plus - base) / step, (base - minus) / step))
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return symmetric
+    outside = max(low - analytic, analytic - high, 0.0)
+    return min(symmetric, outside / max(abs(low), abs(high), abs(analytic), tiny))
 
 
 def relative_error(analytic: float, numeric: float, tiny: float = 1e-8) -> float:
@@ -190,11 +218,15 @@ def finite_difference_check(
     flat = param.detach().view(-1)
     g = grad.detach().reshape(-1) if grad is not None else None
     base = loss_value(loss_fn)
-    numeric = [_coordinate_difference(loss_fn, flat, i, eps) for i in indices]
+    moves = [_coordinate_difference(loss_fn, flat, i, eps) for i in indices]
+    numeric = [(plus - minus) / (2 * step) for plus, minus, step in moves]
     analytic = [float(g[i]) if g is not None else 0.0 for i in indices]
     if tiny is None:
         tiny = _noise_floor(base, eps)
-    errors = [relative_error(a, n, tiny) for a, n in zip(analytic, numeric, strict=True)]
+    errors = [
+        slope_error(a, plus, minus, base, step, tiny)
+        for a, (plus, minus, step) in zip(analytic, moves, strict=True)
+    ]
     worst = max(range(len(errors)), key=errors.__getitem__) if errors else -1
     return FiniteDifferenceResult(
         indices=[int(i) for i in indices],
@@ -208,8 +240,8 @@ def finite_difference_check(
     )
 
 
-def _coordinate_difference(loss_fn: LossFn, flat: Tensor, i: int, eps: float) -> float:
-    """``(L(θ + ε e_i) - L(θ - ε e_i)) / (2 ε)`` with ``ε = eps * max(1, |θ_i|)``; ``θ_i`` put back."""
+def _coordinate_difference(loss_fn: LossFn, flat: Tensor, i: int, eps: float) -> tuple[float, float, float]:
+    """``L(θ + ε e_i)``, ``L(θ - ε e_i)`` and ``ε = eps * max(1, |θ_i|)``; ``θ_i`` put back."""
     orig = flat[i].clone()
     step = eps * max(1.0, abs(float(orig)))
     try:
@@ -222,7 +254,7 @@ def _coordinate_difference(loss_fn: LossFn, flat: Tensor, i: int, eps: float) ->
     finally:
         with torch.no_grad():
             flat[i] = orig
-    return (plus - minus) / (2 * step)
+    return plus, minus, step
 
 
 # ------------------------------------------------------------------ a finite difference along a direction
@@ -262,7 +294,9 @@ def directional_difference(
 ) -> DirectionalResult:
     """Compare ``<g, v>`` with the symmetric difference ``(L(θ + ε v) - L(θ - ε v)) / (2 ε)``.
 
-    Unlike :func:`finite_difference_check`, which samples a few coordinates, this covers every
+    The error is :func:`slope_error`'s: a kink within ``ε`` of ``θ`` is told from a wrong gradient by the
+    one-sided differences (with ``base`` known). Unlike :func:`finite_difference_check`, which samples a
+    few coordinates, this covers every
     coordinate ``v`` touches: a gradient wrong on coordinates the sample missed still moves ``<g, v>``
     (with the default direction of :func:`taylor_test`, tilted toward ``g``, by about the share of
     ``|g|²`` that is wrong). Its error is ``O(ε²)`` on a smooth loss, and a kink matters only if it lies
@@ -298,7 +332,7 @@ def directional_difference(
     return DirectionalResult(
         analytic=analytic,
         numeric=numeric,
-        error=relative_error(analytic, numeric, tiny),
+        error=slope_error(analytic, plus, minus, base, step, tiny),
         step=step,
         tiny=tiny,
         evaluations=evaluations,
@@ -638,6 +672,29 @@ def taylor_check(
     return _arbitrated(line, h0, eps=eps, tolerance=tolerance, retries=retries, shrink=shrink)
 
 
+def _around_kinks(
+    line: _TaylorLine, base: float, *, eps: float, tolerance: float, tries: int
+) -> tuple[DirectionalResult, int]:
+    """The directional finite difference along the line, taken again with ``ε`` 100x smaller while it
+    disagrees (``tries`` times at most): a direction that moves a whole tensor of a piecewise-linear model
+    meets kinks within ``ε`` of ``θ`` on both sides, whose slopes :func:`slope_error`'s one-sided
+    differences can no longer separate; a smaller step leaves every kink behind but those at ``θ`` itself.
+    A wrong gradient stays wrong at every step. Returns the last difference and the evaluations spent."""
+    spent = 0
+    for k in range(tries):
+        result = directional_difference(
+            line.loss_fn, line.params, line.grads, line.direction, eps=eps * _KINK_SHRINK**k, base=base
+        )
+        spent += result.evaluations
+        if result.error <= tolerance:
+            break
+    return result, spent
+
+
+#: how much smaller each directional finite difference taken again around kinks steps
+_KINK_SHRINK = 1e-2
+
+
 def _arbitrated(
     line: _TaylorLine, h0: float, *, eps: float, tolerance: float, retries: int, shrink: float
 ) -> TaylorCheckResult:
@@ -653,10 +710,8 @@ def _arbitrated(
             inconclusive=False,
             evaluations=first.evaluations,
         )
-    arbiter = directional_difference(
-        line.loss_fn, line.params, line.grads, line.direction, eps=eps, base=first.loss
-    )
-    evaluations = first.evaluations + arbiter.evaluations
+    arbiter, spent = _around_kinks(line, first.loss, eps=eps, tolerance=tolerance, tries=1 + retries)
+    evaluations = first.evaluations + spent
     agreed = arbiter.error <= tolerance  # else the gradient is wrong along v: no retry
     last, h0s = first, [h0]
     for _ in range(retries if agreed else 0):

@@ -171,7 +171,8 @@ def test_finite_differences_match_a_closed_form_gradient() -> None:
     wrong = exact.clone()
     wrong[1, 2] *= 3
     bad = finite_difference_check(loss, w, wrong, idx)
-    assert bad.indices[bad.worst] == 5 and bad.max_error == pytest.approx(2 / 3, rel=1e-6)
+    # 2/3 against the symmetric difference; the one-sided differences, O(eps) apart, lie a hair closer
+    assert bad.indices[bad.worst] == 5 and bad.max_error == pytest.approx(2 / 3, rel=1e-5)
 
 
 def test_sample_coordinates_takes_the_largest_then_random_distinct_ones() -> None:
@@ -567,3 +568,27 @@ trainer:
         None,
     )
     assert overfit.ignore_parameters == ["aux.*"] and overfit.check_batch_mixing is True
+
+
+def test_a_kink_at_the_point_checked_is_told_from_a_wrong_gradient() -> None:
+    """Regression (issue 29): ReLU6 and BatchNorm put units exactly on a kink (an all-zero channel
+    normalised to 0, a clip at 6): the symmetric difference there is the mean of two slopes autograd never
+    gives, and a healthy MobileNetV2 failed the check. The one-sided differences disagree with each other
+    there, and autograd's slope is one of them (or between): no error. A slope outside them still is."""
+    x = torch.tensor([0.0, 1.5, -2.0, 6.0], dtype=torch.float64)
+    loss = lambda: torch.nn.functional.relu6(x).sum()  # noqa: E731  kinks at 0 and 6, on entries 0 and 3
+    autograd = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)  # what torch's relu6 backward gives
+    ok = finite_difference_check(loss, x, autograd, [0, 1, 2, 3])
+    assert ok.numeric[0] == pytest.approx(0.5) and ok.numeric[3] == pytest.approx(0.5)  # symmetric: 1/2
+    assert ok.max_error < 1e-8
+    wrong = autograd.clone()
+    wrong[0] = -1.0  # not a slope of relu6 at 0 from either side
+    bad = finite_difference_check(loss, x, wrong, [0, 1, 2, 3])
+    assert bad.indices[bad.worst] == 0 and bad.max_error == pytest.approx(1.0)
+    v = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64) / 3**0.5  # one kink on its way
+    along = gradcheck.directional_difference(loss, [x], [autograd], [v], base=float(loss()))
+    assert along.numeric == pytest.approx(1.5 / 3**0.5) and along.error < 1e-8
+    smooth_wrong = gradcheck.directional_difference(
+        loss, [x], [torch.tensor([0.0, 5.0, 0.0, 0.0], dtype=torch.float64)], [v], base=float(loss())
+    )
+    assert smooth_wrong.error > 0.3  # the entry off every kink is wrong: outside both one-sided slopes

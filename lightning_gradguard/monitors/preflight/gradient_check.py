@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_gradguard.core.batch import first_train_batch, slice_batch
 from lightning_gradguard.core.snapshot import RNGState, train_loader_generators
-from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of
 from lightning_gradguard.core.validate import check_float, check_int, check_str_list
 from lightning_gradguard.monitors.preflight.gradcheck_graph import unwrapped_name
@@ -45,24 +45,19 @@ __all__ = ["GradientCheck", "gradient_check"]
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 
-def _validate(
-    max_samples: int | None,
-    samples_per_tensor: int,
-    max_evaluations: int,
-    tolerance: float,
-    min_order: float,
-    eps: float,
-    seed: int,
-    taylor_tolerance: float,
-) -> None:
+def _settings(max_samples: int | None, **given: Any) -> GradientCheckSettings:
+    """The checked arguments of :func:`gradient_check` from ``samples_per_tensor`` on, as its engine's
+    settings (each argument checked by name: ``TypeError`` / ``ValueError``)."""
     check_int("max_samples", max_samples, 1, allow_none=True)
-    check_int("samples_per_tensor", samples_per_tensor, 1)
-    check_int("max_evaluations", max_evaluations, 1)
-    check_float("tolerance", tolerance, 0.0, low_open=True)
-    check_float("min_order", min_order, 0.0)
-    check_float("eps", eps, 0.0, 1.0, low_open=True)
-    check_int("seed", seed, 0)
-    check_float("taylor_tolerance", taylor_tolerance, 0.0, low_open=True)
+    check_int("samples_per_tensor", given["samples_per_tensor"], 1)
+    check_int("max_evaluations", given["max_evaluations"], 1)
+    check_float("max_seconds", given["max_seconds"], 0.0, low_open=True, allow_none=True)
+    check_float("tolerance", given["tolerance"], 0.0, low_open=True)
+    check_float("min_order", given["min_order"], 0.0)
+    check_float("eps", given["eps"], 0.0, 1.0, low_open=True)
+    check_int("seed", given["seed"], 0)
+    check_float("taylor_tolerance", given["taylor_tolerance"], 0.0, low_open=True)
+    return GradientCheckSettings(**given, reseed=seed_all)
 
 
 def gradient_check(
@@ -79,6 +74,7 @@ def gradient_check(
     eps: float = 1e-6,
     seed: int = 0,
     taylor_tolerance: float = 1e-2,
+    max_seconds: float | None = 10.0,
 ) -> GradientCheckResult:
     """Check autograd's gradients of ``module`` against finite differences, in float64.
 
@@ -111,10 +107,8 @@ def gradient_check(
         for p in result.failures:
             print(p.name, p.max_rel_error, p.taylor_order)
     """
-    _validate(
-        max_samples, samples_per_tensor, max_evaluations, tolerance, min_order, eps, seed, taylor_tolerance
-    )
-    settings = GradientCheckSettings(
+    settings = _settings(
+        max_samples,
         samples_per_tensor=samples_per_tensor,
         max_evaluations=max_evaluations,
         tolerance=tolerance,
@@ -122,7 +116,7 @@ def gradient_check(
         eps=eps,
         seed=seed,
         taylor_tolerance=taylor_tolerance,
-        reseed=seed_all,
+        max_seconds=max_seconds,
     )
     return _run(module, batch, loss_fn, modules=modules, max_samples=max_samples, settings=settings)
 
@@ -209,6 +203,8 @@ class GradientCheck(PreflightCheck):
         seed: seed of the check's own randomness.
         taylor_tolerance: the largest Taylor remainder linear in ``h`` still blamed on kinks (see
             :class:`~lightning_gradguard.monitors.preflight.gradcheck_module.GradientCheckSettings`).
+        max_seconds: bound on the check's time: at most this over the time of its first evaluation are
+            spent (``None``: ``max_evaluations`` alone); the tensors checked are then spread over the model.
         action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
 
     Example::
@@ -238,18 +234,20 @@ class GradientCheck(PreflightCheck):
         eps: float = 1e-6,
         seed: int = 0,
         taylor_tolerance: float = 1e-2,
+        max_seconds: float | None = 10.0,
         action: Literal["raise", "warn", "stop"] = "raise",
     ) -> None:
         super().__init__(action=action)
-        _validate(
+        _settings(
             max_samples,
-            samples_per_tensor,
-            max_evaluations,
-            tolerance,
-            min_order,
-            eps,
-            seed,
-            taylor_tolerance,
+            samples_per_tensor=samples_per_tensor,
+            max_evaluations=max_evaluations,
+            tolerance=tolerance,
+            min_order=min_order,
+            eps=eps,
+            seed=seed,
+            taylor_tolerance=taylor_tolerance,
+            max_seconds=max_seconds,
         )
         self.modules: list[str] | None = check_str_list("modules", modules)
         self.max_samples: int | None = None if max_samples is None else int(max_samples)
@@ -260,6 +258,7 @@ class GradientCheck(PreflightCheck):
         self.eps = float(eps)
         self.seed = int(seed)
         self.taylor_tolerance = float(taylor_tolerance)
+        self.max_seconds: float | None = None if max_seconds is None else float(max_seconds)
         self.result: GradientCheckResult | None = None
 
     @override
@@ -288,6 +287,7 @@ class GradientCheck(PreflightCheck):
                 eps=self.eps,
                 seed=self.seed,
                 taylor_tolerance=self.taylor_tolerance,
+                max_seconds=self.max_seconds,
             )
         except Exception as err:  # a model or loader we cannot drive: warn, never crash
             warn_once(
@@ -302,12 +302,15 @@ class GradientCheck(PreflightCheck):
     def _conclude(self, trainer: pl.Trainer, result: GradientCheckResult | None) -> None:
         ran = result is not None
         result = result if result is not None else GradientCheckResult(passed=True)
-        if result.skipped:
-            warn_once(
+        if result.skipped:  # the budget's choice, not a finding about the run: one INFO line
+            checked = len(result.parameters)
+            info_once(
                 trainer,
                 "gradient_check_budget",
-                f"GradientCheck: max_evaluations={self.max_evaluations} left {len(result.skipped)} parameter "
-                f"tensor(s) unchecked: {result.skipped[:8]}",
+                f"GradientCheck: within max_evaluations={self.max_evaluations} and "
+                f"max_seconds={self.max_seconds} {checked} of {checked + len(result.skipped)} parameter "
+                f"tensors were checked, spread over the model; unchecked: {result.skipped[:8]}"
+                f"{' ...' if len(result.skipped) > 8 else ''} (raise max_seconds to check them all).",
             )
         alerts = self.report_findings(trainer, mismatch_findings(result))
         elsewhere = Summary(

@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_gradguard.alerts import ACTIONS, Alert, GradGuardError, JsonlSink, LoggingSink, Severity
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.cadence import log_step
-from lightning_gradguard.core.state import strict_mode, trainer_state, warn_once
+from lightning_gradguard.core.state import info_once, strict_mode, trainer_state, warn_once
 from lightning_gradguard.core.stats import global_step, step_cache
 from lightning_gradguard.core.validate import check_choice, check_int
 from lightning_gradguard.tags import ALERT_TEXT, ALERTS, charts_of
@@ -140,6 +140,9 @@ class GradGuardCallback(Callback):
         if self.fresh_run(trainer):  # an earlier run's cooldowns do not silence this one's alerts
             self._last_reported.clear()
         _emit.write_layout(trainer, self._layout(trainer))
+        frozen = frozen_summary(pl_module)
+        if frozen is not None:  # once per Trainer, whichever gradguard callback starts first
+            info_once(trainer, "frozen_parameters", frozen)
 
     @override
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -226,6 +229,39 @@ class GradGuardCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_reported = dict(state_dict.get("last_reported", {}))
+
+
+def frozen_summary(module: Any, shown: int = 4) -> str | None:
+    """One line on the parameters that will not train (``requires_grad=False``): their share and the
+    largest modules that are frozen whole; ``None`` when every parameter trains.
+
+    Said at fit start, because a fine-tune frozen by mistake still passes a pre-flight (the head alone
+    memorises one batch) and shows only later, as a loss stuck near chance.
+    """
+    sizes: dict[str, list[int]] = {}  # module -> [frozen, all] parameter counts, over its subtree
+    frozen = total = 0
+    for name, p in module.named_parameters():
+        n = p.numel()
+        total += n
+        frozen += n * (not p.requires_grad)
+        parts = name.split(".")[:-1]
+        for depth in range(len(parts) + 1):
+            counts = sizes.setdefault(".".join(parts[:depth]), [0, 0])
+            counts[0] += n * (not p.requires_grad)
+            counts[1] += n
+    if not frozen:
+        return None
+    whole = [m for m, (f, a) in sizes.items() if m and f == a]  # frozen whole, under no frozen-whole parent
+    tops = [m for m in whole if not any(m.startswith(f"{o}.") for o in whole)]
+    tops.sort(key=lambda m: -sizes[m][1])
+    named = ", ".join(f"{m} ({sizes[m][1]:,})" for m in tops[:shown])
+    more = f" and {len(tops) - shown} more" if len(tops) > shown else ""
+    where = f": {named}{more}" if tops else " (parts of modules)"
+    return (
+        f"gradguard: {frozen / total:.1%} of the model's parameters ({frozen:,} of {total:,}) are frozen "
+        f"(requires_grad=False){where}; they will not train. If that is not what you meant (a fine-tune "
+        "that should update the backbone), set requires_grad=True before fit."
+    )
 
 
 def gradguard_callbacks(trainer: pl.Trainer) -> list[GradGuardCallback]:

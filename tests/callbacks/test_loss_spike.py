@@ -298,7 +298,7 @@ def test_loss_only_guard_skips_the_gradient_pass(tmp_path: Path, monkeypatch: py
     guard = LossSpikeGuard(action="skip", **{**THRESHOLDS, "grad_norm_threshold": None, "min_ratio": 1.5})
     _, rec, _ = _fit(SpikeModel({12}), guard, tmp_path)
     assert [(r.step, r.grad_norm, r.grad_norm_zscore) for r in guard.records] == [(12, None, None)]
-    assert rec.dropped() == {12} and set(guard.windows) == {"loss"} and calls == []
+    assert rec.dropped() == {12} and set(guard.windows) - {"inputs"} == {"loss"} and calls == []
 
 
 def test_warmup_only_fills_the_window(tmp_path: Path) -> None:
@@ -610,7 +610,7 @@ def test_manual_optimization_judges_each_optimizer_norm_and_rolls_back_as_a_skip
     make_trainer([guard], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path)).fit(
         model, random_loader(n=256)
     )
-    assert set(guard.windows) == {"grad_norm@0", "grad_norm@1"}
+    assert set(guard.windows) == {"grad_norm@0", "grad_norm@1", "inputs"}  # the inputs: the run's
     (record,) = guard.records
     assert (record.step, record.epoch, record.batch_idx, record.action) == (29, 0, [14], "skip")
     assert record.loss is None and record.loss_zscore is None

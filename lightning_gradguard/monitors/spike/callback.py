@@ -17,6 +17,7 @@ divergence :mod:`~lightning_gradguard.monitors.spike.early`, ``spikes.json``
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -48,6 +49,9 @@ from lightning_gradguard.monitors.spike.step import StepInputs, read_step_values
 from lightning_gradguard.tags import SPIKE, charts_of
 
 __all__ = ["LossSpikeGuard"]
+
+#: the accepted steps whose inputs must be seen before a batch's inputs are judged against them
+_INPUTS_WARM = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +115,9 @@ class LossSpikeGuard(GradGuardCallback):
             (in units of the start's magnitude: a difference, for a loss at or below zero) for 5 steps in a
             row to be an early divergence (``None``: not watched).
         batch_variance_factor: a step whose batch has, in some BatchNorm layer, a variance this many times
-            over or under the layer's running variance is an outlier (alert ``batch_statistics_outlier``)
+            over or under the layer's running variance, or floating inputs (images, audio, features) whose
+            mean square is this many times over or under the median of the recent accepted steps' (from 8
+            of them on), is an outlier (alert ``batch_statistics_outlier``)
             and gets the action like a spike, even when the loss does not move (BatchNorm normalises a
             batch x1000 away in training mode, but its running statistics keep it). Judged once the
             running statistics hold the run's data (three time constants of the layer's momentum: 30
@@ -248,6 +254,7 @@ class LossSpikeGuard(GradGuardCallback):
             grad_norm=self.grad_norm_threshold is not None,
             short=step.short,
             batch_variance=self._batch_variance(trainer, manual),
+            inputs=None if self.batch_variance_factor is None else step.inputs,
         )  # the one transfer (and collective) of the step, on every path
         if step.replay:  # a batch an earlier run recorded: its update is dropped again, unjudged
             self._drop_replayed(trainer, optimizer, step.batches, read.values)
@@ -258,11 +265,26 @@ class LossSpikeGuard(GradGuardCallback):
             judged = self._judge(step.batches, read.values, suffix)
             if self._early.active and "loss" in read.values and self._early.observe(read.values["loss"]):
                 self._on_early_divergence(trainer, optimizer, read.values["loss"])
-            outlier = batch_variance_outlier(read.values.get("batch_variance"), self.batch_variance_factor)
-            if judged.verdict == "spike" or outlier:
-                self._on_spike(trainer, optimizer, judged, outlier)
+            outliers = self._outliers(read.values)
+            if judged.verdict == "spike" or outliers:
+                self._on_spike(trainer, optimizer, judged, outliers)
             else:
                 self._on_calm(trainer, judged)
+
+    def _outliers(self, values: dict[str, float]) -> dict[str, float]:
+        """How far out the batch's statistics are, for those past ``batch_variance_factor``: its BatchNorm
+        batch variance over the running one (``"batch_variance"``), its inputs' mean square over the
+        median of the recent accepted steps' (``"inputs"``, from :data:`_INPUTS_WARM` of them on)."""
+        factor, out = self.batch_variance_factor, {}
+        if batch_variance_outlier(values.get("batch_variance"), factor):
+            out["batch_variance"] = values["batch_variance"]
+        window = self.windows.get("inputs")
+        if "inputs" in values and window is not None and len(window) >= _INPUTS_WARM:
+            level = statistics.median(window)
+            ratio = values["inputs"] / level if level > 0 else math.inf
+            if batch_variance_outlier(ratio, factor):
+                out["inputs"] = ratio
+        return out
 
     def _batch_variance(self, trainer: pl.Trainer, manual: bool) -> Tensor | None:
         """The step's largest BatchNorm batch-variance ratio (``|log10|``), on the device, once its
@@ -309,6 +331,8 @@ class LossSpikeGuard(GradGuardCallback):
         """A healthy step: its values join their windows and the streak ends (not while on probation)."""
         for key, score in judged.scores.items():
             self.windows[key + judged.suffix].append(score.value)
+        if "inputs" in judged.values:  # what the run's inputs look like, for the next batches' statistics
+            self.windows.setdefault("inputs", deque(maxlen=self.window)).append(judged.values["inputs"])
         self.calm += 1
         if judged.manual:
             self.manual_streaks[judged.suffix] = 0
@@ -317,14 +341,17 @@ class LossSpikeGuard(GradGuardCallback):
         self._outcome = "applied" if judged.verdict == "excursion" else "calm"  # no rollback point after it
         self._log_scalars(trainer, judged.scores, force=False)
 
-    def _on_spike(self, trainer: pl.Trainer, optimizer: Any, judged: _Judged, outlier: bool) -> None:
-        """A spike (or a batch whose BatchNorm statistics are an ``outlier``): one more in its streak, the
-        action that streak has escalated to, a record, an alert, and the action carried out."""
+    def _on_spike(
+        self, trainer: pl.Trainer, optimizer: Any, judged: _Judged, outliers: dict[str, float]
+    ) -> None:
+        """A spike (or a batch whose statistics are ``outliers``): one more in its streak, the action that
+        streak has escalated to, a record, an alert, and the action carried out."""
         streak = self._lengthen_streak(judged)
         can_roll_back = self._snapshot is not None and not judged.manual
         action = escalated_action(self.action, streak, self.patience, can_roll_back)
         self.skipped_steps += action != "warn"
-        values = {k: v for k, v in judged.values.items() if k != "batch_variance" or outlier}
+        values = {k: v for k, v in judged.values.items() if k not in ("batch_variance", "inputs")}
+        values.update(outliers)
         record_spike(
             trainer, self.records, batches=judged.batches, values=values, scores=judged.scores, action=action
         )

@@ -44,6 +44,8 @@ class SpikeRecord:
         grad_norm_zscore: its robust z-score.
         batch_variance_factor: how many times a BatchNorm layer's batch variance was over (or, below 1,
             under) its running variance, when that made the step an outlier.
+        inputs_factor: how many times the mean square of the batch's floating inputs was over (or under)
+            the median of the recent batches', when that made the step an outlier.
         action: ``"warn"``, ``"skip"``, ``"rollback"``, ``"raise"`` or ``"replayed"`` (a batch a former
             run recorded, skipped again).
     """
@@ -56,6 +58,7 @@ class SpikeRecord:
     grad_norm: float | None = None
     grad_norm_zscore: float | None = None
     batch_variance_factor: float | None = None
+    inputs_factor: float | None = None
     action: str = "skip"
 
     def to_dict(self) -> dict[str, object]:
@@ -114,6 +117,7 @@ def record_spike(
             grad_norm=values.get("grad_norm"),
             grad_norm_zscore=scores["grad_norm"].zscore if "grad_norm" in scores else None,
             batch_variance_factor=values.get("batch_variance"),
+            inputs_factor=values.get("inputs"),
             action=action,
         )
     )

@@ -120,6 +120,11 @@ def batch_variance_outlier(value: float | None, limit: float | None) -> bool:
     return value is not None and limit is not None and max(value, 1 / max(value, 1e-300)) > limit
 
 
+def _times(factor: float) -> str:
+    """``"1e+06x over"`` / ``"100x under"``."""
+    return f"{factor:.3g}x over" if factor >= 1 else f"{1 / max(factor, 1e-300):.3g}x under"
+
+
 def spike_alert(
     *,
     step: int,
@@ -141,19 +146,18 @@ def spike_alert(
     if not spiked:
         parts = [f"loss {values['loss']:.4g}"] if "loss" in values else []
     if "batch_variance" in values:
-        factor = values["batch_variance"]
-        words = f"{factor:.3g}x over" if factor >= 1 else f"{1 / max(factor, 1e-300):.3g}x under"
-        parts.append(f"a BatchNorm layer's batch variance is {words} its running variance")
+        parts.append(
+            f"a BatchNorm layer's batch variance is {_times(values['batch_variance'])} its running one"
+        )
+    if "inputs" in values:
+        parts.append(f"the batch's inputs have {_times(values['inputs'])} the mean square of recent batches'")
     run = f"; {streak} spikes in a row" if streak > 1 else ""
     what = "Spike" if spiked else "Batch far outside the run's statistics"
     hint = SPIKE_HINTS[action]
-    if "batch_variance" in values:
-        hint += (
-            " A batch whose BatchNorm statistics are this far off is usually corrupt data: check its inputs."
-        )
+    if "batch_variance" in values or "inputs" in values:
+        hint += " Batch statistics this far off usually mean corrupt data: check the batch's inputs."
     data = {f"{k}_zscore": s.zscore for k, s in scores.items()} | {"streak": float(streak)}
-    if "batch_variance" in values:
-        data["batch_variance_factor"] = values["batch_variance"]
+    data |= {f"{k}_factor": values[k] for k in ("batch_variance", "inputs") if k in values}
     return SpikeAlert(
         severity="error" if action == "raise" else "warning",
         message=f"{what} at step {step}: " + "; ".join(parts) + f"{run}. Action: {action}.",

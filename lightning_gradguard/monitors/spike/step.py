@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 
 from lightning_gradguard.core.batch import batch_size_of
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
+from lightning_gradguard.functional.tree import tensors_in
 
 __all__ = ["GatheredStep", "StepInputs", "StepValues", "read_step_values"]
 
@@ -35,12 +37,15 @@ class GatheredStep:
         replay: whether an earlier run's ``spikes.json`` names one of them.
         short: whether the step is a partial last batch of the epoch with under half the usual samples
             (its numbers are noisier by sqrt(full / samples): it is not judged).
+        inputs: the 2-norms of the floating inputs of its micro-batches (on the device) and their entry
+            counts, or ``None`` when its batches hold no floating tensor (token ids).
     """
 
     loss: Tensor | None
     batches: list[int]
     replay: bool
     short: bool
+    inputs: tuple[Tensor, list[int]] | None = None
 
 
 class StepInputs:
@@ -60,6 +65,7 @@ class StepInputs:
         self.replay = self.last = False
         self.samples = self.micro = 0
         self.loss: Tensor | None = None
+        self.inputs: list[tuple[Tensor, int]] = []
 
     def add_batch(
         self, trainer: pl.Trainer, batch: object, batch_idx: int, skip: set[tuple[int, int]]
@@ -69,6 +75,9 @@ class StepInputs:
         self.replay |= (int(trainer.current_epoch), batch_idx) in skip
         self.samples += batch_size_of(batch) or 0
         self.last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        norm = inputs_norm(batch)
+        if norm is not None:
+            self.inputs.append(norm)
 
     def add_loss(self, loss: Tensor) -> None:
         """A micro-batch's loss as Lightning gives it to ``backward`` (divided by
@@ -90,8 +99,14 @@ class StepInputs:
             loss = mean if scale is None else mean / scale
         short = self.last and 0 < self.samples < self.full / 2
         self.full = max(self.full, self.samples)
-        gathered = GatheredStep(loss=loss, batches=[*self.batches], replay=self.replay, short=short)
-        self.loss, self.micro = None, 0
+        inputs = None
+        if self.inputs:  # one norm per micro-batch: stacked only under accumulation
+            norms = [n for n, _ in self.inputs]
+            inputs = (norms[0] if len(norms) == 1 else torch.stack(norms), [k for _, k in self.inputs])
+        gathered = GatheredStep(
+            loss=loss, batches=[*self.batches], replay=self.replay, short=short, inputs=inputs
+        )
+        self.loss, self.micro, self.inputs = None, 0, []
         if not manual:
             self.clear()
         return gathered
@@ -132,13 +147,16 @@ def read_step_values(
     grad_norm: bool,
     short: bool,
     batch_variance: Tensor | None = None,
+    inputs: tuple[Tensor, list[int]] | None = None,
 ) -> StepValues:
     """The step's ``loss`` (``None``: not read) and, when ``grad_norm`` or without a loss, its total
     gradient norm, with the ``short`` flag: one transfer, the step's one collective.
 
     ``batch_variance`` (``core.buffers.StepBuffers.batch_variance_ratio``: the largest ``|log10|`` of a
     BatchNorm batch variance over its running variance) comes back as ``"batch_variance"``, the factor
-    itself (``10 ** value``), the largest over the ranks.
+    itself (``10 ** value``), the largest over the ranks. ``inputs`` (the 2-norms of the step's floating
+    inputs and their entry counts) comes back as ``"inputs"``: the largest mean square of a micro-batch's
+    floating inputs, over the micro-batches and the ranks.
 
     Under DeepSpeed the statistics pass measures nothing: with a loss, the loss alone is read. Every path
     reads at least one tensor, which places the flag on the step's device.
@@ -156,8 +174,28 @@ def read_step_values(
     transfer.add("short", anchor.new_full((1,), float(short)))  # any rank's: every rank passes alike
     if batch_variance is not None:
         transfer.add("batch_variance", batch_variance.reshape(1).to(anchor.device), reduce="max")
+    if inputs is not None:
+        transfer.add("inputs", inputs[0].reshape(-1).to(anchor.device), reduce="max")
     host = transfer.fetch(trainer, reduce_op="mean")
-    values = {k: float(v) for k, v in host.items() if k != "short"}
+    values = {k: float(v) for k, v in host.items() if k not in ("short", "inputs")}
+    if inputs is not None:
+        values["inputs"] = max(
+            n * n / max(k, 1) for n, k in zip(host["inputs"].tolist(), inputs[1], strict=True)
+        )
     if "batch_variance" in values:
         values["batch_variance"] = 10 ** values["batch_variance"]
     return StepValues(values=values, short=float(host["short"]) > 0)
+
+
+def inputs_norm(batch: Any) -> tuple[Tensor, int] | None:
+    """The 2-norm of every entry of the floating tensors in ``batch`` (images, audio, features; not token
+    ids or labels), on the device, and their entry count; ``None`` without any. One kernel for one tensor."""
+    floats = [t for t in tensors_in(batch) if t.is_floating_point() and t.numel()]
+    if not floats:
+        return None
+    norm = (
+        torch.linalg.vector_norm(floats[0])
+        if len(floats) == 1
+        else torch.linalg.vector_norm(torch.stack(torch._foreach_norm(floats)))
+    )
+    return norm.float(), sum(t.numel() for t in floats)

@@ -92,6 +92,7 @@ ALERT_KINDS: dict[str, str] = {
     "loss_plateau": "StallDetector: the smoothed loss stopped improving far above its best or initial level",
     "lr_jump": "StallDetector: the LR went far past the highest LR it was configured with",
     "warmup_never_ends": "StallDetector: the LR never rose above a few percent of its configured value",
+    "warmup_missing": "StallDetector: a transformer at its full LR from step 0 rewrote far too much a step",
     "sorted_labels": "StallDetector: batches came one class at a time (a loader sorted by class)",
     "weight_decay_collapse": "StallDetector: weight decay outweighed the gradient, shrank most layers 10x+",
     "fp16_headroom_low": "under 16-mixed, a block's output came within a few bits of float16's overflow",
@@ -100,6 +101,7 @@ ALERT_KINDS: dict[str, str] = {
     "adam_epsilon_dominates": "Adam's eps outweighs a layer's typical sqrt(v_hat) (OptimizerMonitor)",
     "update_ratio_outlier": "a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",
     "adam_step_too_large": "an Adam entry moved far more than lr allows: beta2 <= beta1^2 (OptimizerMonitor)",
+    "parameters_not_in_optimizer": "trainable parameters got a gradient but no optimizer holds them",
     "update_ratio_high": "the update/weight ratio stayed far above ~1e-3: LR too high (GradientNormLogger)",
 }
 

@@ -3,6 +3,8 @@
 Every gradguard chart is written at the step Lightning logs its own training metrics at
 (:func:`log_step`), on Lightning's rule ``(step + 1) % every == 0`` plus the first step
 (:func:`on_logging_step`), with ``every`` from :func:`logging_interval` (``0``: never, as in Lightning).
+A detection rule checks on the same rule after a dense start (:func:`check_due`): a fault visible at step 0
+is named within a few steps, not at the cadence's third check.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["log_step", "logging_interval", "on_logging_step", "optimizer_index"]
+__all__ = ["DENSE_STEPS", "check_due", "log_step", "logging_interval", "on_logging_step", "optimizer_index"]
+
+#: the steps every detection rule checks at the start of a run (``dense_steps``' default)
+DENSE_STEPS = 5
 
 
 def log_step(trainer: pl.Trainer) -> int:
@@ -45,6 +50,12 @@ def on_logging_step(at: int, every: int) -> bool:
     first point shows whether the run starts in a healthy range.
     """
     return every > 0 and (at == 0 or (at + 1) % every == 0)
+
+
+def check_due(at: int, every: int, dense: int) -> bool:
+    """Whether logging step ``at`` is a detection check: every step below ``dense``, then Lightning's rule
+    (``(at + 1) % every == 0``) plus step 0; ``every=0`` leaves the dense start alone."""
+    return at < dense or on_logging_step(at, every)
 
 
 def optimizer_index(trainer: pl.Trainer, optimizer: Any) -> int:

@@ -1,8 +1,11 @@
-"""Changing a run's learning rate so that it sticks, and reading the weight decay it applies.
+"""Changing a run's learning rate so that it sticks, and reading what the optimizer does with a gradient.
 
 :func:`rescale_learning_rates` changes every param group and every scheduler's base LRs;
 :func:`decoupled_decay_groups` says which param groups shrink their weights by ``lr * weight_decay`` a step
-apart from the gradient (the monitors that judge a step's size must not read that as the LR's doing).
+apart from the gradient (the monitors that judge a step's size must not read that as the LR's doing);
+:func:`adaptive_eps` says whether the step is normalised by the gradient's own running size (Adam and its
+family): then the gradient's scale does not set the update, down to ``eps``; :func:`clip_setting` how the
+Trainer clips the gradient before the step.
 
 A PyTorch LR scheduler recomputes the LR on every step, either from its ``base_lrs`` (closed forms such as
 ``LambdaLR``) or from the group's current ``lr`` (chainable forms such as ``StepLR``), and keeps its
@@ -14,12 +17,16 @@ same rescaling with the inverse function puts it back.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
-__all__ = ["decoupled_decay_groups", "rescale_learning_rates"]
+from lightning_gradguard.functional.clipping import clipping_norm_type
+
+__all__ = ["ClipSetting", "adaptive_eps", "clip_setting", "decoupled_decay_groups", "rescale_learning_rates"]
 
 #: scheduler bookkeeping kept in param groups, rescaled with ``lr``
 _GROUP_KEYS = ("initial_lr", "max_lr", "min_lr")
@@ -65,3 +72,46 @@ def decoupled_decay_groups(optimizer: Any) -> list[dict[str, Any]]:
         and decay > 0
         and (always or group.get("decoupled_weight_decay") is True)
     ]
+
+
+#: optimizers that divide each entry's step by a running RMS of its gradient, without Adam's ``betas``
+_ADAPTIVE = (torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
+
+
+def adaptive_eps(optimizer: Any) -> float | None:
+    """The ``eps`` of an optimizer whose step divides each entry by a running RMS of its own gradient
+    (Adam, AdamW, NAdam, RAdam, Adamax, RMSprop, Adagrad, Adadelta, and any optimizer whose groups hold
+    Adam's ``betas`` and a numeric ``eps``); ``None`` for SGD-like optimizers, whose step is the gradient's
+    scale. Under an adaptive optimizer a gradient 1000x smaller moves the weights as far, as long as its
+    entries stay well above ``eps``: rules about the gradient's raw magnitude do not apply. The largest
+    ``eps`` of the groups."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    eps = [
+        float(g["eps"])
+        for g in getattr(opt, "param_groups", [])
+        if isinstance(g.get("eps"), (int, float)) and not isinstance(g.get("eps"), bool)
+    ]
+    adaptive = isinstance(opt, _ADAPTIVE) or any("betas" in g for g in getattr(opt, "param_groups", []))
+    return max(eps) if adaptive and eps else None
+
+
+@dataclass(frozen=True)
+class ClipSetting:
+    """How the Trainer clips gradients: ``gradient_clip_val`` and the norm that decides clipping."""
+
+    value: float
+    norm_type: float
+
+
+def clip_setting(trainer: pl.Trainer) -> ClipSetting | None:
+    """The Trainer's gradient clipping, or ``None`` when it does not clip.
+
+    Lightning clips only in automatic optimization, and only for a ``gradient_clip_val`` above 0. Clipping
+    by norm rescales the gradient when its total 2-norm exceeds the value; clipping by value changes it
+    when some entry's magnitude does, which is when the infinity norm exceeds the value.
+    """
+    val = trainer.gradient_clip_val
+    if val is None or float(val) <= 0 or not trainer.lightning_module.automatic_optimization:
+        return None
+    algorithm = GradClipAlgorithmType(getattr(trainer, "gradient_clip_algorithm", None) or "norm")
+    return ClipSetting(value=float(val), norm_type=clipping_norm_type(algorithm.value))

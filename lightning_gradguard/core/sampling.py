@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.compile import Uncompiled
+from lightning_gradguard.core.progress import LossProgress
 
 __all__ = ["NextCall", "SamplingMonitor", "ScopedHooks"]
 
@@ -145,6 +146,8 @@ class SamplingMonitor(GradGuardCallback):
 
     def __init__(self, action: str = "warn", cooldown_steps: int = DEFAULT_COOLDOWN_STEPS) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
+        #: the sampled steps' losses (the monitor reads them in its transfer): is the run learning?
+        self.progress = LossProgress()
         self._forget_sample()
 
     # ------------------------------------------------------------------ what a monitor defines
@@ -165,6 +168,7 @@ class SamplingMonitor(GradGuardCallback):
         self._capture: ScopedHooks | None = None
         self._sampled_at: tuple[int, int] | None = None  # (global_step, log step) of the open sample
         self._stepped = False  # on_before_optimizer_step fired during this batch
+        self.progress.clear()
 
     @guarded
     def _end_step(self, trainer: pl.Trainer) -> None:
@@ -194,6 +198,8 @@ class SamplingMonitor(GradGuardCallback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
+        if self.fresh_run(trainer):
+            self.progress = LossProgress()
         self._forget_sample()
 
     @override
@@ -211,6 +217,8 @@ class SamplingMonitor(GradGuardCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._capture is not None:  # manual optimization: backward and later forwards run in training_step
             self._close_scope(trainer)
+        if self._sampled_at is not None:
+            self.progress.add(loss)
 
     @override
     def on_before_optimizer_step(
@@ -243,3 +251,12 @@ class SamplingMonitor(GradGuardCallback):
     ) -> None:
         self._close_scope(trainer)
         self._forget_sample()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "progress": self.progress.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.progress.load_state_dict(state_dict.get("progress", {}))

@@ -148,7 +148,7 @@ def test_every_value_equals_a_brute_force_computation(
     )
     logger, brute = MemoryLogger(), Brute()
     with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
-        make_trainer([brute, OptimizerMonitor(log_every_n_steps=3)], logger).fit(
+        make_trainer([brute, OptimizerMonitor(log_every_n_steps=3, dense_steps=0)], logger).fit(
             Model(make_opt, groups=True), random_loader(n=80)
         )
     steps = sorted(s for s, m in logger.calls if "optimizer/step_size/total" in m)

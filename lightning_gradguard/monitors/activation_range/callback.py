@@ -198,7 +198,7 @@ class ActivationRangeMonitor(SamplingMonitor):
                 f"ActivationRangeMonitor could not measure an output ({type(capture.error).__name__}: "
                 f"{capture.error}); the sampled steps where that happens are skipped.",
             )
-        reading = read_capture(trainer, capture)  # under DDP on every rank alike
+        reading = read_capture(trainer, capture, self.progress.take(trainer))  # on every rank alike
         if reading is None:
             warn_once(
                 trainer,
@@ -212,6 +212,11 @@ class ActivationRangeMonitor(SamplingMonitor):
     def _judge(self, trainer: pl.Trainer, at: tuple[int, int], reading: CaptureReading) -> None:
         step, x = at
         ranges, peaks, entropies = reading.ranges, reading.max_logits, reading.entropies
+        self.progress.note(reading.loss)
+        # attention that sharpens in a run that learns is what it learned (a copy task's one-hot
+        # cross-attention), not a collapse: the attention rules judge a run that is not learning, and
+        # step 0, where a one-hot attention can only come from the initialization
+        attention = step == 0 or not self.progress.learning()
         self.sampled_steps += 1
         self.ranges, self.max_logits, self.entropies = ranges, peaks, entropies
         if self._cadence(trainer)[1]:
@@ -219,12 +224,13 @@ class ActivationRangeMonitor(SamplingMonitor):
         findings = []
         if str(trainer.precision) in FP16_PRECISIONS:  # bf16 and float32 have float32's range
             findings.append(headroom_verdict(ranges, self.min_headroom_bits, str(trainer.precision)))
-        if peaks:
+        if peaks and attention:
             findings.append(
                 logit_verdict(self._history, peaks, self.max_attention_logit, self.logit_growth_factor)
             )
+        if peaks:
             self._history = [*self._history, max(peaks.values(), key=_order)][-self.growth_window :]
-        if entropies and self.min_attention_entropy is not None:
+        if entropies and self.min_attention_entropy is not None and attention:
             starts = self._entropy_starts
             findings.append(entropy_verdict(entropies, peaks, self.min_attention_entropy, step, starts))
         for name, e in entropies.items():

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -247,6 +247,7 @@ class CaptureReading:
     ranges: dict[str, BlockRange] = field(default_factory=dict)
     max_logits: dict[str, float] = field(default_factory=dict)
     entropies: dict[str, AttentionEntropy] = field(default_factory=dict)
+    loss: float | None = None  # the step's mean loss over the ranks, when it was read
 
 
 def _summed_entropy(calls: list[Tensor]) -> Tensor:
@@ -267,8 +268,11 @@ def _same_layout(trainer: pl.Trainer, layout: str) -> bool:
     return int(check[0]) == -int(check[1])
 
 
-def read_capture(trainer: pl.Trainer, capture: RangeCapture) -> CaptureReading | None:
-    """What ``capture`` recorded, pooled over every rank, on the host (call it on every rank alike).
+def read_capture(
+    trainer: pl.Trainer, capture: RangeCapture, loss: Tensor | None = None
+) -> CaptureReading | None:
+    """What ``capture`` recorded, pooled over every rank, on the host (call it on every rank alike), with
+    the step's ``loss`` (its mean over the ranks; every rank passes one or none alike).
 
     One device -> host transfer. Under DDP, first one small collective compares the ranks' layouts (an
     all-reduce of different layouts would mix blocks or hang: ``None`` on every rank when they differ),
@@ -294,8 +298,11 @@ def read_capture(trainer: pl.Trainer, capture: RangeCapture) -> CaptureReading |
             transfer.add((kind, key), rows)
     for key, sums in entropy.items():
         transfer.add(("e", key), sums)
+    if loss is not None:
+        transfer.add("loss", loss, reduce="mean")
     host = transfer.fetch(trainer, reduce_op="sum")  # the one device -> host transfer of the step
-    return _pooled(host, moments, logits, entropy)
+    reading = _pooled(host, moments, logits, entropy)
+    return replace(reading, loss=float(host["loss"]) if loss is not None else None)
 
 
 def _pooled(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
@@ -174,16 +175,21 @@ class DeadReLUMonitor(SamplingMonitor):
                 f"{capture.error}); the sampled steps where that happens are skipped.",
             )
         records = capture.records if capture.error is None else {}  # a partial capture is no sample
+        loss = self.progress.take(trainer)
         if records or trainer.world_size > 1:
-            self._flush(trainer, records, sampled_at)
+            self._flush(trainer, records, sampled_at, loss)
         if self._following:
             self._following = False
             self._follow_left = max(self._follow_left - 1, 0)
 
     def _flush(
-        self, trainer: pl.Trainer, records: dict[str, UnitCounts], sampled_at: tuple[int, int]
+        self,
+        trainer: pl.Trainer,
+        records: dict[str, UnitCounts],
+        sampled_at: tuple[int, int],
+        loss: Tensor | None,
     ) -> None:
-        summed = sum_counts(trainer, records)
+        summed = sum_counts(trainer, records, loss)
         if not summed.agreed:
             warn_once(
                 trainer,
@@ -194,14 +200,20 @@ class DeadReLUMonitor(SamplingMonitor):
         if not summed.records:
             return
         self.sampled_batches += 1
+        self.progress.note(summed.loss)
         limits = (self.threshold, self.saturation_threshold, self.patience)
         verdict = self._windows.update(summed.records, *limits)
         self.dead_fractions.update(verdict.dead_fractions)
         self.saturated_fractions.update(verdict.saturated_fractions)
         step, at = sampled_at
+        # units that stopped firing in a run whose loss fell to half its start and holds there cost it
+        # nothing it needed (a RegNet's 4-unit squeeze-excitation gate): dead units harm a run that does
+        # not learn, and one that learned and then diverges
+        learning = self.progress.learning()
         alerts = [
             self.report(trainer, f.kind, f.severity, f.where, f.message, f.hint, f.data, step=step)
             for f in verdict.findings
+            if not (learning and f.kind == "dead_relu")
         ]
         logging_on = logging_interval(trainer) > 0  # Trainer(log_every_n_steps=0): detection only
         scalars = cap_scalars(self.layers, verdict.scalars, DEAD_RELU.name)

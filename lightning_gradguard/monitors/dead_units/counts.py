@@ -22,6 +22,7 @@ from lightning_gradguard.monitors.dead_units.windows import UnitCounts
 __all__ = ["SummedCounts", "sum_counts"]
 
 _SAMPLES = ("samples",)  # the transfer key of the values-per-unit numbers (layer keys are strings)
+_LOSS = ("loss",)  # the transfer key of the step's loss
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,14 @@ class SummedCounts:
 
     agreed: bool
     records: dict[str, UnitCounts] = field(default_factory=dict)
+    loss: float | None = None  # the step's mean loss over the ranks, when it was read
 
 
-def sum_counts(trainer: pl.Trainer, records: dict[str, UnitCounts]) -> SummedCounts:
-    """``records`` summed over every rank, on the host (call it on every rank at the same point)."""
+def sum_counts(
+    trainer: pl.Trainer, records: dict[str, UnitCounts], loss: torch.Tensor | None = None
+) -> SummedCounts:
+    """``records`` summed over every rank, on the host (call it on every rank at the same point), with the
+    step's ``loss`` (its mean over the ranks; every rank passes one or none alike)."""
     device = next(iter(records.values())).counts.device if records else trainer.strategy.root_device
     if trainer.world_size > 1:
         sig = zlib.crc32(
@@ -49,10 +54,14 @@ def sum_counts(trainer: pl.Trainer, records: dict[str, UnitCounts]) -> SummedCou
     for key, record in records.items():
         transfer.add(key, record.counts)
     transfer.add(_SAMPLES, torch.tensor([float(r.samples) for r in records.values()], device=device))
+    if loss is not None:
+        transfer.add(_LOSS, loss.to(device), reduce="mean")
     host = transfer.fetch(trainer, reduce_op="sum")  # the one device -> host transfer of this step
     samples = host.pop(_SAMPLES).tolist()
+    mean_loss = float(host.pop(_LOSS)) if loss is not None else None
     return SummedCounts(
         agreed=True,
+        loss=mean_loss,
         records={
             key: UnitCounts(saturation=r.saturation, counts=host[key], samples=n)
             for (key, r), n in zip(records.items(), samples, strict=True)

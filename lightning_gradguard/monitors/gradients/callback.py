@@ -25,6 +25,7 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.lr import ClipSetting, adaptive_eps, clip_setting
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.state import trainer_state, warn_once
 from lightning_gradguard.core.stats import step_stats
@@ -35,11 +36,9 @@ from lightning_gradguard.monitors.gradients.clipping import clip_verdict
 from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
 from lightning_gradguard.monitors.gradients.norms import (
     ClipRing,
-    ClipSetting,
     NormReading,
     NormSample,
     NormSpec,
-    clip_setting,
     parse_norm_type,
     select_reading,
 )
@@ -346,7 +345,10 @@ class GradientNormLogger(GradGuardCallback):
         if last is not None:
             _emit.log_scalars(trainer, metrics, last[0])
         step = last[1] if last is not None else self._clip_check_step
-        if (f := clip_verdict(s, clip.value, clip.norm_type, self.clip_window)) is not None:
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None  # clipping: automatic optimization
+        adaptive = adaptive_eps(optimizer) is not None
+        name = type(getattr(optimizer, "optimizer", optimizer)).__name__ if adaptive else None
+        if (f := clip_verdict(s, clip.value, clip.norm_type, self.clip_window, name)) is not None:
             self.report(trainer, f.kind, f.severity, None, f.message, f.hint, f.data, step=step)
 
     # ------------------------------------------------------------------ state

@@ -27,9 +27,16 @@ class ClipFinding:
     data: dict[str, float]
 
 
-def clip_verdict(s: ClipWindowStats, clip_val: float, norm_type: float, window: int) -> ClipFinding | None:
+def clip_verdict(
+    s: ClipWindowStats, clip_val: float, norm_type: float, window: int, adaptive: str | None = None
+) -> ClipFinding | None:
     """Whether ``gradient_clip_val`` clips nearly every step (it slows learning) or never comes near a
-    norm of a full window (it guards nothing); ``None`` when it does its job."""
+    norm of a full window (it guards nothing); ``None`` when it does its job.
+
+    ``adaptive``: the name of an adaptive optimizer (Adam and its family) the clipped gradient goes to.
+    Its step does not scale with the gradient, so a clip on every step does not slow it down: the usual
+    ``gradient_clip_val=1.0`` of transformer recipes clips nearly every step of a small model, and that is
+    an INFO line, not a warning."""
     n, fraction, suggested = s.steps, s.fraction_clipped, s.suggested
     what, by = ("norm", "") if norm_type == 2.0 else ("largest |g|", " (clipping by value)")
     setting = f"gradient_clip_val={clip_val:g}{by}"
@@ -44,6 +51,13 @@ def clip_verdict(s: ClipWindowStats, clip_val: float, norm_type: float, window: 
             f"The threshold is below the typical gradient {what}, which slows learning. Clip only the "
             f"outliers: try gradient_clip_val={suggested:g} (90th percentile of recent values)."
         )
+        if adaptive is not None:
+            hint = (
+                f"{adaptive} divides each step by the gradient's running size, so clipping every step does "
+                "not slow it: it normalises the gradient and weighs the steps alike. To clip only the "
+                f"outliers, try gradient_clip_val={suggested:g} (90th percentile of recent values)."
+            )
+            return ClipFinding("clipping_always_active", "info", message, hint, data)
         return ClipFinding("clipping_always_active", "warning", message, hint, data)
     if n >= window and fraction == 0.0 and s.largest < clip_val / 10:
         message = f"{setting} never fired in {n} steps; the largest pre-clip {what} was {s.largest:.3g}."

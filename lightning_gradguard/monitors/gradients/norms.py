@@ -1,13 +1,14 @@
 """What the gradient-norm log stands on: the Trainer's clipping, and the norms of one step read once.
 
-:func:`clip_setting` says how the Trainer clips gradients (and so which norm decides whether a step is
-clipped); :class:`ClipRing` keeps the recent pre-clip norms on the device. A :class:`NormSample` is taken
-in ``on_before_optimizer_step`` from the shared :class:`~lightning_gradguard.core.stats.StepStats`
-(grouped gradient and weight norms, the step's shared update sample, histograms): nothing is read back
-there. After ``optimizer.step()`` (``on_train_batch_end``) :meth:`NormSample.queue` queues everything,
-the update norms included, on a :class:`~lightning_gradguard.core.transfer.HostTransfer`, which the caller
-fetches once for all its samples; :meth:`NormSample.read` turns the host values into a
-:class:`NormReading`, and :func:`select_reading` into the scalars of the layers shown.
+:func:`~lightning_gradguard.core.lr.clip_setting` says how the Trainer clips gradients (and so which norm
+decides whether a step is clipped); :class:`ClipRing` keeps the recent pre-clip norms on the device. A
+:class:`NormSample` is taken in ``on_before_optimizer_step`` from the shared
+:class:`~lightning_gradguard.core.stats.StepStats` (grouped gradient and weight norms, the step's shared
+update sample, histograms): nothing is read back there. After ``optimizer.step()``
+(``on_train_batch_end``) :meth:`NormSample.queue` queues everything, the update norms included, on a
+:class:`~lightning_gradguard.core.transfer.HostTransfer`, which the caller fetches once for all its
+samples; :meth:`NormSample.read` turns the host values into a :class:`NormReading`, and
+:func:`select_reading` into the scalars of the layers shown.
 """
 
 from __future__ import annotations
@@ -17,16 +18,14 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.sharding import PendingNorms, world_size
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.functional.clipping import clipping_norm_type, push_norm
+from lightning_gradguard.functional.clipping import push_norm
 from lightning_gradguard.functional.layers import log_distance_scores
 from lightning_gradguard.functional.stats import (
     device_histograms,
@@ -46,12 +45,10 @@ from lightning_gradguard.tags import (
 
 __all__ = [
     "ClipRing",
-    "ClipSetting",
     "HistogramRows",
     "NormReading",
     "NormSample",
     "NormSpec",
-    "clip_setting",
     "parse_norm_type",
     "select_reading",
 ]
@@ -70,28 +67,6 @@ def parse_norm_type(norm_type: Any) -> float:
     if value not in (2.0, math.inf):
         raise ValueError(f"`norm_type` must be 2 or 'inf'; got {norm_type!r}")
     return value
-
-
-@dataclass(frozen=True)
-class ClipSetting:
-    """How the Trainer clips gradients: ``gradient_clip_val`` and the norm that decides clipping."""
-
-    value: float
-    norm_type: float
-
-
-def clip_setting(trainer: pl.Trainer) -> ClipSetting | None:
-    """The Trainer's gradient clipping, or ``None`` when it does not clip.
-
-    Lightning clips only in automatic optimization, and only for a ``gradient_clip_val`` above 0. Clipping
-    by norm rescales the gradient when its total 2-norm exceeds the value; clipping by value changes it
-    when some entry's magnitude does, which is when the infinity norm exceeds the value.
-    """
-    val = trainer.gradient_clip_val
-    if val is None or float(val) <= 0 or not trainer.lightning_module.automatic_optimization:
-        return None
-    algorithm = GradClipAlgorithmType(getattr(trainer, "gradient_clip_algorithm", None) or "norm")
-    return ClipSetting(value=float(val), norm_type=clipping_norm_type(algorithm.value))
 
 
 class ClipRing:

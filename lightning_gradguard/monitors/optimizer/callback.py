@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
-from lightning_gradguard.core.cadence import log_step, logging_interval, optimizer_index
+from lightning_gradguard.core.cadence import DENSE_STEPS, log_step, logging_interval, optimizer_index
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import SKIP_CAUSES
@@ -39,6 +39,7 @@ from lightning_gradguard.monitors.optimizer.rules import (
     OptimizerFinding,
     adam_step_finding,
     epsilon_finding,
+    orphans_finding,
     outlier_finding,
 )
 from lightning_gradguard.monitors.optimizer.sample import (
@@ -99,7 +100,10 @@ class OptimizerMonitor(GradGuardCallback):
 
     Args:
         log_every_n_steps: log every this many optimizer steps (default: the Trainer's; ``0``: no
-            logging, the rules are still checked every 100 steps).
+            logging, the rules are still checked every 100 steps). The rules are checked on these steps
+            and, at the start, on every step below ``dense_steps``.
+        dense_steps: check every step while the step is below this (an ``eps`` that dominates from
+            step 0 is named within a few steps, not at the third logging step).
         epsilon_ratio: ``adam_epsilon_dominates`` when the RMS of ``sqrt(v_hat)`` is below this times
             ``eps``.
         outlier_factor: ``update_ratio_outlier`` beyond this factor from the median layer's ratio.
@@ -127,6 +131,7 @@ class OptimizerMonitor(GradGuardCallback):
     def __init__(
         self,
         log_every_n_steps: int | None = None,
+        dense_steps: int = DENSE_STEPS,
         epsilon_ratio: float = 1.0,
         outlier_factor: float = 300.0,
         max_adam_step: float = 10.0,
@@ -140,6 +145,7 @@ class OptimizerMonitor(GradGuardCallback):
         self.log_every_n_steps: int | None = check_int(
             "log_every_n_steps", log_every_n_steps, 0, allow_none=True
         )
+        self.dense_steps: int = check_int("dense_steps", dense_steps, 0)
         self.epsilon_ratio: float = check_float("epsilon_ratio", epsilon_ratio, 0.0, low_open=True)
         self.outlier_factor: float = check_float("outlier_factor", outlier_factor, 1.0, low_open=True)
         self.max_adam_step: float = check_float("max_adam_step", max_adam_step, 1.0, low_open=True)
@@ -155,6 +161,7 @@ class OptimizerMonitor(GradGuardCallback):
         self._shared: dict[str, int] = {}  # the Trainer's shared counts (``core.state``), live
         self.last_logged: dict[str, float] = {}
         self._rank_zero, self._every, self._scaler_on = True, 0, False  # fixed per fit (on_train_start)
+        self._held_checked = False  # the parameters an optimizer holds were checked in this fit
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -176,6 +183,7 @@ class OptimizerMonitor(GradGuardCallback):
         """Fix what every step's cadence test reads: whether this rank measures (loggers are rank-zero only;
         DDP's gradients agree across ranks), the logging interval, whether a GradScaler can skip steps."""
         self._rank_zero = trainer.is_global_zero
+        self._held_checked = False
         self._every = logging_interval(trainer, self.log_every_n_steps)
         self._scaler_on = active_scaler(trainer) is not None
 
@@ -191,7 +199,7 @@ class OptimizerMonitor(GradGuardCallback):
         logged = every > 0 and (at == 0 or (at + 1) % every == 0)  # Lightning's rule, plus step 0
         if logged:
             self._counters_at = at
-        if logged or (every == 0 and at % _CHECK_EVERY == 0):
+        if logged or at < self.dense_steps or (every == 0 and at % _CHECK_EVERY == 0):
             self._measure(trainer, pl_module, optimizer, at, logged)
 
     @guarded
@@ -205,6 +213,9 @@ class OptimizerMonitor(GradGuardCallback):
         stats = step_stats(trainer, pl_module, optimizer)
         if not stats.params:
             return
+        if not self._held_checked:  # the first measured step of the fit: every parameter has its gradient
+            self._held_checked = True
+            self._check_held(trainer, pl_module)
         suffix = f"_opt{optimizer_index(trainer, optimizer)}" if len(trainer.optimizers) > 1 else ""
         sample, skips = OptimizerSample(stats, optimizer), sum(self._shared.values())
         self._pending.append(_Pending(at, suffix, sample, logged, skips))
@@ -243,7 +254,9 @@ class OptimizerMonitor(GradGuardCallback):
             if p.logged:
                 metrics.update(reading_scalars(reading, self.layers, p.suffix))
             if sum(self._shared.values()) == p.skips:  # a dropped or rolled-back update is no step to judge
-                self._judge(trainer, reading, p.suffix)
+                # the dense start judges the optimizer's settings (eps, Adam's step bound), visible from
+                # step 0; how layers' update ratios compare settles only after the first steps
+                self._judge(trainer, reading, p.suffix, layers=p.logged or p.at >= self.dense_steps)
         if counters_at is not None:
             scaler = host.get("grad_scaler")
             counts = self._skip_counts(float(scaler[0]) if scaler is not None else 0.0)
@@ -275,14 +288,40 @@ class OptimizerMonitor(GradGuardCallback):
         self._strikes[rule + suffix] = new = {layer: old.get(layer, 0) + 1 for layer in found}
         return {layer: n for layer, n in new.items() if n >= self.patience}
 
-    def _judge(self, trainer: pl.Trainer, reading: OptimizerReading, suffix: str) -> None:
-        m, graded = reading.moments, reading.graded
+    def _judge(self, trainer: pl.Trainer, reading: OptimizerReading, suffix: str, layers: bool) -> None:
+        m = reading.moments
         rms = self.layers.keep(m.exp_avg_sq_rms)
         dominated = {k for k, v in rms.items() if epsilon_dominated(v, m.eps[k], self.epsilon_ratio)}
         findings = [
             epsilon_finding(layer, rms[layer], m.eps[layer], n)
             for layer, n in self._strike("epsilon", suffix, dominated).items()
         ]
+        if layers:
+            findings += self._outliers(reading, suffix)
+        findings += self._adam_steps(reading)
+        for f in findings:
+            # the Adam step is the optimizer's setting: one cooldown whichever layer went furthest
+            key = f"{f.kind}{suffix}" if f.kind == "adam_step_too_large" else None
+            self.report(trainer, f.kind, "warning", f.layer, f.message, f.hint, f.data, reading.step, key)
+
+    def _check_held(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``parameters_not_in_optimizer``: trainable parameters that got a gradient but that no optimizer
+        holds (a head replaced after ``configure_optimizers``, a module added in a hook): they never
+        train. One loop over the parameters, once per fit."""
+        held = {id(p) for o in trainer.optimizers for g in o.param_groups for p in g["params"]}
+        orphans = {
+            n: p.numel()
+            for n, p in pl_module.named_parameters()
+            if p.requires_grad and p.grad is not None and id(p) not in held
+        }
+        if orphans:
+            f = orphans_finding(orphans, sum(p.numel() for p in pl_module.parameters()))
+            self.report(trainer, f.kind, "warning", f.layer, f.message, f.hint, f.data, log_step(trainer))
+
+    def _outliers(self, reading: OptimizerReading, suffix: str) -> list[OptimizerFinding]:
+        """``update_ratio_outlier`` for the layers beyond ``outlier_factor`` of the median layer's ratio on
+        ``patience`` checks in a row."""
+        graded = reading.graded
         ratios = {k: v for k, v in self.layers.keep(reading.geometry.update_ratio).items() if k in graded}
         median, outliers = ratio_outliers(ratios, self.outlier_factor)
         # a layer whose weights were exactly 0 (MultiheadAttention's in_proj_bias, LoRA's B) moves by ~1/t of
@@ -290,15 +329,10 @@ class OptimizerMonitor(GradGuardCallback):
         born = self._born_zero.setdefault(suffix, set())
         born |= {k for k in graded if k not in reading.geometry.update_ratio}  # weight norm 0 before the step
         outliers = {k: x for k, x in outliers.items() if x < 1.0 or k not in born}
-        findings += [
+        return [
             outlier_finding(layer, ratios[layer], median, self.outlier_factor, n)
             for layer, n in self._strike("outlier", suffix, set(outliers)).items()
         ]
-        findings += self._adam_steps(reading)
-        for f in findings:
-            # the Adam step is the optimizer's setting: one cooldown whichever layer went furthest
-            key = f"{f.kind}{suffix}" if f.kind == "adam_step_too_large" else None
-            self.report(trainer, f.kind, "warning", f.layer, f.message, f.hint, f.data, reading.step, key)
 
     def _adam_steps(self, reading: OptimizerReading) -> list[OptimizerFinding]:
         """One finding for the layer whose Adam step went furthest past its limit (a setting, not a layer,

@@ -16,14 +16,16 @@ from typing import Literal
 
 from lightning_gradguard.monitors.optimizer.sample import AdamStep
 
-__all__ = ["OptimizerFinding", "adam_step_finding", "epsilon_finding", "outlier_finding"]
+__all__ = ["OptimizerFinding", "adam_step_finding", "epsilon_finding", "orphans_finding", "outlier_finding"]
 
 
 @dataclass(frozen=True)
 class OptimizerFinding:
     """A finding of one of the rules, in words (always a warning)."""
 
-    kind: Literal["adam_epsilon_dominates", "update_ratio_outlier", "adam_step_too_large"]
+    kind: Literal[
+        "adam_epsilon_dominates", "update_ratio_outlier", "adam_step_too_large", "parameters_not_in_optimizer"
+    ]
     layer: str
     message: str
     hint: str
@@ -43,6 +45,25 @@ def epsilon_finding(layer: str, rms: float, eps: float, checks: int) -> Optimize
         "optimizer states), or fix the gradient's scale: a loss that is divided down, a vanishing signal "
         "upstream (see grad_norm/<layer>).",
         {"rms_sqrt_v_hat": rms, "eps": eps, "checks": float(checks)},
+    )
+
+
+def orphans_finding(orphans: dict[str, int], total: int) -> OptimizerFinding:
+    """Trainable parameters with a gradient that no optimizer holds (name -> entries)."""
+    names = sorted(orphans)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    entries = sum(orphans.values())
+    modules = sorted({n.rsplit(".", 1)[0] for n in names})
+    return OptimizerFinding(
+        "parameters_not_in_optimizer",
+        modules[0] if len(modules) == 1 else "parameters",
+        f"{len(names)} trainable parameter tensor{'s' if len(names) > 1 else ''} ({entries:,} entries, "
+        f"{entries / max(total, 1):.1%} of the model) got a gradient but no optimizer holds them, so they "
+        f"never change: {shown}.",
+        "They were created or replaced after configure_optimizers built the optimizer (a new head set in "
+        "on_train_start or a callback, a module added later). Build the model completely before "
+        "configure_optimizers, or add them to the optimizer (optimizer.add_param_group).",
+        {"tensors": float(len(names)), "entries": float(entries), "share": entries / max(total, 1)},
     )
 
 

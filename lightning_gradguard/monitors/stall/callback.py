@@ -20,11 +20,13 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
-from lightning_gradguard.core.cadence import log_step, optimizer_index
+from lightning_gradguard.core.cadence import DENSE_STEPS, check_due, log_step, optimizer_index
+from lightning_gradguard.core.lr import adaptive_eps
 from lightning_gradguard.core.skips import skipped_updates
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.validate import check_float, check_int
@@ -64,7 +66,9 @@ class StallDetector(GradGuardCallback):
 
     Args:
         check_every_n_steps: take a check every this many optimizer steps (Lightning's logging rule:
-            ``(step + 1) % n == 0``, and step 0).
+            ``(step + 1) % n == 0``, and step 0), after the dense start.
+        dense_steps: check every step while the step is below this (a fault visible at step 0, a clip
+            that shrinks every update or weights that never move, is named within a few steps).
         patience: consecutive checks a condition must hold.
         warmup_steps: no ``chance_level`` / ``loss_plateau`` verdict before this step.
         num_classes: the number of classes, for the chance level when the targets cannot be read from
@@ -96,6 +100,7 @@ class StallDetector(GradGuardCallback):
     def __init__(
         self,
         check_every_n_steps: int = 10,
+        dense_steps: int = DENSE_STEPS,
         patience: int = 3,
         warmup_steps: int = 40,
         num_classes: int | None = None,
@@ -109,6 +114,7 @@ class StallDetector(GradGuardCallback):
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
         self.check_every_n_steps: int = check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.dense_steps: int = check_int("dense_steps", dense_steps, 0)
         self.patience: int = check_int("patience", patience, 1)
         self.warmup_steps: int = check_int("warmup_steps", warmup_steps, 0)
         self.num_classes: int | None = check_int("num_classes", num_classes, 2, allow_none=True)
@@ -133,6 +139,8 @@ class StallDetector(GradGuardCallback):
         self._automatic = True
         self._checking = False  # the current optimizer step is a check
         self._low_precision = False  # some trainable weights are 16-bit: the checks measure their rounding
+        self._adaptive = False  # an optimizer divides its step by the gradient's running size
+        self._attention = False  # the model has attention layers
         self._skips_at_check = 0  # updates dropped by callbacks before the check's step
         self._checked_at = -1
         self.last_logged: dict[str, float] = {}
@@ -141,7 +149,7 @@ class StallDetector(GradGuardCallback):
 
     def due(self, step: int) -> bool:
         """Whether logging step ``step`` is a check."""
-        return step == 0 or (step + 1) % self.check_every_n_steps == 0
+        return check_due(step, self.check_every_n_steps, self.dense_steps)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -155,6 +163,8 @@ class StallDetector(GradGuardCallback):
         self.lr_configured = max(self.lr_configured, lr_configured(trainer))  # schedulers exist now
         self._optimizers, self._automatic = trainer.optimizers, pl_module.automatic_optimization
         self._low_precision = has_low_precision(pl_module)  # float32 models: no extra work, ever
+        self._adaptive = any(adaptive_eps(o) is not None for o in trainer.optimizers)
+        self._attention = any(_is_attention(m) for m in pl_module.modules())
 
     # Every step: the LR in use and the loss (a plain read, and one detach); the rest on check steps only.
     @override
@@ -164,7 +174,7 @@ class StallDetector(GradGuardCallback):
         self._lr_used = lr_now(self._optimizers)  # the LR this step will use (a scheduler changes it after)
         self.lr_max = max(self.lr_max, self._lr_used)
         at = log_step(trainer)
-        if (at == 0 or (at + 1) % self.check_every_n_steps == 0) and at != self._checked_at:
+        if check_due(at, self.check_every_n_steps, self.dense_steps) and at != self._checked_at:
             self._note_labels(trainer, batch)  # the labels of every micro-batch of the check's step
 
     @guarded
@@ -176,7 +186,7 @@ class StallDetector(GradGuardCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         at = log_step(trainer)
-        if (at == 0 or (at + 1) % self.check_every_n_steps == 0) and at != self._checked_at:
+        if check_due(at, self.check_every_n_steps, self.dense_steps) and at != self._checked_at:
             self._start_check(trainer, pl_module, optimizer, at)
 
     @guarded
@@ -227,6 +237,8 @@ class StallDetector(GradGuardCallback):
             tokens=reading.tokens,
             rounding=reading.rounding,
             planned_steps=int(planned) if planned != float("inf") else None,
+            adaptive=self._adaptive,
+            attention=self._attention,
         )
         self.last_check = check
         found = self.rules.observe(check)
@@ -279,3 +291,9 @@ def _without_update(reading: StallReading) -> StallReading:
     the drop's, not the run's (every weight unchanged: no update, nothing rounded away), so they are not
     judged; the loss and the labels still are."""
     return replace(reading, update_ratios={}, update_total=None, decay={}, clip_ratio=None, rounding=None)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """An attention layer: ``nn.MultiheadAttention``, or a module whose class is named one (Hugging Face's
+    ``BertSelfAttention``, ``LlamaAttention``, ``ViTAttention``, ...)."""
+    return isinstance(module, nn.MultiheadAttention) or "Attention" in type(module).__name__

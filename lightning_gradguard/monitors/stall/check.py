@@ -70,6 +70,10 @@ class StallRules:
         warmup_lr_fraction: a warm-up that never ends keeps the LR under this share of the configured.
         warmup_lr_steps: with the planned run unknown, the warm-up is judged at this step.
         warmup_min_steps: the earliest step the warm-up is extrapolated from.
+        warmup_ratio: ``warmup_missing`` when, on the dense start's checks, a transformer trained by an
+            adaptive optimizer at (at least half) its configured LR from step 0 rewrites this share of its
+            weights a step (the total update/weight ratio): healthy runs with a warm-up measured 0.013 at
+            most in their first 5 steps, a post-LN BERT at a constant 7e-3 0.05-0.10.
         sorted_purity: a batch is (almost) one class when its largest class holds this share of it (its
             two largest, for a batch on a class boundary).
         sorted_minority: ...and that class is at most this share of the labels seen so far.
@@ -101,6 +105,7 @@ class StallRules:
     warmup_lr_fraction: float = 0.05
     warmup_lr_steps: int = 100
     warmup_min_steps: int = 19
+    warmup_ratio: float = 0.03
     sorted_purity: float = 0.9
     sorted_minority: float = 0.5
     decay_fall: float = 10.0
@@ -153,6 +158,9 @@ class StallCheck:
     decay's part of the update (``lr * weight_decay * ||w||``) and of the rest of it, for the layers an
     optimizer with decoupled decay updates; ``decay_groups``: ``(lr, weight_decay)`` of each param group
     that decays. ``rounding``: the updates of the 16-bit weights (only when the model has some).
+    ``adaptive``: the optimizer divides each step by the gradient's running size (Adam and its family,
+    ``core.lr.adaptive_eps``): the gradient's scale, and so a clip's, does not set its update.
+    ``attention``: the model has attention layers (a transformer).
     """
 
     step: int
@@ -171,6 +179,24 @@ class StallCheck:
     decay: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     decay_groups: Sequence[tuple[float, float]] = ()
     rounding: Rounding | None = None
+    adaptive: bool = False
+    attention: bool = False
+
+    @property
+    def update_ratio_total(self) -> float | None:
+        """``||delta w|| / ||w||`` over every measured layer, the decoupled weight decay's part of the
+        update left out (the layers in ``decay`` count the rest of their update): what the gradient's
+        steps do; ``None`` when not measured."""
+        weights = math.sqrt(sum(w * w for w in self.weight_norms.values()))
+        if self.update_total is None or weights <= 0:
+            return None
+        if not self.decay:
+            return self.update_total / weights
+        moved = sum(
+            (self.decay[k][1] if k in self.decay else self.update_ratios.get(k, 0.0) * w) ** 2
+            for k, w in self.weight_norms.items()
+        )
+        return math.sqrt(moved) / weights
 
 
 @dataclass(frozen=True)
@@ -197,6 +223,7 @@ WHERE: dict[str, str] = {
     "loss_plateau": "training loss",
     "lr_jump": "lr_scheduler",
     "warmup_never_ends": "lr_scheduler",
+    "warmup_missing": "lr_scheduler",
     "sorted_labels": "train_dataloader",
     "weight_decay_collapse": "weight_decay",
     "update_below_precision": "precision",
@@ -297,6 +324,13 @@ HINTS: dict[str, str] = {
         "A schedule bug multiplies the LR: a LambdaLR factor that is not a fraction, a warm-up that "
         "multiplies instead of interpolating, two schedulers on one optimizer, or an LR set by hand in a "
         "hook. Print `optimizer.param_groups[i]['lr']` around the jump."
+    ),
+    "warmup_missing": (
+        "Add a linear warm-up of the learning rate (5-10 % of the steps, e.g. transformers' "
+        '`get_linear_schedule_with_warmup` or a `LambdaLR`, with `"interval": "step"`), or lower the LR. '
+        "Adam's first steps move every entry by about the LR whatever its gradient; a transformer with its "
+        "LayerNorm after the residual (post-LN: BERT, the original Transformer) does not recover from them "
+        "(Xiong et al. 2020), and the loss sits at chance."
     ),
     "warmup_never_ends": (
         "The warm-up is far longer than meant: its length may be in samples or epochs where the scheduler"

@@ -13,7 +13,8 @@ The rules (thresholds in :class:`~lightning_gradguard.monitors.stall.check.Stall
 
 * ``no_update``: the update of every parameter was exactly 0 on ``patience`` checks in a row;
 * ``clipped_updates``: the gradient the optimizer used was ``clip_factor`` times smaller than the raw
-  one on ``patience`` checks in a row;
+  one on ``patience`` checks in a row, under an optimizer whose step scales with the gradient (not Adam
+  and its family, which divide the step by the gradient's running size);
 * ``lr_decayed``: most layers' update ratio fell ``collapse_factor`` times below the highest level it
   reached, for ``patience`` checks and ``collapse_share`` of the steps so far, with the LR down by a
   similar factor within the first quarter of the planned run, and the loss no longer improving;
@@ -35,6 +36,9 @@ The rules (thresholds in :class:`~lightning_gradguard.monitors.stall.check.Stall
   ``plateau_factor`` times its best, or still at its initial level;
 * ``lr_jump``: the LR went past ``lr_jump_factor`` times the highest LR the optimizer was configured
   with (a scheduled group's ``initial_lr`` / ``max_lr``, a ``CyclicLR``'s ``max_lrs``);
+* ``warmup_missing``: a transformer trained by an adaptive optimizer (Adam and its family) at its full LR
+  from step 0, whose first updates rewrite ``warmup_ratio`` of its weights a step, on ``patience`` checks
+  of the dense start;
 * ``warmup_never_ends``: the LR has stayed under ``warmup_lr_fraction`` of the configured LR, and a
   warm-up rising at the pace it kept so far would reach the configured LR only after the planned run
   (judged from ``warmup_min_steps`` on; with the plan unknown, at ``warmup_lr_steps``);
@@ -231,6 +235,7 @@ class StallState:
             self._weight_decay,
             self._lr_jump,
             self._warmup,
+            self._no_warmup,
             self._sorted,
         )
         found = []
@@ -319,7 +324,9 @@ class StallState:
         )
 
     def _clipped(self, c: StallCheck) -> StallFinding | None:
-        shrunk = c.clip_ratio is not None and c.clip_ratio < 1.0 / self.rules.clip_factor
+        # under an adaptive optimizer a gradient clipped 500x moves the weights as far as the raw one (the
+        # usual AdamW + gradient_clip_val=1 of a MobileNetV2 or a small transformer): no finding
+        shrunk = not c.adaptive and c.clip_ratio is not None and c.clip_ratio < 1.0 / self.rules.clip_factor
         if not self._streak("clipped_updates", shrunk) or c.clip_ratio is None:
             return None
         return StallFinding(
@@ -419,6 +426,26 @@ class StallState:
             f"{c.lr_configured:.3g} (highest so far {c.lr_max:.3g}); {ends}.",
             HINTS["warmup_never_ends"],
             {"lr_max": c.lr_max, "lr_configured": c.lr_configured, "share": share, "reach_step": reach},
+        )
+
+    def _no_warmup(self, c: StallCheck) -> StallFinding | None:
+        """A transformer under an adaptive optimizer at its full LR from step 0, whose first updates rewrite
+        ``warmup_ratio`` of the weights a step, on ``patience`` checks of the dense start."""
+        r, ratio = self.rules, c.update_ratio_total
+        if not (c.adaptive and c.attention) or c.step >= r.warmup_min_steps:
+            return None
+        full = c.lr_configured > 0 and c.lr >= 0.5 * c.lr_configured and self.lr_history[0][1] >= 0.5 * c.lr
+        holds = full and ratio is not None and ratio >= r.warmup_ratio
+        if not self._streak("warmup_missing", holds) or ratio is None:
+            return None
+        return StallFinding(
+            "warmup_missing",
+            f"No learning-rate warm-up: the LR is {c.lr:.3g} from step 0 (configured {c.lr_configured:.3g}), "
+            f"and the first updates rewrite {ratio:.1%} of the weights a step (update/weight ratio "
+            f"{ratio:.3g} on {self.streaks['warmup_missing']} checks in a row, step {c.step}; runs with a "
+            f"warm-up start near 0.5 %).",
+            HINTS["warmup_missing"],
+            {"update_ratio": ratio, "lr": c.lr, "lr_configured": c.lr_configured},
         )
 
     def _chance(self, c: StallCheck) -> StallFinding | None:
@@ -576,7 +603,12 @@ class StallState:
         pure = one >= r.sorted_purity and minority(order[0])
         # a batch on a class boundary (two classes) neither adds to the streak nor breaks it
         boundary = (
-            not pure and classes_seen >= 4 and total >= 16 and two >= r.sorted_purity and minority(order[1])
+            not pure
+            and classes_seen >= 4
+            and total >= 16
+            and two >= r.sorted_purity
+            and len(order) > 1
+            and minority(order[1])
         )
         if boundary:
             return None
@@ -602,6 +634,7 @@ _CAUSES = frozenset(
         "updates_collapsed",
         "lr_jump",
         "warmup_never_ends",
+        "warmup_missing",
         "sorted_labels",
         "weight_decay_collapse",
         "update_below_precision",

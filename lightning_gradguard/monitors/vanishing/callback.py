@@ -22,6 +22,8 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.lr import adaptive_eps, clip_setting
+from lightning_gradguard.core.progress import LossProgress
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
@@ -31,6 +33,7 @@ from lightning_gradguard.monitors.vanishing.norms import LayerNorms, read_layer_
 from lightning_gradguard.monitors.vanishing.order import ForwardOrder
 from lightning_gradguard.monitors.vanishing.rules import (
     GradientVerdict,
+    StepContext,
     VerdictRules,
     explain,
     judge,
@@ -155,6 +158,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         self._order_seen = False
         self._last_flow_at: dict[int, int] = {}
         self._embedding_layers: set[str] | None = None  # their gradient rows are mostly 0 on a batch
+        self.progress = LossProgress()  # the checks' losses: a run that has fitted its data is not vanishing
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -189,6 +193,7 @@ class VanishingExplodingDetector(GradGuardCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._watch is not None:
             self._unwatch()
+        self.progress.add(loss)  # a scalar add on the device; read with a check's norms
 
     @override
     def on_train_batch_end(
@@ -214,17 +219,27 @@ class VanishingExplodingDetector(GradGuardCallback):
         at = log_step(trainer)
         if at < self.dense_steps or (at + 1) % self.check_every_n_steps == 0:  # due(at), without the call
             self._check(trainer, pl_module, optimizer)
+        else:
+            self.progress.clear()
 
     @guarded
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """One check: the layer norms in one transfer, judged, alerts and the action."""
-        norms = read_layer_norms(step_stats(trainer, pl_module, optimizer))  # the one transfer of a check
+        loss = self.progress.take(trainer)
+        norms = read_layer_norms(step_stats(trainer, pl_module, optimizer), loss)  # the check's one transfer
         if norms is not None and self.layers.filters:
             norms = watched_norms(norms, self.layers)
         if norms is None:
             return
         opt_idx, rules = optimizer_index(trainer, optimizer), self._rules()
-        verdict = self._judge(pl_module, norms, opt_idx, rules)
+        self.progress.note(norms.loss)
+        context = StepContext(
+            eps=adaptive_eps(optimizer),
+            optimizer=type(getattr(optimizer, "optimizer", optimizer)).__name__,
+            clip=None if (clip := clip_setting(trainer)) is None else clip.value,
+            fitted=self.progress.fitted(),
+        )
+        verdict = self._judge(pl_module, norms, opt_idx, rules, context)
         flags = self._agreed_flags(trainer, verdict, norms.device)
         self.last_check = {
             "step": int(trainer.global_step),
@@ -237,7 +252,7 @@ class VanishingExplodingDetector(GradGuardCallback):
             # are all-reduced, so every rank takes this branch together.)
             return
         self._log_flow(trainer, norms, verdict.flow, opt_idx)
-        alerts = self._strike(trainer, verdict, flags, opt_idx, rules)
+        alerts = self._strike(trainer, verdict, flags, opt_idx, rules, context)
         # a spike does not move the baseline it is measured against, until it has been reported
         adopt = not verdict.spike or self.strikes.get(f"{opt_idx}:exploding_gradient", 0) >= self.patience
         if adopt and verdict.total > 0:
@@ -250,7 +265,12 @@ class VanishingExplodingDetector(GradGuardCallback):
         return VerdictRules(**{f.name: getattr(self, f.name) for f in fields(VerdictRules)})
 
     def _judge(
-        self, pl_module: pl.LightningModule, norms: LayerNorms, opt_idx: int, rules: VerdictRules
+        self,
+        pl_module: pl.LightningModule,
+        norms: LayerNorms,
+        opt_idx: int,
+        rules: VerdictRules,
+        context: StepContext,
     ) -> GradientVerdict:
         """The check's verdict; notes which layers are opening from a zero-initialized weight."""
         if self._embedding_layers is None:
@@ -272,6 +292,7 @@ class VanishingExplodingDetector(GradGuardCallback):
             forward_order=self.forward_order,
             opening=opening.positions if finite else set(),
             embeddings=self._embedding_layers,
+            context=context,
         )
 
     def _agreed_flags(
@@ -294,6 +315,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         flags: list[bool],
         opt_idx: int,
         rules: VerdictRules,
+        context: StepContext,
     ) -> list[Alert]:
         """Count the consecutive checks each condition held; report those that reached ``patience``."""
         alerts: list[Alert] = []
@@ -302,7 +324,7 @@ class VanishingExplodingDetector(GradGuardCallback):
             self.strikes[key] = self.strikes.get(key, 0) + 1 if flag else 0
             if self.strikes[key] < self.patience:
                 continue
-            e = explain(kind, verdict, self.patience, self.history.get(opt_idx, []), rules)
+            e = explain(kind, verdict, self.patience, self.history.get(opt_idx, []), rules, context)
             # one cooldown per optimizer and kind: ``where`` (the top layers) moves from check to check
             step = int(trainer.global_step)
             alert = self.report(
@@ -337,6 +359,7 @@ class VanishingExplodingDetector(GradGuardCallback):
             "forward_order": dict(self.forward_order),
             "opening": dict(self.opening),
             "seen_layers": sorted(self._seen_layers),
+            "progress": self.progress.state_dict(),
         }
 
     @override
@@ -348,3 +371,4 @@ class VanishingExplodingDetector(GradGuardCallback):
         self._order_seen = bool(self.forward_order)
         self.opening = {str(k): float(v) for k, v in state_dict.get("opening", {}).items()}
         self._seen_layers = set(state_dict.get("seen_layers", []))
+        self.progress.load_state_dict(state_dict.get("progress", {}))

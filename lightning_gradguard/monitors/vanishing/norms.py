@@ -32,6 +32,7 @@ class LayerNorms:
     total: float
     numels: list[int]
     device: torch.device
+    loss: float | None = None
 
 
 @functools.lru_cache(maxsize=16)
@@ -45,8 +46,9 @@ def _layer_numels(names: tuple[str, ...], sizes: tuple[int, ...], among: tuple[s
     return tuple(numels)
 
 
-def read_layer_norms(stats: StepStats) -> LayerNorms | None:
-    """The step's per-layer gradient 2-norms and total on the host, in one transfer; ``None`` without any.
+def read_layer_norms(stats: StepStats, loss: torch.Tensor | None = None) -> LayerNorms | None:
+    """The step's per-layer gradient 2-norms and total on the host, with the step's ``loss`` when given, in
+    one transfer; ``None`` without any gradient.
 
     The norms are the shared ones of :class:`~lightning_gradguard.core.stats.StepStats` (no second pass);
     under sharding the transfer combines the ranks' shares (every rank must call this alike).
@@ -57,6 +59,8 @@ def read_layer_norms(stats: StepStats) -> LayerNorms | None:
     transfer = HostTransfer()
     transfer.add_norms("norms", norms)
     transfer.add_norms("total", stats.grad_total(2.0))
+    if loss is not None:
+        transfer.add("loss", loss.reshape(1).to(norms.values.device))
     host = transfer.fetch()  # the one device -> host transfer of this check
     return LayerNorms(
         labels=labels,
@@ -64,6 +68,7 @@ def read_layer_norms(stats: StepStats) -> LayerNorms | None:
         total=float(host["total"]),
         numels=list(_layer_numels(tuple(stats.grad_names), tuple(stats.grad_numels()), tuple(stats.names))),
         device=norms.values.device,
+        loss=float(host["loss"]) if "loss" in host else None,
     )
 
 

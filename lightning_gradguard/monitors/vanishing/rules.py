@@ -5,10 +5,22 @@ Pure functions on host numbers (a handful of per-layer norms already brought to 
 :func:`explain` puts a verdict into words (message, hint, ``where``); :func:`opening_layers` tracks the
 layers behind zero-initialized weights. The rules:
 
+What the optimizer does with the gradient decides which rules apply (:class:`StepContext`): under an
+adaptive optimizer (Adam and its family: each entry's step is divided by its gradient's running RMS) the
+gradient's scale does not set the update, so no rule judges a raw magnitude; under a configured gradient
+clip the clip already bounds the update; and a run whose loss fell to a tenth of its start has fitted its
+data: small gradients are then its success, not a fault.
+
 **Exploding** when at least one of:
 
-* the total norm exceeds ``max_norm`` (the usual red line is 100);
-* after ``warmup_checks`` checks, the total norm is more than ``spike_factor`` times this run's
+* the total norm exceeds ``max_norm`` (the usual red line is 100), unless the Trainer clips the gradient
+  (then the clip is the user's own ceiling on every update: a healthy MobileNetV2 starts at a norm of
+  876 under ``gradient_clip_val=1``). Without a clip it applies under an adaptive optimizer too: a norm
+  that far out without a clip comes from a forward pass out of scale (a deep ReLU net initialised with
+  std 1 starts at 1e9);
+* after ``warmup_checks`` checks and without a gradient clip (a clip bounds the update a one-step spike
+  makes: a healthy ELECTRA under ``gradient_clip_val=1`` had a 66x spike), the total norm is more than
+  ``spike_factor`` times this run's
   current level and more than twice the largest of its last ``history_size`` checked norms (healthy
   runs late in training are heavy-tailed: norms spread over two decades are normal). The level is the
   larger of the median of those norms and the median of the last ``warmup_checks`` of them: the long
@@ -26,6 +38,11 @@ layers behind zero-initialized weights. The rules:
   (``nn.Embedding``, ``nn.EmbeddingBag``) are left out: the rows a batch did not touch have a gradient
   of exactly 0, so their RMS measures the vocabulary size;
 * a layer's norm is below ``relative_floor`` times the largest layer norm of the same step.
+
+Under an adaptive optimizer these three give way to one rule on what its step does: a layer vanishes
+when its RMS gradient is under a tenth of the optimizer's ``eps`` (its steps are then at most 1/11 of
+the learning rate, and shrink with the gradient); LayerScale's branches at 1e-8 with Adam's 1e-8 are
+healthy. None of the vanishing rules applies once the loss is at a tenth of its start or less.
 
 Layers without a gradient this step (frozen, unused, or exactly zero behind a dead path) are never
 called vanishing. A layer whose gradient is exactly 0 the first time it is checked, while other layers
@@ -51,6 +68,7 @@ __all__ = [
     "Explanation",
     "GradientVerdict",
     "Opening",
+    "StepContext",
     "VerdictRules",
     "explain",
     "judge",
@@ -68,6 +86,11 @@ EXPLODING_HINT = (
     "Clip gradients: Trainer(gradient_clip_val={clip:g}) ({clip_why}). Lower the learning rate (try 10x "
     "lower). Check the initialization (He/Kaiming for ReLU, Xavier for tanh/sigmoid). In deep or recurrent "
     "nets add normalization (BatchNorm/LayerNorm) and residual connections."
+)
+CLIPPED_HINT = (
+    "The gradient is already clipped (gradient_clip_val={clip:g}), so each update stays bounded; a norm "
+    "that spikes or keeps growing over the run's own level means the loss surface is getting steeper: "
+    "lower the learning rate (try 10x lower) or lengthen the warm-up, and look at the data of these steps."
 )
 VANISHING_HINT = (
     "Use non-saturating activations (ReLU/GELU instead of sigmoid/tanh), He/Xavier initialization, "
@@ -89,6 +112,27 @@ class VerdictRules:
     first_layer_floor: float = 1e-4
     min_rms: float | None = 1e-7
     relative_floor: float | None = 1e-5
+
+
+#: under an adaptive optimizer a layer vanishes below this fraction of its ``eps`` (steps <= 1/11 of lr)
+ADAPTIVE_FLOOR = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepContext:
+    """What the optimizer does with this check's gradient, and where the loss stands.
+
+    Attributes:
+        eps: the ``eps`` of an adaptive optimizer (``core.lr.adaptive_eps``); ``None``: SGD-like.
+        optimizer: the optimizer's class name, for the words.
+        clip: the Trainer's ``gradient_clip_val`` when it clips the gradient's norm; ``None``: no clip.
+        fitted: the loss is at a tenth of its start or below (``core.progress.LossProgress.fitted``).
+    """
+
+    eps: float | None = None
+    optimizer: str = "the optimizer"
+    clip: float | None = None
+    fitted: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,14 +228,14 @@ def opening_layers(
 
 
 def _exploding(
-    total: float, hist: list[float], rules: VerdictRules, data: dict[str, float]
+    total: float, hist: list[float], rules: VerdictRules, data: dict[str, float], ctx: StepContext
 ) -> tuple[list[str], bool]:
     """The exploding rules: their reasons, and whether the spike rule fired (``data`` gets the numbers)."""
     reasons: list[str] = []
     spike = False
-    if rules.max_norm is not None and total > rules.max_norm:
+    if ctx.clip is None and rules.max_norm is not None and total > rules.max_norm:
         reasons.append(f"the total norm exceeds max_norm={rules.max_norm:g}")
-    if rules.spike_factor is not None and len(hist) >= rules.warmup_checks:
+    if ctx.clip is None and rules.spike_factor is not None and len(hist) >= rules.warmup_checks:
         ratio = spike_ratio(total, hist, recent=rules.warmup_checks)
         record = total / max(hist)
         data["spike_ratio"] = ratio
@@ -223,6 +267,18 @@ class _Check:
     numels: Sequence[int]
     #: the positions of the live ordinary layers, and of the live opening layers
     groups: list[list[int]]
+
+
+def _checked_layers(
+    labels: list[str], values: list[float], numels: Sequence[int], opening: Collection[int]
+) -> _Check:
+    """The layers as the vanishing rules read them. Layers behind a zero-initialized weight ("opening")
+    are compared with each other, never with the rest: their gradients are all scaled down by weights
+    that start at 0 and grow together."""
+    positive = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
+    groups = [[i for i in positive if i not in opening], [i for i in positive if i in opening]]
+    flow = gradient_flow(values).tolist()
+    return _Check(labels=labels, values=values, flow=flow, numels=numels, groups=groups)
 
 
 def _rms_floor(c: _Check, rules: VerdictRules, embeddings: Collection[str]) -> tuple[list[str], set[int]]:
@@ -291,16 +347,39 @@ def _depth_ratio(
     return reasons, low
 
 
+def _adaptive_floor(c: _Check, ctx: StepContext, embeddings: Collection[str]) -> tuple[list[str], set[int]]:
+    """Under an adaptive optimizer: the layers whose RMS gradient is under :data:`ADAPTIVE_FLOOR` of its
+    ``eps`` (not an opening layer, not an embedding table)."""
+    assert ctx.eps is not None
+    floor = ADAPTIVE_FLOOR * ctx.eps
+    live = [i for i in c.groups[0] if c.labels[i] not in embeddings]
+    rms = {i: c.values[i] / math.sqrt(max(c.numels[i], 1)) for i in live}
+    under = [i for i in live if rms[i] < floor]
+    if not under:
+        return [], set()
+    reason = (
+        f"RMS gradient under {ADAPTIVE_FLOOR:g} x eps = {floor:.2g} of {ctx.optimizer}, whose steps on these "
+        "layers are then at most 1/11 of the learning rate and shrink with the gradient, in "
+        + named([c.labels[i] for i in under], [rms[i] for i in under], "RMS {:.2e}")
+    )
+    return [reason], set(under)
+
+
 def _vanishing(
     c: _Check,
     rules: VerdictRules,
     forward_order: Mapping[str, int],
     embeddings: Collection[str],
     data: dict[str, float],
+    ctx: StepContext,
 ) -> tuple[list[str], set[int]]:
     """The vanishing rules: their reasons and the positions of the low layers (``data`` gets the numbers)."""
     reasons: list[str] = []
     low: set[int] = set()
+    if ctx.fitted:  # small gradients of a model that has fitted its data are its success
+        return reasons, low
+    if ctx.eps is not None:
+        return _adaptive_floor(c, ctx, embeddings)
     for found, layers in (
         _rms_floor(c, rules, embeddings),
         _relative_floor(c, rules),
@@ -322,6 +401,7 @@ def judge(
     forward_order: Mapping[str, int],
     opening: Collection[int] = (),
     embeddings: Collection[str] = (),
+    context: StepContext | None = None,
 ) -> GradientVerdict:
     """The verdict of one check (pure Python on a handful of numbers).
 
@@ -333,30 +413,29 @@ def judge(
         forward_order: layer -> position in the forward pass (the first and last layer).
         opening: positions of layers behind zero-initialized weights (:func:`opening_layers`).
         embeddings: embedding layers (left out of the ``min_rms`` floor).
+        context: what the optimizer does with the gradient and where the loss stands (default: an
+            SGD-like optimizer, no clip, no loss).
     """
+    ctx = context if context is not None else StepContext()
     labels, values = list(labels), list(values)
     data: dict[str, float] = {"total_norm": total}
     if not math.isfinite(total):  # NaN/inf gradients are NaNSentinel's business
         return GradientVerdict(
             labels=labels, values=values, total=total, data=data, flow=[math.nan] * len(labels)
         )
-    exploding, spike = _exploding(total, list(history), rules, data)
+    exploding, spike = _exploding(total, list(history), rules, data, ctx)
     order = sorted(range(len(labels)), key=lambda i: -values[i] if math.isfinite(values[i]) else 0.0)
     top = [i for i in order if values[i] > 0][:_MAX_NAMED]
-    flow = gradient_flow(values).tolist()
-    # Layers behind a zero-initialized weight ("opening") are compared with each other, never with
-    # the rest: their gradients are all scaled down by weights that start at 0 and grow together.
     if opening:
         data["opening_layers"] = float(len(opening))
-    positive = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
-    groups = [[i for i in positive if i not in opening], [i for i in positive if i in opening]]
+    check = _checked_layers(labels, values, numels, opening)
+    flow = check.flow
     # A layer is not judged small against one that is exploding: while the exploding rules hold, the rules
     # that measure a layer against the largest or the last one (relative floor, depth ratio) would read
     # the explosion as vanishing everywhere else (a recurrent layer at 9e4 puts a healthy head at 1e-5 of
     # it). The absolute RMS floor still applies.
     relative = rules if not exploding else replace(rules, relative_floor=None, depth_ratio_floor=None)
-    check = _Check(labels=labels, values=values, flow=flow, numels=numels, groups=groups)
-    vanishing, low = _vanishing(check, relative, forward_order, embeddings, data)
+    vanishing, low = _vanishing(check, relative, forward_order, embeddings, data, ctx)
     return GradientVerdict(
         labels=labels,
         values=values,
@@ -373,14 +452,30 @@ def judge(
 
 
 def explain(
-    kind: str, verdict: GradientVerdict, patience: int, history: Sequence[float], rules: VerdictRules
+    kind: str,
+    verdict: GradientVerdict,
+    patience: int,
+    history: Sequence[float],
+    rules: VerdictRules,
+    context: StepContext | None = None,
 ) -> Explanation:
     """``exploding_gradient`` or ``vanishing_gradient`` in words: message, hint, ``where`` and data.
 
     The exploding hint suggests a ``gradient_clip_val``: about the 90th percentile of this run's earlier
-    norms (``history``, those under ``max_norm``) once there are ``warmup_checks`` of them, else 1.0.
+    norms (``history``, those under ``max_norm``) once there are ``warmup_checks`` of them, else 1.0; when
+    the run clips already (``context.clip``) it says so and suggests the learning rate instead.
     """
     data = dict(verdict.data)
+    clipped = context.clip if context is not None else None
+    if kind == "exploding_gradient" and clipped is not None:
+        reasons = "; ".join(verdict.exploding) or "the condition held on another rank"
+        return Explanation(
+            where=_where(verdict.top[:1]),
+            message=f"Gradient norm {verdict.total:.3g} for {patience} consecutive checks: {reasons}. "
+            f"Largest layers: {named(verdict.top, verdict.top_values)}.",
+            hint=CLIPPED_HINT.format(clip=clipped),
+            data=data,
+        )
     if kind == "exploding_gradient":
         hist = [h for h in history if rules.max_norm is None or h <= rules.max_norm]
         clip = suggest_clip_value(hist) if len(hist) >= rules.warmup_checks else None

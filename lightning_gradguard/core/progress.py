@@ -1,0 +1,97 @@
+"""How far the run has come: the step's loss, against the run's first and best.
+
+A rule about a model's internals (gradients that shrink, attention that sharpens, units that stop firing)
+names a fault only if the run is not learning: a model that has fitted its data has small gradients, a
+copy task's cross-attention is one-hot once it has learned to copy. :class:`LossProgress` is what such a
+rule reads: the loss Lightning hands to ``backward`` summed on the device over the step's micro-batches
+(:meth:`LossProgress.add`), taken as the step's mean loss into the monitor's own transfer
+(:meth:`LossProgress.take`), and once on the host (:meth:`LossProgress.note`) compared with the run's
+first and best.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from lightning_gradguard.core.stats import active_scaler
+
+#: the loss at this fraction of its start or below: the model has fitted its data
+FITTED = 0.1
+#: the loss at this fraction of its start or below, and within :data:`STEADY` of its best: it learns
+LEARNED = 0.5
+#: ... and not more than this many times above its best (a run that learned, then diverges, is not)
+STEADY = 1.5
+
+
+class LossProgress:
+    """The step's mean loss (on the device) and the run's first and best losses (host numbers)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.best: float | None = None
+        self.last: float | None = None
+        self._sum: Tensor | None = None
+        self._micro = 0
+
+    def add(self, loss: Tensor) -> None:
+        """``on_before_backward``: one more micro-batch's loss (a scalar add on the device)."""
+        value = loss.detach().float().reshape(())
+        self._sum = value if self._sum is None else self._sum + value
+        self._micro += 1
+
+    def clear(self) -> None:
+        """Forget the step's losses (a step that is not read)."""
+        self._sum, self._micro = None, 0
+
+    def take(self, trainer: pl.Trainer) -> Tensor | None:
+        """The step's mean loss, still on the device, and the step forgotten; ``None`` without a loss.
+
+        Lightning divides each micro-batch's loss by ``accumulate_grad_batches`` and, under 16-mixed,
+        multiplies it by the GradScaler's scale before ``backward``: both are undone.
+        """
+        total, micro = self._sum, self._micro
+        self.clear()
+        if total is None or not micro:
+            return None
+        scale = getattr(active_scaler(trainer), "_scale", None)
+        mean = total * (trainer.accumulate_grad_batches / micro)
+        return (mean if scale is None else mean / scale).reshape(1)
+
+    def note(self, value: float | None) -> None:
+        """The step's loss on the host: the first finite one is the run's start."""
+        if value is None or not math.isfinite(value):
+            return
+        self.last = value
+        if self.first is None:
+            self.first = value
+        self.best = value if self.best is None else min(self.best, value)
+
+    def fitted(self) -> bool:
+        """The last loss is at :data:`FITTED` of the first or below (both positive)."""
+        return self._below(FITTED)
+
+    def learning(self) -> bool:
+        """The last loss is at :data:`LEARNED` of the first or below and within :data:`STEADY` of the
+        best: the run has learned much of what it can and is not diverging."""
+        return (
+            self._below(LEARNED)
+            and self.best is not None
+            and self.last is not None
+            and (self.last <= STEADY * self.best)
+        )
+
+    def _below(self, fraction: float) -> bool:
+        first, last = self.first, self.last
+        return first is not None and last is not None and 0 < last <= fraction * first
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first": self.first, "best": self.best, "last": self.last}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.first, self.best, self.last = (
+            None if state.get(k) is None else float(state[k]) for k in ("first", "best", "last")
+        )

@@ -145,6 +145,7 @@ SCRIPTS = ROOT / "tests" / "scripts"
 DDP_SUITE = (
     "ddp_grad_norm",
     "ddp_nan_one_rank",
+    "ddp_buffers",
     "ddp_detectors",
     "ddp_activation_range",
     "ddp_noise_scale",

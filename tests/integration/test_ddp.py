@@ -26,6 +26,16 @@ def test_ddp_two_processes_rank_zero_logs_all_reduced_norms(tmp_path: Path) -> N
     assert list((tmp_path / "tb" / "version_0").glob("events.out.tfevents.*")), "no TensorBoard event file"
 
 
+def test_ddp_a_skipped_nan_step_leaves_every_ranks_buffers_as_they_were(tmp_path: Path) -> None:
+    """A NaN in rank 1's batch at step 3 of a BatchNorm CNN under NaNSentinel(action="skip"): both ranks
+    drop the step, and on both the running statistics its forward wrote go back (rank 1's were NaN, rank
+    0's had moved); every buffer is finite at the end. (SyncBatchNorm needs CUDA.)"""
+    proc = run_ddp_script("ddp_buffers.py", tmp_path, timeout=120)
+    results = [json.loads((tmp_path / "batchnorm" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    expected = {"restored": True, "finite": True, "alerts": [["nonfinite_loss", 3]]}
+    assert results == [expected, expected], proc.stderr[-4000:]
+
+
 def test_ddp_nan_on_one_rank_fails_every_rank_the_same_way(tmp_path: Path) -> None:
     proc = run_ddp_script("ddp_nan_one_rank.py", tmp_path, timeout=120)  # a hang would time out here
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

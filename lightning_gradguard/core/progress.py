@@ -5,13 +5,15 @@ names a fault only if the run is not learning: a model that has fitted its data 
 copy task's cross-attention is one-hot once it has learned to copy. :class:`LossProgress` is what such a
 rule reads: the loss Lightning hands to ``backward`` summed on the device over the step's micro-batches
 (:meth:`LossProgress.add`), taken as the step's mean loss into the monitor's own transfer
-(:meth:`LossProgress.take`), and once on the host (:meth:`LossProgress.note`) compared with the run's
-first and best.
+(:meth:`LossProgress.take`), and once on the host (:meth:`LossProgress.note`): the median of the last
+three such losses against the run's first.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,19 +23,20 @@ from lightning_gradguard.core.stats import active_scaler
 
 #: the loss at this fraction of its start or below: the model has fitted its data
 FITTED = 0.1
-#: the loss at this fraction of its start or below, and within :data:`STEADY` of its best: it learns
+#: the loss at this fraction of its start or below: the run learns (one that learned, then diverged back
+#: above it, does not)
 LEARNED = 0.5
-#: ... and not more than this many times above its best (a run that learned, then diverges, is not)
-STEADY = 1.5
+#: the losses whose median is "where the run is now": one batch's loss is noisy (a healthy RegNet's single
+#: batches spread 0.04-0.40 around 0.1)
+RECENT = 3
 
 
 class LossProgress:
-    """The step's mean loss (on the device) and the run's first and best losses (host numbers)."""
+    """The step's mean loss (on the device) and the run's first and recent losses (host numbers)."""
 
     def __init__(self) -> None:
         self.first: float | None = None
-        self.best: float | None = None
-        self.last: float | None = None
+        self.recent: deque[float] = deque(maxlen=RECENT)
         self._sum: Tensor | None = None
         self._micro = 0
 
@@ -65,33 +68,32 @@ class LossProgress:
         """The step's loss on the host: the first finite one is the run's start."""
         if value is None or not math.isfinite(value):
             return
-        self.last = value
         if self.first is None:
             self.first = value
-        self.best = value if self.best is None else min(self.best, value)
+        self.recent.append(value)
+
+    @property
+    def level(self) -> float | None:
+        """Where the loss is now: the median of the last :data:`RECENT` noted losses."""
+        return statistics.median(self.recent) if self.recent else None
 
     def fitted(self) -> bool:
-        """The last loss is at :data:`FITTED` of the first or below (both positive)."""
+        """The loss is at :data:`FITTED` of the first or below (both positive)."""
         return self._below(FITTED)
 
     def learning(self) -> bool:
-        """The last loss is at :data:`LEARNED` of the first or below and within :data:`STEADY` of the
-        best: the run has learned much of what it can and is not diverging."""
-        return (
-            self._below(LEARNED)
-            and self.best is not None
-            and self.last is not None
-            and (self.last <= STEADY * self.best)
-        )
+        """The loss is at :data:`LEARNED` of the first or below: the run has learned much of what it can,
+        and has not diverged back."""
+        return self._below(LEARNED)
 
     def _below(self, fraction: float) -> bool:
-        first, last = self.first, self.last
-        return first is not None and last is not None and 0 < last <= fraction * first
+        first, level = self.first, self.level
+        return first is not None and level is not None and 0 < level <= fraction * first
 
     def state_dict(self) -> dict[str, Any]:
-        return {"first": self.first, "best": self.best, "last": self.last}
+        return {"first": self.first, "recent": list(self.recent)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.first, self.best, self.last = (
-            None if state.get(k) is None else float(state[k]) for k in ("first", "best", "last")
-        )
+        first = state.get("first")
+        self.first = None if first is None else float(first)
+        self.recent = deque((float(v) for v in state.get("recent", [])), maxlen=RECENT)

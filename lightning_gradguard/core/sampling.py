@@ -168,7 +168,6 @@ class SamplingMonitor(GradGuardCallback):
         self._capture: ScopedHooks | None = None
         self._sampled_at: tuple[int, int] | None = None  # (global_step, log step) of the open sample
         self._stepped = False  # on_before_optimizer_step fired during this batch
-        self.progress.clear()
 
     @guarded
     def _end_step(self, trainer: pl.Trainer) -> None:
@@ -190,6 +189,7 @@ class SamplingMonitor(GradGuardCallback):
         if self._capture is None:
             self._capture = self.new_capture(trainer, pl_module)
             self._sampled_at = (int(trainer.global_step), at)
+            self.progress.clear()  # the sample's losses start here (end_sample takes them)
         if not self._capture.active:
             self._capture.around_next_call(pl_module, "training_step")
 

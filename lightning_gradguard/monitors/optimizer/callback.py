@@ -292,6 +292,11 @@ class OptimizerMonitor(GradGuardCallback):
         m = reading.moments
         rms = self.layers.keep(m.exp_avg_sq_rms)
         dominated = {k for k, v in rms.items() if epsilon_dominated(v, m.eps[k], self.epsilon_ratio)}
+        if not layers and 2 * len(dominated) < len(rms):
+            # the dense start judges eps as a setting, over most of the model (eps=0.1 dominates every
+            # layer from step 0); a few layers whose gradient starts tiny (LayerScale's branches, ELECTRA's
+            # first query and key) grow out of it within steps: they are judged on the logging steps
+            dominated = set()
         findings = [
             epsilon_finding(layer, rms[layer], m.eps[layer], n)
             for layer, n in self._strike("epsilon", suffix, dominated).items()

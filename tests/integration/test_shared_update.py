@@ -96,9 +96,10 @@ def test_the_logger_the_optimizer_monitor_and_the_stall_detector_read_one_update
     make_trainer(callbacks, logger, max_steps=10).fit(
         WideNet(), torch.utils.data.DataLoader(data, batch_size=8)
     )
-    assert sorted(readings) == sorted(checks) == [0, 4, 9]
-    assert len(samples) == 3  # one sample per measured step, shared by the three monitors
-    for step in (0, 4, 9):
+    # the logging steps, and the optimizer monitor's and the stall detector's dense start (steps 0-4)
+    assert sorted(readings) == sorted(checks) == [0, 1, 2, 3, 4, 9]
+    assert len(samples) == 6  # one sample per measured step, shared by the three monitors
+    for step in (0, 4, 9):  # the logging steps, where the logger measures too
         for layer in ("body", "wide", "head"):
             logged = logger.series(f"update_ratio/{layer}")[step]
             assert logged == readings[step][layer] == checks[step][layer], (step, layer)

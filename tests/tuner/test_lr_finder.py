@@ -884,8 +884,10 @@ def test_progress_is_a_tqdm_bar_of_its_own_and_the_summary_one_log_line(
     for progress in (True, False):  # the Trainer shows its own bar in both
         pl.seed_everything(0)
         finder = _finder(progress=progress, max_lr=1.0, num_training=30, divergence_threshold=None)
+        # tqdm's bar named: Lightning's default is RichProgressBar wherever `rich` is installed (transformers
+        # brings it), and the sweep draws no bar beside one that is not tqdm's (see below)
         with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
-            _fit(_Slow(), [finder], max_steps=1, enable_progress_bar=True)
+            _fit(_Slow(), [finder, TQDMProgressBar()], max_steps=1, enable_progress_bar=True)
         errs.append(capsys.readouterr().err)
         assert finder.result is not None and finder.result.applied
     # the bar: tqdm's own format on stderr, with the LR and the loss, and no bare progress lines

@@ -13,7 +13,7 @@ import torch
 from conftest import make_trainer, random_loader
 from torch import nn
 
-from lightning_gradguard import GradientNormLogger, LossSpikeGuard, OptimizerMonitor
+from lightning_gradguard import DeadReLUMonitor, GradientNormLogger, LossSpikeGuard, OptimizerMonitor
 from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 
 
@@ -249,3 +249,44 @@ def test_corrupt_inputs_a_scale_invariant_model_hides_are_an_outlier() -> None:
     twin = LossSpikeGuard(action="skip")
     make_trainer([twin], max_steps=30, max_epochs=-1).fit(Classifier(norm_inputs=True), random_loader(n=240))
     assert twin.alerts == [] and twin.records == []
+
+
+class SideGate(pl.LightningModule):
+    """A learnable task (the label is the largest of the first 4 features) and an MLP beside a 4-unit ReLU
+    gate (a squeeze-excitation's bottleneck), three of whose units stop firing at step 40 (bias -100)."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.gate, self.gate_act, self.gate_out = nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 4)
+        self.lr = lr
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_step == 40:
+            with torch.no_grad():
+                self.gate.bias[1:] = -100.0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        y = x[:, :4].argmax(dim=1)
+        return nn.functional.cross_entropy(self.net(x) + self.gate_out(self.gate_act(self.gate(x))), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def test_units_silent_in_a_run_that_learns_are_not_dead_relu_and_in_one_that_does_not_are() -> None:
+    """The same gate, 3 of 4 units silent from step 40. Adam at 1e-2 has learned the task by then (the
+    sampled loss under half its start): quiet. At lr 0 nothing is learned: dead_relu at the gate. The
+    monitor reads the sampled steps' loss with its counts (a regression: it was cleared before it was
+    read, so every run looked as if it did not learn)."""
+    found = {}
+    for lr in (1e-2, 0.0):
+        monitor = DeadReLUMonitor(sample_every_n_steps=10)
+        make_trainer([monitor], max_steps=100, max_epochs=-1).fit(SideGate(lr), random_loader(n=800))
+        assert monitor.progress.first is not None and monitor.progress.level is not None
+        found[lr] = ({a.where for a in monitor.alerts if a.kind == "dead_relu"}, monitor.progress)
+    (learned, progress), (stuck, flat) = found[1e-2], found[0.0]
+    assert progress.level is not None and progress.first is not None and progress.level < 0.5 * progress.first
+    assert learned == set() and stuck == {"gate_act"}
+    assert not flat.learning()

@@ -253,7 +253,7 @@ def test_corrupt_inputs_a_scale_invariant_model_hides_are_an_outlier() -> None:
 
 class SideGate(pl.LightningModule):
     """A learnable task (the label is the largest of the first 4 features) and an MLP beside a 4-unit ReLU
-    gate (a squeeze-excitation's bottleneck), three of whose units stop firing at step 40 (bias -100)."""
+    gate (a squeeze-excitation's bottleneck), three of whose units stop firing at step 80 (bias -100)."""
 
     def __init__(self, lr: float) -> None:
         super().__init__()
@@ -262,7 +262,7 @@ class SideGate(pl.LightningModule):
         self.lr = lr
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.global_step == 40:
+        if self.global_step == 80:
             with torch.no_grad():
                 self.gate.bias[1:] = -100.0
 
@@ -276,17 +276,18 @@ class SideGate(pl.LightningModule):
 
 
 def test_units_silent_in_a_run_that_learns_are_not_dead_relu_and_in_one_that_does_not_are() -> None:
-    """The same gate, 3 of 4 units silent from step 40. Adam at 1e-2 has learned the task by then (the
-    sampled loss under half its start): quiet. At lr 0 nothing is learned: dead_relu at the gate. The
+    """The same gate, 3 of 4 units silent from step 80. Adam at 1e-2 has learned the task by then (the
+    sampled loss near a quarter of its start, far under half): quiet. At lr 0 nothing is learned: dead_relu at the gate. The
     monitor reads the sampled steps' loss with its counts (a regression: it was cleared before it was
     read, so every run looked as if it did not learn)."""
     found = {}
     for lr in (1e-2, 0.0):
         monitor = DeadReLUMonitor(sample_every_n_steps=10)
-        make_trainer([monitor], max_steps=100, max_epochs=-1).fit(SideGate(lr), random_loader(n=800))
+        torch.manual_seed(0)
+        make_trainer([monitor], max_steps=130, max_epochs=-1).fit(SideGate(lr), random_loader(n=1040))
         assert monitor.progress.first is not None and monitor.progress.level is not None
         found[lr] = ({a.where for a in monitor.alerts if a.kind == "dead_relu"}, monitor.progress)
     (learned, progress), (stuck, flat) = found[1e-2], found[0.0]
-    assert progress.level is not None and progress.first is not None and progress.level < 0.5 * progress.first
+    assert progress.level is not None and progress.first is not None and progress.level < 0.35 * progress.first
     assert learned == set() and stuck == {"gate_act"}
     assert not flat.learning()

@@ -208,8 +208,9 @@ class DeadReLUMonitor(SamplingMonitor):
         step, at = sampled_at
         # units that stopped firing in a run whose loss fell to half its start and holds there cost it
         # nothing it needed (a RegNet's 4-unit squeeze-excitation gate): dead units harm a run that does
-        # not learn, and one that learned and then diverges
-        learning = self.progress.learning()
+        # not learn, and one that learned and then diverges. Units dead from the start (the first full
+        # windows' verdict) are the initialization's fault, whatever the loss does.
+        learning = self.sampled_batches > self.window + self.patience - 1 and self.progress.learning()
         alerts = [
             self.report(trainer, f.kind, f.severity, f.where, f.message, f.hint, f.data, step=step)
             for f in verdict.findings

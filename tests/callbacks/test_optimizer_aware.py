@@ -277,9 +277,9 @@ class SideGate(pl.LightningModule):
 
 def test_units_silent_in_a_run_that_learns_are_not_dead_relu_and_in_one_that_does_not_are() -> None:
     """The same gate, 3 of 4 units silent from step 80. Adam at 1e-2 has learned the task by then (the
-    sampled loss near a quarter of its start, far under half): quiet. At lr 0 nothing is learned: dead_relu at the gate. The
-    monitor reads the sampled steps' loss with its counts (a regression: it was cleared before it was
-    read, so every run looked as if it did not learn)."""
+    sampled loss near a quarter of its start, far under half): quiet. At lr 0 nothing is learned:
+    dead_relu at the gate. The monitor reads the sampled steps' loss with its counts (a regression: it
+    was cleared before it was read, so every run looked as if it did not learn)."""
     found = {}
     for lr in (1e-2, 0.0):
         monitor = DeadReLUMonitor(sample_every_n_steps=10)
@@ -288,6 +288,7 @@ def test_units_silent_in_a_run_that_learns_are_not_dead_relu_and_in_one_that_doe
         assert monitor.progress.first is not None and monitor.progress.level is not None
         found[lr] = ({a.where for a in monitor.alerts if a.kind == "dead_relu"}, monitor.progress)
     (learned, progress), (stuck, flat) = found[1e-2], found[0.0]
-    assert progress.level is not None and progress.first is not None and progress.level < 0.35 * progress.first
+    assert progress.level is not None and progress.first is not None
+    assert progress.level < 0.35 * progress.first
     assert learned == set() and stuck == {"gate_act"}
     assert not flat.learning()

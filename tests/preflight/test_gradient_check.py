@@ -339,8 +339,8 @@ def test_user_chosen_modules_and_the_evaluation_budget() -> None:
     assert [p.name for p in result.parameters] == ["4.weight", "4.bias"]  # a standard layer: its own
     tanh = gradient_check(net(), batch(), ce, modules=["3"])  # parameter-free: everything upstream of it
     assert [p.name for p in tanh.parameters] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    small = gradient_check(net(), batch(), ce, modules=[""], max_evaluations=40, samples_per_tensor=6)
-    assert small.evaluations <= 40 and small.skipped
+    small = gradient_check(net(), batch(), ce, modules=[""], max_evaluations=50, samples_per_tensor=6)
+    assert small.evaluations <= 50 and small.skipped
     assert all(len(p.checked) == 1 for p in small.parameters)
     assert len(small.parameters) + len(small.skipped) == 6
     with pytest.raises(ValueError, match="`modules`"):
@@ -467,7 +467,9 @@ def test_a_healthy_conv_batchnorm_relu_cnn_passes_although_kinks_lower_the_taylo
     # 0.4-1.2 at h = 1e-2..3e-4. That used to be a gradient_mismatch error and the run never started.
     torch.manual_seed(4)
     model = DigitsCNN(width=6)
-    check = GradientCheck()
+    check = GradientCheck(
+        max_seconds=None
+    )  # every tensor, however loaded the machine (not the budget's test)
     trainer = make_trainer([check], max_steps=2)
     trainer.fit(model, digits_loader())
     assert trainer.global_step == 2 and not check.alerts

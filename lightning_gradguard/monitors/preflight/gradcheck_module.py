@@ -64,7 +64,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from lightning_gradguard.functional.gradcheck import finite_difference_check, sample_coordinates, taylor_check
+from lightning_gradguard.functional.gradcheck import (
+    KINK_RETRIES,
+    finite_difference_check,
+    sample_coordinates,
+    taylor_check,
+)
 from lightning_gradguard.monitors.preflight.gradcheck_graph import (
     Float64Mode,
     GraphOwners,
@@ -86,9 +91,10 @@ __all__ = [
 ModuleLossFn = Callable[[nn.Module], Tensor | None]
 
 _TAYLOR_STEPS = 6
-#: After a Taylor miss: the evaluations of the directional finite difference that arbitrates it (reserved
-#: for every tensor), then up to this many Taylor tests with 100x smaller steps (from what is left over).
-_ARBITER_COST = 2
+#: After a Taylor miss: the evaluations of the directional finite difference that arbitrates it, with its
+#: retries around kinks (reserved for every tensor), then up to this many Taylor tests with 100x smaller
+#: steps (from what is left over).
+_ARBITER_COST = 2 * (1 + KINK_RETRIES)
 _TAYLOR_RETRIES = 2
 _TAYLOR_SHRINK = 1e-2
 

@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup demo test lint typecheck unit unit-elsewhere docs bench bench-hooks bench-lr bench-dead-relu bench-spike bench-spike-healthy bench-big bench-stall-zoo bench-matrix bench-onset screenshots clean
+.PHONY: setup demo test lint typecheck unit unit-elsewhere docs bench bench-hooks bench-lr bench-dead-relu bench-spike bench-spike-healthy bench-big bench-stall-zoo bench-matrix bench-onset bench-real bench-buffers screenshots clean
 
 setup: $(STAMP)
 
@@ -41,7 +41,7 @@ test: lint typecheck unit
 # thread, other float kernels, AVX2 where the CPU has it, every drawn weight moved by 1e-5. A test that
 # holds only on this CPU's rounding fails here before it fails for a user (.ci/run runs it after `make test`).
 unit-elsewhere: $(STAMP)
-	OMP_NUM_THREADS=1 GRADGUARD_TEST_PERTURB=rounding,kernels GRADGUARD_TEST_ROUNDING_SEED=1 \
+	env OMP_NUM_THREADS=1 GRADGUARD_TEST_PERTURB=rounding,kernels GRADGUARD_TEST_ROUNDING_SEED=1 \
 	GRADGUARD_TEST_ROUNDING_SCALE=1e-5 TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) \
 	$$(grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo ATEN_CPU_CAPABILITY=avx2) \
 	$(PY) -m pytest -q -p no:cacheprovider
@@ -82,6 +82,14 @@ bench-spike-healthy: $(STAMP)
 # Diagnosis at onset: faults against their fixed twins, all eight training monitors at defaults; delay and cause named (about 20 s).
 bench-onset: $(STAMP)
 	$(PY) benchmarks/onset_zoo.py
+
+# Real transformers architectures (small configs, random init) trained with their families' recipes: healthy runs, faults against their twins, the pre-flight checks (about 13 minutes on 1 thread).
+bench-real: $(STAMP)
+	$(PY) benchmarks/real_models.py --preflight --markdown
+
+# What keeping the buffers a step's forward writes costs per step, on a BatchNorm ResNet (about 1 minute).
+bench-buffers: $(STAMP)
+	$(PY) benchmarks/buffers.py
 
 # The stalled-learning scenarios: every fault against its fixed twin, and the healthy runs (3 seeds, about 2 minutes).
 bench-stall-zoo: $(STAMP)

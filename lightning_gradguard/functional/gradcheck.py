@@ -634,9 +634,8 @@ def taylor_check(
        (``num_steps + 1`` evaluations).
     2. It missed: ``g`` is wrong along ``v``, or the steps crossed kinks (ReLU, max-pooling, absolute
        values; batch statistics couple every sample, so one kink moves the whole batch's loss).
-       :func:`directional_difference` along ``v`` decides, before any retry: off ``<g, v>`` (measured to
-       ``O(ε²)``) by more than ``tolerance``, taken again with 100x and 10,000x smaller steps
-       (:data:`KINK_RETRIES`: a kink within ``ε`` of ``θ``), the check fails (2 to 6 more evaluations).
+       :func:`directional_difference` along ``v`` decides: off ``<g, v>`` by more than ``tolerance`` at
+       ``ε`` and at 100x and 10,000x smaller steps (:data:`KINK_RETRIES`), the check fails.
     3. It agreed: the Taylor test is repeated ``retries`` times along ``v``, each time with the largest
        step ``shrink`` times the previous one, until the steps stay clear of the kinks and the remainder
        behaves (``num_steps`` evaluations each). If none passes, the check passes as *inconclusive*.

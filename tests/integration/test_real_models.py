@@ -26,14 +26,8 @@ FAST: dict[str, int] = {
     "mobilenet_v2": 50,  # depthwise convolutions + ReLU6 + BatchNorm, AdamW + clip 1
 }
 
-#: healthy entries of FAST that raise a warning today, and why (the library is to fix them, then empty this)
-KNOWN_FALSE_ALARMS: dict[str, str] = {
-    "vit": "clipping_always_active at step 99: clip 1.0 is the usual ViT recipe; pre-clip norms are 2-5",
-    "mobilenet_v2": (
-        "exploding_gradient at step 1: the raw total norm (~800) is over max_norm=100 while clip 1.0, the "
-        "recipe, bounds every update (the full run adds clipped_updates and clipping_always_active)"
-    ),
-}
+#: healthy entries of FAST that raise a warning today, and why (empty: every one of them is quiet)
+KNOWN_FALSE_ALARMS: dict[str, str] = {}
 
 
 @pytest.fixture(autouse=True)

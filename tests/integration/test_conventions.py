@@ -245,7 +245,14 @@ CHOICES = [
 ]
 
 
-@pytest.mark.parametrize(("cls", "arg", "choices"), CHOICES, ids=lambda v: getattr(v, "__name__", str(v)))
+def _choice_id(value: object) -> str:
+    """A stable id (a set's order changes with the hash seed: pytest-xdist's workers must agree)."""
+    if isinstance(value, (set, frozenset)):
+        return "|".join(sorted(map(str, value)))
+    return getattr(value, "__name__", str(value))
+
+
+@pytest.mark.parametrize(("cls", "arg", "choices"), CHOICES, ids=_choice_id)
 def test_options_with_fixed_choices_are_literal_types(cls: type, arg: str, choices: set[str]) -> None:
     hint = typing.get_type_hints(cls.__init__)[arg]
     assert typing.get_origin(hint) is typing.Literal

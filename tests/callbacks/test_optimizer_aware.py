@@ -292,3 +292,13 @@ def test_units_silent_in_a_run_that_learns_are_not_dead_relu_and_in_one_that_doe
     assert progress.level < 0.35 * progress.first
     assert learned == set() and stuck == {"gate_act"}
     assert not flat.learning()
+
+
+def test_inputs_that_are_all_zero_have_no_scale_to_judge() -> None:
+    """A batch of zeros against a median of zeros is no outlier (0/0): inputs without a scale are not
+    judged (here every batch is zeros; a padded feature tensor can be mostly so)."""
+    x, y = torch.zeros(160, 8), torch.randint(0, 4, (160,), generator=torch.Generator().manual_seed(0))
+    guard = LossSpikeGuard(action="warn")
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    make_trainer([guard], max_steps=20).fit(Classifier(), loader)
+    assert guard.alerts == [] and len(guard.windows["inputs"]) == 20

@@ -280,10 +280,9 @@ class LossSpikeGuard(GradGuardCallback):
             out["batch_variance"] = values["batch_variance"]
         window = self.windows.get("inputs")
         if "inputs" in values and window is not None and len(window) >= _INPUTS_WARM:
-            level = statistics.median(window)
-            ratio = values["inputs"] / level if level > 0 else math.inf
-            if batch_variance_outlier(ratio, factor):
-                out["inputs"] = ratio
+            level = statistics.median(window)  # 0: inputs that are mostly all-zero have no scale to judge
+            if level > 0 and batch_variance_outlier(values["inputs"] / level, factor):
+                out["inputs"] = values["inputs"] / level
         return out
 
     def _batch_variance(self, trainer: pl.Trainer, manual: bool) -> Tensor | None:

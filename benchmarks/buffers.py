@@ -31,9 +31,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lightning.pytorch as pl
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hooks import _Ops  # the aten-op counter of make bench-hooks
 from real_models import SGD_RESNET, HFTask, resnet
 
 from lightning_gradguard import LossSpikeGuard, NaNSentinel
@@ -42,16 +42,6 @@ from lightning_gradguard.core.buffers import StepBuffers
 STEADY_FROM = 10
 #: the files of the counting itself: this one, torch's op objects and its Python dispatch
 _COUNTERS = (Path(__file__).name,)
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 class Meter:

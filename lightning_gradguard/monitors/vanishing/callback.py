@@ -193,7 +193,9 @@ class VanishingExplodingDetector(GradGuardCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._watch is not None:
             self._unwatch()
-        self.progress.add(loss)  # a scalar add on the device; read with a check's norms
+        at = log_step(trainer)
+        if at < self.dense_steps or (at + 1) % self.check_every_n_steps == 0:  # a check's step: its loss
+            self.progress.add(loss)  # a scalar add on the device, read with the check's norms
 
     @override
     def on_train_batch_end(

@@ -33,24 +33,30 @@ import numpy as np
 
 __all__ = [
     "DESCENT_NOISE_MULTIPLE",
+    "DIVERGENCE_NOISE",
     "NOISE_POINTS",
     "RELATIVE_NOISE_FLOOR",
     "SUGGESTION_METHODS",
+    "CurveReading",
     "DescentCheck",
     "centered_smooth",
     "descent_check",
+    "divergence_start",
     "ema_smooth",
     "loss_noise",
+    "read_curve",
+    "running_median",
     "smoothing_gain",
     "suggest_all",
     "suggest_minimum",
+    "suggest_peak",
     "suggest_slide",
     "suggest_steep",
     "suggest_valley",
     "sweep_lrs",
 ]
 
-SUGGESTION_METHODS: tuple[str, ...] = ("valley", "steep", "minimum", "slide")
+SUGGESTION_METHODS: tuple[str, ...] = ("valley", "steep", "minimum", "slide", "peak")
 
 #: a suggestion needs the smoothed curve's fall to be at least this many times the noise of that fall
 #: (measured margins in docs/lr_finder.md: sweeps of models whose loss cannot fall reached at most 5.1
@@ -62,8 +68,14 @@ DESCENT_NOISE_MULTIPLE = 6.0
 NOISE_POINTS = 21
 
 #: the noise is never taken below this fraction of the loss's size: a fall smaller than a few of these
-#: is float rounding or a loss that barely depends on the weights (a bias-only model), not a descent
-RELATIVE_NOISE_FLOOR = 1e-4
+#: is float rounding or a loss that barely depends on the weights (a bias-only model), not a descent; with
+#: the smoother's gain and DESCENT_NOISE_MULTIPLE a suggestion needs a fall of at least 0.1 % of the loss
+#: (averaged repeats of a sweep lower the noise, never this floor)
+RELATIVE_NOISE_FLOOR = 5e-4
+
+#: the diverging tail of a sweep starts at the first raw loss, after the curve's low, that is this many
+#: noise units above the level the sweep started from plus as much again as the curve fell
+DIVERGENCE_NOISE = 4.0
 
 
 def sweep_lrs(min_lr: float, max_lr: float, num: int, mode: str = "exponential") -> list[float]:
@@ -243,6 +255,39 @@ def descent_check(
     )
 
 
+def running_median(values: Sequence[float] | np.ndarray, half: int) -> np.ndarray:
+    """The median of each point's window of ``2 * half + 1`` neighbours (cut at the ends).
+
+    Unlike a mean, a median is not dragged by the few huge losses of a diverging tail: the curve's low
+    point stays where the descent put it.
+    """
+    y = np.asarray(values, dtype=np.float64)
+    h = max(0, int(half))
+    return np.array([np.median(y[max(0, i - h) : i + h + 1]) for i in range(y.size)])
+
+
+def divergence_start(losses: Sequence[float]) -> int:
+    """The index where a sweep's diverging tail begins (``len(losses)`` when it has none).
+
+    The tail starts at the first raw loss after the curve's low point (read on a running median, which
+    the blow-up does not move) that has climbed back above the level the sweep started from (the median
+    of its first tenth) by as much as the curve fell, plus :data:`DIVERGENCE_NOISE` times the losses'
+    noise before the low. Everything from there on is the divergence, not the descent: smoothing it
+    together with the descent drags the curve's low up and to the left, and its jumps inflate the noise.
+    """
+    y = np.asarray(losses, dtype=np.float64)
+    n = y.size
+    if n < 5:
+        return n
+    start = float(np.median(y[: max(3, n // 10)]))
+    robust = running_median(y, max(1, n // 40))
+    low = int(np.argmin(robust))
+    noise = loss_noise(y[: max(low + 1, min(n, NOISE_POINTS))])
+    limit = start + max(start - float(robust[low]), 0.0) + DIVERGENCE_NOISE * noise
+    above = np.nonzero(y[low + 1 :] > limit)[0]
+    return n if above.size == 0 else low + 1 + int(above[0])
+
+
 def _as_arrays(lrs: Sequence[float], losses: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     x = np.log10(np.asarray(lrs, dtype=np.float64))
     y = np.asarray(losses, dtype=np.float64)
@@ -374,6 +419,18 @@ def suggest_slide(
     return float(10.0 ** x[left])
 
 
+def suggest_peak(lrs: Sequence[float], losses: Sequence[float]) -> float | None:
+    """The LR of the curve's lowest point: the peak for a run that warms up to it and then decays.
+
+    A range test raises the LR on a model that has hardly trained; the point where its loss stops falling
+    is about the largest LR that model takes. A warm-up reaches the peak only after the model has
+    trained at smaller LRs, and a decay brings it down again, which is why one-cycle and warm-up-then-decay
+    schedules run at about that LR (Smith 2018), a decade above the descent's steepest point that suits a
+    constant LR. ``None`` when the curve's lowest point is its first.
+    """
+    return suggest_minimum(lrs, losses, divisor=1.0)
+
+
 def suggest_all(
     lrs: Sequence[float],
     losses: Sequence[float],
@@ -393,4 +450,41 @@ def suggest_all(
         "steep": suggest_steep(lrs, losses),
         "minimum": suggest_minimum(lrs, losses),
         "slide": suggest_slide(lrs, losses),
+        "peak": suggest_peak(lrs, losses),
     }
+
+
+@dataclass(frozen=True)
+class CurveReading:
+    """A sweep read as the finder reads it (see :func:`read_curve`).
+
+    Attributes:
+        cut: index where the diverging tail begins (:func:`divergence_start`; ``len(losses)``: none).
+        curve: the zero-lag smoothed curve, the descent and the tail smoothed apart (one value per point).
+        descent: the descent check on the points before the tail.
+        suggestions: every method's suggestion, all ``None`` unless the descent stands out.
+    """
+
+    cut: int
+    curve: list[float]
+    descent: DescentCheck
+    suggestions: dict[str, float | None]
+
+
+def read_curve(
+    lrs: Sequence[float], losses: Sequence[float], required: float = DESCENT_NOISE_MULTIPLE
+) -> CurveReading:
+    """Cut off the diverging tail, smooth the rest, check its descent against its noise, suggest.
+
+    Every judgement (the smoothing, the noise, the fall, the suggestions) uses only the points before the
+    tail (:func:`divergence_start`); the tail is smoothed on its own for the figure.
+    """
+    if len(lrs) != len(losses):
+        raise ValueError(f"`lrs` and `losses` must have the same length; got {len(lrs)} and {len(losses)}")
+    cut = divergence_start(losses)
+    head = centered_smooth(losses[:cut])
+    check = descent_check(losses[:cut], head, required)
+    suggestions: dict[str, float | None] = dict.fromkeys(SUGGESTION_METHODS)
+    if check.stands_out:
+        suggestions = suggest_all(lrs[:cut], head)
+    return CurveReading(cut, head + centered_smooth(losses[cut:]), check, suggestions)

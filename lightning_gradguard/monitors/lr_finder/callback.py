@@ -116,7 +116,7 @@ class LRFinderPlus(GradGuardCallback):
         max_lr: float = 1.0,
         num_training: int = 100,
         mode: Literal["exponential", "linear"] = "exponential",
-        method: Literal["steep", "valley", "minimum", "slide"] = "steep",
+        method: Literal["auto", "steep", "valley", "minimum", "slide", "peak"] = "auto",
         beta: float = 0.9,
         divergence_threshold: float | None = 1.0,
         milestones: list[int] | None = None,
@@ -124,6 +124,7 @@ class LRFinderPlus(GradGuardCallback):
         plot: bool = True,
         progress: bool = True,
         min_points: int | None = None,
+        max_sweeps: int = 4,
     ) -> None:
         # every finding is a warning, and a failed test already leaves the LR alone: nothing to act on
         super().__init__(action="warn", cooldown_steps=0)
@@ -133,7 +134,7 @@ class LRFinderPlus(GradGuardCallback):
             raise ValueError(f"`max_lr` must be greater than `min_lr` ({min_lr!r}); got {max_lr!r}")
         self.num_training: int = check_int("num_training", num_training, 5)
         self.mode: str = check_choice("mode", mode, ("exponential", "linear"))
-        self.method: str = check_choice("method", method, SUGGESTION_METHODS)
+        self.method: str = check_choice("method", method, ("auto", *SUGGESTION_METHODS))
         self.beta: float = check_float("beta", beta, 0.0, 0.999)
         self.divergence_threshold: float | None = check_float(
             "divergence_threshold", divergence_threshold, 0.0, low_open=True, allow_none=True
@@ -145,6 +146,7 @@ class LRFinderPlus(GradGuardCallback):
         self.apply = check_bool("apply", apply)
         self.plot = check_bool("plot", plot)
         self.progress = check_bool("progress", progress)
+        self.max_sweeps: int = check_int("max_sweeps", max_sweeps, 1)
         self.min_points: int = min_points if min_points is not None else max(5, self.num_training // 10)
         self.results: list[LRFinderResult] = []
         self._done_epochs: set[int] = set()
@@ -204,6 +206,7 @@ class LRFinderPlus(GradGuardCallback):
             divergence_threshold=self.divergence_threshold,
             min_points=self.min_points,
             progress=self.progress,
+            max_sweeps=self.max_sweeps,
             standalone_bar=self._standalone_bar,
         )
         problem = engine.unsupported_setup(trainer, pl_module)
@@ -263,16 +266,43 @@ def _hint(result: LRFinderResult, min_points: int) -> str:
             "The Trainer's batch limit left too few batches for the sweep: raise "
             "limit_train_batches (or overfit_batches), or run lr_find() without the limit."
         )
-    if len(result.lrs) >= min_points and result.descent is not None and not result.descent.stands_out:
+    check = result.descent
+    if len(result.lrs) < min_points or check is None or check.stands_out:
         return (
-            "If the loss should fall, check that it depends on the trained weights (a detached output, "
-            "frozen layers, a loss computed from constants). If it does, make the curve less noisy: raise "
-            "num_training (more points in the descent), the batch size or accumulate_grad_batches."
+            "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
+            "raise num_training, or check that the loss depends on the learning rate at all."
         )
+    blew_up = _blow_up_lr(result)
+    if check.ratio < 1.0 and blew_up is not None:  # flat until it diverged: a plateau the sweep cannot see
+        return (
+            f"The loss stayed flat up to lr {blew_up:.2e}, where it blew up: some models (deep tanh or "
+            f"sigmoid stacks, ViTs) sit on a plateau for hundreds of steps before their loss breaks away, "
+            f"which a {len(result.lrs)}-step sweep cannot see. Train at a third to a tenth of "
+            f"{blew_up:.2e} (about the largest LR this model takes) and give it those steps, or sweep "
+            f"with num_training of 500 to 1000 to see where the plateau ends. If the loss should fall at "
+            f"once, check that it depends on the trained weights (a detached output, frozen layers)."
+        )
+    if check.ratio < 1.0:
+        return (
+            "The loss did not move between min_lr and max_lr: raise max_lr, and check that the loss "
+            "depends on the trained weights (a detached output, frozen layers, a loss from constants)."
+        )
+    averaged = f"the mean of {result.sweeps} sweeps was still too noisy; " if result.sweeps > 1 else ""
     return (
-        "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
-        "raise num_training, or check that the loss depends on the learning rate at all."
+        f"If the loss should fall, {averaged}make the curve less noisy: a larger batch size or "
+        "accumulate_grad_batches, more sweeps averaged (max_sweeps), or num_training (more points in the "
+        "descent). If it should not, check that it depends on the trained weights (a detached output, "
+        "frozen layers, a loss computed from constants)."
     )
+
+
+def _blow_up_lr(result: LRFinderResult) -> float | None:
+    """The LR where the sweep diverged (its tail's first point, or where the stop rule ended it)."""
+    if result.divergence_at is not None:
+        return result.lrs[result.divergence_at]
+    if result.stop_reason in ("diverged", "non-finite loss") and result.lrs:
+        return result.lrs[-1]
+    return None
 
 
 def lr_find(

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_gradguard.core.batch import prepare_batch
 from lightning_gradguard.core.lr import rescale_learning_rates
-from lightning_gradguard.core.snapshot import TrainingSnapshot
+from lightning_gradguard.core.snapshot import RNGState, TrainingSnapshot, train_loader_generators
 from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.stats import active_scaler
 from lightning_gradguard.core.trial import (
@@ -39,15 +39,16 @@ from lightning_gradguard.core.trial import (
     trial_optimizer_step,
 )
 from lightning_gradguard.functional.lr_suggest import (
+    NOISE_POINTS,
     SUGGESTION_METHODS,
-    DescentCheck,
-    centered_smooth,
-    descent_check,
-    suggest_all,
+    CurveReading,
+    ema_smooth,
+    read_curve,
     sweep_lrs,
 )
 from lightning_gradguard.monitors.lr_finder.divergence import DivergenceMonitor
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+from lightning_gradguard.monitors.lr_finder.schedule import Schedule, read_schedule
 
 __all__ = [
     "RangeTest",
@@ -58,6 +59,11 @@ __all__ = [
     "set_lr_attr",
     "unsupported_setup",
 ]
+
+
+#: another sweep is averaged in when the descent, with the noise of ``max_sweeps`` averaged sweeps, would
+#: reach this share of the required multiple (a faint real descent; a curve that never fell stays one sweep)
+REPEAT_REACH = 0.67
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,7 @@ class RangeTest:
     divergence_threshold: float | None
     min_points: int
     progress: bool
+    max_sweeps: int = 4
     standalone_bar: bool = False  # lr_find's throwaway Trainer: its bars are off by lr_find's choice
 
     def run(
@@ -115,10 +122,10 @@ class RangeTest:
         snapshot = TrainingSnapshot(pl_module, trainer=trainer)
         base = [_configured(g) for g in optimizer.param_groups]
         try:
-            sweep = self.sweep(trainer, pl_module, optimizer, base)
+            schedule = read_schedule(trainer, optimizer, base[0])  # steps the schedulers: restored below
+            result = self.sweeps(trainer, pl_module, optimizer, base, snapshot, epoch, schedule)
         finally:
             snapshot.restore()
-        result = self.decide(sweep, epoch)
         result.seconds = time.perf_counter() - started
         if trainer.world_size > 1:
             result = trainer.strategy.broadcast(result, src=0)
@@ -128,28 +135,75 @@ class RangeTest:
             result.applied_lr = _configured(optimizer.param_groups[0])
         return result
 
+    def sweeps(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Any,
+        base: list[float],
+        snapshot: TrainingSnapshot,
+        epoch: int,
+        schedule: Schedule | None,
+    ) -> LRFinderResult:
+        """The sweep, and repeats of it averaged in while its descent is lost in a noise they can lift.
+
+        Every repeat starts from the same state (the snapshot) at the first sweep's learning rates, on the
+        next batches of the data and the next random numbers (dropout), so its noise is its own: the mean
+        of ``k`` sweeps has ``1 / sqrt(k)`` of one sweep's noise and the same descent. Every rank takes
+        the same decisions (each point's loss is the mean over ranks).
+        """
+        plan = self.plan(trainer, max(1, int(trainer.accumulate_grad_batches)))
+        batches = _batches(trainer.train_dataloader, plan.per_pass)
+        runs = [self.sweep(trainer, pl_module, optimizer, base, plan, batches)]
+        result = self.decide(runs, epoch, schedule)
+        while self.worth_repeating(result, len(runs)):
+            moved_on = RNGState(train_loader_generators(trainer))
+            snapshot.restore()
+            moved_on.restore()  # the repeat draws new batches and new dropout masks
+            runs.append(self.sweep(trainer, pl_module, optimizer, base, plan, batches, lrs=runs[0].lrs))
+            result = self.decide(runs, epoch, schedule)
+        return result
+
+    def worth_repeating(self, result: LRFinderResult, sweeps: int) -> bool:
+        """Whether to average in another sweep: the descent did not stand out of the noise, but would with
+        the noise of ``max_sweeps`` averaged sweeps at :data:`REPEAT_REACH` of the required multiple."""
+        check = result.descent
+        if sweeps >= self.max_sweeps or check is None or check.stands_out:
+            return False
+        if len(result.lrs) < max(self.min_points, NOISE_POINTS):  # too few points to read a noise from
+            return False
+        return check.ratio * math.sqrt(self.max_sweeps / sweeps) >= REPEAT_REACH * check.required
+
     def sweep(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any, base: list[float]
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Any,
+        base: list[float],
+        plan: SweepPlan,
+        batches: Iterator[tuple[Any, int]],
+        lrs: list[float] | None = None,
     ) -> SweepResult:
-        """Raise the LR step by step (group ratios kept) and record the loss until done or diverged."""
-        accumulate = max(1, int(trainer.accumulate_grad_batches))
-        plan = self.plan(trainer, accumulate)
-        schedule = sweep_lrs(self.min_lr, self.max_lr, plan.steps, self.mode)
-        show = self.shows_bar(trainer)
+        """Raise the LR step by step (group ratios kept) and record the loss until done or diverged.
+
+        ``lrs``: a repeat at these learning rates, to their end (no stop rule but a non-finite loss).
+        """
+        planned = sweep_lrs(self.min_lr, self.max_lr, plan.steps, self.mode) if lrs is None else lrs
+        threshold = self.divergence_threshold if lrs is None else None
         sweep = _Sweep(
             trainer=trainer,
             pl_module=pl_module,
             optimizer=optimizer,
             ratios=[b / base[0] for b in base] if base[0] > 0 else [1.0] * len(base),
-            accumulate=accumulate,
-            batches=_batches(trainer.train_dataloader, plan.per_pass),
-            monitor=DivergenceMonitor(self.beta, self.divergence_threshold, warmup=max(2, plan.steps // 10)),
-            bar=_progress_bar(trainer, len(schedule)) if show else None,
+            accumulate=max(1, int(trainer.accumulate_grad_batches)),
+            batches=batches,
+            monitor=DivergenceMonitor(self.beta, threshold, warmup=max(2, plan.steps // 10)),
+            bar=_progress_bar(trainer, len(planned)) if self.shows_bar(trainer) else None,
         )
         # the sweep's losses are not the run's metrics (also what the batch hooks would log)
         with quiet_logging(pl_module):
             try:
-                stop_reason = sweep.through(schedule)
+                stop_reason = sweep.through(planned)
             finally:
                 sweep.close()
         return SweepResult(
@@ -210,48 +264,61 @@ class RangeTest:
         )
         return SweepPlan(steps, f"capped at {steps} by {what}", per_pass=per_pass)
 
-    def decide(self, sweep: SweepResult, epoch: int) -> LRFinderResult:
-        """The suggestions on the zero-lag smoothed curve, and the chosen one (or why there is none).
+    def decide(self, runs: list[SweepResult], epoch: int, schedule: Schedule | None) -> LRFinderResult:
+        """The suggestions on the (averaged) sweep's curve, and the chosen one (or why there is none).
 
-        Every method suggests only when the curve's fall stands out of its own noise
-        (:func:`~lightning_gradguard.functional.lr_suggest.descent_check`); otherwise none does, and the
-        reason gives the numbers.
+        The curve is read by :func:`~lightning_gradguard.functional.lr_suggest.read_curve`: the diverging
+        tail cut off, the rest smoothed without lag, and no method suggests anything unless its fall
+        stands out of its own noise (the reason then gives the numbers). ``method="auto"`` takes ``peak``
+        when the run's schedule warms up (the suggestion is the LR the schedule is configured with, so
+        that its peak lands on the curve's low) and ``steep`` otherwise.
         """
-        lrs = sweep.lrs
-        curve = centered_smooth(sweep.losses) if sweep.losses else []
-        suggestions: dict[str, float | None] = dict.fromkeys(SUGGESTION_METHODS)
-        check = descent_check(sweep.losses, curve) if sweep.losses else None
-        reason = ""
+        sweep = _average(runs, self.beta)
+        lrs, rule = sweep.lrs, self.rule(schedule)
+        reading = read_curve(lrs, sweep.losses)
+        suggestion, reason = reading.suggestions[rule], ""
+        suggestions = reading.suggestions
         if len(lrs) < self.min_points:
+            suggestions = dict.fromkeys(SUGGESTION_METHODS)
             cap = f"; the sweep was {sweep.plan.limit}" if sweep.plan.limit else ""
             reason = (
                 f"only {len(lrs)} of {sweep.plan.steps} sweep steps were usable "
                 f"(stopped: {sweep.stop_reason}{cap}); at least {self.min_points} are needed"
             )
-        elif check is not None and not check.stands_out:
-            reason = _lost_in_noise(lrs, curve, check)
-        else:
-            suggestions = suggest_all(lrs, curve)
-            if suggestions[self.method] is None:
-                reason = (
-                    f"the loss curve gives no '{self.method}' suggestion between {lrs[0]:.2e} and "
-                    f"{lrs[-1]:.2e} (it never clearly decreased)"
-                )
+        elif not reading.descent.stands_out:
+            reason = _lost_in_noise(lrs, reading, len(runs))
+        elif suggestion is None:
+            reason = (
+                f"the loss curve gives no '{rule}' suggestion between {lrs[0]:.2e} and "
+                f"{lrs[-1]:.2e} (it never clearly decreased)"
+            )
+        elif rule == "peak" and schedule is not None and schedule.warms_up:
+            suggestion /= schedule.peak  # configured so that the schedule's peak is the curve's low
         return LRFinderResult(
             lrs=lrs,
             losses=sweep.losses,
             smoothed=sweep.smoothed,
-            curve=curve,
+            curve=reading.curve,
             suggestions=suggestions,
             method=self.method,
-            suggestion=None if reason else suggestions[self.method],
+            suggestion=None if reason else suggestion,
+            rule=rule,
+            schedule=schedule,
+            sweeps=len(runs),
+            divergence_at=reading.cut if reading.cut < len(lrs) else None,
             epoch=epoch,
             stop_reason=sweep.stop_reason,
             reason=reason,
-            descent=check,
+            descent=reading.descent if lrs else None,
             skipped_steps=sweep.skipped,
             limited_to=sweep.plan.steps if sweep.plan.limit else None,
         )
+
+    def rule(self, schedule: Schedule | None) -> str:
+        """The suggestion method that decides: ``method``, or for ``"auto"`` the one the schedule asks for."""
+        if self.method != "auto":
+            return self.method
+        return "peak" if schedule is not None and schedule.warms_up else "steep"
 
     def not_run(self, epoch: int, reason: str) -> LRFinderResult:
         """The result of a test that could not run (an unsupported setup: ``reason``)."""
@@ -269,8 +336,9 @@ class RangeTest:
         )
 
 
-def _lost_in_noise(lrs: list[float], curve: list[float], check: DescentCheck) -> str:
+def _lost_in_noise(lrs: list[float], reading: CurveReading, sweeps: int) -> str:
     """Why a curve whose fall does not stand out of its noise gives no suggestion, with the numbers."""
+    check, curve = reading.descent, reading.curve
     if check.fall <= 0:
         what = f"the smoothed loss never fell below its level at {lrs[0]:.2e}"
     else:
@@ -281,9 +349,31 @@ def _lost_in_noise(lrs: list[float], curve: list[float], check: DescentCheck) ->
             f"at lr {lrs[check.start]:.2e} to {low:.5g} at lr {lrs[check.lowest]:.2e}, "
             f"{check.ratio:.2g} times the noise of that fall ({check.fall_noise:.3g})"
         )
+    if reading.cut < len(lrs):
+        what += f", before it diverged from lr {lrs[reading.cut]:.2e} on"
+    averaged = f" (the mean of {sweeps} sweeps)" if sweeps > 1 else ""
     return (
-        f"the loss curve's descent does not stand out of its noise: {what}; a suggestion needs "
+        f"the loss curve's descent does not stand out of its noise{averaged}: {what}; a suggestion needs "
         f"{check.required:g} times (the raw losses scatter by {check.noise:.3g} from step to step)"
+    )
+
+
+def _average(runs: list[SweepResult], beta: float) -> SweepResult:
+    """One sweep, or the mean of several at the learning rates they all recorded (a GradScaler skip drops
+    a point from one of them)."""
+    if len(runs) == 1:
+        return runs[0]
+    by_lr = [dict(zip(r.lrs, r.losses, strict=True)) for r in runs]
+    lrs = [lr for lr in runs[0].lrs if all(lr in d for d in by_lr)]
+    losses = [sum(d[lr] for d in by_lr) / len(by_lr) for lr in lrs]
+    first = runs[0]
+    return SweepResult(
+        lrs=lrs,
+        losses=losses,
+        smoothed=ema_smooth(losses, beta),
+        stop_reason=first.stop_reason,
+        skipped=sum(r.skipped for r in runs),
+        plan=first.plan,
     )
 
 

@@ -17,7 +17,7 @@ from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
 from lightning_gradguard.tags import LR_FINDER, LR_FINDER_CURVE
 
-__all__ = ["write_result"]
+__all__ = ["rule_in_words", "write_result"]
 
 log = logging.getLogger("lightning_gradguard")
 
@@ -37,7 +37,7 @@ def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log
         _emit.log_scalars(trainer, {LR_FINDER.tag("suggested_lr"): result.suggestion}, log_step(trainer))
     if result.applied_lr is not None:
         hparams: dict[str, Any] = {LR_FINDER.tag(f"applied_lr{suffix}"): result.applied_lr}
-        hparams[LR_FINDER.tag(f"method{suffix}")] = result.method
+        hparams[LR_FINDER.tag(f"method{suffix}")] = result.rule
         _log_hparams(trainer, hparams)
     _log_summary(result)
     if not trainer.loggers:  # no log directory: the curve stays in ``self.results``
@@ -69,15 +69,26 @@ def _log_summary(result: LRFinderResult) -> None:
         chosen += " applied"
     others = ", ".join(f"{k} {v:.2e}" for k, v in result.suggestions.items() if v is not None)
     log.info(
-        "LRFinderPlus [epoch %d]: suggestion (%s) %s; all: %s; %d points, stopped: %s; %.1fs",
+        "LRFinderPlus [epoch %d]: suggestion (%s) %s; all: %s; %d points%s, stopped: %s; %.1fs",
         result.epoch,
-        result.method,
+        rule_in_words(result),
         chosen,
         others or "none",
         len(result.lrs),
+        f" (mean of {result.sweeps} sweeps)" if result.sweeps > 1 else "",
         result.stop_reason,
         result.seconds,
     )
+
+
+def rule_in_words(result: LRFinderResult) -> str:
+    """Which rule gave the suggestion, and why that one (the schedule it was fitted to)."""
+    schedule = result.schedule
+    if result.rule == "peak" and schedule is not None and schedule.warms_up:
+        return f"peak: the run's schedule has {schedule.describe()}; its peak at the curve's lowest point"
+    if result.method == "auto" and result.rule:
+        return f"{result.rule}: {'the run does not warm up' if schedule is not None else 'a constant LR'}"
+    return result.rule or result.method
 
 
 def _write_csv(folder: str, result: LRFinderResult, suffix: str) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_gradguard.functional.lr_suggest import DescentCheck
+from lightning_gradguard.monitors.lr_finder.schedule import Schedule
 
 __all__ = ["LRFinderResult"]
 
@@ -21,8 +22,15 @@ class LRFinderResult:
         smoothed: the online bias-corrected EMA the stop rule used.
         curve: the zero-lag smoothed curve the suggestions were computed on.
         suggestions: every method's suggestion (``None`` where a method had none).
-        method: the method that picks ``suggestion``.
-        suggestion: the suggested learning rate for parameter group 0, or ``None`` (see ``reason``).
+        method: the ``method`` setting (``"auto"``: ``rule`` is chosen from the run's schedule).
+        suggestion: the learning rate to configure parameter group 0 with, or ``None`` (see ``reason``).
+            Under the ``peak`` rule it is the LR that puts the schedule's peak on the curve's low point.
+        rule: the suggestion method that gave ``suggestion`` (``method``, or what ``"auto"`` chose).
+        schedule: what the run's LR schedule does (read by stepping its schedulers ahead), or ``None``.
+        sweeps: how many sweeps were averaged into ``losses`` (more than one when the first one's descent
+            was lost in its noise).
+        divergence_at: index of the first point of the diverging tail that the curve was read without
+            (``None``: no such tail).
         epoch: the epoch at whose start the test ran.
         stop_reason: why the sweep ended: ``"completed"`` (all its steps), ``"diverged"``
             (the stop rule fired), ``"non-finite loss"``, ``"no loss"`` (``training_step`` returned no
@@ -48,6 +56,10 @@ class LRFinderResult:
     suggestions: dict[str, float | None]
     method: str
     suggestion: float | None
+    rule: str = ""
+    schedule: Schedule | None = None
+    sweeps: int = 1
+    divergence_at: int | None = None
     epoch: int = 0
     stop_reason: str = "completed"
     reason: str = ""
@@ -69,11 +81,11 @@ class LRFinderResult:
             fig = ax.figure
         ax.plot(self.lrs, self.losses, color="0.75", lw=1, label="loss")
         ax.plot(self.lrs, self.curve, color="C0", lw=2, label="smoothed")
-        colors = {"valley": "C1", "steep": "C2", "minimum": "C3", "slide": "C4"}
+        colors = {"valley": "C1", "steep": "C2", "minimum": "C3", "slide": "C4", "peak": "C5"}
         for name, lr in self.suggestions.items():
             if lr is None:
                 continue
-            chosen = " (chosen)" if name == self.method else ""
+            chosen = " (chosen)" if name == self.rule else ""
             style = "-" if chosen else "--"
             label = "minimum/10" if name == "minimum" else name  # the rule is the lowest loss's LR / 10
             ax.axvline(lr, color=colors.get(name, "k"), ls=style, lw=1.5, label=f"{label} {lr:.2e}{chosen}")

@@ -207,6 +207,25 @@ def test_a_loss_that_cannot_fall_is_still_refused_after_repeats() -> None:
     assert finder.alerts and "depends on the trained weights" in finder.alerts[0].hint
 
 
+def test_a_flat_sweep_says_what_to_do_about_a_plateau() -> None:
+    """A 10-layer tanh MLP at PyTorch's init: its loss stays at chance for the whole sweep (it breaks away
+    only after hundreds of steps at 0.03 to 0.3, benchmarks/lr_hard.py's deep_tanh). No suggestion, and the
+    hint says both things it can be and what to do about each."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(64, 64), nn.Tanh()]
+    for _ in range(8):
+        layers += [nn.Linear(64, 64), nn.Tanh()]
+    model = Model(nn.Sequential(*layers, nn.Linear(64, 10)), nn.functional.cross_entropy, torch.optim.SGD)
+    finder = LRFinderPlus(progress=False, plot=False, max_sweeps=1)
+    _fit(model, finder, _loader(_digits(), 32))
+    result = finder.result
+    assert result is not None and result.suggestion is None and result.descent is not None
+    assert result.descent.fall < 0.02 * 2.3  # flat: the premise (measured under 0.5 %)
+    hint = finder.alerts[0].hint
+    assert hint.startswith("The loss stayed flat") and "plateau" in hint
+    assert "num_training of 500 to 1000" in hint and "depends on the trained weights" in hint
+
+
 # ---------------------------------------------------------------------------------------------- schedules
 def _warmup_cosine(warmup: int, total: int, peak: float = 1.0) -> Any:
     def factor(step: int) -> float:

@@ -62,8 +62,11 @@ class LRFinderPlus(GradGuardCallback):
     Under DDP and FSDP every rank runs the same sweep on its own shard; the loss of each step is averaged
     across ranks, so all ranks see the same curve and stop at the same step; rank 0's result is
     broadcast. A suggestion needs a descent that stands out of the curve's own noise (its fall at least
-    six times the noise of that fall, read from the raw losses' step-to-step scatter); a curve of a loss
-    that cannot fall gives none. When no suggestion is possible the LR is left alone and an
+    six times the noise of that fall, read from the raw losses' step-to-step scatter before the diverging
+    tail); a curve of a loss that cannot fall gives none, and a faint descent gets repeats of the sweep
+    averaged in (``max_sweeps``). ``method="auto"`` (default) fits the suggestion to the run's schedule:
+    under a warm-up, the LR that puts the schedule's peak at the curve's lowest point (``peak``);
+    otherwise the steepest descent (``steep``). When no suggestion is possible the LR is left alone and an
     ``lr_finder_failed`` alert says why. The sweep needs automatic optimization with one optimizer, on a
     single device, under DDP or under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``): in any other
     setup (manual optimization, for one) no sweep runs, and the alert says that the setup is not
@@ -96,6 +99,9 @@ class LRFinderPlus(GradGuardCallback):
         progress: show the sweep's progress bar on rank 0, when the Trainer shows tqdm bars itself: with
             ``enable_progress_bar=False`` (or a ``RichProgressBar``) there is none, whatever ``progress``.
         min_points: fewest recorded points for a suggestion (default: a tenth of ``num_training``, >= 5).
+        max_sweeps: the most sweeps averaged when one sweep's descent is lost in its noise (each repeat runs
+            from the same state at the same LRs on the next batches; looks after 1, 2, 4, 8, ... sweeps);
+            ``None``: as many as make 400 points, at least 4 and at most 16; ``1``: never repeat.
 
     Example::
 
@@ -124,7 +130,7 @@ class LRFinderPlus(GradGuardCallback):
         plot: bool = True,
         progress: bool = True,
         min_points: int | None = None,
-        max_sweeps: int = 4,
+        max_sweeps: int | None = None,
     ) -> None:
         # every finding is a warning, and a failed test already leaves the LR alone: nothing to act on
         super().__init__(action="warn", cooldown_steps=0)
@@ -146,7 +152,7 @@ class LRFinderPlus(GradGuardCallback):
         self.apply = check_bool("apply", apply)
         self.plot = check_bool("plot", plot)
         self.progress = check_bool("progress", progress)
-        self.max_sweeps: int = check_int("max_sweeps", max_sweeps, 1)
+        self.max_sweeps: int | None = check_int("max_sweeps", max_sweeps, 1, allow_none=True)
         self.min_points: int = min_points if min_points is not None else max(5, self.num_training // 10)
         self.results: list[LRFinderResult] = []
         self._done_epochs: set[int] = set()
@@ -272,27 +278,46 @@ def _hint(result: LRFinderResult, min_points: int) -> str:
             "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
             "raise num_training, or check that the loss depends on the learning rate at all."
         )
-    blew_up = _blow_up_lr(result)
-    if check.ratio < 1.0 and blew_up is not None:  # flat until it diverged: a plateau the sweep cannot see
-        return (
-            f"The loss stayed flat up to lr {blew_up:.2e}, where it blew up: some models (deep tanh or "
-            f"sigmoid stacks, ViTs) sit on a plateau for hundreds of steps before their loss breaks away, "
-            f"which a {len(result.lrs)}-step sweep cannot see. Train at a third to a tenth of "
-            f"{blew_up:.2e} (about the largest LR this model takes) and give it those steps, or sweep "
-            f"with num_training of 500 to 1000 to see where the plateau ends. If the loss should fall at "
-            f"once, check that it depends on the trained weights (a detached output, frozen layers)."
-        )
-    if check.ratio < 1.0:
-        return (
-            "The loss did not move between min_lr and max_lr: raise max_lr, and check that the loss "
-            "depends on the trained weights (a detached output, frozen layers, a loss from constants)."
-        )
+    if _flat(result):
+        return _plateau_hint(result)
     averaged = f"the mean of {result.sweeps} sweeps was still too noisy; " if result.sweeps > 1 else ""
     return (
         f"If the loss should fall, {averaged}make the curve less noisy: a larger batch size or "
         "accumulate_grad_batches, more sweeps averaged (max_sweeps), or num_training (more points in the "
         "descent). If it should not, check that it depends on the trained weights (a detached output, "
         "frozen layers, a loss computed from constants)."
+    )
+
+
+#: a sweep whose smoothed loss fell by less than this share of its level is flat (no descent to read)
+FLAT_SHARE = 0.02
+
+
+def _flat(result: LRFinderResult) -> bool:
+    """Whether the smoothed curve hardly moved: a fall under :data:`FLAT_SHARE` of its level, or under twice
+    its noise."""
+    check = result.descent
+    if check is None or not result.curve:
+        return False
+    level = abs(result.curve[check.start]) or 1.0
+    return check.fall < FLAT_SHARE * level or check.ratio < 2.0
+
+
+def _plateau_hint(result: LRFinderResult) -> str:
+    """What to do about a sweep whose loss stayed flat: a loss that cannot fall, or a plateau."""
+    blew_up = _blow_up_lr(result)
+    top = blew_up if blew_up is not None else (result.lrs[-1] if result.lrs else None)
+    where, scale = "over the sweep", ""
+    if top is not None:
+        where = f"until it blew up at lr {top:.2e}" if blew_up is not None else f"up to lr {top:.2e}"
+        scale = f" at a third to a tenth of {top:.2e}"
+    return (
+        f"The loss stayed flat {where}. Either it cannot fall (check that it depends on the trained "
+        f"weights: a detached output, frozen layers, a loss computed from constants), or the model sits on "
+        f"a plateau that a {len(result.lrs)}-step sweep cannot see: deep tanh or sigmoid stacks and ViTs "
+        f"break away only after hundreds of steps. Sweep with num_training of 500 to 1000 to see where the "
+        f"plateau ends, or train a few hundred steps{scale} and watch the loss"
+        + (", or raise max_lr if it never blew up." if blew_up is None else ".")
     )
 
 

@@ -65,6 +65,12 @@ __all__ = [
 #: reach this share of the required multiple (a faint real descent; a curve that never fell stays one sweep)
 REPEAT_REACH = 0.67
 
+#: with ``max_sweeps=None``, sweeps are averaged up to this many points in all (a 100-point sweep: 4)
+REPEAT_POINTS = 400
+
+#: ... and never more sweeps than this
+MAX_AUTO_SWEEPS = 16
+
 
 @dataclass(frozen=True)
 class Unsupported:
@@ -110,7 +116,7 @@ class RangeTest:
     divergence_threshold: float | None
     min_points: int
     progress: bool
-    max_sweeps: int = 4
+    max_sweeps: int | None = None
     standalone_bar: bool = False  # lr_find's throwaway Trainer: its bars are off by lr_find's choice
 
     def run(
@@ -156,23 +162,32 @@ class RangeTest:
         batches = _batches(trainer.train_dataloader, plan.per_pass)
         runs = [self.sweep(trainer, pl_module, optimizer, base, plan, batches)]
         result = self.decide(runs, epoch, schedule)
-        while self.worth_repeating(result, len(runs)):
-            moved_on = RNGState(train_loader_generators(trainer))
-            snapshot.restore()
-            moved_on.restore()  # the repeat draws new batches and new dropout masks
-            runs.append(self.sweep(trainer, pl_module, optimizer, base, plan, batches, lrs=runs[0].lrs))
+        budget = self.sweep_budget(len(runs[0].lrs))
+        while self.worth_repeating(result, len(runs), budget):
+            for _ in range(min(2 * len(runs), budget) - len(runs)):  # looks after 1, 2, 4, 8, ... sweeps
+                moved_on = RNGState(train_loader_generators(trainer))
+                snapshot.restore()
+                moved_on.restore()  # the repeat draws new batches and new dropout masks
+                runs.append(self.sweep(trainer, pl_module, optimizer, base, plan, batches, lrs=runs[0].lrs))
             result = self.decide(runs, epoch, schedule)
         return result
 
-    def worth_repeating(self, result: LRFinderResult, sweeps: int) -> bool:
-        """Whether to average in another sweep: the descent did not stand out of the noise, but would with
-        the noise of ``max_sweeps`` averaged sweeps at :data:`REPEAT_REACH` of the required multiple."""
+    def sweep_budget(self, points: int) -> int:
+        """The most sweeps averaged: ``max_sweeps``, or (``None``) as many as make :data:`REPEAT_POINTS`
+        points, at least 4 and at most :data:`MAX_AUTO_SWEEPS` (a 40-point sweep gets 10)."""
+        if self.max_sweeps is not None:
+            return self.max_sweeps
+        return min(MAX_AUTO_SWEEPS, max(4, math.ceil(REPEAT_POINTS / max(1, points))))
+
+    def worth_repeating(self, result: LRFinderResult, sweeps: int, budget: int) -> bool:
+        """Whether to average in more sweeps: the descent did not stand out of the noise, but would with the
+        noise of ``budget`` averaged sweeps at :data:`REPEAT_REACH` of the required multiple."""
         check = result.descent
-        if sweeps >= self.max_sweeps or check is None or check.stands_out:
+        if sweeps >= budget or check is None or check.stands_out:
             return False
         if len(result.lrs) < max(self.min_points, NOISE_POINTS):  # too few points to read a noise from
             return False
-        return check.ratio * math.sqrt(self.max_sweeps / sweeps) >= REPEAT_REACH * check.required
+        return check.ratio * math.sqrt(budget / sweeps) >= REPEAT_REACH * check.required
 
     def sweep(
         self,

@@ -54,6 +54,7 @@ __all__ = [
     "suggest_steep",
     "suggest_valley",
     "sweep_lrs",
+    "sweep_spread",
 ]
 
 SUGGESTION_METHODS: tuple[str, ...] = ("valley", "steep", "minimum", "slide", "peak")
@@ -215,6 +216,7 @@ def descent_check(
     curve: Sequence[float] | None = None,
     required: float = DESCENT_NOISE_MULTIPLE,
     sigma: float | None = None,
+    noise_floor: float = 0.0,
 ) -> DescentCheck:
     """Does the smoothed curve's fall to its minimum stand out of the noise of the raw ``losses``?
 
@@ -225,7 +227,8 @@ def descent_check(
     noise that fall has on a curve of pure noise, ``noise * sqrt(g_i**2 + g_m**2)`` (``g``:
     :func:`smoothing_gain`); the point where the ratio is largest is kept. On pure noise the
     ratio stays below about 5 (99th percentile of Gaussian noise, 40 points or more; heavier tails and
-    fewer points reach higher); a real descent gives tens.
+    fewer points reach higher); a real descent gives tens. ``noise_floor``: the noise is never taken
+    below it (the spread between averaged sweeps, see :func:`sweep_spread`).
     """
     y = np.asarray(losses, dtype=np.float64)
     c = np.asarray(centered_smooth(losses, sigma) if curve is None else curve, dtype=np.float64)
@@ -237,7 +240,7 @@ def descent_check(
         )
     m = int(np.argmin(c))
     # the noise before the divergence: a long diverging tail (no stop rule) is no noise of the descent
-    noise = loss_noise(y[: max(m + 1, min(y.size, NOISE_POINTS))])
+    noise = max(loss_noise(y[: max(m + 1, min(y.size, NOISE_POINTS))]), noise_floor)
     gain = smoothing_gain(y.size, sigma)
     spread = noise * np.sqrt(gain[: m + 1] ** 2 + gain[m] ** 2)
     fall = c[: m + 1] - c[m]
@@ -471,8 +474,25 @@ class CurveReading:
     suggestions: dict[str, float | None]
 
 
+def sweep_spread(sweeps: Sequence[Sequence[float]]) -> float:
+    """The noise of the mean of several sweeps at the same LRs, read from how far they differ point by point.
+
+    The variance between the sweeps at each point, pooled over the points, over the number of sweeps: a
+    mean of squares, so heavy tails count in full (the step-to-step MAD of :func:`loss_noise` ignores
+    them: a batch-of-one cross-entropy, skewed by its rare confident mistakes, once passed for a descent
+    at 8 times its MAD noise), and no trend enters it. ``0.0`` for fewer than two sweeps.
+    """
+    y = np.asarray(sweeps, dtype=np.float64)
+    if y.ndim != 2 or y.shape[0] < 2 or y.shape[1] == 0:
+        return 0.0
+    return float(math.sqrt(float(np.mean(np.var(y, axis=0, ddof=1))) / y.shape[0]))
+
+
 def read_curve(
-    lrs: Sequence[float], losses: Sequence[float], required: float = DESCENT_NOISE_MULTIPLE
+    lrs: Sequence[float],
+    losses: Sequence[float],
+    required: float = DESCENT_NOISE_MULTIPLE,
+    sweeps: Sequence[Sequence[float]] = (),
 ) -> CurveReading:
     """Judge the descent without the diverging tail; read the suggestions off the whole smoothed curve.
 
@@ -482,11 +502,15 @@ def read_curve(
     as before: there the tail lifts the last points of the descent, which keeps ``steep`` and ``peak``
     off the edge of the blow-up (read on the descent alone, the steepest point moved onto that edge and
     a small-batch Adam MLP's suggestion tripled, 1.07 -> 1.69 times the best loss).
+
+    ``losses`` can be the mean of several ``sweeps`` (their losses at the same ``lrs``): then the noise is
+    at least their spread (:func:`sweep_spread`, on the points before the tail).
     """
     if len(lrs) != len(losses):
         raise ValueError(f"`lrs` and `losses` must have the same length; got {len(lrs)} and {len(losses)}")
     cut = divergence_start(losses)
-    check = descent_check(losses[:cut], centered_smooth(losses[:cut]), required)
+    spread = sweep_spread([list(s[:cut]) for s in sweeps])
+    check = descent_check(losses[:cut], centered_smooth(losses[:cut]), required, noise_floor=spread)
     curve = centered_smooth(losses)
     suggestions: dict[str, float | None] = dict.fromkeys(SUGGESTION_METHODS)
     if check.stands_out:

@@ -23,6 +23,7 @@ from lightning_gradguard.functional.lr_suggest import (
     divergence_start,
     read_curve,
     sweep_lrs,
+    sweep_spread,
 )
 from tests.conftest import make_trainer
 
@@ -224,6 +225,36 @@ def test_a_flat_sweep_says_what_to_do_about_a_plateau() -> None:
     hint = finder.alerts[0].hint
     assert hint.startswith("The loss stayed flat") and "plateau" in hint
     assert "num_training of 500 to 1000" in hint and "depends on the trained weights" in hint
+
+
+def test_sweep_spread_is_the_noise_of_the_mean_of_the_sweeps() -> None:
+    rng = np.random.default_rng(0)
+    sweeps = rng.standard_normal((4, 50)) * 0.3 + np.linspace(2.0, 1.0, 50)  # a trend: not noise
+    expected = math.sqrt(np.mean([np.var(sweeps[:, i], ddof=1) for i in range(50)]) / 4)
+    assert sweep_spread(sweeps.tolist()) == pytest.approx(expected)
+    assert sweep_spread(sweeps.tolist()) == pytest.approx(0.3 / 2, rel=0.15)
+    assert sweep_spread([[1.0, 2.0]]) == 0.0
+
+
+def test_a_heavy_tailed_loss_that_cannot_fall_is_refused_after_repeats() -> None:
+    """Batches of one sample on a model that cannot learn (its logits detached): each loss is one sample's
+    cross-entropy, skewed by rare confident mistakes. The step-to-step MAD ignores those tails, and the
+    mean of four 40-point sweeps once passed for a descent at 7.4 times that noise (seed 0 of five);
+    with the noise at least the spread between the sweeps, every seed is refused."""
+    x, y = _digits(2000)  # all 1797
+    x = (x - x.mean(0)) / (x.std(0) + 1e-3)
+    for seed in range(5):
+        loader = _loader((x, y), 1, seed)
+        pl.seed_everything(seed, verbose=False)
+        net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        model = Model(
+            net,
+            lambda out, t: nn.functional.cross_entropy(out.detach(), t) + 0.0 * out.sum(),
+            torch.optim.SGD,
+        )
+        result = lr_find(model, loader, num_training=40, progress=False)
+        assert result is not None and result.suggestion is None, (seed, result.descent)
+        assert result.descent is not None and result.descent.ratio < 4.0
 
 
 # ---------------------------------------------------------------------------------------------- schedules

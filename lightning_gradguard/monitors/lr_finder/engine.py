@@ -288,9 +288,9 @@ class RangeTest:
         when the run's schedule warms up (the suggestion is the LR the schedule is configured with, so
         that its peak lands on the curve's low) and ``steep`` otherwise.
         """
-        sweep = _average(runs, self.beta)
+        sweep, each = _average(runs, self.beta)
         lrs, rule = sweep.lrs, self.rule(schedule)
-        reading = read_curve(lrs, sweep.losses)
+        reading = read_curve(lrs, sweep.losses, sweeps=each if len(each) > 1 else ())
         suggestion, reason = reading.suggestions[rule], ""
         suggestions = reading.suggestions
         if len(lrs) < self.min_points:
@@ -373,16 +373,17 @@ def _lost_in_noise(lrs: list[float], reading: CurveReading, sweeps: int) -> str:
     )
 
 
-def _average(runs: list[SweepResult], beta: float) -> SweepResult:
+def _average(runs: list[SweepResult], beta: float) -> tuple[SweepResult, list[list[float]]]:
     """One sweep, or the mean of several at the learning rates they all recorded (a GradScaler skip drops
-    a point from one of them)."""
+    a point from one of them); with every sweep's losses at those learning rates."""
     if len(runs) == 1:
-        return runs[0]
+        return runs[0], [runs[0].losses]
     by_lr = [dict(zip(r.lrs, r.losses, strict=True)) for r in runs]
     lrs = [lr for lr in runs[0].lrs if all(lr in d for d in by_lr)]
-    losses = [sum(d[lr] for d in by_lr) / len(by_lr) for lr in lrs]
+    each = [[d[lr] for lr in lrs] for d in by_lr]
+    losses = [sum(column) / len(runs) for column in zip(*each, strict=True)]
     first = runs[0]
-    return SweepResult(
+    mean = SweepResult(
         lrs=lrs,
         losses=losses,
         smoothed=ema_smooth(losses, beta),
@@ -390,6 +391,7 @@ def _average(runs: list[SweepResult], beta: float) -> SweepResult:
         skipped=sum(r.skipped for r in runs),
         plan=first.plan,
     )
+    return mean, each
 
 
 class _SweepStopped(Exception):

@@ -97,7 +97,7 @@ def sweep(kind: str, optimizer: str, batch: int, points: int, seed: int) -> dict
     return {
         "suggestion": result.suggestion,
         "ratio": result.descent.ratio if result.descent is not None else 0.0,
-        "sweeps": result.sweeps,
+        "sweeps": getattr(result, "sweeps", 1),  # 1 before the repeats
         "points": len(result.lrs),
     }
 

@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup demo test lint typecheck unit unit-elsewhere docs bench bench-hooks bench-lr bench-dead-relu bench-spike bench-spike-healthy bench-big bench-stall-zoo bench-matrix bench-onset bench-real bench-buffers screenshots clean
+.PHONY: setup demo test lint typecheck unit unit-elsewhere docs bench bench-hooks bench-lr bench-lr-hard bench-dead-relu bench-spike bench-spike-healthy bench-big bench-stall-zoo bench-matrix bench-onset bench-real bench-buffers screenshots clean
 
 setup: $(STAMP)
 
@@ -63,9 +63,17 @@ bench: $(STAMP)
 bench-hooks: $(STAMP)
 	cd benchmarks && ../$(PY) hooks.py
 
-# LRFinderPlus against Lightning's lr_find on real sklearn tasks (suggestion quality and wall time).
+# LRFinderPlus against Lightning's lr_find on real sklearn tasks (suggestion quality and wall time), then the hard tasks.
 bench-lr: $(STAMP)
 	$(PY) benchmarks/lr_finder.py
+	$(MAKE) bench-lr-hard
+
+# LRFinderPlus, Lightning's lr_find and torch-lr-finder on hard tasks, scored against a brute-force LR grid
+# (about 16 CPU-minutes with a cold grid cache, benchmarks/.lr_hard_grid.json; a rerun trains only at new suggestions).
+# torch-lr-finder is installed with --no-deps: a benchmark-only comparison, never a dependency of ours.
+bench-lr-hard: $(STAMP)
+	$(PIP) install --quiet --no-deps torch-lr-finder==0.2.2
+	$(PY) benchmarks/lr_hard.py --real
 
 # A DeadReLUMonitor sampled step against a plain step.
 bench-dead-relu: $(STAMP)

@@ -1,0 +1,994 @@
+"""LR range-test finders on hard tasks, each scored against a brute-force grid of learning rates.
+
+Three finders, side by side, each at its defaults as a user would run it:
+
+* ``ours``: ``lightning_gradguard.lr_find`` (LRFinderPlus in a throwaway Trainer; 1e-7..1, 100 points);
+* ``lightning``: ``Tuner(trainer).lr_find`` and its ``suggestion()`` (1e-8..1, 100 points);
+* ``torch_lr_finder``: the plain-PyTorch package ``torch-lr-finder`` (``range_test`` 1e-7..10, 100
+  points, then the steepest-gradient point of its plot).
+
+On ``regression_noisy_40`` every finder sweeps 40 points instead of 100. Where the task's
+LightningModule configures a warm-up + cosine schedule (``lm_warmup_cosine``), a suggestion is used as the
+schedule's peak learning rate.
+
+Scoring. Each task has a training budget (optimizer steps) and a held-out loss. A log grid of constant
+(or peak) learning rates, 4 points per decade, 3 seeds each, is trained; the best LR is the one with the
+lowest 3-seed mean. Each finder runs once per seed (0, 1, 2) and the task is trained at that seed's
+suggestion with that seed. A finder's ratio is the mean held-out loss of those trainings over the best
+grid mean (1.0: as good as the brute-force best). A refusal (no suggestion), and a training that ends no
+better than chance (a blow-up, whether its loss became non-finite or stayed finite), score the task's
+chance loss: the held-out loss of predicting the training prior (the training mean for a regression, the
+training class frequencies for a classification, the training characters' frequencies for the language
+model). Capping a finite blow-up at chance keeps one diverged training (a held-out loss of 250 nats) from
+deciding the mean over all tasks; ``ratio_uncapped`` in the JSON scores only non-finite losses as chance.
+
+Tasks (offline data only):
+
+* ``linreg_sgd``: make_regression (30 features, noise), one ``nn.Linear``, plain SGD, MSE, batch 32;
+* ``regression_noisy_40``: make_friedman1 with heavy noise, MLP, Adam, batch 32; 40-point sweeps;
+* ``mlp_adam_b4``: digits MLP, Adam, batch 4;
+* ``lm_warmup_cosine``: a 2-layer causal transformer character LM on the source of a few stdlib modules,
+  AdamW, linear warm-up then cosine decay (``LambdaLR``, per step);
+* ``deep_tanh``: a 10-layer tanh MLP on digits, plain SGD: the loss stays flat for the whole sweep and
+  breaks away only after hundreds of steps at a good LR (a refusal is the expected answer here);
+* ``cnn_bn``, ``logreg``: the easy tasks of ``benchmarks/lr_finder.py``, as a check that nothing regresses.
+
+Optionally (``--real``, not scored) whether ``ours`` suggests anything on the ``mobilenet_v2`` and ``vit``
+entries of ``benchmarks/real_models.py`` with their recipes.
+
+The grid, and every training at a suggestion, is cached by (task, LR, seed) in ``--cache`` (default
+``benchmarks/.lr_hard_grid.json``), keyed by a fingerprint of the task (data, model, optimizer, schedule,
+budget), so a rerun after a change to our finder re-runs only the sweeps and the trainings at new
+suggestions. The two third-party finders are cached too (keyed by their versions); ``--finders ours``
+runs only ours. Every sweep's curve is written to ``--out`` (default ``benchmarks/results/lr_hard.json``;
+ours: the raw losses, its smoothed curves, every method's suggestion and why it refused; the other two:
+the smoothed losses they keep), so that a decision rule can be re-run offline on the saved curves.
+
+Run: ``python benchmarks/lr_hard.py`` (one thread; cold cache: 492 trainings, about 16 CPU-minutes, 25
+minutes of wall time on a busy 2-core machine; warm cache: about 1 minute), ``--quick`` (2 points per
+decade, 2 seeds), ``--tasks a,b``, ``--finders ours``, ``--no-cache``. Every training is deterministic
+(same numbers bit for bit on a rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # torch_lr_finder imports pyplot; its plot must never open a window
+
+import lightning
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.tuner import Tuner
+from sklearn.datasets import load_digits, make_friedman1, make_regression
+from sklearn.model_selection import train_test_split
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import digits_mlp, environment
+
+from lightning_gradguard import lr_find
+
+warnings.filterwarnings("ignore")
+for _name in ("lightning.pytorch", "lightning.fabric", "lightning_gradguard"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CACHE = os.path.join(HERE, ".lr_hard_grid.json")
+FINDERS = ("ours", "lightning", "torch_lr_finder")
+SEEDS = (0, 1, 2)
+PER_DECADE = 4  # grid points per decade (``--quick``: 2)
+
+Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+@dataclass
+class Task:
+    """A training task: data, model, optimizer, optional schedule and the budget it is scored after.
+
+    ``grid`` is the brute-force grid's range in grid steps of 1/4 decade (``(-20, 4)``: 1e-5..10).
+    ``schedule(total)`` returns the ``LambdaLR`` multiplier of a step (``None``: constant LR).
+    """
+
+    name: str
+    data: Data
+    make_model: Callable[[], nn.Module]
+    make_opt: Callable[[Any, float], torch.optim.Optimizer]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    steps: int
+    batch: int
+    chance: float
+    grid: tuple[int, int] = (-20, 4)
+    schedule: Callable[[int], Callable[[int], float]] | None = None
+    num_training: int = 100
+    what: str = ""
+    chance_what: str = ""
+
+
+def _standardise(xtr: np.ndarray, xva: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    mu, sd = xtr.mean(0), xtr.std(0)
+    return ((xtr - mu) / sd).astype(np.float32), ((xva - mu) / sd).astype(np.float32)
+
+
+def _regression_data(x: np.ndarray, y: np.ndarray, seed: int) -> Data:
+    """Split 75/25, standardise the features and the target with the training statistics."""
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=seed)
+    xtr, xva = _standardise(xtr, xva)
+    ymu, ysd = ytr.mean(), ytr.std()
+    f = np.float32
+    return (
+        torch.tensor(xtr),
+        torch.tensor(((ytr - ymu) / ysd).astype(f)),
+        torch.tensor(xva),
+        torch.tensor(((yva - ymu) / ysd).astype(f)),
+    )
+
+
+def _digits() -> Data:
+    """The split of ``benchmarks/lr_finder.py``: pixels / 16, 25 % held out, stratified."""
+    d = load_digits()
+    x = d.data.astype(np.float32) / 16.0
+    xtr, xva, ytr, yva = train_test_split(x, d.target, test_size=0.25, random_state=0, stratify=d.target)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.squeeze(-1), y)
+
+
+def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension (a sequence of logits is flattened)."""
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _mse_chance(data: Data) -> float:
+    """Held-out MSE of predicting the training mean."""
+    ytr, yva = data[1], data[3]
+    return float(((yva - ytr.mean()) ** 2).mean())
+
+
+def _prior_chance(data: Data, classes: int) -> float:
+    """Held-out cross-entropy of predicting the training class (or character) frequencies."""
+    ytr, yva = data[1].reshape(-1), data[3].reshape(-1)
+    counts = torch.bincount(ytr, minlength=classes).double() + 1.0  # add-one: no class has probability 0
+    logp = torch.log(counts / counts.sum())
+    return float(-logp[yva].mean())
+
+
+class WarmupCosine:
+    """LR multiplier: linear warm-up over ``warmup`` of ``total`` steps, then cosine decay to 0.
+
+    A callable object rather than a closure, so that ``LambdaLR.state_dict`` keeps it.
+    """
+
+    def __init__(self, total: int, warmup: float = 0.1) -> None:
+        self.total = total
+        self.warm = max(1, round(warmup * total))
+
+    def __call__(self, step: int) -> float:
+        if step < self.warm:
+            return (step + 1) / self.warm
+        t = min(1.0, (step - self.warm) / max(1, self.total - self.warm))
+        return 0.5 * (1.0 + math.cos(math.pi * t))
+
+    def __repr__(self) -> str:
+        return f"WarmupCosine(total={self.total}, warm={self.warm})"
+
+
+# ----- a. linreg_sgd
+def linreg_sgd() -> Task:
+    x, y = make_regression(n_samples=1200, n_features=30, n_informative=20, noise=100.0, random_state=0)
+    data = _regression_data(x, y, 0)
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr)
+
+    return Task(
+        "linreg_sgd",
+        data,
+        lambda: nn.Linear(30, 1),
+        opt,
+        _mse,
+        steps=150,
+        batch=32,
+        chance=_mse_chance(data),
+        what="make_regression 30 features, nn.Linear, SGD, batch 32, 150 steps",
+        chance_what="predict the training mean",
+    )
+
+
+# ----- b. regression_noisy_40
+def regression_noisy_40() -> Task:
+    x, y = make_friedman1(n_samples=1200, n_features=10, noise=4.0, random_state=0)
+    data = _regression_data(x, y, 0)
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr)
+
+    return Task(
+        "regression_noisy_40",
+        data,
+        mlp,
+        opt,
+        _mse,
+        steps=300,
+        batch=32,
+        chance=_mse_chance(data),
+        grid=(-20, 2),
+        num_training=40,
+        what="make_friedman1 noise 4, MLP 64-64, Adam, batch 32, 300 steps; 40-point sweeps",
+        chance_what="predict the training mean",
+    )
+
+
+# ----- c. mlp_adam_b4
+def mlp_adam_b4() -> Task:
+    data = _digits()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr)
+
+    return Task(
+        "mlp_adam_b4",
+        data,
+        digits_mlp,
+        opt,
+        _ce,
+        steps=600,
+        batch=4,
+        chance=_prior_chance(data, 10),
+        grid=(-20, 2),
+        what="digits MLP 128-64, Adam, batch 4, 600 steps",
+        chance_what="predict the training class frequencies",
+    )
+
+
+# ----- d. lm_warmup_cosine
+LM_FILES = ("textwrap.py", "argparse.py", os.path.join("json", "decoder.py"))
+LM_CONTEXT = 64
+
+
+def _stdlib_text() -> str:
+    root = sysconfig.get_paths()["stdlib"]
+    parts = []
+    for name in LM_FILES:
+        with open(os.path.join(root, name), encoding="utf-8") as fh:
+            parts.append(fh.read())
+    return "\n".join(parts)
+
+
+def _lm_data() -> tuple[Data, int]:
+    """Windows of ``LM_CONTEXT`` characters and their next characters: the first 90 % of the text for
+    training (stride half a window), the last 10 % held out (disjoint windows)."""
+    text = _stdlib_text()
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([index[c] for c in text], dtype=torch.long)
+    cut = int(0.9 * len(ids))
+
+    def windows(part: torch.Tensor, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.arange(0, len(part) - LM_CONTEXT - 1, stride)
+        offsets = torch.arange(LM_CONTEXT + 1)
+        w = part[starts[:, None] + offsets[None, :]]
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+    xtr, ytr = windows(ids[:cut], LM_CONTEXT // 2)
+    xva, yva = windows(ids[cut:], LM_CONTEXT)
+    return (xtr, ytr, xva, yva), len(vocab)
+
+
+class _Block(nn.Module):
+    """A pre-LN causal self-attention block (``scaled_dot_product_attention``) with a GELU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharLM(nn.Module):
+    """A causal transformer over characters: learned positions, ``layers`` pre-LN blocks, a linear head.
+
+    (Our own small block rather than ``nn.TransformerEncoderLayer``: about 1.5 times faster on one CPU
+    thread at this size.)
+    """
+
+    def __init__(self, vocab: int, d: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(0.02 * torch.randn(LM_CONTEXT, d))
+        self.blocks = nn.Sequential(*[_Block(d, heads) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        return self.head(self.norm(self.blocks(h)))
+
+
+def lm_warmup_cosine() -> Task:
+    data, vocab = _lm_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(p, lr=lr, weight_decay=0.05)
+
+    return Task(
+        "lm_warmup_cosine",
+        data,
+        lambda: CharLM(vocab),
+        opt,
+        _ce,
+        steps=150,
+        batch=16,
+        chance=_prior_chance(data, vocab),
+        grid=(-14, -2),
+        schedule=WarmupCosine,
+        what=f"char LM ({vocab} chars) on {', '.join(LM_FILES)}: 2-layer transformer d64 h4 ctx64, AdamW wd "
+        "0.05, 10 % warm-up + cosine, batch 16, 150 steps; a suggestion is the peak LR",
+        chance_what="predict the training character frequencies",
+    )
+
+
+# ----- e. deep_tanh
+def deep_tanh() -> Task:
+    data = _digits()
+
+    def mlp() -> nn.Module:
+        layers: list[nn.Module] = [nn.Linear(64, 64), nn.Tanh()]
+        for _ in range(8):
+            layers += [nn.Linear(64, 64), nn.Tanh()]
+        layers.append(nn.Linear(64, 10))
+        return nn.Sequential(*layers)
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr)
+
+    return Task(
+        "deep_tanh",
+        data,
+        mlp,
+        opt,
+        _ce,
+        steps=1500,
+        batch=32,
+        chance=_prior_chance(data, 10),
+        grid=(-10, 4),
+        what="digits, 10-layer tanh MLP width 64 (PyTorch init), SGD, batch 32, 1500 steps",
+        chance_what="predict the training class frequencies",
+    )
+
+
+# ----- f. the easy tasks of benchmarks/lr_finder.py
+def easy_tasks() -> list[Task]:
+    from lr_finder import BATCH, tasks  # imported here: only these two tasks need that script
+
+    grids = {"cnn_bn": (-16, 4), "logreg": (-16, 8)}  # plain SGD on logreg is still learning at 10
+    out = []
+    for t in tasks():
+        if t.name not in ("cnn_bn", "logreg"):
+            continue
+        per_epoch = math.ceil(len(t.data[0]) / BATCH)
+        out.append(
+            Task(
+                t.name,
+                t.data,
+                t.make_model,
+                t.make_opt,
+                t.loss_fn,
+                steps=t.epochs * per_epoch,
+                batch=BATCH,
+                chance=_prior_chance(t.data, 10),
+                grid=grids[t.name],
+                what=f"benchmarks/lr_finder.py's {t.name}, batch {BATCH}, {t.epochs} epochs",
+                chance_what="predict the training class frequencies",
+            )
+        )
+    return out
+
+
+HARD = {
+    "linreg_sgd": linreg_sgd,
+    "regression_noisy_40": regression_noisy_40,
+    "mlp_adam_b4": mlp_adam_b4,
+    "lm_warmup_cosine": lm_warmup_cosine,
+    "deep_tanh": deep_tanh,
+}
+EASY = ("cnn_bn", "logreg")
+TASK_NAMES = (*HARD, *EASY)
+
+
+def build_tasks(names: list[str]) -> list[Task]:
+    out = [HARD[n]() for n in names if n in HARD]
+    if any(n in EASY for n in names):
+        out += [t for t in easy_tasks() if t.name in names]
+    return sorted(out, key=lambda t: names.index(t.name))
+
+
+def fingerprint(task: Task) -> str:
+    """What a cached training depends on: data, model, optimizer, schedule, budget, batch, torch."""
+    h = hashlib.sha256()
+    for t in task.data:
+        h.update(t.numpy().tobytes())
+    torch.manual_seed(0)
+    model = task.make_model()
+    sched = task.schedule(task.steps) if task.schedule is not None else None
+    h.update(
+        "|".join(
+            [
+                repr(model),
+                repr(task.make_opt(model.parameters(), 0.1)),
+                repr(sched),
+                str(task.steps),
+                str(task.batch),
+                torch.__version__,
+            ]
+        ).encode()
+    )
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------- training
+def loader(task: Task, seed: int) -> torch.utils.data.DataLoader:
+    xtr, ytr, _, _ = task.data
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(xtr, ytr), batch_size=task.batch, shuffle=True, generator=g
+    )
+
+
+def train(task: Task, lr: float, seed: int) -> float:
+    """Held-out loss after ``task.steps`` optimizer steps at ``lr`` (the peak LR under a schedule); inf
+    when the training loss became non-finite."""
+    torch.manual_seed(seed)
+    model = task.make_model()
+    opt = task.make_opt(model.parameters(), lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, task.schedule(task.steps)) if task.schedule else None
+    data = loader(task, seed)
+    model.train()
+    step = 0
+    while step < task.steps:
+        for x, y in data:
+            loss = task.loss_fn(model(x), y)
+            if not torch.isfinite(loss):
+                return math.inf
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
+            step += 1
+            if step == task.steps:
+                break
+    model.eval()
+    with torch.no_grad():
+        _, _, xva, yva = task.data
+        val = float(task.loss_fn(model(xva), yva))
+    return val if math.isfinite(val) else math.inf
+
+
+class Module(pl.LightningModule):
+    """The task as a user's LightningModule: same model, optimizer and (per-step) schedule as ``train``."""
+
+    def __init__(self, task: Task, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.task = task
+        self.lr = lr
+        self.model = task.make_model()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.task.loss_fn(self.model(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = self.task.make_opt(self.parameters(), self.lr)
+        if self.task.schedule is None:
+            return opt
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.task.schedule(self.task.steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+# ---------------------------------------------------------------------------------------------- cache
+class Cache:
+    """Held-out losses by task fingerprint, LR and seed, and the third-party finders' results, in JSON."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"runs": {}, "finders": {}}
+        if path and os.path.exists(path):
+            with open(path) as fh:
+                self.data = json.load(fh)
+        self.hits = 0
+        self.trained = 0
+
+    def save(self) -> None:
+        if not self.path:
+            return
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.data, fh)
+        os.replace(tmp, self.path)
+
+    def loss(self, task: Task, key: str, lr: float, seed: int) -> float:
+        runs = self.data["runs"].setdefault(f"{task.name}|{key}", {}).setdefault(repr(float(lr)), {})
+        if str(seed) in runs:
+            self.hits += 1
+            return float(runs[str(seed)])
+        value = train(task, lr, seed)
+        self.trained += 1
+        runs[str(seed)] = value
+        return value
+
+    def finder(self, key: str, seed: int) -> dict[str, Any] | None:
+        return self.data["finders"].get(key, {}).get(str(seed))
+
+    def put_finder(self, key: str, seed: int, record: dict[str, Any]) -> None:
+        self.data["finders"].setdefault(key, {})[str(seed)] = record
+
+
+# ---------------------------------------------------------------------------------------------- finders
+def _quiet() -> Any:
+    stack = contextlib.ExitStack()
+    stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+    return stack
+
+
+def _jsonable(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return {k: _jsonable(v) for k, v in asdict(value).items()}
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float | int | str | bool) or value is None:
+        return value
+    return repr(value)
+
+
+def run_ours(task: Task, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    module = Module(task)
+    extra = {} if task.num_training == 100 else {"num_training": task.num_training}
+    started = time.perf_counter()
+    # a temporary root dir only so that the refusal alerts' JSONL does not land in the working directory
+    with tempfile.TemporaryDirectory(prefix="lr-hard-") as root, _quiet():
+        result = lr_find(
+            module,
+            loader(task, seed),
+            trainer_kwargs=dict(accelerator="cpu", default_root_dir=root),
+            progress=False,
+            **extra,
+        )
+    seconds = time.perf_counter() - started
+    assert result is not None
+    return {
+        "suggestion": result.suggestion,
+        "reason": result.reason,
+        "stop_reason": result.stop_reason,
+        "rule": _jsonable(getattr(result, "rule", None)),
+        "method": result.method,
+        "suggestions": _jsonable(dict(result.suggestions)),
+        "descent": _jsonable(result.descent),
+        "lrs": list(result.lrs),
+        "losses": list(result.losses),
+        "smoothed": list(result.smoothed),
+        "curve": list(result.curve),
+        "seconds": seconds,
+    }
+
+
+def run_lightning(task: Task, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    module = Module(task)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lr-hard-") as root, _quiet():
+        trainer = pl.Trainer(  # its sweep ends with the epochs: allow enough of them for num_training
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1000,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=root,
+        )
+        finder = Tuner(trainer).lr_find(
+            module, train_dataloaders=loader(task, seed), num_training=task.num_training, update_attr=False
+        )
+        suggestion = finder.suggestion() if finder is not None else None
+    seconds = time.perf_counter() - started
+    results = finder.results if finder is not None else {"lr": [], "loss": []}
+    return {
+        "suggestion": suggestion,
+        "lrs": [float(v) for v in results["lr"]],
+        "losses": [float(v) for v in results["loss"]],  # Lightning's smoothed (EMA) losses
+        "seconds": seconds,
+    }
+
+
+def run_torch_lr_finder(task: Task, seed: int) -> dict[str, Any]:
+    import matplotlib.pyplot as plt
+    from torch_lr_finder import LRFinder
+
+    torch.manual_seed(seed)
+    model = task.make_model()
+    # the user builds the optimizer without its scheduler for the range test (the package refuses one)
+    opt = task.make_opt(model.parameters(), 1e-7)
+    finder = LRFinder(model, opt, task.loss_fn)
+    started = time.perf_counter()
+    with _quiet():
+        finder.range_test(loader(task, seed), start_lr=1e-7, end_lr=10, num_iter=task.num_training)
+        fig, ax = plt.subplots()
+        try:
+            _, suggestion = finder.plot(ax=ax, suggest_lr=True)
+        except RuntimeError:  # too few points before it stopped: no suggestion
+            suggestion = None
+        plt.close(fig)
+    finder.reset()
+    seconds = time.perf_counter() - started
+    return {
+        "suggestion": None if suggestion is None else float(suggestion),
+        "lrs": [float(v) for v in finder.history["lr"]],
+        "losses": [float(v) for v in finder.history["loss"]],  # its smoothed losses
+        "seconds": seconds,
+    }
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "missing"
+
+
+# the leading points the third-party suggestion rules skip (Lightning's skip_begin, torch-lr-finder's
+# skip_start): their smoothed curves' first points are not what the rules look at
+SKIP_START = {"lightning": 10, "torch_lr_finder": 10}
+
+RUNNERS: dict[str, Callable[[Task, int], dict[str, Any]]] = {
+    "ours": run_ours,
+    "lightning": run_lightning,
+    "torch_lr_finder": run_torch_lr_finder,
+}
+
+
+def finder_key(finder: str, task: Task, fp: str) -> str | None:
+    """The cache key of a third-party finder's result (``None`` for ours: never cached)."""
+    if finder == "lightning":
+        return f"lightning|{lightning.__version__}|{task.name}|{task.num_training}|{fp}"
+    if finder == "torch_lr_finder":
+        return f"torch_lr_finder|{_version('torch-lr-finder')}|{task.name}|{task.num_training}|{fp}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- stats
+def geomean(values: list[float | None]) -> float | None:
+    got = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+    return float(np.exp(np.mean(np.log(got)))) if got else None
+
+
+def curve_stats(losses: list[float]) -> dict[str, float]:
+    """A sweep's start (median of its first tenth, at least 3 points: robust to a first point that an
+    EMA's start distorts), lowest and last finite loss, and the fall from the start to the lowest."""
+    finite = [v for v in losses if math.isfinite(v)]
+    if not finite:
+        return {"points": len(losses)}
+    start, low = float(np.median(finite[: max(3, len(finite) // 10)])), min(finite)
+    return {
+        "points": len(losses),
+        "first": start,
+        "min": low,
+        "last": finite[-1],
+        "fall": (start - low) / abs(start) if start else 0.0,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def grid_keys(task: Task, quick: bool) -> list[int]:
+    step = 2 if quick else 1
+    lo, hi = task.grid
+    return list(range(lo, hi + 1, step))
+
+
+def grid_lr(key: int) -> float:
+    return float(10.0 ** (key / PER_DECADE))
+
+
+def run_task(
+    task: Task, seeds: list[int], finders: list[str], cache: Cache, quick: bool, rerun_baselines: bool
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    fp = fingerprint(task)
+    grid: dict[str, list[float]] = {}
+    for key in grid_keys(task, quick):
+        lr = grid_lr(key)
+        grid[f"{lr:.4g}"] = [cache.loss(task, fp, lr, s) for s in seeds]
+        cache.save()
+    lrs = [grid_lr(k) for k in grid_keys(task, quick)]
+    means = [float(np.mean(v)) for v in grid.values()]
+    best = int(np.argmin(means))
+    t_grid = time.perf_counter() - t0
+    row: dict[str, Any] = {
+        "task": task.name,
+        "what": task.what,
+        "fingerprint": fp,
+        "steps": task.steps,
+        "batch": task.batch,
+        "num_training": task.num_training,
+        "scheduled": task.schedule is not None,
+        "chance": task.chance,
+        "chance_what": task.chance_what,
+        "grid": grid,
+        "best_lr": lrs[best],
+        "best": means[best],
+        "best_seed_sd": float(np.std(list(grid.values())[best], ddof=1)) if len(seeds) > 1 else 0.0,
+        "seconds_grid": t_grid,
+        "finders": {},
+    }
+    for name in finders:
+        t1 = time.perf_counter()
+        key = finder_key(name, task, fp)
+        sweeps = []
+        for s in seeds:
+            record = cache.finder(key, s) if key is not None and not rerun_baselines else None
+            if record is None:
+                record = RUNNERS[name](task, s)
+                if key is not None:
+                    cache.put_finder(key, s, record)
+            sweeps.append(record)
+        t_sweeps = time.perf_counter() - t1
+        suggestions = [r["suggestion"] for r in sweeps]
+        raw = [
+            cache.loss(task, fp, lr, s) if lr is not None and math.isfinite(lr) and lr > 0 else None
+            for lr, s in zip(suggestions, seeds, strict=True)
+        ]
+        cache.save()
+        # a training no better than chance (a blow-up, finite or not) scores as a refusal does
+        scored = [min(v, task.chance) if v is not None and math.isfinite(v) else task.chance for v in raw]
+        uncapped = [v if v is not None and math.isfinite(v) else task.chance for v in raw]
+        row["finders"][name] = {
+            "suggestions": suggestions,
+            "geomean": geomean(suggestions),
+            "refusals": sum(v is None for v in suggestions),
+            "losses": raw,
+            "scored": scored,
+            "ratio": float(np.mean(scored)) / means[best],
+            "ratio_uncapped": float(np.mean(uncapped)) / means[best],
+            "seconds_sweeps": t_sweeps,
+            "seconds": time.perf_counter() - t1,
+            "sweeps": sweeps,
+            "stats": [curve_stats(r["losses"][SKIP_START.get(name, 0) :]) for r in sweeps],
+        }
+    row["seconds"] = time.perf_counter() - t0
+    return row
+
+
+def run_real(entries: tuple[str, ...] = ("mobilenet_v2", "vit")) -> list[dict[str, Any]]:
+    """Whether ours suggests anything on real_models.py's entries with their recipes (not scored)."""
+    import real_models as rm
+
+    out = []
+    for name in entries:
+        entry = next(e for e in rm.ENTRIES if e.name == name)
+        module, data = rm.build(entry, entry.steps)
+        kwargs: dict[str, Any] = dict(accelerator="cpu")
+        if entry.recipe.clip is not None:
+            kwargs["gradient_clip_val"] = entry.recipe.clip
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="lr-hard-") as root, _quiet():
+            result = lr_find(
+                module, data, trainer_kwargs={**kwargs, "default_root_dir": root}, progress=False
+            )
+        assert result is not None
+        out.append(
+            {
+                "entry": name,
+                "recipe": entry.recipe.describe(),
+                "recipe_lr": entry.recipe.lr,
+                "suggestion": result.suggestion,
+                "reason": result.reason,
+                "stop_reason": result.stop_reason,
+                "rule": _jsonable(getattr(result, "rule", None)),
+                "suggestions": _jsonable(dict(result.suggestions)),
+                "stats": curve_stats(list(result.losses)),
+                "lrs": list(result.lrs),
+                "losses": list(result.losses),
+                "seconds": time.perf_counter() - started,
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _lr(v: float | None) -> str:
+    return "none" if v is None else f"{v:.2g}"
+
+
+def report(rows: list[dict[str, Any]], finders: list[str], real: list[dict[str, Any]], info: str) -> None:
+    print(f"# LR finders on hard tasks\n\n{info}\n")
+    print("| task | chance | grid best LR | best loss (sd) | " + " | ".join(finders) + " |")
+    print("|---" * (4 + len(finders)) + "|")
+    for r in rows:
+        cells = []
+        for f in finders:
+            d = r["finders"][f]
+            ref = f", {d['refusals']} refused" if d["refusals"] else ""
+            cells.append(f"{_lr(d['geomean'])}: **{d['ratio']:.2f}**{ref}")
+        print(
+            f"| {r['task']} | {r['chance']:.3f} | {r['best_lr']:.2g} | {r['best']:.3f} "
+            f"({r['best_seed_sd']:.3f}) | " + " | ".join(cells) + " |"
+        )
+    print(
+        "\nCells: geometric-mean suggestion over the seeds: **ratio** of the mean held-out loss at the "
+        "suggestions to the grid best. A refusal, and a training that ends no better than chance (a blow-up, "
+        "non-finite or not), score the chance loss.\n"
+    )
+    for f in finders:
+        ratios = [r["finders"][f]["ratio"] for r in rows]
+        within = sum(v <= 1.10 for v in ratios)
+        refusals = sum(r["finders"][f]["refusals"] for r in rows)
+        uncapped = np.mean([r["finders"][f]["ratio_uncapped"] for r in rows])
+        print(
+            f"- {f}: mean ratio {np.mean(ratios):.3f}, worst {max(ratios):.2f}, within 10 % on "
+            f"{within}/{len(rows)} tasks, {refusals} refusals (uncapped mean ratio {uncapped:.3f})"
+        )
+    print("\n## Tasks\n")
+    for r in rows:
+        print(f"- {r['task']}: {r['what']}; chance {r['chance']:.3f} ({r['chance_what']})")
+    print("\n## Our sweeps (per seed)\n")
+    print("| task | seed | suggestion | stop | points | start | min | last | fall | rule | reason |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        d = r["finders"].get("ours")
+        if d is None:
+            continue
+        for s, (sw, st) in enumerate(zip(d["sweeps"], d["stats"], strict=True)):
+            vals = " | ".join(f"{st[k]:.3g}" if k in st else "-" for k in ("first", "min", "last"))
+            fall = f"{100 * st['fall']:.0f}%" if "fall" in st else "-"
+            rule = "" if sw.get("rule") is None else str(sw["rule"])[:40]
+            print(
+                f"| {r['task']} | {s} | {_lr(sw['suggestion'])} | {sw['stop_reason']} | {st['points']} "
+                f"| {vals} | {fall} | {rule} | {sw['reason']} |"
+            )
+    print(
+        "\n## Sweep curves of the other finders (points; fall of their smoothed loss to its minimum, "
+        "after the 10 leading points their rules skip)\n"
+    )
+    others = [f for f in finders if f != "ours"]
+    if others:
+        print("| task | " + " | ".join(others) + " |")
+        print("|---" * (1 + len(others)) + "|")
+        for r in rows:
+            cells = []
+            for f in others:
+                sts = r["finders"][f]["stats"]
+                cells.append(
+                    ", ".join(
+                        f"{st['points']} pts {100 * st['fall']:.0f}%"
+                        if "fall" in st
+                        else f"{st['points']} pts"
+                        for st in sts
+                    )
+                )
+            print(f"| {r['task']} | " + " | ".join(cells) + " |")
+    print("\n## Grids (mean held-out loss over the seeds per LR; inf: a seed's loss became non-finite)\n")
+    for r in rows:
+        cells = ", ".join(f"{lr}: {np.mean(v):.3g}" for lr, v in r["grid"].items())
+        print(f"- {r['task']}: {cells}")
+    if real:
+        print("\n## Ours on real_models.py entries (not scored)\n")
+        print("| entry | recipe | suggestion | stop | points | fall | reason |")
+        print("|---|---|---|---|---|---|---|")
+        for e in real:
+            st = e["stats"]
+            fall = f"{100 * st['fall']:.0f}%" if "fall" in st else "-"
+            print(
+                f"| {e['entry']} | {e['recipe']} | {_lr(e['suggestion'])} | {e['stop_reason']} "
+                f"| {st['points']} | {fall} | {e['reason']} |"
+            )
+    print("\n## Wall time\n")
+    print("| task | grid | " + " | ".join(f"{f} (sweeps / all)" for f in finders) + " | total |")
+    print("|---" * (3 + len(finders)) + "|")
+    for r in rows:
+        cells = [
+            f"{r['finders'][f]['seconds_sweeps']:.0f}s / {r['finders'][f]['seconds']:.0f}s" for f in finders
+        ]
+        print(
+            f"| {r['task']} | {r['seconds_grid']:.0f}s | " + " | ".join(cells) + f" | {r['seconds']:.0f}s |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="", help=f"comma-separated subset of {','.join(TASK_NAMES)}")
+    parser.add_argument("--finders", default=",".join(FINDERS), help="comma-separated subset of the finders")
+    parser.add_argument("--quick", action="store_true", help="2 grid points per decade, 2 seeds")
+    parser.add_argument(
+        "--out",
+        default=os.path.join(HERE, "results", "lr_hard.json"),
+        help="JSON with every number and curve",
+    )
+    parser.add_argument("--cache", default=DEFAULT_CACHE, help="JSON cache of the trainings")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    parser.add_argument(
+        "--rerun-baselines", action="store_true", help="rerun Lightning's and torch-lr-finder's sweeps"
+    )
+    parser.add_argument("--real", action="store_true", help="also ours on real_models.py's mobilenet_v2, vit")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    names = [n for n in args.tasks.split(",") if n] or list(TASK_NAMES)
+    unknown = [n for n in names if n not in TASK_NAMES]
+    finders = [f for f in args.finders.split(",") if f]
+    if unknown or any(f not in FINDERS for f in finders):
+        parser.error(f"tasks are {', '.join(TASK_NAMES)}; finders are {', '.join(FINDERS)}")
+    seeds = list(SEEDS[:2] if args.quick else SEEDS)
+    cache = Cache(None if args.no_cache else args.cache)
+    rows = []
+    for task in build_tasks(names):
+        rows.append(run_task(task, seeds, finders, cache, args.quick, args.rerun_baselines))
+        r = rows[-1]
+        summary = ", ".join(f"{f} {r['finders'][f]['ratio']:.2f}" for f in finders)
+        print(
+            f"# {task.name}: best {r['best']:.3f} at {r['best_lr']:.2g}; {summary} ({r['seconds']:.0f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    real = run_real() if args.real else []
+    wall = time.perf_counter() - started
+    per = 2 if args.quick else PER_DECADE
+    info = (
+        f"{len(seeds)} seeds; grid {per} points per decade; one thread; wall {wall / 60:.1f} min "
+        f"({cache.trained} trainings run, {cache.hits} read from the cache); "
+        f"lightning {lightning.__version__}, torch-lr-finder {_version('torch-lr-finder')}, "
+        f"torch {torch.__version__}"
+    )
+    report(rows, finders, real, info)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(
+            {"info": info, "wall_s": wall, "environment": environment(1), "tasks": rows, "real": real},
+            fh,
+            indent=1,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -477,15 +477,18 @@ class CurveReading:
 def sweep_spread(sweeps: Sequence[Sequence[float]]) -> float:
     """The noise of the mean of several sweeps at the same LRs, read from how far they differ point by point.
 
-    The variance between the sweeps at each point, pooled over the points, over the number of sweeps: a
-    mean of squares, so heavy tails count in full (the step-to-step MAD of :func:`loss_noise` ignores
-    them: a batch-of-one cross-entropy, skewed by its rare confident mistakes, once passed for a descent
-    at 8 times its MAD noise), and no trend enters it. ``0.0`` for fewer than two sweeps.
+    Each sweep's step-to-step differences, their variance between the sweeps at each point pooled over
+    the points, halved, over the number of sweeps: a mean of squares, so heavy tails count in full (the
+    step-to-step MAD of :func:`loss_noise` ignores them: a batch-of-one cross-entropy, skewed by its rare
+    confident mistakes, once passed for a descent at 7.4 times its MAD noise), while neither the common
+    trend nor a slow drift of one sweep's trajectory from another's enters it. ``0.0`` for fewer than two
+    sweeps or points.
     """
     y = np.asarray(sweeps, dtype=np.float64)
-    if y.ndim != 2 or y.shape[0] < 2 or y.shape[1] == 0:
+    if y.ndim != 2 or y.shape[0] < 2 or y.shape[1] < 2:
         return 0.0
-    return float(math.sqrt(float(np.mean(np.var(y, axis=0, ddof=1))) / y.shape[0]))
+    between = np.var(np.diff(y, axis=1), axis=0, ddof=1)
+    return float(math.sqrt(float(np.mean(between)) / 2.0 / y.shape[0]))
 
 
 def read_curve(

@@ -507,13 +507,17 @@ def read_curve(
     a small-batch Adam MLP's suggestion tripled, 1.07 -> 1.69 times the best loss).
 
     ``losses`` can be the mean of several ``sweeps`` (their losses at the same ``lrs``): then the noise is
-    at least their spread (:func:`sweep_spread`, on the points before the tail).
+    at least their spread (:func:`sweep_spread`, on the points up to the curve's low, as the noise).
     """
     if len(lrs) != len(losses):
         raise ValueError(f"`lrs` and `losses` must have the same length; got {len(lrs)} and {len(losses)}")
     cut = divergence_start(losses)
-    spread = sweep_spread([list(s[:cut]) for s in sweeps])
-    check = descent_check(losses[:cut], centered_smooth(losses[:cut]), required, noise_floor=spread)
+    head = centered_smooth(losses[:cut])
+    # the spread where the noise is read: up to the curve's low (at least NOISE_POINTS points); nearer the
+    # blow-up each sweep's trajectory goes its own way, which is no noise of the descent
+    upto = max(int(np.argmin(head)) + 1 if head else 0, min(cut, NOISE_POINTS))
+    spread = sweep_spread([list(s[:upto]) for s in sweeps])
+    check = descent_check(losses[:cut], head, required, noise_floor=spread)
     curve = centered_smooth(losses)
     suggestions: dict[str, float | None] = dict.fromkeys(SUGGESTION_METHODS)
     if check.stands_out:

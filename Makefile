@@ -32,16 +32,21 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# One pytest-xdist worker per core (at most 4), each on one torch thread (tests/conftest.py; an
+# OMP_NUM_THREADS of the caller's wins); worksteal: an idle worker takes the other's queued tests.
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 unit: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal
 
 test: lint typecheck unit
 
-# The unit tests again, with this machine rounding like another one (tests/machine/other_machine.py): one
-# thread, other float kernels, AVX2 where the CPU has it, every drawn weight moved by 1e-5. A test that
-# holds only on this CPU's rounding fails here before it fails for a user (.ci/run runs it after `make test`).
+# The unit tests again, with this machine rounding like another one (tests/machine/other_machine.py): two
+# threads (`make unit` runs one per worker: the other reduction order), other float kernels, AVX2 where
+# the CPU has it, every drawn weight moved by 1e-5; in one process (two threads each in two workers would
+# oversubscribe 2 cores). A test that holds only on this CPU's rounding fails here before it fails for a
+# user (.ci/run runs it after `make test`).
 unit-elsewhere: $(STAMP)
-	env OMP_NUM_THREADS=1 GRADGUARD_TEST_PERTURB=rounding,kernels GRADGUARD_TEST_ROUNDING_SEED=1 \
+	env OMP_NUM_THREADS=2 GRADGUARD_TEST_PERTURB=rounding,kernels GRADGUARD_TEST_ROUNDING_SEED=1 \
 	GRADGUARD_TEST_ROUNDING_SCALE=1e-5 TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) \
 	$$(grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo ATEN_CPU_CAPABILITY=avx2) \
 	$(PY) -m pytest -q -p no:cacheprovider

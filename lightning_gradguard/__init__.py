@@ -1,31 +1,81 @@
 """lightning_gradguard: PyTorch Lightning callbacks that watch the health of a training run."""
 
-from lightning_gradguard.alerts import (
-    ALERT_KINDS,
-    Alert,
-    GradGuardError,
-    LossSpikeError,
-    NonFiniteError,
-    SanityCheckError,
-)
-from lightning_gradguard.core.base import GradGuardCallback
-from lightning_gradguard.monitors.activation_range.callback import ActivationRangeMonitor
-from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
-from lightning_gradguard.monitors.gradients.callback import GradientNormLogger
-from lightning_gradguard.monitors.lr_finder.callback import LRFinderPlus, lr_find
-from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
-from lightning_gradguard.monitors.nan.callback import NaNSentinel
-from lightning_gradguard.monitors.optimizer.callback import OptimizerMonitor
-from lightning_gradguard.monitors.preflight.findings import OverfitResult
-from lightning_gradguard.monitors.preflight.gradcheck_graph import find_custom_functions
-from lightning_gradguard.monitors.preflight.gradcheck_module import GradientCheckResult, ParameterCheck
-from lightning_gradguard.monitors.preflight.gradient_check import GradientCheck, gradient_check
-from lightning_gradguard.monitors.preflight.overfit import OverfitBatchSanity
-from lightning_gradguard.monitors.spike.callback import LossSpikeGuard
-from lightning_gradguard.monitors.stall.callback import StallDetector
-from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # at run time each name is imported on first use (see ``__getattr__``)
+    from lightning_gradguard.alerts import (
+        ALERT_KINDS,
+        Alert,
+        GradGuardError,
+        LossSpikeError,
+        NonFiniteError,
+        SanityCheckError,
+    )
+    from lightning_gradguard.core.base import GradGuardCallback
+    from lightning_gradguard.monitors.activation_range.callback import ActivationRangeMonitor
+    from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
+    from lightning_gradguard.monitors.gradients.callback import GradientNormLogger
+    from lightning_gradguard.monitors.lr_finder.callback import LRFinderPlus, lr_find
+    from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+    from lightning_gradguard.monitors.nan.callback import NaNSentinel
+    from lightning_gradguard.monitors.optimizer.callback import OptimizerMonitor
+    from lightning_gradguard.monitors.preflight.findings import OverfitResult
+    from lightning_gradguard.monitors.preflight.gradcheck_graph import find_custom_functions
+    from lightning_gradguard.monitors.preflight.gradcheck_module import GradientCheckResult, ParameterCheck
+    from lightning_gradguard.monitors.preflight.gradient_check import GradientCheck, gradient_check
+    from lightning_gradguard.monitors.preflight.overfit import OverfitBatchSanity
+    from lightning_gradguard.monitors.spike.callback import LossSpikeGuard
+    from lightning_gradguard.monitors.stall.callback import StallDetector
+    from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 
 __version__ = "0.1.0"
+
+#: the module of each public name: ``import lightning_gradguard`` imports neither torch nor Lightning until
+#: a name is used, so ``gradguard report`` (which needs neither) starts without them
+_WHERE = {
+    "ALERT_KINDS": "lightning_gradguard.alerts",
+    "Alert": "lightning_gradguard.alerts",
+    "GradGuardError": "lightning_gradguard.alerts",
+    "LossSpikeError": "lightning_gradguard.alerts",
+    "NonFiniteError": "lightning_gradguard.alerts",
+    "SanityCheckError": "lightning_gradguard.alerts",
+    "GradGuardCallback": "lightning_gradguard.core.base",
+    "ActivationRangeMonitor": "lightning_gradguard.monitors.activation_range.callback",
+    "DeadReLUMonitor": "lightning_gradguard.monitors.dead_units.callback",
+    "GradientNormLogger": "lightning_gradguard.monitors.gradients.callback",
+    "LRFinderPlus": "lightning_gradguard.monitors.lr_finder.callback",
+    "lr_find": "lightning_gradguard.monitors.lr_finder.callback",
+    "LRFinderResult": "lightning_gradguard.monitors.lr_finder.result",
+    "NaNSentinel": "lightning_gradguard.monitors.nan.callback",
+    "OptimizerMonitor": "lightning_gradguard.monitors.optimizer.callback",
+    "OverfitResult": "lightning_gradguard.monitors.preflight.findings",
+    "find_custom_functions": "lightning_gradguard.monitors.preflight.gradcheck_graph",
+    "GradientCheckResult": "lightning_gradguard.monitors.preflight.gradcheck_module",
+    "ParameterCheck": "lightning_gradguard.monitors.preflight.gradcheck_module",
+    "GradientCheck": "lightning_gradguard.monitors.preflight.gradient_check",
+    "gradient_check": "lightning_gradguard.monitors.preflight.gradient_check",
+    "OverfitBatchSanity": "lightning_gradguard.monitors.preflight.overfit",
+    "LossSpikeGuard": "lightning_gradguard.monitors.spike.callback",
+    "StallDetector": "lightning_gradguard.monitors.stall.callback",
+    "VanishingExplodingDetector": "lightning_gradguard.monitors.vanishing.callback",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "ALERT_KINDS",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import shutil
@@ -27,6 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "machine"))
 import other_machine  # noqa: E402  (this machine rounding like another one, on request)
 
 other_machine.apply()
+#: ``make unit`` runs the suite in pytest-xdist workers, one per core: one torch thread each (and in the
+#: subprocesses they start: the examples, the DDP scripts, the command line), or the workers' thread pools
+#: oversubscribe the cores. A thread count the caller chose (``OMP_NUM_THREADS``) is kept.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*is smaller than the logging interval.*")
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -161,6 +169,16 @@ DDP_SUITE = (
     ),
 )
 _SUITE: dict[str, Any] = {}
+#: the folder the suite's one launch writes into, shared by the xdist workers of one test session (made and
+#: removed by the process that starts the session, see :func:`pytest_configure`)
+_SUITE_DIR = "GRADGUARD_DDP_SUITE_DIR"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the session's own process, not an xdist worker
+        root = tempfile.mkdtemp(prefix="gradguard_ddp_suite_")
+        os.environ[_SUITE_DIR] = root  # the workers start after this and inherit it
+        config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
 
 
 def _launch(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -196,13 +214,7 @@ def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.Com
     if stem not in DDP_SUITE:
         return _launch([str(SCRIPTS / name), str(out)], timeout)
     if "proc" not in _SUITE:
-        root = Path(tempfile.mkdtemp(prefix="gradguard_ddp_suite_"))
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-        _SUITE["root"] = root
-        try:
-            _SUITE["proc"] = _launch([str(SCRIPTS / "ddp_suite.py"), str(root), *DDP_SUITE], timeout=600)
-        except subprocess.TimeoutExpired as err:  # a hang: every scenario's test fails, none relaunches
-            _SUITE["proc"] = err
+        _SUITE["root"], _SUITE["proc"] = _suite_launch(timeout=600)
     proc = _SUITE["proc"]
     if isinstance(proc, subprocess.TimeoutExpired):
         raise proc
@@ -216,6 +228,33 @@ def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.Com
     if later and folder.is_dir():  # a later scenario raised: this one had finished
         return subprocess.CompletedProcess(proc.args, 0, proc.stdout, proc.stderr)
     return proc
+
+
+def _suite_launch(timeout: float) -> tuple[Path, Any]:
+    """The folder and the outcome (a ``CompletedProcess``, or ``TimeoutExpired`` for a hang) of the one
+    launch of :data:`DDP_SUITE` in this test session. The first process to ask launches it under a file
+    lock; any other xdist worker waits on that lock and reads the outcome the first one wrote."""
+    from filelock import FileLock  # a dependency of torch
+
+    shared = os.environ.get(_SUITE_DIR)
+    if shared is None:  # outside a pytest session's configure (a helper called from elsewhere)
+        shared = tempfile.mkdtemp(prefix="gradguard_ddp_suite_")
+        atexit.register(shutil.rmtree, shared, ignore_errors=True)
+    root = Path(shared)
+    outcome = root / "launch.json"
+    with FileLock(str(root / "launch.lock")):
+        if not outcome.exists():
+            try:
+                proc = _launch([str(SCRIPTS / "ddp_suite.py"), str(root), *DDP_SUITE], timeout=timeout)
+                done = {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout}
+                done["stderr"] = proc.stderr
+            except subprocess.TimeoutExpired as err:  # a hang: every scenario's test fails, none relaunches
+                done = {"args": err.cmd, "timeout": err.timeout}
+            outcome.write_text(json.dumps(done))
+        done = json.loads(outcome.read_text())
+    if "timeout" in done:
+        return root, subprocess.TimeoutExpired(done["args"], done["timeout"])
+    return root, subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"], done["stderr"])
 
 
 def run_example(

@@ -15,7 +15,6 @@ import textwrap
 from typing import Any
 
 import lightning_gradguard.report.gaps as gaps
-from lightning_gradguard.functional.lr_suggest import suggest_all
 from lightning_gradguard.report.read import RunData
 
 __all__ = [
@@ -338,6 +337,10 @@ def clipping(run: RunData) -> bytes | None:
 def range_test_suggestions(curve: dict[str, list[float]]) -> dict[str, float | None]:
     """What each method suggests on a range test's CSV columns, as LRFinderPlus decides: nothing from a
     curve whose fall does not stand out of the raw losses' noise (the raw losses gate the methods)."""
+    # here, not at the top: lightning_gradguard.functional imports torch, which a report without a range
+    # test never needs (``gradguard report`` starts without torch and Lightning)
+    from lightning_gradguard.functional.lr_suggest import suggest_all
+
     smooth = curve.get("curve") or curve.get("smoothed_loss") or []
     if not smooth:
         return {}

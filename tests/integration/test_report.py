@@ -142,7 +142,8 @@ def test_a_vanishing_run_shows_dark_first_layers_and_a_detector_verdict(tmp_path
 
 
 def test_versions_cli_and_module_entry_point(healthy_run: tuple[str, RecordingMLP], tmp_path: Path) -> None:
-    """A folder of versions: the newest by default, ``--version`` picks one, a missing one is exit 2."""
+    """A folder of versions: the newest by default, ``--version`` picks one, a missing one is exit 2. The
+    command imports neither torch nor Lightning (the package imports its names on first use)."""
     root = tmp_path / "logs"
     for version in (0, 1):
         os.makedirs(root / f"version_{version}")
@@ -153,15 +154,17 @@ def test_versions_cli_and_module_entry_point(healthy_run: tuple[str, RecordingML
     assert main(["report", str(root), "--version", "0", "-o", str(tmp_path / "v0.html")]) == 0
     assert (tmp_path / "v0.html").exists() and not (root / "version_0" / "gradguard_report.html").exists()
     assert main(["report", str(root), "--version", "7"]) == 2
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_gradguard.report", str(root)],
+    proc = subprocess.run(  # -X importtime: every module the command imported, on stderr
+        [sys.executable, "-X", "importtime", "-m", "lightning_gradguard.report", str(root)],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert (root / "version_1" / "gradguard_report.html").exists()
     assert "GradientNormLogger" in proc.stdout and "HTML report:" in proc.stdout
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert not imported & {"torch", "lightning", "pytorch_lightning"}  # a report needs neither: seconds
     script = Path(sys.executable).with_name("gradguard")
     if script.exists():  # the console script of an installed package
         proc = subprocess.run([str(script), "report", str(root / "missing")], capture_output=True, text=True)

@@ -4,9 +4,10 @@ A test must hold on any machine. What differs between machines is the order of f
 count), the vector kernels (AVX-512, AVX2, none), the BLAS and convolution kernels, and what all of these
 do to a trajectory over many steps. ``.ci/run`` runs the suite once under these perturbations:
 
-- ``OMP_NUM_THREADS=1``: another reduction order. ``ATEN_CPU_CAPABILITY=avx2`` or ``default``: other vector
-  kernels (give inductor its own ``TORCHINDUCTOR_CACHE_DIR`` then: its cache is not keyed by that setting,
-  and a kernel compiled for one capability and loaded under another computes garbage).
+- ``OMP_NUM_THREADS=2``: another reduction order (``make test``'s xdist workers run one thread each).
+  ``ATEN_CPU_CAPABILITY=avx2`` or ``default``: other vector kernels (give inductor its own
+  ``TORCHINDUCTOR_CACHE_DIR`` then: its cache is not keyed by that setting, and a kernel compiled for one
+  capability and loaded under another computes garbage).
 - ``GRADGUARD_TEST_PERTURB=kernels``: deterministic algorithms and no oneDNN: other float kernels.
 - ``GRADGUARD_TEST_PERTURB=rounding``: every weight ``torch.nn.init`` draws is moved by about one part in
   a million (``GRADGUARD_TEST_ROUNDING_SCALE``), in a fixed pattern per tensor size that the global RNG

@@ -335,17 +335,21 @@ def clipping(run: RunData) -> bytes | None:
 
 
 def range_test_suggestions(curve: dict[str, list[float]]) -> dict[str, float | None]:
-    """What each method suggests on a range test's CSV columns, as LRFinderPlus decides: nothing from a
-    curve whose fall does not stand out of the raw losses' noise (the raw losses gate the methods)."""
+    """What each method suggests on a range test's CSV columns, as LRFinderPlus decides: the raw losses
+    read by :func:`~lightning_gradguard.functional.lr_suggest.read_curve` (the descent judged without the
+    diverging tail; nothing from a curve whose fall does not stand out of its noise). A CSV keeps the mean
+    of averaged sweeps, not each sweep, so their spread is not there to floor the noise."""
     # here, not at the top: lightning_gradguard.functional imports torch, which a report without a range
     # test never needs (``gradguard report`` starts without torch and Lightning)
-    from lightning_gradguard.functional.lr_suggest import suggest_all
+    from lightning_gradguard.functional.lr_suggest import read_curve, suggest_all
 
     smooth = curve.get("curve") or curve.get("smoothed_loss") or []
     if not smooth:
         return {}
     lrs, raw = curve["lr"][: len(smooth)], curve.get("loss") or []
-    return suggest_all(lrs, smooth, raw=raw if len(raw) == len(smooth) else None)
+    if len(raw) == len(smooth):
+        return read_curve(lrs, raw).suggestions
+    return suggest_all(lrs, smooth)
 
 
 def lr_range_test(run: RunData, name: str) -> bytes | None:

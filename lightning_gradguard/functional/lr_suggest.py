@@ -443,10 +443,10 @@ def suggest_all(
     """Every suggestion method on one (already smoothed) curve, keyed by method name.
 
     With ``raw`` (the raw losses ``losses`` was smoothed from) every method gives ``None`` unless the
-    curve's fall stands out of its noise (:func:`descent_check` with ``required``): each method alone
-    finds a "descent" in any wiggle of a curve that cannot fall.
+    curve's fall stands out of its noise as the finder judges it (:func:`read_curve`, with ``required``):
+    each method alone finds a "descent" in any wiggle of a curve that cannot fall.
     """
-    if raw is not None and not descent_check(raw, losses, required).stands_out:
+    if raw is not None and not read_curve(lrs, raw, required).descent.stands_out:
         return dict.fromkeys(SUGGESTION_METHODS)
     return {
         "valley": suggest_valley(lrs, losses),
@@ -464,12 +464,15 @@ class CurveReading:
     Attributes:
         cut: index where the diverging tail begins (:func:`divergence_start`; ``len(losses)``: none).
         curve: the zero-lag smoothed curve of every point, the one the suggestions are read from.
+        head: the zero-lag smoothed curve of the points before the tail, the one the descent is judged on
+            (``descent.start`` and ``descent.lowest`` index it).
         descent: the descent check on the points before the tail.
         suggestions: every method's suggestion, all ``None`` unless the descent stands out.
     """
 
     cut: int
     curve: list[float]
+    head: list[float]
     descent: DescentCheck
     suggestions: dict[str, float | None]
 
@@ -504,7 +507,7 @@ def read_curve(
     and the noise grows, and a real descent can look like noise. The suggestions read the whole curve,
     as before: there the tail lifts the last points of the descent, which keeps ``steep`` and ``peak``
     off the edge of the blow-up (read on the descent alone, the steepest point moved onto that edge and
-    a small-batch Adam MLP's suggestion tripled, 1.07 -> 1.69 times the best loss).
+    a batch-4 Adam MLP's suggestion doubled, 1.18 -> 1.59 times the best loss in benchmarks/lr_hard.py).
 
     ``losses`` can be the mean of several ``sweeps`` (their losses at the same ``lrs``): then the noise is
     at least their spread (:func:`sweep_spread`, on the points up to the curve's low, as the noise).
@@ -522,4 +525,4 @@ def read_curve(
     suggestions: dict[str, float | None] = dict.fromkeys(SUGGESTION_METHODS)
     if check.stands_out:
         suggestions = suggest_all(lrs, curve)
-    return CurveReading(cut, curve, check, suggestions)
+    return CurveReading(cut, curve, head, check, suggestions)

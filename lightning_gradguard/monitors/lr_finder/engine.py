@@ -353,7 +353,7 @@ class RangeTest:
 
 def _lost_in_noise(lrs: list[float], reading: CurveReading, sweeps: int) -> str:
     """Why a curve whose fall does not stand out of its noise gives no suggestion, with the numbers."""
-    check, curve = reading.descent, reading.curve
+    check, curve = reading.descent, reading.head  # the curve the descent was judged on
     if check.fall <= 0:
         what = f"the smoothed loss never fell below its level at {lrs[0]:.2e}"
     else:

@@ -33,8 +33,9 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # One pytest-xdist worker per core (at most 4), each on one torch thread (tests/conftest.py; an
-# OMP_NUM_THREADS of the caller's wins); worksteal: an idle worker takes the other's queued tests.
-WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+# OMP_NUM_THREADS of the caller's wins; nproc would count it as the cores); worksteal: an idle worker
+# takes the other's queued tests.
+WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 unit: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal
 

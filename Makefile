@@ -33,12 +33,16 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 # One pytest-xdist worker per core (at most 4), each on one torch thread (tests/conftest.py; an
-# OMP_NUM_THREADS of the caller's wins); worksteal: an idle worker takes the other's queued tests.
-WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+# OMP_NUM_THREADS of the caller's wins; nproc would count it as the cores); worksteal: an idle worker
+# takes the other's queued tests.
+WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 unit: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal
 
-test: lint typecheck unit
+# lint and typecheck beside the unit tests: mypy's cold start (a fresh clone) keeps one core busy for a
+# minute or more. Their few lines may land among pytest's progress dots; each job's failure fails the make.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j3 lint typecheck unit
 
 # The unit tests again, with this machine rounding like another one (tests/machine/other_machine.py): two
 # threads (`make unit` runs one per worker: the other reduction order), other float kernels, AVX2 where

@@ -204,7 +204,8 @@ def run_ddp_script(name: str, out: Path, timeout: float = 240) -> subprocess.Com
     """The result of a 2-process DDP scenario ``tests/scripts/<name>``, its files copied into ``out``.
 
     The scenarios of :data:`DDP_SUITE` run once per test session, all in one launch (the first test to
-    ask pays for it; the others read its files); any other script runs on its own. A script that reads
+    ask pays for it, in whichever xdist worker; the others read its files); any other script runs on its
+    own. A script that reads
     its strategy from its folder's name (``sharded_norms.py`` in ``.../fsdp2``) is the scenario
     ``sharded_norms/fsdp2``.
     """

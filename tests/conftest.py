@@ -30,8 +30,9 @@ import other_machine  # noqa: E402  (this machine rounding like another one, on 
 other_machine.apply()
 #: ``make unit`` runs the suite in pytest-xdist workers, one per core: one torch thread each (and in the
 #: subprocesses they start: the examples, the DDP scripts, the command line), or the workers' thread pools
-#: oversubscribe the cores. A thread count the caller chose (``OMP_NUM_THREADS``) is kept.
-if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+#: oversubscribe the cores. A thread count the caller chose (``OMP_NUM_THREADS``) is kept; an empty one is
+#: no choice (torch then starts one thread per core).
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS", "").strip():
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("MKL_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -212,7 +212,7 @@ SIGNAL_CHARTS = {
 
 
 def test_the_deeper_signals_draw_their_charts(driver: Any, tmp_path: Path) -> None:
-    """The demo transformer (examples/transformer_signals.py) for 44 optimizer steps of 4 micro-batches,
+    """The demo transformer (examples/transformer_signals.py) for 24 optimizer steps of 2 micro-batches,
     with the noise scale, OptimizerMonitor, ActivationRangeMonitor and StallDetector measuring every
     other step: every chart of theirs that the run fills is drawn, with lines, in a real TensorBoard."""
     import sys
@@ -234,7 +234,7 @@ def test_the_deeper_signals_draw_their_charts(driver: Any, tmp_path: Path) -> No
     pl.seed_everything(0, verbose=False)
     train, _ = demo.digits_sequences()
     callbacks = [
-        GradientNormLogger(log_every_n_steps=2, histogram_every_n_steps=22, log_noise_scale=True),
+        GradientNormLogger(log_every_n_steps=2, histogram_every_n_steps=12, log_noise_scale=True),
         OptimizerMonitor(log_every_n_steps=2),
         ActivationRangeMonitor(sample_every_n_steps=2),
         StallDetector(check_every_n_steps=2),
@@ -242,8 +242,8 @@ def test_the_deeper_signals_draw_their_charts(driver: Any, tmp_path: Path) -> No
     logdir = tmp_path / "tb"
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_steps=44,
-        accumulate_grad_batches=4,
+        max_steps=24,
+        accumulate_grad_batches=2,
         logger=TensorBoardLogger(str(logdir), name="signals", version="v0", default_hp_metric=False),
         callbacks=callbacks,
         log_every_n_steps=2,

@@ -1,7 +1,9 @@
 """The examples a user runs first: each one runs to the end in a fresh folder and says what it promises.
 
-Each runs as ``run_example`` runs it: a subprocess with ``OMP_NUM_THREADS=1``, which every example
-respects (it sets its own thread count only when the caller set none). The time limits come from measured
+Each runs as ``run_example`` runs it: the quickstart (``make demo``'s example) in a fresh interpreter with
+``OMP_NUM_THREADS=1``, the others as ``__main__`` of a forked child of the test process (a process of its
+own that skips the interpreter's 10 s of imports); every example respects the caller's thread count (it
+sets its own only when the caller set none). The time limits come from measured
 times, not guesses: each example's time measured alone on 2 cores, times :data:`LOAD_MARGIN`, so a
 machine shared with other jobs (the examples took 2-4x that at a load average of 7-12 on 2 cores) does
 not fail them, while a hung example still fails (pytest-timeout stops the test a minute after
@@ -41,8 +43,10 @@ def limit(name: str) -> float:
     return MEASURED_SECONDS[name] * LOAD_MARGIN
 
 
-def run(name: str, cwd: Path, args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
-    return run_example(name, cwd, timeout=limit(name), args=args)
+def run(
+    name: str, cwd: Path, args: list[str] | None = None, fork: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return run_example(name, cwd, timeout=limit(name), args=args, fork=fork)
 
 
 #: the pytest-timeout of each example's test (the project's default is 300 s)
@@ -73,7 +77,7 @@ def test_every_example_has_a_measured_time_and_leaves_the_thread_count_to_its_ca
 
 @pytest.mark.timeout(_TEST_TIMEOUT["quickstart.py"])
 def test_quickstart_trains_and_prints_a_health_summary(tmp_path: Path) -> None:
-    out = run("quickstart.py", tmp_path).stdout
+    out = run("quickstart.py", tmp_path, fork=False).stdout  # make demo's own way: a fresh interpreter
     assert "=== gradguard health summary" in out
     acc = float(out.split("final val accuracy")[1].split()[0])
     assert acc > 0.9  # a real model learned real data

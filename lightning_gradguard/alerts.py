@@ -17,20 +17,6 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-__all__ = [
-    "ACTIONS",
-    "ALERT_KINDS",
-    "SEVERITIES",
-    "Alert",
-    "GradGuardError",
-    "JsonlSink",
-    "LoggingSink",
-    "LossSpikeError",
-    "NonFiniteError",
-    "SanityCheckError",
-    "Severity",
-]
-
 log = logging.getLogger("lightning_gradguard")
 
 

@@ -13,18 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = [
-    "ACROSS_LAYERS",
-    "ALERT_TEXT",
-    "CHARTS",
-    "FAMILIES",
-    "SCALAR_PREFIXES",
-    "Chart",
-    "Family",
-    "charts_of",
-    "families_of",
-]
-
 #: the tag part of the aggregates over all watched layers under a cap: ``grad_norm/across_layers/median``
 ACROSS_LAYERS = "across_layers"
 #: the text tag every alert is written to (TensorBoard's Text tab)

@@ -26,8 +26,6 @@ from lightning_gradguard.core.stats import global_step, step_cache
 from lightning_gradguard.core.validate import check_choice, check_int
 from lightning_gradguard.tags import ALERT_TEXT, ALERTS, charts_of
 
-__all__ = ["DEFAULT_COOLDOWN_STEPS", "GradGuardCallback", "gradguard_callbacks", "guarded"]
-
 #: the ``cooldown_steps`` default of every monitor (LossSpikeGuard's is 0: each spike is an intervention)
 DEFAULT_COOLDOWN_STEPS = 1000
 
@@ -89,7 +87,7 @@ class GradGuardCallback(Callback):
     #: ``action``: a run resumed with another action keeps its state)
     state_key_args: tuple[str, ...] = ()
 
-    def __init__(self, action: str = "warn", cooldown_steps: int = DEFAULT_COOLDOWN_STEPS) -> None:
+    def __init__(self, *, action: str = "warn", cooldown_steps: int = DEFAULT_COOLDOWN_STEPS) -> None:
         self.action: str = check_choice("action", action, self.allowed_actions)
         self.cooldown_steps: int = check_int("cooldown_steps", cooldown_steps, 0)
         self.alerts: list[Alert] = []

@@ -22,15 +22,6 @@ from lightning_gradguard.core.snapshot import loader_generators, tensors_free_it
 from lightning_gradguard.core.trial import seed_all
 from lightning_gradguard.functional.tree import tensors_in
 
-__all__ = [
-    "batch_size_of",
-    "first_train_batch",
-    "prepare_batch",
-    "redraw_first_samples",
-    "slice_batch",
-    "tensors_in",
-]
-
 
 def prepare_batch(trainer: pl.Trainer, batch: Any, dataloader_idx: int = 0) -> Any:
     """What Lightning's training loop does to a batch before ``training_step`` sees it, in its order."""

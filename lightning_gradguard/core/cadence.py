@@ -13,8 +13,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["DENSE_STEPS", "check_due", "log_step", "logging_interval", "on_logging_step", "optimizer_index"]
-
 #: the steps every detection rule checks at the start of a run (``dense_steps``' default)
 DENSE_STEPS = 5
 

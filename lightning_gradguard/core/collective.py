@@ -11,8 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["gather", "reduce_any"]
-
 
 def reduce_any(trainer: pl.Trainer, flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (one collective; a no-op on one process)."""

@@ -15,9 +15,6 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-__all__ = ["Uncompiled"]
-
-
 #: the open :class:`Uncompiled` scopes, and how to undo what the first one (and the fallback) changed
 _OPEN: list[Uncompiled] = []
 

@@ -18,12 +18,6 @@ from lightning_gradguard.core.validate import check_int
 from lightning_gradguard.functional.layers import LayerPatterns, choose_layers, spread
 from lightning_gradguard.tags import ACROSS_LAYERS
 
-__all__ = [
-    "LayerSelection",
-    "cap_scalars",
-    "check_patterns",
-]
-
 
 def check_patterns(name: str, value: Any) -> tuple[re.Pattern[str], ...]:
     """``value`` (``None``, a regular expression, or a list of them) as compiled patterns."""

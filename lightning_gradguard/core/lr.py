@@ -26,8 +26,6 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from lightning_gradguard.functional.clipping import clipping_norm_type
 
-__all__ = ["ClipSetting", "adaptive_eps", "clip_setting", "decoupled_decay_groups", "rescale_learning_rates"]
-
 #: scheduler bookkeeping kept in param groups, rescaled with ``lr``
 _GROUP_KEYS = ("initial_lr", "max_lr", "min_lr")
 

@@ -25,8 +25,6 @@ from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.core.progress import LossProgress
 
-__all__ = ["NextCall", "SamplingMonitor", "ScopedHooks"]
-
 
 class ScopedHooks(AbstractContextManager[Any]):
     """What a capture scope holds and lets go: global module hooks, a ``TorchFunctionMode``, the eager

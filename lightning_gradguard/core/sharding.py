@@ -29,19 +29,6 @@ from torch import Tensor
 
 from lightning_gradguard.core.state import trainer_state
 
-__all__ = [
-    "FLAT_PARAM_MESSAGE",
-    "FSDP_CPU_CHECKPOINT",
-    "PendingNorms",
-    "Sharding",
-    "fsdp_checkpoint_on_cpu",
-    "is_sharded",
-    "local_tensor",
-    "sharding_of",
-    "unsupported_reason",
-    "world_size",
-]
-
 FLAT_PARAM_MESSAGE = (
     "GradGuard: FSDP runs with `use_orig_params=False`, so the optimizer holds one `_flat_param` per FSDP "
     "unit: per-layer norms are per FSDP unit (named after the wrapped module), per-parameter norms and "

@@ -17,9 +17,6 @@ from lightning_gradguard.core.buffers import restore_step_buffers
 from lightning_gradguard.core.state import trainer_state
 from lightning_gradguard.core.trial import drop_update
 
-__all__ = ["SKIP_CAUSES", "skip_update", "skipped_updates"]
-
-
 #: why an update was dropped: the GradScaler found inf/NaN, NaNSentinel's skip, LossSpikeGuard's skip/rollback
 SKIP_CAUSES = ("grad_scaler", "nan_sentinel", "loss_spike")
 

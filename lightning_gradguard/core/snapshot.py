@@ -30,15 +30,6 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-__all__ = [
-    "RNGState",
-    "TrainingSnapshot",
-    "loader_generators",
-    "rollback_point",
-    "tensors_free_iterables",
-    "train_loader_generators",
-]
-
 
 class RNGState:
     """The global random states: torch CPU and CUDA, NumPy, Python ``random`` (and extra generators)."""

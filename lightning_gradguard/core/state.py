@@ -16,16 +16,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = [
-    "STRICT_ENV",
-    "TrainerState",
-    "info_once",
-    "skipped_for_fast_dev_run",
-    "strict_mode",
-    "trainer_state",
-    "warn_once",
-]
-
 log = logging.getLogger("lightning_gradguard")
 
 

@@ -59,15 +59,6 @@ from lightning_gradguard.functional.updates import (
     weight_snapshot,
 )
 
-__all__ = [
-    "StepStats",
-    "UpdateSample",
-    "active_scaler",
-    "global_step",
-    "step_cache",
-    "step_stats",
-]
-
 
 @dataclass
 class _Caches:
@@ -392,12 +383,6 @@ class StepStats:
             return labels, self.grouped(self.grad_norms(norm_type), index, len(labels))
 
         return self._memo(("grad_groups", float(norm_type), depth, per_parameter), compute)
-
-    def grads_finite(self) -> Tensor:
-        """0-dim bool: every gradient element this rank holds is finite (derived from the cached norms: no
-        extra pass). Under sharding a verdict reduces it across the ranks."""
-        norm_type = next((k[1] for k in self._cache if k[0] == "grad"), 2.0)
-        return torch.isfinite(self.local_grad_norms(norm_type)).all()
 
     # ------------------------------------------------------------------ weights
     def weight_norms(self, norm_type: float = 2.0) -> PendingNorms:

@@ -21,8 +21,6 @@ from torch import Tensor
 
 from lightning_gradguard.core.sharding import PendingNorms, world_size
 
-__all__ = ["HostTransfer"]
-
 _SUMS = frozenset({"sum", "mean"})
 
 

@@ -37,23 +37,6 @@ from torch import Tensor, nn
 
 from lightning_gradguard.core.stats import active_scaler
 
-__all__ = [
-    "NoTrialLoss",
-    "TrialClosure",
-    "TrialStep",
-    "configured_lr",
-    "drop_update",
-    "loss_of",
-    "needs_closure",
-    "quiet_logging",
-    "seed_all",
-    "takes_closure",
-    "training_step_of",
-    "trial_backward",
-    "trial_loss",
-    "trial_optimizer_step",
-]
-
 
 @contextmanager
 def quiet_logging(pl_module: nn.Module) -> Iterator[None]:

@@ -15,16 +15,6 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = [
-    "check_bool",
-    "check_choice",
-    "check_float",
-    "check_int",
-    "check_int_list",
-    "check_path",
-    "check_str_list",
-]
-
 
 def _type_name(value: Any) -> str:
     return type(value).__name__

@@ -31,24 +31,6 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-__all__ = [
-    "ENTROPY_SUMS",
-    "FP16_MAX",
-    "MASKED_BELOW",
-    "MOMENTS",
-    "AttentionEntropy",
-    "AttentionStats",
-    "BlockRange",
-    "attention_stats",
-    "fp16_headroom",
-    "max_attention_logit",
-    "mha_attention_stats",
-    "mha_max_logit",
-    "output_moments",
-    "pool_entropy",
-    "pool_moments",
-]
-
 #: the largest finite float16 number
 FP16_MAX = 65504.0
 #: the entries of an :func:`output_moments` vector

@@ -16,14 +16,6 @@ from torch import Tensor
 
 from lightning_gradguard.functional.stats import suggest_clip_value
 
-__all__ = [
-    "CLIP_PERCENTILES",
-    "ClipWindowStats",
-    "clip_window_stats",
-    "clipping_norm_type",
-    "push_norm",
-]
-
 #: the percentiles of the pre-clip norm reported over a window
 CLIP_PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0)
 

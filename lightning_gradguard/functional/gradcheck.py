@@ -34,24 +34,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = [
-    "EPS64",
-    "KINK_RETRIES",
-    "DirectionalResult",
-    "FiniteDifferenceResult",
-    "TaylorCheckResult",
-    "TaylorResult",
-    "directional_difference",
-    "dot",
-    "finite_difference_check",
-    "loss_value",
-    "observed_order",
-    "relative_error",
-    "sample_coordinates",
-    "taylor_check",
-    "taylor_test",
-]
-
 LossFn = Callable[[], Tensor]
 
 #: float64 machine epsilon: the rounding level the noise floors below are built on.

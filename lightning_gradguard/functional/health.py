@@ -21,21 +21,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = [
-    "SATURATION_BOUNDS",
-    "activity_counts",
-    "dead_units",
-    "depth_ratio",
-    "ema",
-    "gradient_flow",
-    "growth_factor",
-    "log10_norms",
-    "robust_baseline",
-    "saturation_counts",
-    "spike_ratio",
-    "unit_dim",
-]
-
 #: Pre-activation values beyond which the activation's float32 derivative is numerically gone:
 #: ``tanh`` for ``|x| > 9.5``, ``sigmoid`` below ``-23`` or above ``17``.
 SATURATION_BOUNDS: dict[str, tuple[float, float]] = {"tanh": (-9.5, 9.5), "sigmoid": (-23.0, 17.0)}

@@ -20,8 +20,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["LayerPatterns", "choose_layers", "log_distance_scores", "pinned_positions", "spread"]
-
 
 @dataclass(frozen=True)
 class LayerPatterns:

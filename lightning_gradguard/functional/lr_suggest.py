@@ -31,32 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = [
-    "DESCENT_NOISE_MULTIPLE",
-    "DIVERGENCE_NOISE",
-    "NOISE_POINTS",
-    "RELATIVE_NOISE_FLOOR",
-    "SUGGESTION_METHODS",
-    "CurveReading",
-    "DescentCheck",
-    "centered_smooth",
-    "descent_check",
-    "divergence_start",
-    "ema_smooth",
-    "loss_noise",
-    "read_curve",
-    "running_median",
-    "smoothing_gain",
-    "suggest_all",
-    "suggest_minimum",
-    "suggest_peak",
-    "suggest_slide",
-    "suggest_steep",
-    "suggest_valley",
-    "sweep_lrs",
-    "sweep_spread",
-]
-
 SUGGESTION_METHODS: tuple[str, ...] = ("valley", "steep", "minimum", "slide", "peak")
 
 #: a suggestion needs the smoothed curve's fall to be at least this many times the noise of that fall

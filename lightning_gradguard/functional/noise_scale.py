@@ -26,8 +26,6 @@ from typing import TypeVar
 
 from torch import Tensor
 
-__all__ = ["NoiseScaleEstimate", "b_simple", "effective_batch_sizes", "noise_scale_terms"]
-
 _T = TypeVar("_T", float, Tensor)
 
 

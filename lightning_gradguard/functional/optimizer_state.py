@@ -34,19 +34,6 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = [
-    "EntryStep",
-    "LayerGeometry",
-    "LayerMoments",
-    "adam_step_bound",
-    "adam_step_threshold",
-    "entry_steps",
-    "epsilon_dominated",
-    "layer_geometry",
-    "layer_moments",
-    "ratio_outliers",
-]
-
 
 @dataclass(frozen=True)
 class LayerGeometry:

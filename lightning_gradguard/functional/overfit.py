@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["at_floor", "oscillates", "still_learning"]
-
 
 def at_floor(
     losses: list[float], grad_norms: list[float], chance_loss: float | None, num_classes: int | None

@@ -27,15 +27,6 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = [
-    "MAD_TO_SIGMA",
-    "SpikeScore",
-    "StartLevel",
-    "is_spike",
-    "spike_score",
-    "start_level",
-]
-
 #: the MAD of a normal distribution is 0.6745 sigma: 1.4826 * MAD estimates sigma
 MAD_TO_SIGMA = 1.4826
 #: the smallest spread a window is given (log space: about 1 %), so a constant window still has a scale

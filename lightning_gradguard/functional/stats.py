@@ -14,29 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = [
-    "WRAPPER_PARTS",
-    "HistogramSpec",
-    "clean_name",
-    "container_modules",
-    "dense_values",
-    "device_histograms",
-    "foreach_norms",
-    "group_index",
-    "group_shares",
-    "grouped_norms",
-    "layer_name",
-    "layer_names",
-    "module_label",
-    "nonfinite_counts",
-    "norm_shares",
-    "percentile",
-    "reduce_norms",
-    "suggest_clip_value",
-    "total_norm",
-    "total_share",
-]
-
 
 def _check_norm_type(norm_type: float) -> float:
     norm_type = float(norm_type)

@@ -7,8 +7,6 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["tensors_in"]
-
 
 def tensors_in(obj: Any) -> Iterator[Tensor]:
     """Every tensor inside nested lists, tuples and dicts, in order."""

@@ -34,18 +34,6 @@ from torch import Tensor
 
 from lightning_gradguard.functional.stats import foreach_norms, reduce_norms
 
-__all__ = [
-    "SAMPLE_ENTRIES",
-    "UpdateNorms",
-    "WeightSnapshot",
-    "dtype_spacing",
-    "foreach_dots",
-    "sampled",
-    "update_norms",
-    "update_ratio",
-    "weight_snapshot",
-]
-
 #: a parameter with more entries than this is sampled for its update norm (one size for every monitor)
 SAMPLE_ENTRIES = 1 << 16
 

@@ -12,8 +12,6 @@ from lightning_gradguard.report.figures import matplotlib_or_exit
 from lightning_gradguard.report.page import render_html, summary_lines
 from lightning_gradguard.report.read import RunData, find_run, read_run
 
-__all__ = ["build_report", "main"]
-
 
 def build_report(
     run_dir: str, output: str | None = None, version: int | str | None = None, loss_tag: str | None = None

@@ -17,19 +17,6 @@ from typing import Any
 import lightning_gradguard.report.gaps as gaps
 from lightning_gradguard.report.read import RunData
 
-__all__ = [
-    "SEVERITY_COLORS",
-    "alert_timeline",
-    "clipping",
-    "gradient_flow",
-    "lr_range_test",
-    "matplotlib_or_exit",
-    "range_test_suggestions",
-    "spikes",
-    "unit_health",
-    "update_ratios",
-]
-
 SEVERITY_COLORS = {"info": "#4c72b0", "warning": "#dd8452", "error": "#c44e52", "critical": "#8b0000"}
 
 

@@ -17,17 +17,6 @@ from typing import Any
 from lightning_gradguard.report.read import LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS, RunData
 from lightning_gradguard.tags import GRAD_NORM, OPTIMIZER, STALL, UPDATE_RATIO, WEIGHT_NORM
 
-__all__ = [
-    "FROM_CHARTS",
-    "Interval",
-    "StandIn",
-    "logging_interval",
-    "loss_gap",
-    "loss_note",
-    "nan_origin",
-    "stand_ins",
-]
-
 #: the families written on Lightning's logging steps (step 0, then ``(step + 1) % every == 0``)
 _ON_LOGGING_STEPS = tuple(f.prefix for f in (GRAD_NORM, WEIGHT_NORM, UPDATE_RATIO, OPTIMIZER))
 #: where :func:`logging_interval` found the interval when the run recorded none

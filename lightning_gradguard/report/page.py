@@ -19,8 +19,6 @@ import lightning_gradguard.report.gaps as gaps
 from lightning_gradguard.report.read import RunData
 from lightning_gradguard.tags import families_of
 
-__all__ = ["MONITORS", "Verdict", "render_html", "summary_lines", "verdicts"]
-
 #: the monitors a report gives a verdict on, in its order
 _ORDER = (
     "OverfitBatchSanity",

@@ -21,8 +21,6 @@ from typing import Any
 from lightning_gradguard.tags import ACROSS_LAYERS as _ACROSS
 from lightning_gradguard.tags import LR_FINDER, PREFLIGHT, SCALAR_PREFIXES
 
-__all__ = ["GRADGUARD_PREFIXES", "OWN_AXIS", "RunData", "Series", "find_run", "read_run"]
-
 #: the aggregates over all layers of a monitor with ``max_layers``
 ACROSS_LAYERS = f"{_ACROSS}/"
 #: the scalar tag families GradGuard writes (docs/tags.md)

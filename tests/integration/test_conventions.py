@@ -273,6 +273,15 @@ def test_every_callback_is_validated_and_every_action_is_a_literal() -> None:
             assert set(typing.get_args(hint)) == set(cls.allowed_actions)
 
 
+def test_every_constructor_is_keyword_only() -> None:
+    """``NaNSentinel(True, False)`` says nothing a reader can check; every argument is named."""
+    for cls in ALL:
+        kinds = {p.kind for p in inspect.signature(cls).parameters.values()}
+        assert kinds <= {inspect.Parameter.KEYWORD_ONLY}, cls.__name__
+    with pytest.raises(TypeError):
+        NaNSentinel(True)  # type: ignore[misc]
+
+
 def test_norm_type_shows_inf_as_a_choice() -> None:
     hint = typing.get_type_hints(GradientNormLogger.__init__)["norm_type"]
     assert typing.Literal["inf"] in typing.get_args(hint)

@@ -40,8 +40,6 @@ from lightning_gradguard.monitors.activation_range.rules import (
 )
 from lightning_gradguard.tags import ACTIVATION, ATTENTION, charts_of
 
-__all__ = ["ActivationRangeMonitor"]
-
 #: with periodic logging off (``Trainer(log_every_n_steps=0)``) the alerts are still checked this often
 _DETECT_EVERY = 50
 #: ``trainer.precision`` values whose activations are float16
@@ -115,6 +113,7 @@ class ActivationRangeMonitor(SamplingMonitor):
 
     def __init__(
         self,
+        *,
         sample_every_n_steps: int | None = None,
         attention: bool = True,
         min_headroom_bits: float = 2.0,

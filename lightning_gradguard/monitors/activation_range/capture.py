@@ -57,8 +57,6 @@ from lightning_gradguard.functional.activation_range import (
 from lightning_gradguard.functional.stats import clean_name, module_label
 from lightning_gradguard.functional.tree import tensors_in
 
-__all__ = ["OUTSIDE", "CaptureReading", "RangeCapture", "find_blocks", "read_capture"]
-
 F = nn.functional
 #: the owner of an attention call made outside every module's ``forward`` (in ``training_step`` itself)
 OUTSIDE = "training_step"

@@ -13,20 +13,6 @@ from dataclasses import dataclass
 
 from lightning_gradguard.functional.activation_range import AttentionEntropy, BlockRange
 
-__all__ = [
-    "COLLAPSE_HINT",
-    "COLLAPSE_MIN_LOGIT",
-    "HEADROOM_HINT",
-    "INIT_COLLAPSE_HINT",
-    "LOGIT_HINT",
-    "EntropyStart",
-    "RangeFinding",
-    "entropy_verdict",
-    "headroom_verdict",
-    "logit_verdict",
-]
-
-
 # ---------------------------------------------------------------------------------------------- the rules
 HEADROOM_HINT = (
     "Train in bf16-mixed (float32's range), put a normalization where this output grows (pre-LN blocks, a "

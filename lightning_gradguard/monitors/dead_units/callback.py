@@ -27,8 +27,6 @@ from lightning_gradguard.monitors.dead_units.counts import sum_counts
 from lightning_gradguard.monitors.dead_units.windows import UnitCounts, UnitWindows
 from lightning_gradguard.tags import DEAD_RELU, SATURATED, charts_of
 
-__all__ = ["DeadReLUMonitor"]
-
 
 class DeadReLUMonitor(SamplingMonitor):
     r"""Alert when most units of a ReLU layer never fire.
@@ -90,6 +88,7 @@ class DeadReLUMonitor(SamplingMonitor):
 
     def __init__(
         self,
+        *,
         sample_every_n_steps: int = 50,
         window: int = 4,
         threshold: float = 0.5,

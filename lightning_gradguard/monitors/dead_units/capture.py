@@ -46,8 +46,6 @@ from lightning_gradguard.functional.health import activity_counts, saturation_co
 from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.monitors.dead_units.windows import UnitCounts, pool
 
-__all__ = ["MODE_ORDER", "OUTSIDE_MODULES", "ActivationCapture"]
-
 #: what :class:`ActivationCapture` says (through its ``warn``) when it cannot see everything
 OUTSIDE_MODULES = (
     "ReLU/sigmoid/tanh calls outside every module's forward (loss code in training_step, or a model called "

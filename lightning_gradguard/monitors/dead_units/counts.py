@@ -19,8 +19,6 @@ import torch
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.monitors.dead_units.windows import UnitCounts
 
-__all__ = ["SummedCounts", "sum_counts"]
-
 _SAMPLES = ("samples",)  # the transfer key of the values-per-unit numbers (layer keys are strings)
 _LOSS = ("loss",)  # the transfer key of the step's loss
 

@@ -34,21 +34,6 @@ from torch import Tensor
 from lightning_gradguard.functional.health import dead_units
 from lightning_gradguard.tags import ACTIVATION_RATE, DEAD_RELU, SATURATED
 
-__all__ = [
-    "DEAD_HINT",
-    "SATURATION_HINT",
-    "Finding",
-    "LayerCheck",
-    "StepVerdict",
-    "UnitCounts",
-    "UnitWindows",
-    "WindowSummary",
-    "explain",
-    "pool",
-    "silent_fraction",
-    "window_summary",
-]
-
 DEAD_HINT = (
     "Lower the learning rate; initialise with He/Kaiming and zero (or small positive) biases; normalise the "
     "inputs; put BatchNorm/LayerNorm before the ReLU; or switch to LeakyReLU/GELU, whose units cannot die."

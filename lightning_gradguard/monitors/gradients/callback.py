@@ -45,8 +45,6 @@ from lightning_gradguard.monitors.gradients.norms import (
 from lightning_gradguard.monitors.gradients.ratio import RatioWatch, ratio_finding
 from lightning_gradguard.tags import GRAD_CLIP, charts_of
 
-__all__ = ["GradientNormLogger"]
-
 #: with periodic logging off (``log_every_n_steps=0``), the clipping verdict is still reached this often
 _CLIP_CHECK_EVERY = 100
 
@@ -131,6 +129,7 @@ class GradientNormLogger(GradGuardCallback):
 
     def __init__(
         self,
+        *,
         log_every_n_steps: int | None = None,
         histogram_every_n_steps: int | None = None,
         norm_type: float | Literal["inf"] = 2.0,

@@ -13,8 +13,6 @@ from typing import Literal
 from lightning_gradguard.functional.clipping import ClipWindowStats
 from lightning_gradguard.tags import GRAD_CLIP
 
-__all__ = ["ClipFinding", "clip_verdict"]
-
 
 @dataclass(frozen=True)
 class ClipFinding:

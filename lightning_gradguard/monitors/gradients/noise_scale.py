@@ -41,8 +41,6 @@ from lightning_gradguard.functional.noise_scale import (
 )
 from lightning_gradguard.tags import NOISE_SCALE
 
-__all__ = ["NoiseScaleEMA", "NoiseScaleTracker"]
-
 _KEY = ("noise_scale", "ema")
 _NAME = "GradientNormLogger(log_noise_scale=True)"
 

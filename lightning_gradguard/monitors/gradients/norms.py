@@ -43,16 +43,6 @@ from lightning_gradguard.tags import (
     Family,
 )
 
-__all__ = [
-    "ClipRing",
-    "HistogramRows",
-    "NormReading",
-    "NormSample",
-    "NormSpec",
-    "parse_norm_type",
-    "select_reading",
-]
-
 _HIST_PARTS = ("stats", "edges", "counts")  # a histogram's NaN/inf counts are the grad_nonfinite scalars
 
 

@@ -20,16 +20,6 @@ from typing import Any, Literal
 
 from lightning_gradguard.core.lr import decoupled_decay_groups
 
-__all__ = [
-    "DECAY_SHARE",
-    "SETTLE_STEPS",
-    "SUSTAIN_CHECKS",
-    "SUSTAIN_STEPS",
-    "RatioFinding",
-    "RatioWatch",
-    "ratio_finding",
-]
-
 #: checks before this step are not judged (Adam's bias correction, fresh layers' first moves)
 SETTLE_STEPS = 20
 #: a ratio above the ceiling must hold on this many consecutive checks ...

@@ -32,8 +32,6 @@ from lightning_gradguard.monitors.lr_finder.output import write_result
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
 from lightning_gradguard.tags import charts_of
 
-__all__ = ["LRFinderPlus", "LRFinderResult", "lr_find"]
-
 
 class LRFinderPlus(GradGuardCallback):
     r"""Learning-rate range test at fit start (and at milestone epochs) that applies its suggestion.
@@ -118,6 +116,7 @@ class LRFinderPlus(GradGuardCallback):
 
     def __init__(
         self,
+        *,
         min_lr: float = 1e-7,
         max_lr: float = 1.0,
         num_training: int = 100,

@@ -6,8 +6,6 @@ import math
 
 import numpy as np
 
-__all__ = ["DivergenceMonitor"]
-
 
 class DivergenceMonitor:
     """Online smoothing and stop rule of a range test.

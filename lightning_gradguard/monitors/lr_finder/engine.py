@@ -50,17 +50,6 @@ from lightning_gradguard.monitors.lr_finder.divergence import DivergenceMonitor
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
 from lightning_gradguard.monitors.lr_finder.schedule import Schedule, read_schedule
 
-__all__ = [
-    "RangeTest",
-    "SweepPlan",
-    "SweepResult",
-    "Unsupported",
-    "end_fit_before_training",
-    "set_lr_attr",
-    "unsupported_setup",
-]
-
-
 #: another sweep is averaged in when the descent, with the noise of ``max_sweeps`` averaged sweeps, would
 #: reach this share of the required multiple (a faint real descent; a curve that never fell stays one sweep)
 REPEAT_REACH = 0.67

@@ -17,8 +17,6 @@ from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
 from lightning_gradguard.tags import LR_FINDER, LR_FINDER_CURVE
 
-__all__ = ["rule_in_words", "write_result"]
-
 log = logging.getLogger("lightning_gradguard")
 
 

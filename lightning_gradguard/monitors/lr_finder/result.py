@@ -9,8 +9,6 @@ from typing import Any
 from lightning_gradguard.functional.lr_suggest import DescentCheck
 from lightning_gradguard.monitors.lr_finder.schedule import Schedule
 
-__all__ = ["LRFinderResult"]
-
 
 @dataclass
 class LRFinderResult:

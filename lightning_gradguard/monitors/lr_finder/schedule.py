@@ -17,8 +17,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["MAX_SCHEDULE_STEPS", "Schedule", "read_schedule"]
-
 #: the most scheduler steps read ahead (a warm-up longer than this is read as far as it goes)
 MAX_SCHEDULE_STEPS = 100_000
 

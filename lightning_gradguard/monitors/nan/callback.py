@@ -36,8 +36,6 @@ from lightning_gradguard.monitors.nan.report import (
 )
 from lightning_gradguard.monitors.nan.step import Finding, Flags, MicroBatch, SkipCounters
 
-__all__ = ["NaNSentinel"]
-
 
 class NaNSentinel(GradGuardCallback):
     r"""Stop at the first NaN/inf loss, gradient or parameter, with nothing lost.
@@ -128,6 +126,7 @@ class NaNSentinel(GradGuardCallback):
 
     def __init__(
         self,
+        *,
         check_loss: bool = True,
         check_gradients: bool = True,
         check_parameters_every_n_steps: int = 0,

@@ -26,15 +26,6 @@ from lightning_gradguard.core.snapshot import RNGState
 from lightning_gradguard.core.trial import loss_of, quiet_logging, training_step_of
 from lightning_gradguard.functional.stats import module_label
 
-__all__ = [
-    "BackwardOrigin",
-    "ForwardOrigin",
-    "find_backward_origin",
-    "find_forward_origin",
-    "replay_origin",
-    "replayed",
-]
-
 
 def _nonfinite(obj: Any) -> int:
     """Number of NaN/inf entries in every floating tensor inside ``obj``."""

@@ -43,17 +43,6 @@ from lightning_gradguard.monitors.nan.step import (
     named_grads,
 )
 
-__all__ = [
-    "Filed",
-    "NaNReport",
-    "NonFiniteTensor",
-    "RankFindings",
-    "ReportSettings",
-    "ScalerState",
-    "build_report",
-    "write_report",
-]
-
 _MAX_LISTED = 10
 
 _HINTS = {

@@ -31,29 +31,6 @@ from lightning_gradguard.core.sharding import PendingNorms, local_tensor
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonfinite_counts
 
-__all__ = [
-    "NOT_REPLAYED",
-    "Check",
-    "Finding",
-    "Flags",
-    "MicroBatch",
-    "NonFiniteTensor",
-    "NormRecord",
-    "NormRing",
-    "SkipCounters",
-    "StepTrack",
-    "Verdict",
-    "add_up_pieces",
-    "both_finite",
-    "decide",
-    "earlier_check",
-    "grads_check",
-    "loss_check",
-    "named_grads",
-    "params_nonfinite",
-    "read_flags",
-]
-
 
 @dataclass(frozen=True)
 class MicroBatch:

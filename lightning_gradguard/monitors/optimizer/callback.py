@@ -50,8 +50,6 @@ from lightning_gradguard.monitors.optimizer.sample import (
 )
 from lightning_gradguard.tags import OPTIMIZER, charts_of
 
-__all__ = ["OptimizerMonitor"]
-
 #: with periodic logging off (``log_every_n_steps=0``), the rules are still checked this often
 _CHECK_EVERY = 100
 
@@ -130,6 +128,7 @@ class OptimizerMonitor(GradGuardCallback):
 
     def __init__(
         self,
+        *,
         log_every_n_steps: int | None = None,
         dense_steps: int = DENSE_STEPS,
         epsilon_ratio: float = 1.0,

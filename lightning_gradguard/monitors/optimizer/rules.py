@@ -16,8 +16,6 @@ from typing import Literal
 
 from lightning_gradguard.monitors.optimizer.sample import AdamStep
 
-__all__ = ["OptimizerFinding", "adam_step_finding", "epsilon_finding", "orphans_finding", "outlier_finding"]
-
 
 @dataclass(frozen=True)
 class OptimizerFinding:

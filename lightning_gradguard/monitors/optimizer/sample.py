@@ -44,14 +44,6 @@ from lightning_gradguard.functional.stats import foreach_norms
 from lightning_gradguard.functional.updates import sampled, update_ratio
 from lightning_gradguard.tags import OPTIMIZER
 
-__all__ = [
-    "AdamStep",
-    "OptimizerReading",
-    "OptimizerSample",
-    "ScaleWatch",
-    "reading_scalars",
-]
-
 
 class ScaleWatch:
     """Counts GradScaler skips on the device: one scale copy before the step, one compare after it.

@@ -31,20 +31,6 @@ from lightning_gradguard.functional.overfit import oscillates, still_learning
 from lightning_gradguard.monitors.preflight.findings import OverfitResult
 from lightning_gradguard.monitors.preflight.verdict import Finding
 
-__all__ = [
-    "BLOW_UP",
-    "NEAR_MINIMUM",
-    "BlowUp",
-    "blow_up",
-    "chance_loss",
-    "failed_finding",
-    "initial_loss_finding",
-    "labels_of",
-    "missed_target",
-    "not_shrinking",
-    "overshot",
-]
-
 #: a trial loss above this multiple of the initial one overshot: the LR is too high for the batch. 72 healthy
 #: digits trials (CNNs and a ReLU MLP; SGD and Adam; 3 seeds) stayed at or below 1.08x their first loss;
 #: 10x-too-high LRs rose 1.7-115x (a ReLU MLP at SGD 0.5), Adam at lr 1 on a tanh MLP 4.6x

@@ -32,16 +32,6 @@ from lightning_gradguard.functional.updates import dtype_spacing
 from lightning_gradguard.monitors.preflight.modules import LeafOutputs
 from lightning_gradguard.monitors.preflight.verdict import MAX_LISTED, Finding
 
-__all__ = [
-    "HINTS",
-    "OverfitResult",
-    "ParameterRecord",
-    "batch_mixing",
-    "label_stability",
-    "listed",
-    "parameter_findings",
-]
-
 
 @dataclass
 class OverfitResult:

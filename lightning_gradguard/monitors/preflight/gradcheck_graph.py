@@ -21,17 +21,6 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_gradguard.functional.tree import tensors_in
 
-__all__ = [
-    "Float64Mode",
-    "GraphOwners",
-    "copy64",
-    "find_custom_functions",
-    "has_backward_hooks",
-    "power_iterates",
-    "uncompiled",
-    "unwrapped_name",
-]
-
 
 def _is_custom_node(node: Any) -> bool:
     from torch.autograd.function import BackwardCFunction

@@ -78,14 +78,6 @@ from lightning_gradguard.monitors.preflight.gradcheck_graph import (
     unwrapped_name,
 )
 
-__all__ = [
-    "GradientCheckResult",
-    "GradientCheckSettings",
-    "ModuleLossFn",
-    "ParameterCheck",
-    "gradcheck_module",
-]
-
 #: ``loss_fn(model)``: the scalar loss of ``model`` (the float64 copy) on a fixed float64 batch, or
 #: ``None`` when there is none
 ModuleLossFn = Callable[[nn.Module], Tensor | None]

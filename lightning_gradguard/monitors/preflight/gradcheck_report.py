@@ -14,8 +14,6 @@ import math
 from lightning_gradguard.monitors.preflight.gradcheck_module import GradientCheckResult, ParameterCheck
 from lightning_gradguard.monitors.preflight.verdict import Finding
 
-__all__ = ["MISMATCH_HINT", "describe", "mismatch_findings", "passed_line", "pattern"]
-
 MISMATCH_HINT = (
     "The backward pass of this parameter disagrees with the loss it differentiates. In a custom "
     "autograd.Function check: a missing factor (chain rule, a constant, the 1/N of a mean), a missing "

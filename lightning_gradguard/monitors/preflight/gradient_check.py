@@ -40,8 +40,6 @@ from lightning_gradguard.monitors.preflight.gradcheck_module import (
 from lightning_gradguard.monitors.preflight.gradcheck_report import mismatch_findings, passed_line
 from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, PreflightCheck, Summary
 
-__all__ = ["GradientCheck", "gradient_check"]
-
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 
@@ -225,6 +223,7 @@ class GradientCheck(PreflightCheck):
 
     def __init__(
         self,
+        *,
         modules: list[str] | None = None,
         max_samples: int | None = 4,
         samples_per_tensor: int = 6,

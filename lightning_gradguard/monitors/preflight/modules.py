@@ -28,8 +28,6 @@ from torch import Tensor, nn
 from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.functional.stats import clean_name
 
-__all__ = ["EVAL_STEPS", "CalledModules", "LeafOutputs", "used_outside_training"]
-
 
 class _Hooked:
     """Hook handles on a model that runs uncompiled (:class:`Uncompiled`) until :meth:`remove`."""

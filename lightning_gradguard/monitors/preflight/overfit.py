@@ -21,7 +21,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_gradguard.alerts import SanityCheckError
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.batch import first_train_batch, redraw_first_samples, slice_batch
 from lightning_gradguard.core.compile import Uncompiled
@@ -33,8 +32,6 @@ from lightning_gradguard.monitors.preflight.findings import OverfitResult, label
 from lightning_gradguard.monitors.preflight.overfit_check import OverfitSettings, run_overfit_check
 from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, Finding, PreflightCheck, Summary
 from lightning_gradguard.tags import PREFLIGHT, charts_of
-
-__all__ = ["Finding", "OverfitBatchSanity", "OverfitResult", "SanityCheckError"]
 
 
 class OverfitBatchSanity(PreflightCheck):
@@ -153,6 +150,7 @@ class OverfitBatchSanity(PreflightCheck):
 
     def __init__(
         self,
+        *,
         max_steps: int = 200,
         target: float = 0.1,
         target_mode: Literal["relative", "absolute"] = "relative",

@@ -51,8 +51,6 @@ from lightning_gradguard.monitors.preflight.overfit_trial import (
 )
 from lightning_gradguard.monitors.preflight.verdict import Finding
 
-__all__ = ["OverfitSettings", "run_overfit_check"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class OverfitSettings:

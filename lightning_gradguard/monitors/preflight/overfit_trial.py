@@ -28,16 +28,6 @@ from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import trial_loss
 from lightning_gradguard.monitors.preflight.modules import CalledModules, LeafOutputs
 
-__all__ = [
-    "FROZEN_SEED",
-    "TrialCurve",
-    "TrialPlan",
-    "choose_optimizer",
-    "probe_updates",
-    "randomness",
-    "train_on_batch",
-]
-
 #: the seed every step of the check is re-seeded with when ``training_step``'s randomness is frozen
 FROZEN_SEED = 0x5EED
 

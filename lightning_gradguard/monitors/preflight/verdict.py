@@ -26,8 +26,6 @@ from lightning_gradguard.core.collective import reduce_any
 from lightning_gradguard.core.sharding import is_sharded
 from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
 
-__all__ = ["MAX_LISTED", "OTHER_RANKS", "Finding", "PreflightCheck", "Summary"]
-
 log = logging.getLogger("lightning_gradguard")
 
 #: the hint of an alert that says the check failed on another rank
@@ -87,7 +85,7 @@ class PreflightCheck(GradGuardCallback):
     #: why the check cannot run under a sharded strategy (FSDP, DeepSpeed): the middle of its warning
     sharded_reason = "a rank holds only pieces of the sharded parameters"
 
-    def __init__(self, action: str = "raise") -> None:
+    def __init__(self, *, action: str = "raise") -> None:
         super().__init__(action=action, cooldown_steps=0)
 
     def applies(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:

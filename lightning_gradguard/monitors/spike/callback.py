@@ -48,8 +48,6 @@ from lightning_gradguard.monitors.spike.rules import (
 from lightning_gradguard.monitors.spike.step import StepInputs, read_step_values
 from lightning_gradguard.tags import SPIKE, charts_of
 
-__all__ = ["LossSpikeGuard"]
-
 #: the accepted steps whose inputs must be seen before a batch's inputs are judged against them
 _INPUTS_WARM = 8
 
@@ -141,6 +139,7 @@ class LossSpikeGuard(GradGuardCallback):
 
     def __init__(
         self,
+        *,
         action: Literal["skip", "rollback", "warn", "raise"] = "skip",
         loss_threshold: float | None = 6.0,
         grad_norm_threshold: float | None = 6.0,

@@ -23,8 +23,6 @@ from typing import Any
 from lightning_gradguard.functional.spikes import start_level
 from lightning_gradguard.monitors.spike.rules import SpikeAlert
 
-__all__ = ["START_STEPS", "SUSTAIN_STEPS", "EarlyWatch", "early_alert"]
-
 #: the first judged losses whose median is the run's start (one lucky or unlucky batch does not move it)
 START_STEPS = 3
 #: judged losses in a row that must lie at ``factor`` starts or more (a noisy batch or a brief catapult

@@ -24,8 +24,6 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.functional.spikes import SpikeScore
 
-__all__ = ["FORMAT", "SpikeRecord", "read_skip_batches", "record_spike", "write_spikes"]
-
 #: the ``format`` field of the file
 FORMAT = "lightning_gradguard.spikes/1"
 

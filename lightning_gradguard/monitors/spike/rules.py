@@ -16,18 +16,6 @@ from typing import Literal
 from lightning_gradguard.alerts import Severity
 from lightning_gradguard.functional.spikes import SpikeScore, is_spike
 
-__all__ = [
-    "ESCALATION",
-    "LOSS_CONFIRMS_Z",
-    "SPIKE_HINTS",
-    "SpikeAlert",
-    "batch_variance_outlier",
-    "escalated_action",
-    "snapshot_due",
-    "spike_alert",
-    "step_verdict",
-]
-
 #: a gradient-norm spike is acted on only when the step's loss is at least this robust z-score above its
 #: recent median (or when the loss is not judged). Healthy gradient-norm excursions came with losses of z
 #: -69 to +1.5 (a deep net escaping a plateau: the norm 5-13x its median, z 6-10, while the loss fell;

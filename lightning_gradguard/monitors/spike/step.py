@@ -23,8 +23,6 @@ from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.tree import tensors_in
 
-__all__ = ["GatheredStep", "StepInputs", "StepValues", "read_step_values"]
-
 
 @dataclass(frozen=True, kw_only=True)
 class GatheredStep:

@@ -40,8 +40,6 @@ from lightning_gradguard.monitors.stall.probe import (
 from lightning_gradguard.monitors.stall.rules import StallCheck, StallRules, StallState
 from lightning_gradguard.tags import STALL, charts_of
 
-__all__ = ["StallDetector"]
-
 
 class StallDetector(GradGuardCallback):
     r"""Alert when training has stopped learning, with the likely cause and the fix.
@@ -99,6 +97,7 @@ class StallDetector(GradGuardCallback):
 
     def __init__(
         self,
+        *,
         check_every_n_steps: int = 10,
         dense_steps: int = DENSE_STEPS,
         patience: int = 3,

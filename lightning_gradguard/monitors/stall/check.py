@@ -18,22 +18,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = [
-    "HINTS",
-    "LOW_PRECISION",
-    "WHERE",
-    "LossTrend",
-    "Rounding",
-    "StallCheck",
-    "StallFinding",
-    "StallRules",
-    "batch_purity",
-    "label_entropy",
-    "loss_trend",
-    "spread",
-    "token_entropy",
-]
-
 #: the weight dtypes whose updates the rounding rule measures (16-bit floats: bfloat16 keeps 8 significant
 #: bits, float16 11)
 LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})

@@ -40,20 +40,6 @@ from lightning_gradguard.functional.stats import foreach_norms
 from lightning_gradguard.functional.updates import sampled, update_ratio
 from lightning_gradguard.monitors.stall.check import LOW_PRECISION, Rounding
 
-__all__ = [
-    "MAX_CLASSES",
-    "TOKEN_BINS",
-    "DecayFactors",
-    "StallProbe",
-    "StallReading",
-    "class_targets",
-    "decay_factors",
-    "has_low_precision",
-    "lr_configured",
-    "lr_now",
-    "token_targets",
-]
-
 #: class indices at or above this are not counted (the label rules then see none of that batch)
 MAX_CLASSES = 1024
 #: token ids at or above this (or above ``num_classes`` when it is larger) are not counted

@@ -70,9 +70,6 @@ from lightning_gradguard.monitors.stall.check import (
     token_entropy,
 )
 
-__all__ = ["StallCheck", "StallFinding", "StallRules", "StallState", "label_entropy"]
-
-
 #: what :meth:`StallState.state` saves
 _SAVED = (
     "streaks",

@@ -41,8 +41,6 @@ from lightning_gradguard.monitors.vanishing.rules import (
 )
 from lightning_gradguard.tags import GRAD_FLOW, charts_of
 
-__all__ = ["VanishingExplodingDetector"]
-
 
 class VanishingExplodingDetector(GradGuardCallback):
     r"""Alert on exploding and vanishing gradients, measured where the numbers are true.
@@ -101,6 +99,7 @@ class VanishingExplodingDetector(GradGuardCallback):
 
     def __init__(
         self,
+        *,
         check_every_n_steps: int = 5,
         dense_steps: int = 20,
         max_norm: float | None = 100.0,

@@ -17,8 +17,6 @@ from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.stats import group_index, layer_names
 
-__all__ = ["LayerNorms", "read_layer_norms", "watched_norms"]
-
 
 @dataclass(frozen=True)
 class LayerNorms:

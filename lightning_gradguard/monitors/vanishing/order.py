@@ -24,8 +24,6 @@ from torch.utils.hooks import RemovableHandle
 from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.functional.stats import clean_name
 
-__all__ = ["ForwardOrder"]
-
 
 class ForwardOrder:
     """Records, in :attr:`order`, the position at which each parameter-owning module first runs.

@@ -62,20 +62,6 @@ from dataclasses import dataclass, field, replace
 from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
 from lightning_gradguard.functional.stats import suggest_clip_value
 
-__all__ = [
-    "EXPLODING_HINT",
-    "VANISHING_HINT",
-    "Explanation",
-    "GradientVerdict",
-    "Opening",
-    "StepContext",
-    "VerdictRules",
-    "explain",
-    "judge",
-    "named",
-    "opening_layers",
-]
-
 _MAX_NAMED = 5
 #: a spike must also beat the largest recent norm by this factor (heavy-tailed healthy runs stay below)
 _SPIKE_OVER_MAX = 2.0

@@ -17,16 +17,16 @@ if TYPE_CHECKING:  # at run time each name is imported on first use (see ``__get
     from lightning_gradguard.core.base import GradGuardCallback
     from lightning_gradguard.monitors.activation_range.callback import ActivationRangeMonitor
     from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
+    from lightning_gradguard.monitors.gradcheck.callback import GradientCheck, gradient_check
+    from lightning_gradguard.monitors.gradcheck.engine import GradientCheckResult, ParameterCheck
+    from lightning_gradguard.monitors.gradcheck.graph import find_custom_functions
     from lightning_gradguard.monitors.gradients.callback import GradientNormLogger
     from lightning_gradguard.monitors.lr_finder.callback import LRFinderPlus, lr_find
     from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
     from lightning_gradguard.monitors.nan.callback import NaNSentinel
     from lightning_gradguard.monitors.optimizer.callback import OptimizerMonitor
-    from lightning_gradguard.monitors.preflight.findings import OverfitResult
-    from lightning_gradguard.monitors.preflight.gradcheck_graph import find_custom_functions
-    from lightning_gradguard.monitors.preflight.gradcheck_module import GradientCheckResult, ParameterCheck
-    from lightning_gradguard.monitors.preflight.gradient_check import GradientCheck, gradient_check
-    from lightning_gradguard.monitors.preflight.overfit import OverfitBatchSanity
+    from lightning_gradguard.monitors.overfit.callback import OverfitBatchSanity
+    from lightning_gradguard.monitors.overfit.findings import OverfitResult
     from lightning_gradguard.monitors.spike.callback import LossSpikeGuard
     from lightning_gradguard.monitors.stall.callback import StallDetector
     from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
@@ -51,13 +51,13 @@ _WHERE = {
     "LRFinderResult": "lightning_gradguard.monitors.lr_finder.result",
     "NaNSentinel": "lightning_gradguard.monitors.nan.callback",
     "OptimizerMonitor": "lightning_gradguard.monitors.optimizer.callback",
-    "OverfitResult": "lightning_gradguard.monitors.preflight.findings",
-    "find_custom_functions": "lightning_gradguard.monitors.preflight.gradcheck_graph",
-    "GradientCheckResult": "lightning_gradguard.monitors.preflight.gradcheck_module",
-    "ParameterCheck": "lightning_gradguard.monitors.preflight.gradcheck_module",
-    "GradientCheck": "lightning_gradguard.monitors.preflight.gradient_check",
-    "gradient_check": "lightning_gradguard.monitors.preflight.gradient_check",
-    "OverfitBatchSanity": "lightning_gradguard.monitors.preflight.overfit",
+    "OverfitResult": "lightning_gradguard.monitors.overfit.findings",
+    "find_custom_functions": "lightning_gradguard.monitors.gradcheck.graph",
+    "GradientCheckResult": "lightning_gradguard.monitors.gradcheck.engine",
+    "ParameterCheck": "lightning_gradguard.monitors.gradcheck.engine",
+    "GradientCheck": "lightning_gradguard.monitors.gradcheck.callback",
+    "gradient_check": "lightning_gradguard.monitors.gradcheck.callback",
+    "OverfitBatchSanity": "lightning_gradguard.monitors.overfit.callback",
     "LossSpikeGuard": "lightning_gradguard.monitors.spike.callback",
     "StallDetector": "lightning_gradguard.monitors.stall.callback",
     "VanishingExplodingDetector": "lightning_gradguard.monitors.vanishing.callback",

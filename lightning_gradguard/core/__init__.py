@@ -13,4 +13,6 @@
 * ``batch``: finding tensors in batches, and preparing a batch exactly as Lightning's loop does.
 * ``trial``: calling ``training_step`` outside Lightning's loop (quietly, seeded).
 * ``snapshot``: an exact snapshot of everything trial steps can change, and its restore.
+* ``preflight``: the base of the pre-flight checks (OverfitBatchSanity, GradientCheck): their findings,
+  when a check runs, one verdict reduced across ranks.
 """

@@ -2,8 +2,8 @@
 
 ``nan`` (NaNSentinel), ``spike`` (LossSpikeGuard), ``gradients`` (GradientNormLogger), ``vanishing``
 (VanishingExplodingDetector), ``dead_units`` (DeadReLUMonitor), ``activation_range``
-(ActivationRangeMonitor), ``optimizer`` (OptimizerMonitor), ``stall`` (StallDetector), ``preflight``
-(OverfitBatchSanity, GradientCheck) and ``lr_finder`` (LRFinderPlus, ``lr_find``). A monitor imports
-``core``, ``functional``, ``alerts`` and ``tags``, never another monitor; users import the callbacks from
-``lightning_gradguard``.
+(ActivationRangeMonitor), ``optimizer`` (OptimizerMonitor), ``stall`` (StallDetector), ``overfit``
+(OverfitBatchSanity), ``gradcheck`` (GradientCheck, ``gradient_check``) and ``lr_finder`` (LRFinderPlus,
+``lr_find``). A monitor imports ``core``, ``functional``, ``alerts`` and ``tags``, never another monitor;
+users import the callbacks from ``lightning_gradguard``.
 """

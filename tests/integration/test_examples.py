@@ -59,7 +59,7 @@ def test_every_example_has_a_measured_time_and_leaves_the_thread_count_to_its_ca
     loaded machine."""
     import ast
 
-    # zoo.py is the gallery's cases; preflight.py is run by tests/preflight/test_overfit_batch.py
+    # zoo.py is the gallery's cases; preflight.py is run by tests/monitors/overfit/test_overfit_batch.py
     assert set(MEASURED_SECONDS) == {p.name for p in EXAMPLES.glob("*.py")} - {"zoo.py", "preflight.py"}
     for path in EXAMPLES.glob("*.py"):
         tree = ast.parse(path.read_text())

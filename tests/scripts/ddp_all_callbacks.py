@@ -27,10 +27,10 @@ from torch import nn
 from lightning_gradguard import LRFinderPlus
 from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
+from lightning_gradguard.monitors.gradcheck.callback import GradientCheck
 from lightning_gradguard.monitors.gradients.callback import GradientNormLogger
 from lightning_gradguard.monitors.nan.callback import NaNSentinel
-from lightning_gradguard.monitors.preflight.gradient_check import GradientCheck
-from lightning_gradguard.monitors.preflight.overfit import OverfitBatchSanity
+from lightning_gradguard.monitors.overfit.callback import OverfitBatchSanity
 from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 
 NAN_AT = 3

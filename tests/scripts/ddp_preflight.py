@@ -1,4 +1,4 @@
-"""2-process CPU DDP run for tests/preflight/test_overfit_batch.py: ``python ddp_preflight.py OUTDIR``.
+"""2-process CPU DDP run for tests/monitors/overfit/test_overfit_batch.py: ``python ddp_preflight.py OUTDIR``.
 
 On rank 1 only, a hand-written layer has a wrong backward and the labels are reshuffled on every pass.
 GradientCheck (action="warn") must report a mismatch on both ranks (rank 0: "on another rank") and let

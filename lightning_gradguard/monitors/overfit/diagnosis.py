@@ -27,9 +27,9 @@ from torch import Tensor
 
 from lightning_gradguard.alerts import Severity
 from lightning_gradguard.core.batch import tensors_in
+from lightning_gradguard.core.preflight import Finding
 from lightning_gradguard.functional.overfit import oscillates, still_learning
-from lightning_gradguard.monitors.preflight.findings import OverfitResult
-from lightning_gradguard.monitors.preflight.verdict import Finding
+from lightning_gradguard.monitors.overfit.findings import OverfitResult
 
 #: a trial loss above this multiple of the initial one overshot: the LR is too high for the batch. 72 healthy
 #: digits trials (CNNs and a ReLU MLP; SGD and Adam; 3 seeds) stayed at or below 1.08x their first loss;

@@ -418,7 +418,7 @@ def test_callback_says_in_one_info_line_that_it_passed(caplog: pytest.LogCapture
 
 def test_the_passed_line_names_inconclusive_taylor_tests() -> None:
     from lightning_gradguard import GradientCheckResult, ParameterCheck
-    from lightning_gradguard.monitors.preflight.gradcheck_report import passed_line
+    from lightning_gradguard.monitors.gradcheck.findings import passed_line
 
     def param(name: str, error: float, inconclusive: bool) -> ParameterCheck:
         return ParameterCheck(
@@ -540,13 +540,13 @@ trainer:
   logger: false
   enable_checkpointing: false
   callbacks:
-    - class_path: lightning_gradguard.monitors.preflight.gradient_check.GradientCheck
+    - class_path: lightning_gradguard.monitors.gradcheck.callback.GradientCheck
       init_args:
         modules: [net.0, net.2]
         max_samples: 2
         tolerance: 1.0e-4
         action: warn
-    - class_path: lightning_gradguard.monitors.preflight.overfit.OverfitBatchSanity
+    - class_path: lightning_gradguard.monitors.overfit.callback.OverfitBatchSanity
       init_args:
         max_steps: 50
         target: 0.3

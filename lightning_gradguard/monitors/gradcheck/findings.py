@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from lightning_gradguard.monitors.preflight.gradcheck_module import GradientCheckResult, ParameterCheck
-from lightning_gradguard.monitors.preflight.verdict import Finding
+from lightning_gradguard.core.preflight import Finding
+from lightning_gradguard.monitors.gradcheck.engine import GradientCheckResult, ParameterCheck
 
 MISMATCH_HINT = (
     "The backward pass of this parameter disagrees with the loss it differentiates. In a custom "

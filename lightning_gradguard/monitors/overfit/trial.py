@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import trial_loss
-from lightning_gradguard.monitors.preflight.modules import CalledModules, LeafOutputs
+from lightning_gradguard.monitors.overfit.modules import CalledModules, LeafOutputs
 
 #: the seed every step of the check is re-seeded with when ``training_step``'s randomness is frozen
 FROZEN_SEED = 0x5EED

@@ -805,7 +805,7 @@ def test_recurrent_attention_and_reparametrised_layers_pass(model: Callable[[], 
 
 def test_a_slow_steady_curve_is_not_called_oscillating() -> None:
     from lightning_gradguard import OverfitResult
-    from lightning_gradguard.monitors.preflight.diagnosis import failed_finding
+    from lightning_gradguard.monitors.overfit.diagnosis import failed_finding
 
     def shape(losses: list[float]) -> str:
         r = OverfitResult(
@@ -930,7 +930,7 @@ class Apply(nn.Module):
 def test_deliberate_surrogate_gradients_are_reported_with_a_hint_that_names_them(fn: Any, words: str) -> None:
     """A backward that differs from the derivative on purpose is a mismatch; the hint names its shape."""
     from lightning_gradguard import gradient_check
-    from lightning_gradguard.monitors.preflight.gradcheck_report import pattern
+    from lightning_gradguard.monitors.gradcheck.findings import pattern
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(FEATURES, 16), Apply(fn), nn.Tanh(), nn.Linear(16, CLASSES))

@@ -9,7 +9,7 @@ initial loss is the one a fresh classifier should have, and put everything back 
 This module holds the callback: its arguments, when it runs (the first batch drawn and cut, everything
 put back afterwards) and its verdict in words (the closing ``overfit_failed`` alert, the line that says
 it passed). The check itself is
-:func:`~lightning_gradguard.monitors.preflight.overfit_check.run_overfit_check`.
+:func:`~lightning_gradguard.monitors.overfit.check.run_overfit_check`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from typing_extensions import override
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.batch import first_train_batch, redraw_first_samples, slice_batch
 from lightning_gradguard.core.compile import Uncompiled
+from lightning_gradguard.core.preflight import OTHER_RANKS, Finding, PreflightCheck, Summary
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
-from lightning_gradguard.monitors.preflight.diagnosis import blow_up
-from lightning_gradguard.monitors.preflight.findings import OverfitResult, label_stability
-from lightning_gradguard.monitors.preflight.overfit_check import OverfitSettings, run_overfit_check
-from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, Finding, PreflightCheck, Summary
+from lightning_gradguard.monitors.overfit.check import OverfitSettings, run_overfit_check
+from lightning_gradguard.monitors.overfit.diagnosis import blow_up
+from lightning_gradguard.monitors.overfit.findings import OverfitResult, label_stability
 from lightning_gradguard.tags import PREFLIGHT, charts_of
 
 

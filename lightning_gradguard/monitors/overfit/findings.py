@@ -8,8 +8,8 @@ findings about the parameters and the data.
 * :func:`batch_mixing`: one sample's output depends on another sample's input.
 
 Each finding's hint is in :data:`HINTS`, under its kind. The findings about the loss curve (initial loss,
-chance level, why the batch was not learned) are in :mod:`~lightning_gradguard.monitors.preflight.diagnosis`;
-:class:`~lightning_gradguard.monitors.preflight.verdict.Finding` itself is shared with the gradient check.
+chance level, why the batch was not learned) are in :mod:`~lightning_gradguard.monitors.overfit.diagnosis`;
+:class:`~lightning_gradguard.core.preflight.Finding` itself is shared with the gradient check.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_gradguard.core.batch import batch_size_of, tensors_in
+from lightning_gradguard.core.preflight import MAX_LISTED, Finding
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import quiet_logging, training_step_of
 from lightning_gradguard.functional.updates import dtype_spacing
-from lightning_gradguard.monitors.preflight.modules import LeafOutputs
-from lightning_gradguard.monitors.preflight.verdict import MAX_LISTED, Finding
+from lightning_gradguard.monitors.overfit.modules import LeafOutputs
 
 
 @dataclass
@@ -191,7 +191,7 @@ class ParameterRecord:
             does not hide it (``None`` for one it could not measure); ``None``: not available.
         elsewhere: the sub-modules that only ``validation_step``, ``test_step`` or ``predict_step`` use,
             each with that step (see
-            :func:`~lightning_gradguard.monitors.preflight.modules.used_outside_training`); called only
+            :func:`~lightning_gradguard.monitors.overfit.modules.used_outside_training`); called only
             when a parameter without a gradient sits in a module that never ran; ``None``: not known.
     """
 

@@ -3,12 +3,12 @@
 :func:`run_overfit_check` is what :class:`~lightning_gradguard.OverfitBatchSanity` runs on the first
 batch (drawn, cut and restored afterwards by the callback), with the callback's arguments as an
 :class:`OverfitSettings`. It trains on the batch with the user's optimizer
-(:func:`~lightning_gradguard.monitors.preflight.overfit_trial.train_on_batch`), collects the findings
-(:mod:`~lightning_gradguard.monitors.preflight.findings`,
-:mod:`~lightning_gradguard.monitors.preflight.diagnosis`) and, when the target was missed, tries
+(:func:`~lightning_gradguard.monitors.overfit.trial.train_on_batch`), collects the findings
+(:mod:`~lightning_gradguard.monitors.overfit.findings`,
+:mod:`~lightning_gradguard.monitors.overfit.diagnosis`) and, when the target was missed, tries
 ``Adam(fallback_lr)`` from the same weights to tell a slow LR from a broken pipeline. The verdict: the
 batch was learned (the target reached, the batch memorised, the loss on a floor, or a slow learner as
-:func:`~lightning_gradguard.monitors.preflight.diagnosis.missed_target` judges it) and no finding is an
+:func:`~lightning_gradguard.monitors.overfit.diagnosis.missed_target` judges it) and no finding is an
 error.
 """
 
@@ -23,10 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gradguard.core.batch import batch_size_of
+from lightning_gradguard.core.preflight import Finding
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import configured_lr
 from lightning_gradguard.functional.overfit import at_floor
-from lightning_gradguard.monitors.preflight.diagnosis import (
+from lightning_gradguard.monitors.overfit.diagnosis import (
     chance_loss,
     initial_loss_finding,
     labels_of,
@@ -34,14 +35,14 @@ from lightning_gradguard.monitors.preflight.diagnosis import (
     not_shrinking,
     overshot,
 )
-from lightning_gradguard.monitors.preflight.findings import (
+from lightning_gradguard.monitors.overfit.findings import (
     OverfitResult,
     ParameterRecord,
     batch_mixing,
     parameter_findings,
 )
-from lightning_gradguard.monitors.preflight.modules import used_outside_training
-from lightning_gradguard.monitors.preflight.overfit_trial import (
+from lightning_gradguard.monitors.overfit.modules import used_outside_training
+from lightning_gradguard.monitors.overfit.trial import (
     TrialCurve,
     TrialPlan,
     choose_optimizer,
@@ -49,7 +50,6 @@ from lightning_gradguard.monitors.preflight.overfit_trial import (
     randomness,
     train_on_batch,
 )
-from lightning_gradguard.monitors.preflight.verdict import Finding
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,6 @@
 """The model under a gradient check: its float64 copy, and which module made which part of its graph.
 
-The gradient check (:mod:`~lightning_gradguard.monitors.preflight.gradcheck_module`) targets the modules most
+The gradient check (:mod:`~lightning_gradguard.monitors.gradcheck.engine`) targets the modules most
 likely to have a wrong backward: those whose forward applies a custom ``torch.autograd.Function`` or that
 carry a backward hook. :class:`GraphOwners` attributes every autograd node to the innermost module whose
 forward created it (forward hooks, removed right after); :func:`find_custom_functions` exposes the

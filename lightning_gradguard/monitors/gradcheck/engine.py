@@ -3,14 +3,14 @@
 No Trainer: :func:`gradcheck_module` takes the module, a closure that computes its loss and the
 :class:`GradientCheckSettings`, and returns a :class:`GradientCheckResult` (one :class:`ParameterCheck`
 per checked tensor). The model is deep-copied and the copy converted to float64
-(:func:`~lightning_gradguard.monitors.preflight.gradcheck_graph.copy64`); the original and its gradients
+(:func:`~lightning_gradguard.monitors.gradcheck.graph.copy64`); the original and its gradients
 are untouched. :func:`~lightning_gradguard.gradient_check`
-(:mod:`~lightning_gradguard.monitors.preflight.gradient_check`) is the face over it: it validates the
+(:mod:`~lightning_gradguard.monitors.gradcheck.callback`) is the face over it: it validates the
 arguments, cuts the batch and converts it to float64, supplies the loss (a ``LightningModule``'s
 ``training_step`` by default) and restores the caller's RNG states;
 :class:`~lightning_gradguard.GradientCheck` runs it at the start of ``fit``. The math is in
 :mod:`~lightning_gradguard.functional.gradcheck`, the detection of the modules to check in
-:mod:`~lightning_gradguard.monitors.preflight.gradcheck_graph`.
+:mod:`~lightning_gradguard.monitors.gradcheck.graph`.
 
 **How each tensor is checked.** (a) A Taylor test along a random unit direction ``v`` in that tensor,
 tilted toward the claimed gradient (``h = 1e-2 * 0.5**k``, k = 0..5): the remainder should shrink with an
@@ -31,7 +31,7 @@ the Taylor direction after a Taylor miss.
 
 **Which tensors.** The target modules are ``modules`` when given (qualified names, ``""`` = the whole
 model); otherwise the modules whose forward applies a custom ``autograd.Function`` (see
-:func:`~lightning_gradguard.monitors.preflight.gradcheck_graph.find_custom_functions`) or that carry a
+:func:`~lightning_gradguard.monitors.gradcheck.graph.find_custom_functions`) or that carry a
 backward hook; if there are none, the whole model. Checked are the target modules' own parameters *and*
 every parameter whose gradient flows through a custom Function or backward hook their forward created
 (found by walking the autograd graph): a wrong *input* gradient of a custom Function (e.g. a
@@ -50,7 +50,7 @@ repeated after a miss costs 6 and runs only on what the tensors after it leave o
 the buffers a forward pass updates (spectral norm's power-iteration vectors, BatchNorm's running
 statistics, counters) put back, and, when the loss computation makes lower-precision tensors of its own,
 every op's output promoted to float64
-(:class:`~lightning_gradguard.monitors.preflight.gradcheck_graph.Float64Mode`).
+(:class:`~lightning_gradguard.monitors.gradcheck.graph.Float64Mode`).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from lightning_gradguard.functional.gradcheck import (
     sample_coordinates,
     taylor_check,
 )
-from lightning_gradguard.monitors.preflight.gradcheck_graph import (
+from lightning_gradguard.monitors.gradcheck.graph import (
     Float64Mode,
     GraphOwners,
     copy64,

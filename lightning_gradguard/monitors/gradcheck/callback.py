@@ -10,8 +10,8 @@ plain function on any module and batch.
 This module holds both faces: :func:`gradient_check` (the arguments validated, the batch cut and
 converted to float64, the caller's RNG states put back) and :class:`GradientCheck`, which runs it on the
 first batch of ``fit``. The engine under both is
-:mod:`~lightning_gradguard.monitors.preflight.gradcheck_module`; the alerts' words are in
-:mod:`~lightning_gradguard.monitors.preflight.gradcheck_report`.
+:mod:`~lightning_gradguard.monitors.gradcheck.engine`; the alerts' words are in
+:mod:`~lightning_gradguard.monitors.gradcheck.findings`.
 """
 
 from __future__ import annotations
@@ -26,19 +26,19 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_gradguard.core.batch import first_train_batch, slice_batch
+from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck, Summary
 from lightning_gradguard.core.snapshot import RNGState, train_loader_generators
 from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of
 from lightning_gradguard.core.validate import check_float, check_int, check_str_list
-from lightning_gradguard.monitors.preflight.gradcheck_graph import unwrapped_name
-from lightning_gradguard.monitors.preflight.gradcheck_module import (
+from lightning_gradguard.monitors.gradcheck.engine import (
     GradientCheckResult,
     GradientCheckSettings,
     ModuleLossFn,
     gradcheck_module,
 )
-from lightning_gradguard.monitors.preflight.gradcheck_report import mismatch_findings, passed_line
-from lightning_gradguard.monitors.preflight.verdict import OTHER_RANKS, PreflightCheck, Summary
+from lightning_gradguard.monitors.gradcheck.findings import mismatch_findings, passed_line
+from lightning_gradguard.monitors.gradcheck.graph import unwrapped_name
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -85,7 +85,7 @@ def gradient_check(
     How each tensor is checked (a Taylor test; finite differences on sampled coordinates, and along the
     Taylor direction to arbitrate a miss) and which (the modules with a custom ``autograd.Function`` or a
     backward hook, and every parameter upstream of them): the engine this function runs,
-    :mod:`~lightning_gradguard.monitors.preflight.gradcheck_module`. Other arguments: :class:`GradientCheck`.
+    :mod:`~lightning_gradguard.monitors.gradcheck.engine`. Other arguments: :class:`GradientCheck`.
 
     Args:
         module: the model (a ``LightningModule`` or any ``nn.Module``).
@@ -200,7 +200,7 @@ class GradientCheck(PreflightCheck):
         eps: relative finite-difference step.
         seed: seed of the check's own randomness.
         taylor_tolerance: the largest Taylor remainder linear in ``h`` still blamed on kinks (see
-            :class:`~lightning_gradguard.monitors.preflight.gradcheck_module.GradientCheckSettings`).
+            :class:`~lightning_gradguard.monitors.gradcheck.engine.GradientCheckSettings`).
         max_seconds: bound on the check's time: at most this over the time of its first evaluation are
             spent (``None``: ``max_evaluations`` alone); the tensors checked are then spread over the model.
         action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.

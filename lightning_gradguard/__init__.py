@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # at run time each name is imported on first use (see ``__getattr__``)
     from lightning_gradguard.alerts import (
-        ALERT_KINDS,
         Alert,
         GradGuardError,
         LossSpikeError,
@@ -30,13 +29,14 @@ if TYPE_CHECKING:  # at run time each name is imported on first use (see ``__get
     from lightning_gradguard.monitors.spike.callback import LossSpikeGuard
     from lightning_gradguard.monitors.stall.callback import StallDetector
     from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
+    from lightning_gradguard.registry import ALERT_KINDS
 
 __version__ = "0.1.0"
 
 #: the module of each public name: ``import lightning_gradguard`` imports neither torch nor Lightning until
 #: a name is used, so ``gradguard report`` (which needs neither) starts without them
 _WHERE = {
-    "ALERT_KINDS": "lightning_gradguard.alerts",
+    "ALERT_KINDS": "lightning_gradguard.registry",  # built from what the monitors declare
     "Alert": "lightning_gradguard.alerts",
     "GradGuardError": "lightning_gradguard.alerts",
     "LossSpikeError": "lightning_gradguard.alerts",

@@ -14,6 +14,8 @@ import json
 import logging
 import math
 import os
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -44,52 +46,98 @@ Severity = Literal["info", "warning", "error", "critical"]
 SEVERITIES: tuple[str, ...] = ("info", "warning", "error", "critical")
 ACTIONS: tuple[str, ...] = ("warn", "stop", "raise")
 
-#: The stable vocabulary of alert kinds. New kinds are added; existing ones are never renamed.
-ALERT_KINDS: dict[str, str] = {
-    "nonfinite_loss": "the loss was NaN/inf before backward (NaNSentinel)",
-    "nonfinite_gradient": "a gradient held NaN/inf before the optimizer step (NaNSentinel)",
-    "nonfinite_parameter": "a parameter held NaN/inf after an optimizer step (NaNSentinel)",
-    "loss_scale_collapse": "the 16-mixed GradScaler scale fell below its floor or kept skipping",
-    "clipping_always_active": "gradient clipping fired on nearly every step: the threshold is too low",
-    "clipping_never_active": "gradient clipping never fired: the threshold is far above every norm seen",
-    "exploding_gradient": "grad norm over its ceiling, a spike over the run's baseline, or a sustained rise",
-    "vanishing_gradient": "gradients vanish: first/last layer ratio under a floor, or a layer far below",
-    "dead_relu": "most units of a ReLU layer output 0 for every sample over a window of sampled batches",
-    "saturated_activation": "most units of a sigmoid/tanh layer sit where the derivative is numerically 0",
-    "overfit_failed": "OverfitBatchSanity: the model could not overfit one batch; findings and likely causes",
-    "unused_parameter": "a trainable parameter never received a gradient (or only exact zeros)",
-    "parameter_not_updated": "a parameter with a gradient did not change (missing from the optimizer, lr 0)",
-    "update_below_precision": "a parameter's updates were below its dtype's resolution: rounded away (bf16)",
-    "initial_loss_mismatch": "a classifier's initial loss is far from ln(C) (wrong loss, reduction or init)",
-    "batch_mixing": "the output of one sample depends on the input of another sample",
-    "labels_unstable": "the same samples fetched again came back with other labels",
-    "gradient_not_shrinking": "the batch was learned but the gradient norm did not shrink",
-    "overfit_unstable": "OverfitBatchSanity: the loss rose far above its start before the batch was learned",
-    "gradient_mismatch": "GradientCheck: autograd and finite differences disagree for a parameter",
-    "loss_spike": "LossSpikeGuard: a step's loss or gradient norm spiked far above the recent steps",
-    "early_divergence": "LossSpikeGuard: in the first steps the loss climbed and stayed far above its start",
-    "batch_statistics_outlier": "LossSpikeGuard: a batch's BatchNorm variance was far off the running one",
-    "lr_finder_failed": "the LR range test gave no suggestion; the learning rate was left unchanged",
-    "no_update": "StallDetector: every update was exactly 0 on consecutive checks (nothing moves)",
-    "clipped_updates": "StallDetector: the gradient the optimizer used was far smaller than the raw one",
-    "lr_decayed": "StallDetector: the LR fell ~100x early in the run and the updates collapsed with it",
-    "updates_collapsed": "StallDetector: most layers' updates collapsed while the LR did not",
-    "chance_level": "StallDetector: the training loss stayed at the chance level after the warm-up",
-    "loss_plateau": "StallDetector: the smoothed loss stopped improving far above its best or initial level",
-    "lr_jump": "StallDetector: the LR went far past the highest LR it was configured with",
-    "warmup_never_ends": "StallDetector: the LR never rose above a few percent of its configured value",
-    "warmup_missing": "StallDetector: a transformer at its full LR from step 0 rewrote far too much a step",
-    "sorted_labels": "StallDetector: batches came one class at a time (a loader sorted by class)",
-    "weight_decay_collapse": "StallDetector: weight decay outweighed the gradient, shrank most layers 10x+",
-    "fp16_headroom_low": "under 16-mixed, a block's output came within a few bits of float16's overflow",
-    "attention_logit_growth": "the largest attention logit passed its ceiling or grew fast toward it",
-    "attention_entropy_collapse": "an attention module's entropy fell near 0: each query attends to ~one key",
-    "adam_epsilon_dominates": "Adam's eps outweighs a layer's typical sqrt(v_hat) (OptimizerMonitor)",
-    "update_ratio_outlier": "a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",
-    "adam_step_too_large": "an Adam entry moved far more than lr allows: beta2 <= beta1^2 (OptimizerMonitor)",
-    "parameters_not_in_optimizer": "trainable parameters got a gradient but no optimizer holds them",
-    "update_ratio_high": "the update/weight ratio stayed far above ~1e-3: LR too high (GradientNormLogger)",
-}
+
+@dataclass(frozen=True)
+class Rule:
+    """One alert kind as a monitor declares it, in its own folder: the one place its words live.
+
+    ``lightning_gradguard.ALERT_KINDS`` (kind -> ``summary``) and docs/alerts.md's table of kinds (kind,
+    ``severities``, ``monitor``, ``when``) are built from these declarations; a monitor that reports a
+    kind it did not declare fails under ``GRADGUARD_STRICT=1``.
+
+    Attributes:
+        kind: the stable string alerts carry (never renamed once released).
+        severity: the severity it is reported at (the first of ``severities``).
+        monitor: the class name of the callback that reports it (the alert's ``source``).
+        summary: one line: what it means (the value of ``ALERT_KINDS``).
+        when: the docs table's "when" cell (Markdown): the condition, its thresholds and figures.
+        also: the other severities it may be reported at (``loss_spike``: error when it raised).
+        where: what the alert points at, for rules whose place does not change ("lr_scheduler").
+        hint: the fix, for rules whose hint does not depend on the numbers.
+        cause: the rule names a cause (a symptom rule defers to a cause found).
+        thresholds: the names of the monitor's thresholds the check reads.
+        check: the check itself, for monitors whose rules are run from their declarations.
+    """
+
+    kind: str
+    severity: Severity
+    monitor: str
+    summary: str
+    when: str = ""
+    also: tuple[Severity, ...] = ()
+    where: str | None = None
+    hint: str = ""
+    cause: bool = False
+    thresholds: tuple[str, ...] = ()
+    check: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for s in (self.severity, *self.also):
+            if s not in SEVERITIES:
+                raise ValueError(f"{self.kind}: `severity` must be one of {SEVERITIES}, got {s!r}")
+        if not _KIND.fullmatch(self.kind) or not self.summary or "\n" in self.summary:
+            raise ValueError(f"{self.kind!r}: a kind is snake_case and its summary one line")
+
+    @property
+    def severities(self) -> tuple[Severity, ...]:
+        """Every severity it may be reported at, the usual one first."""
+        return (self.severity, *self.also)
+
+
+_KIND = re.compile(r"[a-z][a-z0-9_]*")
+#: monitor class name -> the kinds it declared (filled by :func:`declare`)
+_DECLARED: dict[str, set[str]] = {}
+
+
+def declare(*rules: Rule) -> tuple[Rule, ...]:
+    """A monitor's declarations, registered so that :func:`undeclared` knows them; returns ``rules``."""
+    kinds = [r.kind for r in rules]
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"a kind declared twice: {sorted(k for k in kinds if kinds.count(k) > 1)}")
+    for r in rules:
+        _DECLARED.setdefault(r.monitor, set()).add(r.kind)
+    return rules
+
+
+def undeclared(monitor: str, kind: str) -> bool:
+    """Whether ``monitor`` declared kinds (:func:`declare`) and ``kind`` is not one of them: a bug in the
+    monitor. A callback that declared nothing (your own checks) may report any kind."""
+    return monitor in _DECLARED and kind not in _DECLARED[monitor]
+
+
+def alert_kinds(rules: Iterable[Rule]) -> dict[str, str]:
+    """kind -> summary, in declaration order (a kind two monitors declare once: its summaries must agree)."""
+    out: dict[str, str] = {}
+    for r in rules:
+        if out.setdefault(r.kind, r.summary) != r.summary:
+            raise ValueError(f"{r.kind}: two monitors declare it with different summaries")
+    return out
+
+
+def kinds_table(rules: Iterable[Rule]) -> str:
+    """docs/alerts.md's table of kinds (Markdown): one row per kind, in declaration order; a kind two
+    monitors report lists both, with both "when" texts."""
+    rows: dict[str, list[Rule]] = {}
+    for r in rules:
+        rows.setdefault(r.kind, []).append(r)
+    lines = ["| kind | severity | reported by | when |", "|---|---|---|---|"]
+    for kind, same in rows.items():
+        severities = list(dict.fromkeys(s for r in same for s in r.severities))
+        by = ", ".join(f"`{r.monitor}`" for r in same)
+        when = " ".join(r.when or r.summary for r in same)
+        lines.append(f"| `{kind}` | {' / '.join(severities)} | {by} | {when} |")
+    return "\n".join(lines) + "\n"
+
 
 _LEVELS = {
     "info": logging.INFO,
@@ -104,7 +152,8 @@ class Alert:
     """One finding about the health of a run.
 
     Attributes:
-        kind: what was found, from :data:`ALERT_KINDS` (stable strings, safe to match on).
+        kind: what was found, a :class:`Rule`'s kind (``lightning_gradguard.ALERT_KINDS``: stable strings,
+            safe to match on).
         severity: ``"info"``, ``"warning"``, ``"error"`` or ``"critical"``.
         step: ``trainer.global_step`` when it was found.
         where: the layer or parameter concerned, or ``None`` for the whole model.

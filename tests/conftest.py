@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import logging
 import os
@@ -28,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "machine"))
 import other_machine  # noqa: E402  (this machine rounding like another one, on request)
 
 other_machine.apply()
+#: every monitor's declared alert kinds, loaded in every worker: under GRADGUARD_STRICT a monitor that reports
+#: a kind it did not declare fails the test whichever test file runs first (GradGuardCallback.report)
+importlib.import_module("lightning_gradguard.registry")
 #: ``make unit`` runs the suite in pytest-xdist workers, one per core: one torch thread each (and in the
 #: subprocesses they start: the examples, the DDP scripts, the command line), or the workers' thread pools
 #: oversubscribe the cores. A thread count the caller chose (``OMP_NUM_THREADS``) is kept; an empty one is

@@ -18,7 +18,15 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_gradguard.alerts import ACTIONS, Alert, GradGuardError, JsonlSink, LoggingSink, Severity
+from lightning_gradguard.alerts import (
+    ACTIONS,
+    Alert,
+    GradGuardError,
+    JsonlSink,
+    LoggingSink,
+    Severity,
+    undeclared,
+)
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.state import info_once, strict_mode, trainer_state, warn_once
@@ -184,6 +192,8 @@ class GradGuardCallback(Callback):
         whose ``where`` moves between layers passes its own). Returns the alert, or ``None`` when it was
         suppressed by the cooldown.
         """
+        if strict_mode() and undeclared(type(self).__name__, kind):  # a monitor's bug: its rules say not
+            raise ValueError(f"{type(self).__name__} reported {kind!r}, a kind it did not declare")
         step = int(trainer.global_step) if step is None else int(step)
         key = cooldown_key if cooldown_key is not None else f"{kind}@{where}"
         if not self.would_report(key, step):

@@ -14,7 +14,9 @@ from conftest import make_trainer
 from torch import nn
 
 from lightning_gradguard.monitors.stall.callback import StallDetector
-from lightning_gradguard.monitors.stall.rules import StallCheck, StallRules, StallState, label_entropy
+from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds, label_entropy
+from lightning_gradguard.monitors.stall.rules import observe
+from lightning_gradguard.monitors.stall.state import StallState
 
 pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 
@@ -111,7 +113,7 @@ def test_a_healthy_cosine_run_to_zero_lr_is_quiet() -> None:
     model = Digits()
     detector = fit(model, steps=120)
     assert model.lrs[-1] < 1e-3 * model.lrs[0]  # the LR really went to ~0 at the end
-    assert detector.alerts == [] and detector.rules.smoothed is not None and detector.rules.smoothed < 0.3
+    assert detector.alerts == [] and detector.state.smoothed is not None and detector.state.smoothed < 0.3
 
 
 def test_a_scheduler_stepping_per_batch_is_lr_decayed_early() -> None:
@@ -155,7 +157,7 @@ def test_a_loader_sorted_by_class_is_sorted_labels() -> None:
     for step in [*range(5), *range(9, 80, 10)]:
         at = step % (len(y) // 32)  # the epoch wraps around (drop_last)
         expected += torch.bincount(ordered[32 * at : 32 * (at + 1)], minlength=10).float()
-    got = torch.tensor(detector.rules.label_counts + [0.0] * (10 - len(detector.rules.label_counts)))
+    got = torch.tensor(detector.state.label_counts + [0.0] * (10 - len(detector.state.label_counts)))
     assert torch.equal(got, expected)
 
 
@@ -196,20 +198,20 @@ def test_label_entropy_is_the_loss_of_predicting_the_class_frequencies() -> None
 
 
 def test_each_kind_is_reported_once_and_a_symptom_after_a_cause_is_not() -> None:
-    state = StallState(StallRules(patience=1, warmup_steps=0), num_classes=10)
-    found = state.observe(check(0, update_total=0.0, update_ratios={"a": 0.0}, loss=math.log(10)))
+    state = StallState(StallThresholds(patience=1, warmup_steps=0), num_classes=10)
+    found = observe(state, check(0, update_total=0.0, update_ratios={"a": 0.0}, loss=math.log(10)))
     assert [f.kind for f in found] == ["no_update"]  # the loss is at chance too: a symptom
-    assert state.observe(check(10, update_total=0.0, update_ratios={"a": 0.0}, loss=math.log(10))) == []
+    assert observe(state, check(10, update_total=0.0, update_ratios={"a": 0.0}, loss=math.log(10))) == []
 
 
 def test_a_converged_run_with_collapsed_updates_is_not_stalled() -> None:
-    state = StallState(StallRules())
+    state = StallState(StallThresholds())
     found = []
     for i in range(60):  # the loss fell 100x, then the updates shrank 1000x at a steady LR
         ratio = 1e-3 if i < 20 else 1e-6
         loss = 2.0 * 0.8**i if i < 20 else 0.02
-        found += state.observe(
-            check(10 * i, loss=loss, update_ratios={"a": ratio, "b": ratio}, update_total=1.0)
+        found += observe(
+            state, check(10 * i, loss=loss, update_ratios={"a": ratio, "b": ratio}, update_total=1.0)
         )
     assert found == []
 
@@ -219,11 +221,11 @@ def test_a_long_warmup_is_judged_against_the_planned_run() -> None:
     10 000-step run, where it ends at 10 % of the run."""
     found: dict[int, list[str]] = {}
     for planned in (500, 10_000):
-        state = StallState(StallRules())
+        state = StallState(StallThresholds())
         found[planned] = []
         for step in range(0, 200, 10):
             lr = 0.1 * (step + 1) / 1000
-            kinds = state.observe(check(step, lr=lr, lr_max=lr, lr_configured=0.1, planned_steps=planned))
+            kinds = observe(state, check(step, lr=lr, lr_max=lr, lr_configured=0.1, planned_steps=planned))
             found[planned] += [f.kind for f in kinds]
     assert found == {500: ["warmup_never_ends"], 10_000: []}
 
@@ -236,7 +238,7 @@ def test_a_resumed_run_keeps_what_the_rules_remember(tmp_path: Any) -> None:
     first = StallDetector()
     trainer = make_trainer([first], max_steps=20, max_epochs=-1, default_root_dir=str(tmp_path))
     trainer.fit(Digits("sorted"), loader(sort=True))
-    assert first.alerts == [] and first.rules.streaks["sorted_labels"] >= 1
+    assert first.alerts == [] and first.state.streaks["sorted_labels"] >= 1
     ckpt = tmp_path / "half.ckpt"
     trainer.save_checkpoint(ckpt)
     resumed = StallDetector()
@@ -246,7 +248,7 @@ def test_a_resumed_run_keeps_what_the_rules_remember(tmp_path: Any) -> None:
     assert kinds(resumed) == kinds(whole) == [("sorted_labels", 29)]
     # every checked batch counted, those before the checkpoint included (Lightning restarts a resumed
     # epoch's unshuffled loader at its beginning, so which classes they are differs)
-    assert sum(resumed.rules.label_counts) == sum(whole.rules.label_counts) == 32 * (5 + 6)  # 0-4, 9-59
+    assert sum(resumed.state.label_counts) == sum(whole.state.label_counts) == 32 * (5 + 6)  # 0-4, 9-59
 
 
 def test_ddp_ranks_pool_losses_and_labels_and_agree(tmp_path: Any) -> None:

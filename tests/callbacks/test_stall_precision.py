@@ -31,8 +31,9 @@ from torch import nn
 from lightning_gradguard.core.stats import UpdateSample
 from lightning_gradguard.functional.updates import dtype_spacing
 from lightning_gradguard.monitors.stall.callback import StallDetector
-from lightning_gradguard.monitors.stall.check import Rounding, StallRules
-from lightning_gradguard.monitors.stall.rules import StallCheck, StallState
+from lightning_gradguard.monitors.stall.check import Rounding, StallCheck, StallThresholds
+from lightning_gradguard.monitors.stall.rules import observe
+from lightning_gradguard.monitors.stall.state import StallState
 
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -258,20 +259,20 @@ def check(step: int, loss: float, share: float, update_total: float = 1.0) -> St
 
 
 def test_the_rule_wants_patience_a_majority_and_a_loss_still_high() -> None:
-    state = StallState(StallRules())
-    found = [state.observe(check(s, 2.3, share)) for s, share in ((0, 0.9), (9, 0.9), (19, 0.5), (29, 0.6))]
+    state = StallState(StallThresholds())
+    found = [observe(state, check(s, 2.3, share)) for s, share in ((0, 0.9), (9, 0.9), (19, 0.5), (29, 0.6))]
     assert found == [[], [], [], []]  # 0.5 is not more than half: the streak starts again
-    found = [state.observe(check(s, 2.3, 0.6)) for s in (39, 49)]
+    found = [observe(state, check(s, 2.3, 0.6)) for s in (39, 49)]
     assert [f.kind for f in found[-1]] == ["update_below_precision"]
-    learned = StallState(StallRules())
+    learned = StallState(StallThresholds())
     for s, loss in ((0, 2.3), (9, 0.5), (19, 0.3), (29, 0.2), (39, 0.2), (49, 0.2)):
-        assert learned.observe(check(s, loss, 0.9 if s > 0 else 0.0)) == []
+        assert observe(learned, check(s, loss, 0.9 if s > 0 else 0.0)) == []
 
 
 def test_updates_all_rounded_away_are_not_missing_gradients() -> None:
     """An LR so small that no entry moves: every update is exactly 0, and the gradients were there."""
-    state = StallState(StallRules())
-    found = [state.observe(check(s, 2.3, 1.0, update_total=0.0)) for s in (0, 9, 19, 29)]
+    state = StallState(StallThresholds())
+    found = [observe(state, check(s, 2.3, 1.0, update_total=0.0)) for s in (0, 9, 19, 29)]
     assert [f.kind for fs in found for f in fs] == ["update_below_precision"]
 
 
@@ -279,7 +280,7 @@ def test_updates_that_stop_later_for_another_reason_are_still_no_update() -> Non
     """Regression: once update_below_precision had fired, no_update stayed silent for the rest of the run,
     even after the rounding streak ended and every update became exactly 0 (the gradients gone)."""
     shares = [0.9, 0.9, 0.9, 0.9, *[None] * 4]
-    state = StallState(StallRules())
+    state = StallState(StallThresholds())
     found = []
     for i, share in enumerate(shares):
         step = 10 * i + 9 if i else 0
@@ -287,7 +288,7 @@ def test_updates_that_stop_later_for_another_reason_are_still_no_update() -> Non
             c = replace(check(step, 2.3, 0.0, update_total=0.0), rounding=rounding(0.0, graded=0.0))
         else:
             c = check(step, 2.3, share)
-        found += [(step, f.kind) for f in state.observe(c)]
+        found += [(step, f.kind) for f in observe(state, c)]
     assert [kind for _, kind in found][:2] == ["update_below_precision", "no_update"], found
 
 

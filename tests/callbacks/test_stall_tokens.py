@@ -214,9 +214,9 @@ def test_a_model_fed_the_attention_mask_sits_at_the_token_entropy_and_is_named_w
     p = seen.counts[seen.counts > 0] / seen.counts.sum()
     plugin = float(-(p * p.log()).sum())
     chance = plugin + (len(p) - 1) / (2 * float(seen.counts.sum()))
-    assert detector.rules.token_counts is not None
-    assert torch.equal(detector.rules.token_counts[:V], seen.counts) and seen.counts.sum() < 15 * 16 * T
-    assert detector.rules.chance() == pytest.approx(chance) and detector.rules.uniform() == pytest.approx(
+    assert detector.state.token_counts is not None
+    assert torch.equal(detector.state.token_counts[:V], seen.counts) and seen.counts.sum() < 15 * 16 * T
+    assert detector.state.chance() == pytest.approx(chance) and detector.state.uniform() == pytest.approx(
         math.log(V)
     )
     onset = settled(model.losses, chance)
@@ -235,7 +235,7 @@ def test_a_post_ln_transformer_without_warmup_is_named_before_it_collapses() -> 
     ``(ids, targets)`` tuples here)."""
     model = TokenModel(arch="post_ln", optimizer="adam", lr=0.1)
     detector = fit(model, 60, True)
-    chance = detector.rules.chance()
+    chance = detector.state.chance()
     onset = settled(model.losses[:60], chance, tolerance=0.05)
     assert kinds(detector) == [("warmup_missing", 2)] and onset <= 30, onset
     assert detector.alerts[0].data["update_ratio"] > 3 * 0.03 and "warm-up" in detector.alerts[0].hint
@@ -249,7 +249,7 @@ def test_a_slow_learner_passing_through_the_chance_band_stays_quiet() -> None:
     (between the token entropy and ln V) but keeps falling, 1-2 % per check interval, more than its noise."""
     model = TokenModel(lr=1e-4)
     detector = fit(model, 300)
-    low, high = detector.rules.chance_band()
+    low, high = detector.state.chance_band()
     means = [sum(model.losses[i : i + 10]) / 10 for i in range(60, 250, 10)]
     assert all(low <= m <= high for m in means)  # a rule on the level alone would fire
     assert detector.alerts == [] and means[-1] < 0.8 * means[0]
@@ -295,7 +295,9 @@ def test_what_the_token_rules_remember_survives_a_checkpoint() -> None:
     """The token counts (trimmed of the unseen tail), the loss window and the weight-decay bookkeeping go
     through ``state_dict``: a state restored after two of the three shrinking checks names the weight
     decay on the third, as the uninterrupted one does."""
-    from lightning_gradguard.monitors.stall.rules import StallCheck, StallRules, StallState
+    from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds
+    from lightning_gradguard.monitors.stall.rules import observe
+    from lightning_gradguard.monitors.stall.state import StallState
 
     def check(step: int, loss: float) -> StallCheck:
         tokens = torch.zeros(1 << 16)
@@ -306,16 +308,16 @@ def test_what_the_token_rules_remember_survives_a_checkpoint() -> None:
             decay_groups=[(1e-3, 100.0)],
         )  # fmt: skip
 
-    whole, first = StallState(StallRules()), StallState(StallRules())
+    whole, first = StallState(StallThresholds()), StallState(StallThresholds())
     for step in range(0, 60, 10):
-        whole.observe(check(step, 3.0))
-        first.observe(check(step, 3.0))
+        observe(whole, check(step, 3.0))
+        observe(first, check(step, 3.0))
     state = first.state_dict()
     assert state["token_counts"].numel() == V and len(state["window"]) == 4
-    resumed = StallState(StallRules())
+    resumed = StallState(StallThresholds())
     resumed.load_state_dict(state)
     assert resumed.chance() == pytest.approx(whole.chance()) and resumed.window == whole.window
     assert resumed.peak_weight == whole.peak_weight and resumed.streaks == whole.streaks
     later = check(60, 3.0)  # the third check in a row with the weights 10x down: named now
-    assert [f.kind for f in resumed.observe(later)] == [f.kind for f in whole.observe(later)]
+    assert [f.kind for f in observe(resumed, later)] == [f.kind for f in observe(whole, later)]
     assert resumed.fired == whole.fired == {"weight_decay_collapse"}

@@ -115,7 +115,13 @@ def test_every_argument_table_matches_the_signature(
 
 
 def test_every_alert_kind_is_in_the_alert_table() -> None:
+    """The table of kinds is the one generated from the monitors' declarations (`registry`)."""
+    from lightning_gradguard import registry
+
     text = (DOCS / "alerts.md").read_text(encoding="utf-8")
+    assert registry.with_table(text) == text, (
+        f"docs/alerts.md's table of kinds is stale: run `{registry.REWRITE}`"
+    )
     rows = set(re.findall(r"^\| `([a-z0-9_]+)` \|", text, re.M))
     assert set(ALERT_KINDS) <= rows
 

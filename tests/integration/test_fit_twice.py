@@ -42,7 +42,7 @@ def _state(callbacks: list[Any]) -> dict[str, Any]:
         "relu_sampled": relu.sampled_batches,
         "nan_history": [r.step for r in nan.norm_history.records()],
         "spike_judged": spike.judged,
-        "stall_checks": len(stall.rules.lr_history),
+        "stall_checks": len(stall.state.lr_history),
     }
 
 

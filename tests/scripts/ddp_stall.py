@@ -77,7 +77,7 @@ def main(out: Path) -> None:
     result = {
         "seen": model.seen,
         "logged": record.logged,
-        "label_counts": detector.rules.label_counts,
+        "label_counts": detector.state.label_counts,
         "alerts": [[a.kind, a.step] for a in detector.alerts],
         "world_size": trainer.world_size,
     }

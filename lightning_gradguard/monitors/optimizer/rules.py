@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_gradguard.alerts import Rule, declare
 from lightning_gradguard.monitors.optimizer.sample import AdamStep
 
 
@@ -136,3 +137,64 @@ def adam_step_finding(layer: str, s: AdamStep, others: int) -> OptimizerFinding:
         "within the step." + tiny_eps
     )
     return OptimizerFinding("adam_step_too_large", layer, moved + why, hint, data)
+
+
+# ---------------------------------------------------------------- the declarations
+ADAM_EPSILON_DOMINATES = Rule(
+    kind="adam_epsilon_dominates",
+    severity="warning",
+    monitor="OptimizerMonitor",
+    summary="Adam's eps outweighs a layer's typical sqrt(v_hat) (OptimizerMonitor)",
+    when=(
+        "a layer's RMS of sqrt(v_hat) (Adam family) stayed below `epsilon_ratio` × `eps` on "  # noqa: RUF001
+        "`patience` consecutive checks: `eps` dominates the denominator and the layer's steps "
+        "shrink. The hint: lower `eps` or fix the gradient's scale. See "
+        "[OptimizerMonitor](optimizer.md)."
+    ),
+)
+
+UPDATE_RATIO_OUTLIER = Rule(
+    kind="update_ratio_outlier",
+    severity="warning",
+    monitor="OptimizerMonitor",
+    summary="a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",
+    when=(
+        "a layer's update/weight ratio stayed more than `outlier_factor` (300) times above or below"
+        " the median layer's on `patience` consecutive checks; the hint names the likely cause (its"
+        " param group's lr, a frozen-by-mistake layer, weight decay, a sparse layer)."
+    ),
+)
+
+PARAMETERS_NOT_IN_OPTIMIZER = Rule(
+    kind="parameters_not_in_optimizer",
+    severity="warning",
+    monitor="OptimizerMonitor",
+    summary="trainable parameters got a gradient but no optimizer holds them",
+    when=(
+        "at the first measured step, trainable parameters got a gradient but no optimizer holds "
+        "them (a head replaced after `configure_optimizers`, a module added in a hook): they never "
+        "train. Names the tensors, their entries and share of the model. Frozen parameters "
+        "(`requires_grad=False`) are never named. See [OptimizerMonitor](optimizer.md#alerts)."
+    ),
+)
+
+ADAM_STEP_TOO_LARGE = Rule(
+    kind="adam_step_too_large",
+    severity="warning",
+    monitor="OptimizerMonitor",
+    summary="an Adam entry moved far more than lr allows: beta2 <= beta1^2 (OptimizerMonitor)",
+    when=(
+        "on the first check where Adam, AdamW, NAdam or RAdam (once rectified) moved an entry by "
+        "more than `max_adam_step` (10) times its lr and more than Adam can move one with its betas"
+        " at that step (`adam_step_bound`: 7.3 x lr at (0.9, 0.999), 1 x lr at (0.9, 0.9); none "
+        "when beta2 <= beta1², Kingma & Ba 2015 Sec. 2.1, Reddi et al. 2018). Measured: healthy "
+        "Adam/AdamW runs stayed under 2 x lr per entry (NAdam 6 x, within its bound); Adam(0.9, "
+        "0.1) passed 10 x at step 4, (0.9, 0.5) at step 16. Names beta2, and eps when below 1e-10. "
+        "See [OptimizerMonitor](optimizer.md#the-adam-step-rule)."
+    ),
+)
+
+#: every kind this monitor reports
+RULES = declare(
+    ADAM_EPSILON_DOMINATES, UPDATE_RATIO_OUTLIER, PARAMETERS_NOT_IN_OPTIMIZER, ADAM_STEP_TOO_LARGE
+)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_gradguard.alerts import Severity
+from lightning_gradguard.alerts import Rule, Severity, declare
 from lightning_gradguard.functional.spikes import SpikeScore, is_spike
 
 #: a gradient-norm spike is acted on only when the step's loss is at least this robust z-score above its
@@ -152,3 +152,57 @@ def spike_alert(
         hint=hint,
         data=data,
     )
+
+
+# ---------------------------------------------------------------- the declarations
+LOSS_SPIKE = Rule(
+    kind="loss_spike",
+    severity="warning",
+    monitor="LossSpikeGuard",
+    also=("error",),
+    summary="LossSpikeGuard: a step's loss or gradient norm spiked far above the recent steps",
+    when=(
+        "a step's loss or total gradient norm reached its robust z-score threshold (and `min_ratio`"
+        " times the recent median) before the update; the message gives both numbers and the action"
+        " taken (warning for warn / skip / rollback, error when spikes kept coming until it raised "
+        "`LossSpikeError`). See [LossSpikeGuard](loss_spike.md)."
+    ),
+)
+
+EARLY_DIVERGENCE = Rule(
+    kind="early_divergence",
+    severity="error",
+    monitor="LossSpikeGuard",
+    summary="LossSpikeGuard: in the first steps the loss climbed and stayed far above its start",
+    when=(
+        "while the spike windows warm up (the first `warmup_steps`, 50), 5 judged losses in a row "
+        "stood at `early_divergence_factor` (6) times the run's start (the median of its first 3 "
+        "losses; a difference in units of the start's magnitude when the loss is at or below zero)."
+        " Measured: healthy starts stayed at or below 3.2x, far too high learning rates got there "
+        "by steps 7-31 (`benchmarks/spike_healthy.py`). The message gives the start, the loss, the "
+        'step and the LR of param group 0; reported once; nothing is skipped, `action="raise"` '
+        "raises `LossSpikeError`. See [LossSpikeGuard](loss_spike.md#early-divergence)."
+    ),
+)
+
+BATCH_STATISTICS_OUTLIER = Rule(
+    kind="batch_statistics_outlier",
+    severity="warning",
+    monitor="LossSpikeGuard",
+    also=("error",),
+    summary="LossSpikeGuard: a batch's BatchNorm variance was far off the running one",
+    when=(
+        "some BatchNorm layer's batch variance (read back from its running update, averaged over "
+        "its channels) was more than `batch_variance_factor` (100) times over or under the running "
+        "variance the run has built, judged once the running statistics hold the run's data (step "
+        "30 at momentum 0.1); or the mean square of the batch's floating inputs was that many times"
+        " over or under the median of the recent accepted steps' (from 8 of them on). A corrupt "
+        "batch (inputs x1000) that BatchNorm or an input LayerNorm normalises away in the loss. The"
+        " step gets the action like a spike (skip by default, with the buffers its forward wrote "
+        "put back). See [LossSpikeGuard](loss_spike.md#what-is-judged-and-when). An error when it "
+        'raises (`action="raise"`).'
+    ),
+)
+
+#: every kind this monitor reports
+RULES = declare(LOSS_SPIKE, EARLY_DIVERGENCE, BATCH_STATISTICS_OUTLIER)

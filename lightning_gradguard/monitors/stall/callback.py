@@ -30,6 +30,7 @@ from lightning_gradguard.core.lr import adaptive_eps
 from lightning_gradguard.core.skips import skipped_updates
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.validate import check_float, check_int
+from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds
 from lightning_gradguard.monitors.stall.probe import (
     StallProbe,
     StallReading,
@@ -37,7 +38,8 @@ from lightning_gradguard.monitors.stall.probe import (
     lr_configured,
     lr_now,
 )
-from lightning_gradguard.monitors.stall.rules import StallCheck, StallRules, StallState
+from lightning_gradguard.monitors.stall.rules import observe
+from lightning_gradguard.monitors.stall.state import StallState
 from lightning_gradguard.tags import STALL, charts_of
 
 
@@ -127,9 +129,10 @@ class StallDetector(GradGuardCallback):
         self._new_run()
 
     def _new_run(self) -> None:
-        names = {f.name for f in fields(StallRules)}
-        rules = StallRules(**{k: v for k, v in vars(self).items() if k in names})
-        self.rules = StallState(rules, self.num_classes)
+        names = {f.name for f in fields(StallThresholds)}
+        thresholds = StallThresholds(**{k: v for k, v in vars(self).items() if k in names})
+        #: what the rules remember (:mod:`~lightning_gradguard.monitors.stall.rules` judges each check on it)
+        self.state = StallState(thresholds, self.num_classes)
         self.lr_max = 0.0  # the largest LR any step used so far
         self._lr_used = 0.0  # the LR of the current step
         self.lr_configured = 0.0
@@ -240,12 +243,12 @@ class StallDetector(GradGuardCallback):
             attention=self._attention,
         )
         self.last_check = check
-        found = self.rules.observe(check)
+        found = observe(self.state, check)
         self._emit(trainer, check)
         alerts = []
         for f in found:
             alert = self.report(
-                trainer, f.kind, "warning", f.where, f.message, f.hint, f.data, step=check.step
+                trainer, f.kind, f.rule.severity, f.where, f.message, f.wording(), f.data, step=check.step
             )
             if alert is not None:
                 alerts.append(alert)
@@ -256,7 +259,7 @@ class StallDetector(GradGuardCallback):
         ratios = sorted(v for v in c.update_ratios.values() if math.isfinite(v))
         values = {
             STALL.tag("loss"): c.loss,
-            STALL.tag("chance_level"): self.rules.chance(),
+            STALL.tag("chance_level"): self.state.chance(),
             STALL.tag("update_ratio_median"): statistics.median(ratios) if ratios else None,
             STALL.tag("clip_ratio"): c.clip_ratio,
         }
@@ -274,7 +277,7 @@ class StallDetector(GradGuardCallback):
             **super().state_dict(),
             "lr_max": self.lr_max,
             "lr_configured": self.lr_configured,
-            "rules": self.rules.state_dict(),
+            "rules": self.state.state_dict(),  # the checkpoint key of 0.1
         }
 
     @override
@@ -282,7 +285,7 @@ class StallDetector(GradGuardCallback):
         super().load_state_dict(state_dict)
         self.lr_max = float(state_dict.get("lr_max", 0.0))
         self.lr_configured = float(state_dict.get("lr_configured", 0.0))
-        self.rules.load_state_dict(state_dict.get("rules", {}))
+        self.state.load_state_dict(state_dict.get("rules", {}))
 
 
 def _without_update(reading: StallReading) -> StallReading:

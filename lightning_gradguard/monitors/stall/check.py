@@ -1,9 +1,9 @@
 """What one check of a stalled-learning detector measured, the thresholds its rules use, and a finding.
 
 Plain data and helpers on host numbers, no Trainer: :class:`StallCheck` is one check's measurements,
-:class:`Rounding` what it measured of the low-precision weights' updates, :class:`StallRules` the
-thresholds of :mod:`lightning_gradguard.monitors.stall.rules`'s rules, :class:`StallFinding` a rule that
-holds, in words; :func:`label_entropy`
+:class:`Rounding` what it measured of the low-precision weights' updates, :class:`StallThresholds` the
+thresholds the rules of :mod:`lightning_gradguard.monitors.stall.rules` read, :class:`StallFinding` a rule
+that holds, in words; :func:`label_entropy`
 is the loss of a classifier that learned only the class frequencies, :func:`token_entropy` that of a
 sequence model that learned only the token frequencies, :func:`loss_trend` how much a loss fell over a few
 checks against its noise, :func:`batch_purity` how much of a batch its one or two largest classes hold.
@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_gradguard.alerts import Rule
+
 #: the weight dtypes whose updates the rounding rule measures (16-bit floats: bfloat16 keeps 8 significant
 #: bits, float16 11)
 LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
 
 
 @dataclass(frozen=True)
-class StallRules:
+class StallThresholds:
     """The thresholds of the rules (see :mod:`lightning_gradguard.monitors.stall.rules`).
 
     Attributes:
@@ -185,33 +187,25 @@ class StallCheck:
 
 @dataclass(frozen=True)
 class StallFinding:
-    """A rule that holds, in words; ``where`` names what to look at (its :data:`WHERE` entry)."""
+    """A rule that holds, in words: the alert's kind, ``where`` and (unless the check words its own) hint
+    come from the rule's declaration."""
 
-    kind: str
+    rule: Rule
     message: str
-    hint: str
     data: dict[str, float]
+    hint: str = ""  # the check's own hint, with numbers in it; empty: the rule's
+
+    @property
+    def kind(self) -> str:
+        return self.rule.kind
 
     @property
     def where(self) -> str:
-        return WHERE.get(self.kind, "training")
+        return self.rule.where or "training"
 
-
-#: what each finding points at: the alert's ``where``
-WHERE: dict[str, str] = {
-    "no_update": "optimizer step",
-    "clipped_updates": "gradient clipping",
-    "lr_decayed": "lr_scheduler",
-    "updates_collapsed": "updates",
-    "chance_level": "training loss",
-    "loss_plateau": "training loss",
-    "lr_jump": "lr_scheduler",
-    "warmup_never_ends": "lr_scheduler",
-    "warmup_missing": "lr_scheduler",
-    "sorted_labels": "train_dataloader",
-    "weight_decay_collapse": "weight_decay",
-    "update_below_precision": "precision",
-}
+    def wording(self) -> str:
+        """The hint the alert carries."""
+        return self.hint or self.rule.hint
 
 
 def label_entropy(counts: Sequence[float]) -> float:
@@ -290,65 +284,3 @@ def spread(history: Sequence[tuple[int, float]], n: int) -> list[tuple[int, floa
         return list(history)
     picks = sorted({round(i * (len(history) - 1) / (n - 1)) for i in range(n)})
     return [history[i] for i in picks]
-
-
-#: the hint of each finding: the likely cause and the fix
-HINTS: dict[str, str] = {
-    "clipped_updates": (
-        "Something clips far below the gradient norm: a custom `configure_gradient_clipping`, a "
-        "`clip_grad_norm_` in the model, or `Trainer(gradient_clip_val=...)`. Clip at about the 90th "
-        "percentile of the pre-clip norm (GradientNormLogger's `grad_clip/suggested_clip_val`)."
-    ),
-    "updates_collapsed": (
-        "The updates shrank while the LR did not: clipping far below the gradient norm, weight decay or a"
-        " constraint pulling every step back, or gradients that vanished. Compare grad_norm/* and "
-        "update_ratio/* (GradientNormLogger)."
-    ),
-    "lr_jump": (
-        "A schedule bug multiplies the LR: a LambdaLR factor that is not a fraction, a warm-up that "
-        "multiplies instead of interpolating, two schedulers on one optimizer, or an LR set by hand in a "
-        "hook. Print `optimizer.param_groups[i]['lr']` around the jump."
-    ),
-    "warmup_missing": (
-        "Add a linear warm-up of the learning rate (5-10 % of the steps, e.g. transformers' "
-        '`get_linear_schedule_with_warmup` or a `LambdaLR`, with `"interval": "step"`), or lower the LR. '
-        "Adam's first steps move every entry by about the LR whatever its gradient; a transformer with its "
-        "LayerNorm after the residual (post-LN: BERT, the original Transformer) does not recover from them "
-        "(Xiong et al. 2020), and the loss sits at chance."
-    ),
-    "warmup_never_ends": (
-        "The warm-up is far longer than meant: its length may be in samples or epochs where the scheduler"
-        " counts optimizer steps (or the reverse). Give warm-up steps in optimizer steps "
-        "(`trainer.estimated_stepping_batches` is the run's total)."
-    ),
-    "sorted_labels": (
-        "The loader feeds the classes one after the other: shuffle the training data "
-        "(`DataLoader(shuffle=True)` or a sampler that shuffles); the model forgets each class while it "
-        "learns the next."
-    ),
-    "loss_plateau": (
-        "Training stalled: look at the LR history (a jump or a collapse), the update ratios and the data "
-        "order; a loss stuck far above its best after a jump usually means the LR is too high."
-    ),
-    "weight_decay_collapse": (
-        "The weight decay is far too strong for this LR: decoupled decay (AdamW) removes lr * weight_decay"
-        " of every weight each step, whatever the gradient says, and the gradient can no longer hold the "
-        "weights up. Typical AdamW values are 0.01-0.1 (a weight_decay of 1e-4..5e-4 is SGD's L2 scale); "
-        "lower it, or the LR it multiplies, and keep biases and norm layers out of the decayed group."
-    ),
-    "update_below_precision": (
-        'The weights themselves are 16-bit (`precision="bf16-true"` or `"16-true"`, or a model cast '
-        "with `.to(torch.bfloat16)`): a step smaller than half the gap between two neighbouring values of "
-        "the weight's dtype rounds back to the old value, so most of the network stays at its initial "
-        "values although the gradient and the optimizer say otherwise. Keep float32 master weights: "
-        '`precision="bf16-mixed"` (or `"16-mixed"`) computes in 16 bits and updates float32 weights. Or '
-        "raise the LR until the steps clear that gap (Adam's per-entry step is about the LR), or use an "
-        "optimizer that keeps the lost low bits (float32 master weights, Kahan summation) or rounds "
-        "stochastically."
-    ),
-    "lr_decayed": (
-        'A scheduler meant to step per epoch may be stepping per batch (`"interval": "step"` in '
-        "`configure_optimizers`), or its step_size / T_max / gamma is in the wrong unit. Make the decay "
-        "span the run (`trainer.estimated_stepping_batches` optimizer steps)."
-    ),
-}

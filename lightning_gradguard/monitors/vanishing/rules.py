@@ -59,6 +59,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from lightning_gradguard.alerts import Rule, declare
 from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
 from lightning_gradguard.functional.stats import suggest_clip_value
 
@@ -487,3 +488,36 @@ def explain(
         hint=VANISHING_HINT,
         data=data,
     )
+
+
+# ---------------------------------------------------------------- the declarations
+EXPLODING_GRADIENT = Rule(
+    kind="exploding_gradient",
+    severity="error",
+    monitor="VanishingExplodingDetector",
+    summary="grad norm over its ceiling, a spike over the run's baseline, or a sustained rise",
+    when=(
+        "the total or a layer norm above `max_norm` (default 100), a spike of 10x over the run's "
+        "own median that also tops the recent maximum, or a sustained rise, on `patience` "
+        "consecutive checks. Under a `gradient_clip_val` the ceiling and the spike rule are off "
+        "(the clip already bounds every update); the sustained rise stays. The hint suggests a "
+        "`gradient_clip_val`, or under one a lower LR. See [detectors](detectors.md)."
+    ),
+)
+
+VANISHING_GRADIENT = Rule(
+    kind="vanishing_gradient",
+    severity="error",
+    monitor="VanishingExplodingDetector",
+    summary="gradients vanish: first/last layer ratio under a floor, or a layer far below",
+    when=(
+        "the first/last layer norm ratio (by depth in the graph) below 1e-3 with a first-layer norm"
+        " below 1e-4, a layer's RMS gradient below 1e-7, or a layer 1e5x below the largest; under "
+        "an adaptive optimizer (Adam and its family) instead a layer's RMS gradient below a tenth "
+        "of its `eps` (where its steps shrink with the gradient). Never once the loss is at a tenth"
+        " of its start. Layers without a gradient this step are never counted."
+    ),
+)
+
+#: every kind this monitor reports
+RULES = declare(EXPLODING_GRADIENT, VANISHING_GRADIENT)

@@ -1,0 +1,64 @@
+"""Every alert kind the monitors declare, gathered one layer above them: ``ALERT_KINDS`` and the docs table.
+
+Each monitor declares its rules in its own folder (:class:`~lightning_gradguard.alerts.Rule`, registered
+with :func:`~lightning_gradguard.alerts.declare`); nothing below the monitors may import them, so the
+gathering is here. Importing this module imports those declaration modules (and so torch); ``import
+lightning_gradguard`` does not import it until ``ALERT_KINDS`` is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from lightning_gradguard.alerts import Rule, alert_kinds, kinds_table
+
+#: the module declaring each monitor's rules, in the order of the docs table (the pre-flight checks first)
+DECLARED_IN = (
+    "lightning_gradguard.monitors.overfit.rules",
+    "lightning_gradguard.monitors.gradcheck.rules",
+    "lightning_gradguard.monitors.lr_finder.rules",
+    "lightning_gradguard.monitors.gradients.rules",
+    "lightning_gradguard.monitors.nan.rules",
+    "lightning_gradguard.monitors.vanishing.rules",
+    "lightning_gradguard.monitors.dead_units.rules",
+    "lightning_gradguard.monitors.spike.rules",
+    "lightning_gradguard.monitors.activation_range.rules",
+    "lightning_gradguard.monitors.optimizer.rules",
+    "lightning_gradguard.monitors.stall.rules",
+)
+
+#: every declared rule, monitor by monitor
+RULES: tuple[Rule, ...] = tuple(r for m in DECLARED_IN for r in importlib.import_module(m).RULES)
+
+#: The stable vocabulary of alert kinds: kind -> one line. Built from the declarations; a kind once released
+#: is never renamed.
+ALERT_KINDS: dict[str, str] = alert_kinds(RULES)
+
+
+def alerts_table() -> str:
+    """docs/alerts.md's table of kinds, from the declarations."""
+    return kinds_table(RULES)
+
+
+#: the markers docs/alerts.md keeps the generated table between
+BEGIN, END = "<!-- alert kinds: begin (generated) -->", "<!-- alert kinds: end -->"
+#: the command that rewrites the table (the docs test names it when the page is stale)
+REWRITE = "python -m lightning_gradguard.registry docs/alerts.md"
+
+
+def with_table(page: str) -> str:
+    """``page`` with the text between :data:`BEGIN` and :data:`END` replaced by :func:`alerts_table`."""
+    head, rest = page.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    note = f"<!-- do not edit: declared in monitors/*/rules.py; `{REWRITE}` -->"
+    return f"{head}{BEGIN}\n{note}\n\n{alerts_table()}\n{END}{tail}"
+
+
+if __name__ == "__main__":
+    import sys
+
+    for path in sys.argv[1:]:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(with_table(text))

@@ -1,4 +1,4 @@
-"""2-process CPU DDP run (gloo) for tests/callbacks/test_activation_range.py.
+"""2-process CPU DDP run (gloo) for tests/monitors/activation_range/test_activation_range.py.
 
 ``python ddp_activation_range.py OUTDIR``.
 

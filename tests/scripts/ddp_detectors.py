@@ -1,4 +1,6 @@
-"""2-process CPU DDP run (gloo) for tests/callbacks/test_dead_relu.py: ``python ddp_detectors.py OUTDIR``.
+"""2-process CPU DDP run (gloo) for tests/monitors/dead_units/test_dead_relu.py
+
+Run: ``python ddp_detectors.py OUTDIR``.
 
 The data differ by rank on purpose: feature 0 is +1 in every sample rank 0 sees and -1 in every sample
 rank 1 sees. Twelve of the sixteen units of ``act1`` fire only on +1, so

@@ -1,4 +1,6 @@
-"""2-process CPU DDP run (gloo) for tests/callbacks/test_loss_spike.py: ``python ddp_loss_spike.py OUTDIR``.
+"""2-process CPU DDP run (gloo) for tests/monitors/spike/test_loss_spike.py
+
+Run: ``python ddp_loss_spike.py OUTDIR``.
 
 Only rank 1's data spike, at optimizer step 12 (its inputs x30). Fit 1 (``action="skip"``): the guard judges
 the all-reduced numbers, so both ranks must skip step 12; the weights must stay identical across ranks,

@@ -1,4 +1,6 @@
-"""2-process CPU DDP run (gloo) for tests/tuner/test_lr_finder.py: ``python ddp_lr_finder.py OUTDIR``.
+"""2-process CPU DDP run (gloo) for tests/monitors/lr_finder/test_lr_finder.py
+
+Run: ``python ddp_lr_finder.py OUTDIR``.
 
 Both ranks run LRFinderPlus at fit start and again at the start of epoch 1; each writes what it saw (the
 curves, the suggestions, the LR its optimizer got, its own first sweep loss) to ``rank<r>.json``.

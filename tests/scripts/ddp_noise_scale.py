@@ -1,4 +1,6 @@
-"""2-process CPU DDP run (gloo) for tests/callbacks/test_noise_scale.py: ``python ddp_noise_scale.py OUTDIR``.
+"""2-process CPU DDP run (gloo) for tests/monitors/gradients/test_noise_scale.py
+
+Run: ``python ddp_noise_scale.py OUTDIR``.
 
 Least squares on fixed synthetic data (lr=0: the weights, and so the true gradient and its covariance,
 stay put), ``accumulate_grad_batches=2`` of 8 samples per rank: b = 8 (one rank's micro-batch), B = 32.

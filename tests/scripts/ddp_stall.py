@@ -1,4 +1,4 @@
-"""2-process CPU DDP run (gloo) for tests/callbacks/test_stall.py: ``python ddp_stall.py OUTDIR``.
+"""2-process CPU DDP run (gloo) for tests/monitors/stall/test_stall.py: ``python ddp_stall.py OUTDIR``.
 
 A digits classifier whose targets come from the previous batch (an off-by-one in the data pipeline: the
 loss stays at the chance level). ``DistributedSampler`` shuffles, so the two ranks see different batches:

@@ -304,6 +304,15 @@ class StepStats:
         labels, index = _groups(tuple(names), depth, per_parameter, tuple(self.names))
         return list(labels), list(index)
 
+    def grad_layer_numels(self, depth: int | None = None, per_parameter: bool = False) -> list[int]:
+        """Elements of each layer of :meth:`grad_groups` (whole tensors, not this rank's pieces), in the
+        order of its labels."""
+        return list(
+            _numels(
+                tuple(self.grad_names), tuple(self.grad_numels()), depth, per_parameter, tuple(self.names)
+            )
+        )
+
     def local_params(self) -> list[Tensor]:
         """The trainable parameters' values as this rank holds them (its pieces under sharding), detached."""
         return [local_tensor(p.detach()) for p in self.params]
@@ -462,6 +471,22 @@ def _groups(
     parameter's name, which decides the containers (:func:`layer_names`)."""
     labels, index = group_index(list(names) if per_parameter else layer_names(names, depth, among or None))
     return tuple(labels), tuple(index)
+
+
+@functools.lru_cache(maxsize=16)
+def _numels(
+    names: tuple[str, ...],
+    sizes: tuple[int, ...],
+    depth: int | None,
+    per_parameter: bool,
+    among: tuple[str, ...],
+) -> tuple[int, ...]:
+    """Elements per group of :func:`_groups` (made once per list of parameters, not once per step)."""
+    labels, index = _groups(names, depth, per_parameter, among)
+    numels = [0] * len(labels)
+    for i, n in zip(index, sizes, strict=True):
+        numels[i] += n
+    return tuple(numels)
 
 
 @functools.lru_cache(maxsize=32)

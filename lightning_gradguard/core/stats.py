@@ -318,8 +318,12 @@ class StepStats:
         )
 
     def local_params(self) -> list[Tensor]:
-        """The trainable parameters' values as this rank holds them (its pieces under sharding), detached."""
-        return [local_tensor(p.detach()) for p in self.params]
+        """The trainable parameters' values as this rank holds them (its pieces under sharding), detached
+        (made once per step: the weight norms, the update sample and the histograms share the list)."""
+        local: list[Tensor] | None = self._cache.get(("local_params",))
+        if local is None:
+            local = self._cache[("local_params",)] = [local_tensor(p.detach()) for p in self.params]
+        return local
 
     def grad_numels(self) -> list[int]:
         """Elements of each gradient as a whole tensor (not of this rank's piece)."""

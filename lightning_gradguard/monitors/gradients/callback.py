@@ -28,7 +28,7 @@ from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.lr import ClipSetting, adaptive_eps, clip_setting
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.state import warn_once
-from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.clipping import clip_window_stats
@@ -248,7 +248,6 @@ class GradientNormLogger(GradGuardCallback):
         stats = step_stats(trainer, pl_module, optimizer)
         if stats.unsupported is not None:  # DeepSpeed (said at fit start)
             return
-        labels = stats.grad_groups(self.norm_type, self.group_depth, self.per_parameter)[0]  # cached
         clip = self._clip_setting
         if clip is not None:
             self._clip.push(stats.grad_total(clip.norm_type))
@@ -266,9 +265,14 @@ class GradientNormLogger(GradGuardCallback):
             weights=self.log_weight_norms,
             update=self.log_update_ratio,
             histogram_bins=self.histogram_bins if histograms else None,
-            histogram_layers=self.layers.histogram_layers(labels) if histograms else None,
+            histogram_layers=self._histogram_layers(stats) if histograms else None,
         )
         self._pending.append(_Logged(at, suffix, NormSample(stats, spec), optimizer))
+
+    def _histogram_layers(self, stats: StepStats) -> Any:
+        """The layers whose histograms a histogram step writes (the layer groups: on logging steps only)."""
+        labels = stats.grad_groups(self.norm_type, self.group_depth, self.per_parameter)[0]  # cached
+        return self.layers.histogram_layers(labels)
 
     @override
     def on_train_batch_end(

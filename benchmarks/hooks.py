@@ -55,7 +55,9 @@ from lightning_gradguard import (
 SEED = 0
 STEADY_FROM = 25
 RESULTS = Path(__file__).resolve().parent / "results" / "hooks.json"
-#: the issue's targets, per steady-state step (calls, aten ops) and the time ratio to the floor
+#: the issue's targets, per steady-state step (calls, aten ops) and the time ratio to the floor: on the median
+#: step, and for the groups of ``ON_THE_MEAN`` on the mean over the steady state (steps 25-74: a whole cycle
+#: of the defaults' cadences, with the detector's checks and a logging step)
 TARGETS = {
     "nan_sentinel": (60, 6, 1.2),
     "four_monitors": (100, 12, None),
@@ -351,14 +353,22 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+#: the groups whose budget holds for the mean over a whole cadence cycle (check and logging steps), not
+#: only for the median (a quiet step)
+ON_THE_MEAN = {"four_monitors"}
+
+
 def verdicts(rows: list[Row]) -> list[str]:
     by = {r.group: r for r in rows}
     lines = []
     for group, (calls, ops, ratio) in TARGETS.items():
         r = by[group]
-        checks = [f"calls {r.calls_median:.0f} <= {calls}: {'met' if r.calls_median <= calls else 'MISSED'}"]
+        mean = group in ON_THE_MEAN
+        got_calls, got_ops = (r.calls_mean, r.ops_mean) if mean else (r.calls_median, r.ops_median)
+        what = "mean" if mean else "median"
+        checks = [f"calls ({what}) {got_calls:.0f} <= {calls}: {'met' if got_calls <= calls else 'MISSED'}"]
         if ops is not None:
-            checks.append(f"ops {r.ops_median:.0f} <= {ops}: {'met' if r.ops_median <= ops else 'MISSED'}")
+            checks.append(f"ops ({what}) {got_ops:.0f} <= {ops}: {'met' if got_ops <= ops else 'MISSED'}")
         if ratio is not None and r.floor_ratio is not None:
             checks.append(
                 f"time {r.floor_ratio:.2f}x <= {ratio}x: {'met' if r.floor_ratio <= ratio else 'MISSED'}"

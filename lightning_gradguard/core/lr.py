@@ -2,7 +2,9 @@
 
 :func:`rescale_learning_rates` changes every param group and every scheduler's base LRs;
 :func:`decoupled_decay_groups` says which param groups shrink their weights by ``lr * weight_decay`` a step
-apart from the gradient (the monitors that judge a step's size must not read that as the LR's doing);
+apart from the gradient (the monitors that judge a step's size must not read that as the LR's doing) and
+:func:`decay_factors` that share for each parameter (the one place it is computed: GradientNormLogger's
+ratio rule and StallDetector's probe read it);
 :func:`adaptive_eps` says whether the step is normalised by the gradient's own running size (Adam and its
 family): then the gradient's scale does not set the update, down to ``eps``; :func:`clip_setting` how the
 Trainer clips the gradient before the step.
@@ -16,13 +18,14 @@ same rescaling with the inverse function puts it back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
 
 from lightning_gradguard.functional.clipping import clipping_norm_type
 
@@ -70,6 +73,39 @@ def decoupled_decay_groups(optimizer: Any) -> list[dict[str, Any]]:
         and decay > 0
         and (always or group.get("decoupled_weight_decay") is True)
     ]
+
+
+@dataclass(frozen=True)
+class DecayFactors:
+    """``lr * weight_decay`` of each parameter of a step (model order, 0 where nothing decays it) and the
+    ``(lr, weight_decay)`` of every param group that decays."""
+
+    factors: list[float]
+    groups: list[tuple[float, float]]
+
+    @property
+    def largest(self) -> tuple[float, float]:
+        """``(lr * weight_decay, weight_decay)`` of the group whose decay removes the largest share."""
+        return max((lr * wd, wd) for lr, wd in self.groups)
+
+
+def decay_factors(optimizer: Any, params: Sequence[Tensor]) -> DecayFactors | None:
+    """What the weight decay of ``optimizer`` removes from each of ``params`` this step, as a share of the
+    weight: ``lr * weight_decay`` for decoupled decay (AdamW, any group with ``decoupled_weight_decay``)
+    and for plain SGD, whose update holds ``lr * weight_decay * w`` as a term of its own (with momentum the
+    term is spread over the next steps: its share is then underestimated). Other optimizers fold the decay
+    into the gradient they normalize (Adam's L2): ``None``, as when no group decays. Read before the step,
+    on a check step only (a loop over the param groups)."""
+    by_id: dict[int, float] = {}
+    groups: list[tuple[float, float]] = []
+    for g in decoupled_decay_groups(optimizer):
+        lr, wd = g.get("lr"), float(g["weight_decay"])
+        if isinstance(lr, (int, float, Tensor)):
+            groups.append((float(lr), wd))
+            by_id.update(dict.fromkeys(map(id, g["params"]), float(lr) * wd))
+    if not by_id:
+        return None
+    return DecayFactors([by_id.get(id(p), 0.0) for p in params], groups)
 
 
 #: optimizers that divide each entry's step by a running RMS of its gradient, without Adam's ``betas``

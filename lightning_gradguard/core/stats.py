@@ -74,6 +74,8 @@ class _Caches:
     unsupported: str | bool | None = False
     #: the Trainer's enabled GradScaler (``None``: none), once known; ``False`` until then
     scaler: Any = False
+    #: (global_step, id(optimizer)) -> why a callback dropped that step's update (``core.skips``)
+    dropped: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
 #: id(trainer) -> its caches (a plain dict, read without a Python call; an entry goes with its Trainer)
@@ -161,9 +163,8 @@ def active_scaler(trainer: pl.Trainer) -> Any:
     return caches.scaler
 
 
-def _grad_scale(trainer: pl.Trainer, optimizer: Any) -> Tensor | None:
+def _grad_scale(scaler: Any, optimizer: Any) -> Tensor | None:
     """The GradScaler scale when the optimizer's gradients are still scaled (fused optimizers)."""
-    scaler = active_scaler(trainer)
     if scaler is None:
         return None
     opt = getattr(optimizer, "optimizer", optimizer)
@@ -290,7 +291,10 @@ class StepStats:
                 local_tensor(p.grad) if p.grad is not None else local_tensor(p.detach()).new_zeros(0)
                 for p in self.params
             ]
-        self.grad_scale = _grad_scale(trainer, optimizer)
+        self.scaler = active_scaler(trainer)
+        self.grad_scale = _grad_scale(self.scaler, optimizer)
+        #: why a callback dropped this step's update (a cause of ``core.skips.SKIP_CAUSES``), else ``None``
+        self.dropped: str | None = state.dropped.get((self.step, id(opt))) if state.dropped else None
         self._cache: dict[tuple[Any, ...], Any] = {}
 
     def _memo(self, key: tuple[Any, ...], fn: Any) -> Any:
@@ -304,9 +308,22 @@ class StepStats:
         labels, index = _groups(tuple(names), depth, per_parameter, tuple(self.names))
         return list(labels), list(index)
 
+    def grad_layer_numels(self, depth: int | None = None, per_parameter: bool = False) -> list[int]:
+        """Elements of each layer of :meth:`grad_groups` (whole tensors, not this rank's pieces), in the
+        order of its labels."""
+        return list(
+            _numels(
+                tuple(self.grad_names), tuple(self.grad_numels()), depth, per_parameter, tuple(self.names)
+            )
+        )
+
     def local_params(self) -> list[Tensor]:
-        """The trainable parameters' values as this rank holds them (its pieces under sharding), detached."""
-        return [local_tensor(p.detach()) for p in self.params]
+        """The trainable parameters' values as this rank holds them (its pieces under sharding), detached
+        (made once per step: the weight norms, the update sample and the histograms share the list)."""
+        local: list[Tensor] | None = self._cache.get(("local_params",))
+        if local is None:
+            local = self._cache[("local_params",)] = [local_tensor(p.detach()) for p in self.params]
+        return local
 
     def grad_numels(self) -> list[int]:
         """Elements of each gradient as a whole tensor (not of this rank's piece)."""
@@ -407,6 +424,26 @@ class StepStats:
 
         return self._memo(("weight_groups", float(norm_type), depth, per_parameter), compute)
 
+    # ------------------------------------------------------------------ whether the update was applied
+    def watch_scaler(self) -> None:
+        """Keep the GradScaler's scale before the step (a device copy), so that :meth:`scaler_skipped` can
+        tell after it whether the scaler skipped the step. Nothing without a scaler; a second call
+        does nothing."""
+        scale = getattr(self.scaler, "_scale", None)
+        if scale is not None and ("scale_before",) not in self._cache:
+            self._cache[("scale_before",)] = scale.detach().clone()
+
+    def scaler_skipped(self) -> Tensor | None:
+        """After the step: ``1.0`` (a 1-element device tensor) when the GradScaler skipped it (found
+        inf/NaN: its scale fell across the step; it never falls otherwise), else ``0.0``. ``None`` without
+        :meth:`watch_scaler` before the step, or when a callback dropped the step (:attr:`dropped`: the
+        drop is the callback's, and a rollback may restore an older, lower scale)."""
+        before: Tensor | None = self._cache.get(("scale_before",))
+        scale = getattr(self.scaler, "_scale", None)
+        if before is None or scale is None or self.dropped is not None:
+            return None
+        return (scale.detach() < before).float().reshape(1)
+
     # ------------------------------------------------------------------ the update
     def take_update_sample(self, with_grads: bool = False) -> UpdateSample | None:
         """The step's :class:`UpdateSample`, taken now (before ``optimizer.step()``) by the first caller;
@@ -464,6 +501,22 @@ def _groups(
     return tuple(labels), tuple(index)
 
 
+@functools.lru_cache(maxsize=16)
+def _numels(
+    names: tuple[str, ...],
+    sizes: tuple[int, ...],
+    depth: int | None,
+    per_parameter: bool,
+    among: tuple[str, ...],
+) -> tuple[int, ...]:
+    """Elements per group of :func:`_groups` (made once per list of parameters, not once per step)."""
+    labels, index = _groups(names, depth, per_parameter, among)
+    numels = [0] * len(labels)
+    for i, n in zip(index, sizes, strict=True):
+        numels[i] += n
+    return tuple(numels)
+
+
 @functools.lru_cache(maxsize=32)
 def _index_tensor(index: tuple[int, ...], device: torch.device) -> Tensor:
     """``index`` as a device tensor, made once per grouping (not once per step); never written to."""
@@ -472,12 +525,28 @@ def _index_tensor(index: tuple[int, ...], device: torch.device) -> Tensor:
 
 def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> StepStats:
     """The shared :class:`StepStats` of the current optimizer step (created on first request)."""
-    steps = _caches(trainer).steps
+    caches = _caches(trainer)
+    steps = caches.steps
     step = global_step(trainer)
     key = (step, id(getattr(optimizer, "optimizer", optimizer)))
     stats = steps.get(key)
     if stats is None:
         for old in [k for k in steps if k[0] != step]:
             del steps[old]
+        if caches.dropped:
+            for old in [k for k in caches.dropped if k[0] != step]:
+                del caches.dropped[old]
         stats = steps[key] = StepStats(trainer, pl_module, optimizer, step)
     return stats
+
+
+def mark_dropped(trainer: pl.Trainer, optimizer: Any, cause: str) -> None:
+    """Record that a callback dropped the current step's update of ``optimizer`` (``core.skips``): the
+    step's :class:`StepStats`, made already or later in the step, says so in :attr:`StepStats.dropped`,
+    and every monitor that measured the step reads it there."""
+    caches = _caches(trainer)
+    key = (global_step(trainer), id(getattr(optimizer, "optimizer", optimizer)))
+    caches.dropped[key] = cause
+    stats = caches.steps.get(key)
+    if stats is not None:
+        stats.dropped = cause

@@ -27,8 +27,8 @@ from lightning_gradguard.core.cadence import log_step, logging_interval, on_logg
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.lr import ClipSetting, adaptive_eps, clip_setting
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
-from lightning_gradguard.core.state import trainer_state, warn_once
-from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.clipping import clip_window_stats
@@ -57,7 +57,6 @@ class _Logged:
     suffix: str  # "_opt<i>" with several optimizers
     sample: NormSample
     optimizer: Any
-    skips: int  # updates other callbacks had dropped when the sample was taken
 
 
 class GradientNormLogger(GradGuardCallback):
@@ -249,7 +248,6 @@ class GradientNormLogger(GradGuardCallback):
         stats = step_stats(trainer, pl_module, optimizer)
         if stats.unsupported is not None:  # DeepSpeed (said at fit start)
             return
-        labels = stats.grad_groups(self.norm_type, self.group_depth, self.per_parameter)[0]  # cached
         clip = self._clip_setting
         if clip is not None:
             self._clip.push(stats.grad_total(clip.norm_type))
@@ -267,10 +265,14 @@ class GradientNormLogger(GradGuardCallback):
             weights=self.log_weight_norms,
             update=self.log_update_ratio,
             histogram_bins=self.histogram_bins if histograms else None,
-            histogram_layers=self.layers.histogram_layers(labels) if histograms else None,
+            histogram_layers=self._histogram_layers(stats) if histograms else None,
         )
-        skips = sum(trainer_state(trainer).skipped_updates.values())
-        self._pending.append(_Logged(at, suffix, NormSample(stats, spec), optimizer, skips))
+        self._pending.append(_Logged(at, suffix, NormSample(stats, spec), optimizer))
+
+    def _histogram_layers(self, stats: StepStats) -> Any:
+        """The layers whose histograms a histogram step writes (the layer groups: on logging steps only)."""
+        labels = stats.grad_groups(self.norm_type, self.group_depth, self.per_parameter)[0]  # cached
+        return self.layers.histogram_layers(labels)
 
     @override
     def on_train_batch_end(
@@ -300,11 +302,10 @@ class GradientNormLogger(GradGuardCallback):
         if not len(transfer):
             return
         host = transfer.fetch()  # the one device -> host transfer (and collective, if any) of this step
-        skips = sum(trainer_state(trainer).skipped_updates.values())
         for i, p in enumerate(pending):  # written from rank zero only
             reading = p.sample.read(host, i)
             self._emit_step(trainer, p.at, p.suffix, reading)
-            if p.skips == skips:  # a dropped or rolled-back update is no step to judge
+            if p.sample.stats.dropped is None:  # a dropped or rolled-back update is no step to judge
                 self._judge_ratio(trainer, p, reading)
         if (-1, "clip_window") in host and clip is not None:
             last = (pending[-1].at, pending[-1].sample.stats.step) if pending else None

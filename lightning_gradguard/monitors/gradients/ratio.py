@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_gradguard.core.lr import decoupled_decay_groups
+from lightning_gradguard.core.lr import decay_factors
 
 #: checks before this step are not judged (Adam's bias correction, fresh layers' first moves)
 SETTLE_STEPS = 20
@@ -102,11 +102,8 @@ def _setting(optimizer: Any) -> _Setting:
     groups = list(getattr(opt, "param_groups", []))
     first = groups[0] if groups else {}
     betas = (float(first["betas"][0]), float(first["betas"][1])) if "betas" in first else None
-    decayed = [
-        (float(g["lr"]) * float(g["weight_decay"]), float(g["weight_decay"]))
-        for g in decoupled_decay_groups(opt)
-    ]
-    decay, weight_decay = max(decayed, default=(0.0, 0.0))
+    factors = decay_factors(opt, ())
+    decay, weight_decay = factors.largest if factors is not None else (0.0, 0.0)
     return _Setting(
         name=type(opt).__name__,
         lrs=sorted({float(g["lr"]) for g in groups if "lr" in g}),

@@ -65,7 +65,6 @@ class _Pending:
     suffix: str  # "_opt<i>" with several optimizers
     sample: OptimizerSample
     logged: bool  # a logging step (else a check only, with logging off)
-    skips: int  # updates other callbacks had dropped when the sample was taken
 
 
 class OptimizerMonitor(GradGuardCallback):
@@ -193,7 +192,7 @@ class OptimizerMonitor(GradGuardCallback):
         if not self._rank_zero:
             return
         if self._scaler_on:
-            self._scale.before_step(trainer)
+            self._scale.before_step(step_stats(trainer, pl_module, optimizer))
         at, every = log_step(trainer), self._every
         logged = every > 0 and (at == 0 or (at + 1) % every == 0)  # Lightning's rule, plus step 0
         if logged:
@@ -216,8 +215,7 @@ class OptimizerMonitor(GradGuardCallback):
             self._held_checked = True
             self._check_held(trainer, pl_module)
         suffix = f"_opt{optimizer_index(trainer, optimizer)}" if len(trainer.optimizers) > 1 else ""
-        sample, skips = OptimizerSample(stats, optimizer), sum(self._shared.values())
-        self._pending.append(_Pending(at, suffix, sample, logged, skips))
+        self._pending.append(_Pending(at, suffix, OptimizerSample(stats, optimizer), logged))
 
     @override
     def on_train_batch_end(
@@ -226,7 +224,7 @@ class OptimizerMonitor(GradGuardCallback):
         if not self._rank_zero:
             return
         if self._scaler_on:
-            self._scale.settle(trainer)
+            self._scale.settle()
         if self._pending or self._counters_at is not None:
             self._flush(trainer)
 
@@ -252,7 +250,7 @@ class OptimizerMonitor(GradGuardCallback):
             self._note_moments(trainer, p.sample, reading)
             if p.logged:
                 metrics.update(reading_scalars(reading, self.layers, p.suffix))
-            if sum(self._shared.values()) == p.skips:  # a dropped or rolled-back update is no step to judge
+            if p.sample.stats.dropped is None:  # a dropped or rolled-back update is no step to judge
                 # the dense start judges the optimizer's settings (eps, Adam's step bound), visible from
                 # step 0; how layers' update ratios compare settles only after the first steps
                 self._judge(trainer, reading, p.suffix, layers=p.logged or p.at >= self.dense_steps)

@@ -22,14 +22,12 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.lr import decoupled_decay_groups
-from lightning_gradguard.core.state import trainer_state
-from lightning_gradguard.core.stats import StepStats, active_scaler
+from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.layers import log_distance_scores
 from lightning_gradguard.functional.optimizer_state import (
@@ -46,39 +44,28 @@ from lightning_gradguard.tags import OPTIMIZER
 
 
 class ScaleWatch:
-    """Counts GradScaler skips on the device: one scale copy before the step, one compare after it.
-
-    The scale only falls when the scaler found inf/NaN gradients (it then halves and skips the step); it
-    grows, never falls, otherwise. A step another callback dropped is not counted again (a rollback may
-    restore an older, lower scale). ``count`` stays on the device until a logging step reads it.
+    """Counts GradScaler skips on the device, from the fact of each step
+    (:meth:`~lightning_gradguard.core.stats.StepStats.scaler_skipped`: its scale fell across the step; a
+    step another callback dropped is that callback's, not counted again). ``count`` stays on the device
+    until a logging step reads it.
     """
 
     def __init__(self) -> None:
         self.count: Tensor | None = None
-        self._before: Tensor | None = None
-        self._others = 0
+        self._stats: StepStats | None = None
 
-    def before_step(self, trainer: pl.Trainer) -> None:
+    def before_step(self, stats: StepStats) -> None:
         """Call in ``on_before_optimizer_step`` (settles the previous optimizer's step first)."""
-        self.settle(trainer)
-        scale = getattr(active_scaler(trainer), "_scale", None)
-        if scale is None:
-            return
-        self._before = scale.detach().clone()
-        self._others = sum(trainer_state(trainer).skipped_updates.values())
+        self.settle()
+        stats.watch_scaler()
+        self._stats = stats
 
-    def settle(self, trainer: pl.Trainer) -> None:
-        """Call once the step ran: adds 1 on the device when the scale fell across it."""
-        before, self._before = self._before, None
-        scale = getattr(active_scaler(trainer), "_scale", None)
-        if (
-            before is None
-            or scale is None
-            or sum(trainer_state(trainer).skipped_updates.values()) > self._others
-        ):
-            return
-        fell = (scale.detach() < before).float().reshape(1)
-        self.count = fell if self.count is None else self.count + fell.to(self.count.device)
+    def settle(self) -> None:
+        """Call once the step ran: adds 1 on the device when the GradScaler skipped it."""
+        stats, self._stats = self._stats, None
+        fell = stats.scaler_skipped() if stats is not None else None
+        if fell is not None:
+            self.count = fell if self.count is None else self.count + fell.to(self.count.device)
 
 
 #: the optimizers whose step is Adam's ``lr * m_hat / (sqrt(v_hat) + eps)``, and the bound that applies

@@ -27,8 +27,7 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import DENSE_STEPS, check_due, log_step, optimizer_index
 from lightning_gradguard.core.lr import adaptive_eps
-from lightning_gradguard.core.skips import skipped_updates
-from lightning_gradguard.core.stats import step_stats
+from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.validate import check_float, check_int
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds
 from lightning_gradguard.monitors.stall.probe import (
@@ -143,8 +142,8 @@ class StallDetector(GradGuardCallback):
         self._low_precision = False  # some trainable weights are 16-bit: the checks measure their rounding
         self._adaptive = False  # an optimizer divides its step by the gradient's running size
         self._attention = False  # the model has attention layers
-        self._skips_at_check = 0  # updates dropped by callbacks before the check's step
         self._checked_at = -1
+        self._check_stats: StepStats | None = None  # the checked step's statistics, until it is read
         self.last_logged: dict[str, float] = {}
         #: what the latest check measured (per-layer update ratios, clip ratio, loss, labels, LRs)
         self.last_check: StallCheck | None = None
@@ -200,7 +199,7 @@ class StallDetector(GradGuardCallback):
         self._checking, self._checked_at = True, at
         stats = step_stats(trainer, pl_module, optimizer)
         self._probe.start(stats, self._automatic, optimizer, self._low_precision)
-        self._skips_at_check = sum(skipped_updates(trainer).values())  # a small dict, on check steps only
+        self._check_stats = stats  # the step's facts: whether a callback dropped its update
 
     @override
     def on_train_batch_end(
@@ -219,7 +218,8 @@ class StallDetector(GradGuardCallback):
         self._checking = False
         reading = self._probe.read(trainer, pl_module.device)
         self.lr_configured = max(self.lr_configured, lr_configured(trainer))
-        if sum(skipped_updates(trainer).values()) != self._skips_at_check:
+        stats, self._check_stats = self._check_stats, None
+        if stats is not None and stats.dropped is not None:
             reading = _without_update(reading)  # NaNSentinel or LossSpikeGuard dropped it: not the run's
         planned = trainer.estimated_stepping_batches
         check = StallCheck(

@@ -5,16 +5,14 @@
   ``CyclicLR``'s ``max_lrs``);
 * :func:`class_targets` and :func:`token_targets`: the class-index targets of a batch, or its token-level
   targets (a sequence model's ``(batch, T)`` next tokens), when it has them;
-* :func:`decay_factors`: ``lr * weight_decay`` of every parameter whose optimizer shrinks it by that
-  share each step (decoupled weight decay, AdamW's; plain SGD's);
 * :class:`StallProbe`: one check's measurements: the update/weight ratio of every layer (from the step's
   shared update sample, :meth:`~lightning_gradguard.core.stats.StepStats.take_update_sample`: the same
   numbers GradientNormLogger and OptimizerMonitor report; under sharding the ranks' pieces are combined
   in the check's transfer), the weight decay's part of that update and the rest of it (from the same
-  sample), the ratio of the gradient the optimizer used to the raw one (on the first entries of each
-  gradient, before and after clipping), the mean loss since the last check and its standard error, and
-  the label or token counts, all in one :class:`~lightning_gradguard.core.transfer.HostTransfer` (losses,
-  labels and tokens summed across ranks);
+  sample and :func:`~lightning_gradguard.core.lr.decay_factors`), the ratio of the gradient the optimizer
+  used to the raw one (on the first entries of each gradient, before and after clipping), the mean loss
+  since the last check and its standard error, and the label or token counts, all in one
+  :class:`~lightning_gradguard.core.transfer.HostTransfer` (losses, labels and tokens summed across ranks);
 * :func:`has_low_precision` (decided once, at the start of training) and, for a model with 16-bit
   weights only, what became of their updates on the check's step
   (:class:`~lightning_gradguard.monitors.stall.check.Rounding`): the sampled entries with a non-zero
@@ -33,7 +31,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_gradguard.core.lr import decoupled_decay_groups
+from lightning_gradguard.core.lr import decay_factors
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.stats import foreach_norms
@@ -144,34 +142,6 @@ def _counts(targets: Tensor, bins: int) -> Tensor:
     counts = torch.zeros(bins + 1, device=t.device, dtype=torch.float32)
     counts.index_add_(0, t, torch.ones_like(t, dtype=torch.float32))
     return counts[:bins]
-
-
-@dataclass(frozen=True)
-class DecayFactors:
-    """``lr * weight_decay`` of each parameter of a step (model order, 0 where nothing decays it) and the
-    ``(lr, weight_decay)`` of every param group that decays."""
-
-    factors: list[float]
-    groups: list[tuple[float, float]]
-
-
-def decay_factors(optimizer: Any, params: Sequence[Tensor]) -> DecayFactors | None:
-    """What the weight decay of ``optimizer`` removes from each of ``params`` this step, as a share of the
-    weight: ``lr * weight_decay`` for decoupled decay (AdamW, any group with ``decoupled_weight_decay``)
-    and for plain SGD, whose update holds ``lr * weight_decay * w`` as a term of its own (with momentum the
-    term is spread over the next steps: its share is then underestimated). Other optimizers fold the decay
-    into the gradient they normalize (Adam's L2): ``None``, as when no group decays. Read before the step,
-    on a check step only (a loop over the param groups)."""
-    by_id: dict[int, float] = {}
-    groups: list[tuple[float, float]] = []
-    for g in decoupled_decay_groups(optimizer):
-        lr, wd = g.get("lr"), float(g["weight_decay"])
-        if isinstance(lr, (int, float, Tensor)):
-            groups.append((float(lr), wd))
-            by_id.update(dict.fromkeys(map(id, g["params"]), float(lr) * wd))
-    if not by_id:
-        return None
-    return DecayFactors([by_id.get(id(p), 0.0) for p in params], groups)
 
 
 @dataclass

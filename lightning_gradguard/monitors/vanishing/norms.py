@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,7 +14,6 @@ import torch
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.functional.stats import group_index, layer_names
 
 
 @dataclass(frozen=True)
@@ -31,17 +29,6 @@ class LayerNorms:
     numels: list[int]
     device: torch.device
     loss: float | None = None
-
-
-@functools.lru_cache(maxsize=16)
-def _layer_numels(names: tuple[str, ...], sizes: tuple[int, ...], among: tuple[str, ...]) -> tuple[int, ...]:
-    """Elements per layer (cached while the parameters with a gradient are the same); ``among``: every
-    trainable parameter's name, which decides the containers."""
-    labels, index = group_index(layer_names(names, among=among))
-    numels = [0] * len(labels)
-    for i, n in zip(index, sizes, strict=True):
-        numels[i] += n
-    return tuple(numels)
 
 
 def read_layer_norms(stats: StepStats, loss: torch.Tensor | None = None) -> LayerNorms | None:
@@ -64,7 +51,7 @@ def read_layer_norms(stats: StepStats, loss: torch.Tensor | None = None) -> Laye
         labels=labels,
         values=host["norms"].tolist(),
         total=float(host["total"]),
-        numels=list(_layer_numels(tuple(stats.grad_names), tuple(stats.grad_numels()), tuple(stats.names))),
+        numels=stats.grad_layer_numels(),
         device=norms.values.device,
         loss=float(host["loss"]) if "loss" in host else None,
     )

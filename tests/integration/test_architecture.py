@@ -238,3 +238,19 @@ def test_state_methods_have_one_name() -> None:
         if isinstance(fn, ast.FunctionDef) and fn.name in ("state", "load", "save", "restore_state")
     ]
     assert not odd
+
+
+#: names a module of a monitor once had for a role that now has one name: what a step or a sampled forward
+#: measures is ``measure``, the verdicts and declared kinds are ``rules``
+RETIRED_ROLE_NAMES = {"step", "norms", "capture", "sample", "probe", "windows", "verdict"}
+
+
+def test_every_monitor_names_its_modules_by_role() -> None:
+    """One module name per role: a reader finds a monitor's Callback in ``callback``, its measurements in
+    ``measure`` (when it measures steps) and its verdicts and kinds in ``rules``, whichever monitor."""
+    packages = sorted({p.parent for p in (PACKAGE / "monitors").glob("*/*.py")})
+    assert len(packages) >= 11
+    for package in packages:
+        names = {p.stem for p in package.glob("*.py")}
+        assert {"callback", "rules"} <= names, package.name
+        assert not names & RETIRED_ROLE_NAMES, (package.name, names & RETIRED_ROLE_NAMES)

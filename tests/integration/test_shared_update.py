@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_gradguard import GradientNormLogger, OptimizerMonitor, StallDetector
 from lightning_gradguard.core import stats as core_stats
-from lightning_gradguard.monitors.optimizer import sample as optimizer_sample
+from lightning_gradguard.monitors.optimizer import measure as optimizer_sample
 
 
 class WideNet(pl.LightningModule):

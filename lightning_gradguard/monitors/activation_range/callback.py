@@ -5,7 +5,7 @@ ActivationRangeMonitor
 Per block of the model: the range of its outputs (max \|x\|, RMS, kurtosis, fp16 headroom); per attention
 module the largest attention logit and the attention entropy; on sampled training steps only; nothing is
 attached on the other steps or during validation. The measuring is
-:mod:`lightning_gradguard.monitors.activation_range.capture`, the math
+:mod:`lightning_gradguard.monitors.activation_range.measure`, the math
 :mod:`lightning_gradguard.functional.activation_range`; when to sample, what to log and the alerts are here.
 """
 
@@ -26,7 +26,7 @@ from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.activation_range import AttentionEntropy, BlockRange
-from lightning_gradguard.monitors.activation_range.capture import (
+from lightning_gradguard.monitors.activation_range.measure import (
     CaptureReading,
     RangeCapture,
     find_blocks,
@@ -55,7 +55,7 @@ class ActivationRangeMonitor(SamplingMonitor):
     hooks and a ``TorchFunctionMode``, removed when the call returns; a compiled model runs eagerly there):
 
     * per block (a top-level child of the model, and each layer of an outermost ``nn.ModuleList`` /
-      ``nn.Sequential``: see :func:`~lightning_gradguard.monitors.activation_range.capture.find_blocks`),
+      ``nn.Sequential``: see :func:`~lightning_gradguard.monitors.activation_range.measure.find_blocks`),
       over every entry of its output (the first floating-point tensor): ``activation/max_abs/<block>``,
       ``activation/rms/<block>``, ``activation/kurtosis/<block>`` (Pearson, :math:`E[(x-\mu)^4]/\sigma^4`:
       3 for a Gaussian) and ``activation/fp16_headroom/<block>``, :math:`\log_2(65504 / \max|x|)` in bits

@@ -22,9 +22,9 @@ from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.stats import device_histograms
-from lightning_gradguard.monitors.dead_units.capture import ActivationCapture
 from lightning_gradguard.monitors.dead_units.counts import sum_counts
-from lightning_gradguard.monitors.dead_units.windows import UnitCounts, UnitWindows
+from lightning_gradguard.monitors.dead_units.measure import ActivationCapture
+from lightning_gradguard.monitors.dead_units.rules import UnitCounts, UnitWindows
 from lightning_gradguard.tags import DEAD_RELU, SATURATED, charts_of
 
 
@@ -34,7 +34,7 @@ class DeadReLUMonitor(SamplingMonitor):
     On sampled training steps it watches each ReLU output of the forward pass (``nn.ReLU``, ``nn.ReLU6``,
     in-place ReLUs, ``F.relu`` / ``torch.relu`` / ``Tensor.relu`` inside any ``forward``), through a
     ``TorchFunctionMode`` and global module hooks that exist only during the sampled ``training_step``
-    (:class:`~lightning_gradguard.monitors.dead_units.capture.ActivationCapture`, which also names the layers:
+    (:class:`~lightning_gradguard.monitors.dead_units.measure.ActivationCapture`, which also names the layers:
     ``"encoder.block3:relu(fc1)"``, ``"net.act#2"``). Sampled: every step while ``global_step < window +
     patience - 1``, then every ``sample_every_n_steps``; a sample that finds more than ``threshold`` of a
     layer silent is followed up on the next ``window + patience - 1`` steps (follow-ups start none). Calls

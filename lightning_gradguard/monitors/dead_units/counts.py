@@ -1,6 +1,6 @@
 """Activation counts of one step, summed across ranks and brought to the host: one check, one transfer.
 
-Per-layer activation counts (:class:`~lightning_gradguard.monitors.dead_units.windows.UnitCounts`) are summed
+Per-layer activation counts (:class:`~lightning_gradguard.monitors.dead_units.rules.UnitCounts`) are summed
 over the ranks before anyone judges them, so every rank reaches the same verdict. Which layers a rank saw
 depends on its data (a branch taken on one rank only), and an all-reduce of vectors with different layouts
 would mix layers or hang: :func:`sum_counts` first compares a signature of the layout across ranks (one
@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.monitors.dead_units.windows import UnitCounts
+from lightning_gradguard.monitors.dead_units.rules import UnitCounts
 
 _SAMPLES = ("samples",)  # the transfer key of the values-per-unit numbers (layer keys are strings)
 _LOSS = ("loss",)  # the transfer key of the step's loss

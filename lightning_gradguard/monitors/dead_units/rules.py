@@ -1,10 +1,270 @@
-"""The alert kinds DeadReLUMonitor reports, declared once (their words: ``windows``)."""
+"""Dead and saturated units over a window of sampled steps: the verdict of the dead-ReLU monitor, and its
+declared alert kinds (:data:`RULES`).
+
+Pure functions and a small store on per-unit counts, no Trainer:
+
+* :class:`UnitCounts`: one layer's per-unit counts (active values of a ReLU output, or saturated inputs of a
+  sigmoid/tanh, as from :func:`~lightning_gradguard.functional.health.activity_counts` /
+  :func:`~lightning_gradguard.functional.health.saturation_counts`) and how many values each unit had; one
+  forward pass, or pooled by :func:`pool` over the micro-batches of an optimizer step;
+* :func:`window_summary`: a window of sampled steps -> the layer's fraction of dead (or saturated) units
+  and its per-unit rates; :func:`silent_fraction`: the share of units silent on one step;
+* :class:`UnitWindows`: the windows of many layers and their strikes (consecutive full windows over the
+  limit), updated once per sampled step into a :class:`StepVerdict` (one :class:`LayerCheck` per layer, the
+  scalars and histograms to log, the findings); it is what a checkpoint stores. :func:`explain` puts a
+  check that fired into words (:class:`Finding`).
+
+Example::
+
+    from lightning_gradguard.monitors.dead_units.rules import window_summary
+
+    summary = window_summary([counts_step1, counts_step2], [64.0, 64.0], saturation=False)
+    summary.fraction, summary.rates   # dead fraction; per-unit activation rate over the window
+"""
 
 from __future__ import annotations
 
-from lightning_gradguard.alerts import Rule, declare
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
-DEAD_RELU = Rule(
+import torch
+from torch import Tensor
+
+from lightning_gradguard.alerts import Rule, declare
+from lightning_gradguard.functional.health import dead_units
+from lightning_gradguard.tags import ACTIVATION_RATE, DEAD_RELU, SATURATED
+
+DEAD_HINT = (
+    "Lower the learning rate; initialise with He/Kaiming and zero (or small positive) biases; normalise the "
+    "inputs; put BatchNorm/LayerNorm before the ReLU; or switch to LeakyReLU/GELU, whose units cannot die."
+)
+SATURATION_HINT = (
+    "Pre-activations are far outside the sensitive range: normalise the inputs, use Xavier initialization, "
+    "add normalization before the activation, lower the learning rate, or use ReLU/GELU."
+)
+
+
+@dataclass
+class UnitCounts:
+    """One watched layer in one forward pass (or pooled over several).
+
+    ``counts[u]``: how many of unit ``u``'s values were active (a ReLU output) or saturated (a sigmoid/tanh
+    input, ``saturation=True``); ``samples``: how many values each unit had.
+    """
+
+    saturation: bool
+    counts: Tensor
+    samples: float
+
+
+def pool(into: dict[str, UnitCounts], records: Mapping[str, UnitCounts]) -> None:
+    """Add one forward pass's ``records`` to ``into`` (the micro-batches of one optimizer step so far).
+
+    A unit is active in the pool if any sample of any pass fired it, and its rate is over all their samples;
+    a layer whose unit count changed starts afresh.
+    """
+    for key, record in records.items():
+        prev = into.get(key)
+        if prev is not None and prev.counts.shape == record.counts.shape:
+            counts, samples = prev.counts + record.counts, prev.samples + record.samples
+            record = UnitCounts(saturation=record.saturation, counts=counts, samples=samples)
+        into[key] = record
+
+
+@dataclass(frozen=True)
+class WindowSummary:
+    """A layer over a window of sampled steps.
+
+    ``fraction``: for a ReLU, the fraction of units inactive in every step of the window (dead); for a
+    sigmoid/tanh, the fraction of units whose inputs lay in the saturated zone more than half of the time.
+    ``rates``: per unit, active (or saturated) values over all values of the window. ``units``: the layer's
+    width; ``steps``: sampled steps in the window.
+    """
+
+    fraction: float
+    rates: Tensor
+    units: int
+    steps: int
+
+
+def window_summary(counts: Sequence[Tensor], samples: Sequence[float], saturation: bool) -> WindowSummary:
+    """Summarise a window: one per-unit count vector and one values-per-unit number per sampled step."""
+    stacked = torch.stack(list(counts))
+    rates = stacked.sum(0) / max(sum(samples), 1.0)
+    if saturation:
+        fraction = float((rates > 0.5).float().mean())
+    else:
+        fraction = float(dead_units(stacked).float().mean())
+    return WindowSummary(fraction=fraction, rates=rates, units=stacked.shape[1], steps=len(stacked))
+
+
+def silent_fraction(step_counts: Tensor) -> float:
+    """Fraction of units with no active value on one step (a hint that the layer may be dying)."""
+    return float((step_counts == 0).float().mean())
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One layer after one sampled step: its window, its limit, and whether it is reported.
+
+    ``silent``: the fraction of its units silent on this very step (ReLU layers; 0 for sigmoid/tanh).
+    ``full``: the window holds ``window`` steps (only then is a fraction a verdict). ``fires``: over the
+    limit on ``patience`` consecutive full windows.
+    """
+
+    key: str
+    saturation: bool
+    summary: WindowSummary
+    limit: float
+    silent: float
+    full: bool
+    fires: bool
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A check that fired, in words."""
+
+    kind: str
+    severity: Literal["warning", "error"]
+    where: str
+    message: str
+    hint: str
+    data: dict[str, float]
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """Every watched layer after one sampled step.
+
+    ``scalars``: ``dead_relu/<layer>`` / ``saturated/<layer>``, the fraction over the window so far;
+    ``rates``: ``activation_rate/<layer>``, the per-unit activation rates of the ReLU layers;
+    ``dead_fractions`` / ``saturated_fractions``: the fractions of the layers whose window is full;
+    ``findings``: the layers reported, in words; ``suspicious``: a ReLU layer had more than ``threshold``
+    of its units silent on this very step.
+    """
+
+    checks: list[LayerCheck]
+    scalars: dict[str, float]
+    rates: dict[str, Tensor]
+    dead_fractions: dict[str, float]
+    saturated_fractions: dict[str, float]
+    findings: list[Finding]
+    suspicious: bool
+
+
+class UnitWindows:
+    """Per layer, its last ``size`` sampled steps (``(per-unit counts, values per unit)``, oldest first), and
+    per finding (``"<kind>@<layer>"``) how many full windows in a row were over the limit.
+
+    A layer whose width changed (a resized model) starts a fresh window.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.windows: dict[str, deque[tuple[Tensor, float]]] = {}
+        self.strikes: dict[str, int] = {}
+
+    def __getitem__(self, key: str) -> deque[tuple[Tensor, float]]:
+        return self.windows[key]
+
+    def add(self, key: str, counts: Tensor, samples: float) -> None:
+        """Append one sampled step of layer ``key``."""
+        win = self.windows.get(key)
+        if win is None or (win and win[-1][0].numel() != counts.numel()):
+            win = self.windows[key] = deque(maxlen=self.size)
+        win.append((counts, samples))
+
+    def update(
+        self, records: Mapping[str, UnitCounts], threshold: float, saturation_threshold: float, patience: int
+    ) -> StepVerdict:
+        """Add one sampled step (host counts of every layer) and check each layer, in ``records``' order.
+
+        A layer is reported when its fraction is above ``threshold`` (ReLU) or ``saturation_threshold``
+        (sigmoid/tanh) on ``patience`` consecutive full windows.
+        """
+        for key, record in records.items():
+            self.add(key, record.counts, record.samples)
+        checks = []
+        for key, record in records.items():
+            win = self.windows[key]
+            summary = window_summary([c for c, _ in win], [n for _, n in win], record.saturation)
+            limit = saturation_threshold if record.saturation else threshold
+            full = len(win) >= self.size
+            strike = f"{'saturated_activation' if record.saturation else 'dead_relu'}@{key}"
+            if full:
+                self.strikes[strike] = self.strikes.get(strike, 0) + 1 if summary.fraction > limit else 0
+            silent = 0.0 if record.saturation else silent_fraction(record.counts)
+            fires = full and self.strikes[strike] >= patience
+            checks.append(
+                LayerCheck(
+                    key=key,
+                    saturation=record.saturation,
+                    summary=summary,
+                    limit=limit,
+                    silent=silent,
+                    full=full,
+                    fires=fires,
+                )
+            )
+        relu = [c for c in checks if not c.saturation]
+        return StepVerdict(
+            checks=checks,
+            scalars={
+                (SATURATED if c.saturation else DEAD_RELU).tag(c.key): c.summary.fraction for c in checks
+            },
+            rates={ACTIVATION_RATE.tag(c.key): c.summary.rates for c in relu},
+            dead_fractions={c.key: c.summary.fraction for c in relu if c.full},
+            saturated_fractions={c.key: c.summary.fraction for c in checks if c.saturation and c.full},
+            findings=[explain(c) for c in checks if c.fires],
+            suspicious=any(c.silent > threshold for c in relu),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "strikes": dict(self.strikes),
+            "windows": {
+                k: [{"counts": c.clone(), "samples": n} for c, n in w] for k, w in self.windows.items()
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.strikes = dict(state.get("strikes", {}))
+        self.windows = {
+            k: deque([(torch.as_tensor(s["counts"]), float(s["samples"])) for s in w], maxlen=self.size)
+            for k, w in state.get("windows", {}).items()
+        }
+
+
+def explain(check: LayerCheck) -> Finding:
+    """The alert of a check that fired: ``dead_relu`` (error) or ``saturated_activation`` (warning)."""
+    s, key, limit = check.summary, check.key, check.limit
+    data = {"fraction": s.fraction, "threshold": limit, "units": float(s.units), "window": float(s.steps)}
+    if not check.saturation:
+        message = (
+            f"{s.fraction:.0%} of the {s.units} units of {key} output 0 for every sample of the last "
+            f"{s.steps} sampled steps (threshold {limit:.0%})."
+        )
+        return Finding(
+            kind="dead_relu", severity="error", where=key, message=message, hint=DEAD_HINT, data=data
+        )
+    message = (
+        f"{s.fraction:.0%} of the {s.units} units of {key} spend most of the last {s.steps} sampled "
+        f"steps in the saturated zone, where the derivative is 0 (threshold {limit:.0%})."
+    )
+    return Finding(
+        kind="saturated_activation",
+        severity="warning",
+        where=key,
+        message=message,
+        hint=SATURATION_HINT,
+        data=data,
+    )
+
+
+DEAD_RELU_RULE = Rule(
     kind="dead_relu",
     severity="error",
     monitor="DeadReLUMonitor",
@@ -18,7 +278,7 @@ DEAD_RELU = Rule(
     ),
 )
 
-SATURATED_ACTIVATION = Rule(
+SATURATED_RULE = Rule(
     kind="saturated_activation",
     severity="warning",
     monitor="DeadReLUMonitor",
@@ -30,4 +290,4 @@ SATURATED_ACTIVATION = Rule(
 )
 
 #: every kind this monitor reports
-RULES = declare(DEAD_RELU, SATURATED_ACTIVATION)
+RULES = declare(DEAD_RELU_RULE, SATURATED_RULE)

@@ -5,7 +5,7 @@ GradientNormLogger
 Logs gradient norms (total and per layer), weight norms, the update/weight ratio and histograms,
 measured where the numbers are true: in ``on_before_optimizer_step``, on accumulated, unscaled,
 all-reduced and not yet clipped gradients. All values of a logging step go to the host in one transfer.
-The measuring is :mod:`lightning_gradguard.monitors.gradients.norms`, the clipping statistics
+The measuring is :mod:`lightning_gradguard.monitors.gradients.measure`, the clipping statistics
 :mod:`lightning_gradguard.functional.clipping`, the verdicts in words
 :mod:`lightning_gradguard.monitors.gradients.clipping` and
 :mod:`lightning_gradguard.monitors.gradients.ratio`; what is logged when, and when a verdict is due, are here.
@@ -33,8 +33,7 @@ from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.clipping import clip_window_stats
 from lightning_gradguard.monitors.gradients.clipping import clip_verdict
-from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
-from lightning_gradguard.monitors.gradients.norms import (
+from lightning_gradguard.monitors.gradients.measure import (
     ClipRing,
     NormReading,
     NormSample,
@@ -42,6 +41,7 @@ from lightning_gradguard.monitors.gradients.norms import (
     parse_norm_type,
     select_reading,
 )
+from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
 from lightning_gradguard.monitors.gradients.ratio import RatioWatch, ratio_finding
 from lightning_gradguard.tags import GRAD_CLIP, charts_of
 

@@ -2,7 +2,7 @@
 
 * :mod:`~lightning_gradguard.monitors.nan.callback`: the ``NaNSentinel`` callback (its hooks, the
   failure path in its order, the action, its checkpoint state);
-* :mod:`~lightning_gradguard.monitors.nan.step`: what it tracks during an optimizer step, the flags it
+* :mod:`~lightning_gradguard.monitors.nan.measure`: what it tracks during an optimizer step, the flags it
   reads in one collective and one host read, and the pure verdict they imply;
 * :mod:`~lightning_gradguard.monitors.nan.report`: the forensic report of a finding and its files
   (``report.json``, ``batch.pt``, ``last_good.ckpt``);

@@ -6,7 +6,7 @@ Fails a run the moment a loss, gradient or parameter turns NaN/inf: on every ran
 applies the poisoned update, with a forensic report that says where the value was born. This module holds
 the callback: its hooks, and the failure path in its order (the verdict, the report and its files while
 the callback is still as it was before the bad step, then the alert and the skip counters, then the
-action). What it sees of a step, and the verdict, are :mod:`lightning_gradguard.monitors.nan.step`; the
+action). What it sees of a step, and the verdict, are :mod:`lightning_gradguard.monitors.nan.measure`; the
 report and its files are :mod:`lightning_gradguard.monitors.nan.report`.
 """
 
@@ -26,7 +26,8 @@ from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.validate import check_bool, check_float, check_int, check_path
-from lightning_gradguard.monitors.nan import step as _nan
+from lightning_gradguard.monitors.nan import measure as _nan
+from lightning_gradguard.monitors.nan.measure import Finding, Flags, MicroBatch, SkipCounters
 from lightning_gradguard.monitors.nan.report import (
     Filed,
     NaNReport,
@@ -34,7 +35,6 @@ from lightning_gradguard.monitors.nan.report import (
     build_report,
     write_report,
 )
-from lightning_gradguard.monitors.nan.step import Finding, Flags, MicroBatch, SkipCounters
 
 
 class NaNSentinel(GradGuardCallback):
@@ -294,7 +294,7 @@ class NaNSentinel(GradGuardCallback):
 
         ``opt`` is ``None`` for a micro-batch judged under accumulation (``on_before_backward``), and
         ``previous`` the micro-batch before ``current``: see
-        :func:`~lightning_gradguard.monitors.nan.step.decide`, which takes the decision.
+        :func:`~lightning_gradguard.monitors.nan.measure.decide`, which takes the decision.
         """
         verdict = _nan.decide(
             flags,

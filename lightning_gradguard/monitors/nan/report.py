@@ -32,7 +32,7 @@ from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonfinite_counts
 from lightning_gradguard.monitors.nan.forensics import ForwardOrigin, replay_origin
-from lightning_gradguard.monitors.nan.step import (
+from lightning_gradguard.monitors.nan.measure import (
     NOT_REPLAYED,
     Finding,
     MicroBatch,

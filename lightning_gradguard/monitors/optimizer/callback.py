@@ -6,7 +6,7 @@ What the optimizer did with the gradient, and what it keeps: the effective step 
 between the update and the negative gradient per layer, Adam's moments (``exp_avg`` norm, RMS of
 ``sqrt(v_hat)``) or SGD's momentum buffer, and a count of the updates that were skipped, by cause.
 Measured on Lightning's logging steps only; all values of a step reach the host in one transfer. The
-measuring is :mod:`lightning_gradguard.monitors.optimizer.sample`, the math
+measuring is :mod:`lightning_gradguard.monitors.optimizer.measure`, the math
 :mod:`lightning_gradguard.functional.optimizer_state`, the rules' wording
 :mod:`lightning_gradguard.monitors.optimizer.rules`; the cadence, the tags and the verdicts are here.
 """
@@ -35,18 +35,18 @@ from lightning_gradguard.functional.optimizer_state import (
     epsilon_dominated,
     ratio_outliers,
 )
+from lightning_gradguard.monitors.optimizer.measure import (
+    OptimizerReading,
+    OptimizerSample,
+    ScaleWatch,
+    reading_scalars,
+)
 from lightning_gradguard.monitors.optimizer.rules import (
     OptimizerFinding,
     adam_step_finding,
     epsilon_finding,
     orphans_finding,
     outlier_finding,
-)
-from lightning_gradguard.monitors.optimizer.sample import (
-    OptimizerReading,
-    OptimizerSample,
-    ScaleWatch,
-    reading_scalars,
 )
 from lightning_gradguard.tags import OPTIMIZER, charts_of
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_gradguard.alerts import Rule, declare
-from lightning_gradguard.monitors.optimizer.sample import AdamStep
+from lightning_gradguard.monitors.optimizer.measure import AdamStep
 
 
 @dataclass(frozen=True)

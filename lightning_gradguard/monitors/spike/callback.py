@@ -8,7 +8,7 @@ coming, so that a real divergence is not skipped forever. While its windows warm
 with the run's own start instead, and says so when the loss climbs far above it (an early divergence).
 
 The callback holds the hooks, the windows, the counters and its checkpoint state, and logs the ``spike/*``
-scalars. What a step gathers and reads is :mod:`~lightning_gradguard.monitors.spike.step`, what makes a
+scalars. What a step gathers and reads is :mod:`~lightning_gradguard.monitors.spike.measure`, what makes a
 spike, the escalation and the alert's words :mod:`~lightning_gradguard.monitors.spike.rules`, the early
 divergence :mod:`~lightning_gradguard.monitors.spike.early`, ``spikes.json``
 :mod:`~lightning_gradguard.monitors.spike.records`, the score :mod:`lightning_gradguard.functional.spikes`.
@@ -37,6 +37,7 @@ from lightning_gradguard.core.snapshot import TrainingSnapshot, rollback_point
 from lightning_gradguard.core.validate import check_choice, check_float, check_int, check_path
 from lightning_gradguard.functional.spikes import SpikeScore, spike_score
 from lightning_gradguard.monitors.spike.early import EarlyWatch, early_alert
+from lightning_gradguard.monitors.spike.measure import StepInputs, read_step_values
 from lightning_gradguard.monitors.spike.records import SpikeRecord, read_skip_batches, record_spike
 from lightning_gradguard.monitors.spike.rules import (
     batch_variance_outlier,
@@ -45,7 +46,6 @@ from lightning_gradguard.monitors.spike.rules import (
     spike_alert,
     step_verdict,
 )
-from lightning_gradguard.monitors.spike.step import StepInputs, read_step_values
 from lightning_gradguard.tags import SPIKE, charts_of
 
 #: the accepted steps whose inputs must be seen before a batch's inputs are judged against them

@@ -8,7 +8,7 @@ zero or clipped to nothing, a weight decay that shrinks the weights away, 16-bit
 rounded away, a loss stuck at the chance level (of a classifier, or of a sequence model's tokens), a loader
 sorted by class. The rules are
 :mod:`lightning_gradguard.monitors.stall.rules`; the measuring is
-:mod:`lightning_gradguard.monitors.stall.probe`.
+:mod:`lightning_gradguard.monitors.stall.measure`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from lightning_gradguard.core.lr import adaptive_eps
 from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.validate import check_float, check_int
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds
-from lightning_gradguard.monitors.stall.probe import (
+from lightning_gradguard.monitors.stall.measure import (
     StallProbe,
     StallReading,
     has_low_precision,

@@ -29,7 +29,7 @@ from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.layers import log_distance_scores
 from lightning_gradguard.functional.stats import clean_name
-from lightning_gradguard.monitors.vanishing.norms import LayerNorms, read_layer_norms, watched_norms
+from lightning_gradguard.monitors.vanishing.measure import LayerNorms, read_layer_norms, watched_norms
 from lightning_gradguard.monitors.vanishing.order import ForwardOrder
 from lightning_gradguard.monitors.vanishing.rules import (
     GradientVerdict,

@@ -31,7 +31,7 @@ from lightning_gradguard.functional.activation_range import (
     output_moments,
     pool_moments,
 )
-from lightning_gradguard.monitors.activation_range.capture import find_blocks
+from lightning_gradguard.monitors.activation_range.measure import find_blocks
 
 D, HEADS, L = 16, 2, 6
 

@@ -1,5 +1,5 @@
 """DeadReLUMonitor in real Trainer runs on networks with a known number of dead units; its pieces on their own
-(the window math of ``monitors.dead_units.windows``, the ``monitors.dead_units.capture`` context
+(the window math of ``monitors.dead_units.rules``, the ``monitors.dead_units.measure`` context
 manager)."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from lightning_gradguard.alerts import GradGuardError
 from lightning_gradguard.core.sampling import NextCall
 from lightning_gradguard.functional.health import activity_counts, dead_units, saturation_counts, unit_dim
 from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
-from lightning_gradguard.monitors.dead_units.capture import MODE_ORDER, OUTSIDE_MODULES, ActivationCapture
-from lightning_gradguard.monitors.dead_units.windows import UnitCounts, UnitWindows, pool, window_summary
+from lightning_gradguard.monitors.dead_units.measure import MODE_ORDER, OUTSIDE_MODULES, ActivationCapture
+from lightning_gradguard.monitors.dead_units.rules import UnitCounts, UnitWindows, pool, window_summary
 
 F = nn.functional
 DEAD, UNITS = 12, 16

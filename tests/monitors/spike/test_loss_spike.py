@@ -289,7 +289,7 @@ def test_the_first_snapshot_is_taken_at_the_end_of_the_warmup(tmp_path: Path) ->
 def test_loss_only_guard_skips_the_gradient_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """grad_norm_threshold=None: the loss alone is judged (its jump is 1.8x: min_ratio 1.5) and the
     gradients are never read."""
-    import lightning_gradguard.monitors.spike.step as module
+    import lightning_gradguard.monitors.spike.measure as module
 
     calls: list[int] = []
     real = module.step_stats

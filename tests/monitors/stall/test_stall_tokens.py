@@ -22,7 +22,7 @@ from torch import nn
 from lightning_gradguard.core.lr import decay_factors
 from lightning_gradguard.monitors.stall.callback import StallDetector
 from lightning_gradguard.monitors.stall.check import loss_trend, token_entropy
-from lightning_gradguard.monitors.stall.probe import class_targets, token_targets
+from lightning_gradguard.monitors.stall.measure import class_targets, token_targets
 
 V, T = 48, 16
 

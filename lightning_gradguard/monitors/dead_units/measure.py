@@ -6,7 +6,7 @@ also an :class:`~lightning_gradguard.core.compile.Uncompiled` one: ``torch.compi
 inside it, so dynamo never traces (nor recompiles for) the mode and the hooks. Inside, it
 watches each ReLU output (``nn.ReLU``, ``nn.ReLU6``, in-place ReLUs, and ``F.relu`` / ``torch.relu`` /
 ``Tensor.relu`` called inside any ``forward``) and, on request, each ``sigmoid`` / ``tanh`` input, and
-keeps one :class:`~lightning_gradguard.monitors.dead_units.windows.UnitCounts` per layer (counted by
+keeps one :class:`~lightning_gradguard.monitors.dead_units.rules.UnitCounts` per layer (counted by
 :func:`~lightning_gradguard.functional.health.activity_counts` /
 :func:`~lightning_gradguard.functional.health.saturation_counts`, pooled over the capture's scopes; nothing
 leaves the device). :meth:`ActivationCapture.around_next_call` makes the scope exactly the next call of a
@@ -44,7 +44,7 @@ from lightning_gradguard.core.sampling import ScopedHooks
 from lightning_gradguard.core.state import strict_mode
 from lightning_gradguard.functional.health import activity_counts, saturation_counts, unit_dim
 from lightning_gradguard.functional.stats import clean_name
-from lightning_gradguard.monitors.dead_units.windows import UnitCounts, pool
+from lightning_gradguard.monitors.dead_units.rules import UnitCounts, pool
 
 #: what :class:`ActivationCapture` says (through its ``warn``) when it cannot see everything
 OUTSIDE_MODULES = (
@@ -124,7 +124,7 @@ class ActivationCapture(ScopedHooks):
     """Records the watched activations of ``model``'s forward passes inside ``with capture:``.
 
     Each scope is one forward pass (names with ``#2`` restart in each); the records of successive scopes
-    are pooled per layer (:func:`~lightning_gradguard.monitors.dead_units.windows.pool`: the micro-batches of
+    are pooled per layer (:func:`~lightning_gradguard.monitors.dead_units.rules.pool`: the micro-batches of
     one optimizer step). :meth:`close` ends the current scope early (before a backward pass that runs
     inside it, as in manual optimization); leaving the ``with`` block ends it in any case, also on an
     exception. Entering a scope that is already open does nothing.
@@ -137,7 +137,7 @@ class ActivationCapture(ScopedHooks):
         watch: which layers (by name) are measured; the others cost a name lookup (``None``: all).
 
     Attributes:
-        records: per layer name, its :class:`~lightning_gradguard.monitors.dead_units.windows.UnitCounts`, in
+        records: per layer name, its :class:`~lightning_gradguard.monitors.dead_units.rules.UnitCounts`, in
             the order the layers were first reached.
         outside_seen: a watched call was made outside every module's ``forward`` (not recorded).
         error: what stopped the recording (an activation we could not measure); the records are partial.

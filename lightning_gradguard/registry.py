@@ -9,22 +9,17 @@ lightning_gradguard`` does not import it until ``ALERT_KINDS`` is first used.
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
+from lightning_gradguard import monitors
 from lightning_gradguard.alerts import Rule, alert_kinds, kinds_table
 
-#: the module declaring each monitor's rules, in the order of the docs table (the pre-flight checks first)
-DECLARED_IN = (
-    "lightning_gradguard.monitors.overfit.rules",
-    "lightning_gradguard.monitors.gradcheck.rules",
-    "lightning_gradguard.monitors.lr_finder.rules",
-    "lightning_gradguard.monitors.gradients.rules",
-    "lightning_gradguard.monitors.nan.rules",
-    "lightning_gradguard.monitors.vanishing.rules",
-    "lightning_gradguard.monitors.dead_units.rules",
-    "lightning_gradguard.monitors.spike.rules",
-    "lightning_gradguard.monitors.activation_range.rules",
-    "lightning_gradguard.monitors.optimizer.rules",
-    "lightning_gradguard.monitors.stall.rules",
+#: the module declaring each monitor's rules: every ``monitors/<name>/rules.py``, found (a new monitor's
+#: folder is all it takes), in the order of the monitors' names
+DECLARED_IN = tuple(
+    f"{monitors.__name__}.{m.name}.rules"
+    for m in sorted(pkgutil.iter_modules(monitors.__path__), key=lambda m: m.name)
+    if m.ispkg
 )
 
 #: every declared rule, monitor by monitor

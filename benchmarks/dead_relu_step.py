@@ -2,7 +2,8 @@
 
 One ``Trainer.fit`` of the overhead benchmark's transformer encoder (``benchmarks/overhead.py``: 5.3 M
 parameters, ReLU feed-forward blocks called as ``F.relu`` inside ``nn.TransformerEncoderLayer``) with
-``DeadReLUMonitor(sample_every_n_steps=2, window=1, patience=1)``: every other step is sampled (capture mode,
+``DeadReLUMonitor(sample_every_n_steps=2, window_samples=1, patience=1)``: every other step is sampled
+(capture mode,
 module hooks, on-device reductions, the one host transfer and the window bookkeeping; which ones is
 asked of the monitor, ``monitor.due(step)``), the others are plain, so the two kinds alternate under
 identical conditions. Each round also runs the same fit without any
@@ -73,11 +74,11 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     cfg = ModelConfig()
     skip = 10
-    fit(cfg, 12, DeadReLUMonitor(sample_every_n_steps=2, window=1, patience=1))  # untimed warm-up
+    fit(cfg, 12, DeadReLUMonitor(sample_every_n_steps=2, window_samples=1, patience=1))  # untimed warm-up
     rows = []
     start = time.perf_counter()
     for r in range(args.rounds):
-        monitor = DeadReLUMonitor(sample_every_n_steps=2, window=1, patience=1)
+        monitor = DeadReLUMonitor(sample_every_n_steps=2, window_samples=1, patience=1)
         times = fit(cfg, args.steps, monitor, args.clock)[skip:]
         bare = statistics.median(fit(cfg, args.steps, None, args.clock)[skip:])
         # which steps were sampled is the monitor's own rule (Lightning's logging rule: odd steps here)

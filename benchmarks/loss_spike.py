@@ -404,7 +404,7 @@ def run(sc: Scenario, seed: int, variant: str, data: Data, guard_kwargs: Mapping
     if guard is not None:
         out.alerts = [r.step for r in guard.records]
         out.actions = [r.action for r in guard.records]
-        out.skipped, out.rollbacks = guard.skipped_steps, guard.rollbacks
+        out.skipped, out.rollbacks = guard.dropped_steps, guard.rollbacks
     if counter is not None:
         out.passive_lightning = list(counter.steps)
     return out

@@ -406,7 +406,7 @@ def run(sc: Scenario, seed: int) -> Run:
         sc.name,
         seed,
         int(trainer.global_step),
-        skipped=guard.skipped_steps,
+        skipped=guard.dropped_steps,
         rollbacks=guard.rollbacks,
         spikes=scores.spikes,
         early_alert_step=early_steps[0] if early_steps else None,

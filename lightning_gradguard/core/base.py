@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -94,6 +95,15 @@ class GradGuardCallback(Callback):
     #: the ``__init__`` arguments that tell two instances of the callback apart in a checkpoint (never
     #: ``action``: a run resumed with another action keeps its state)
     state_key_args: tuple[str, ...] = ()
+    #: constructor arguments renamed, old keyword -> new one: the old keyword is still accepted for one
+    #: release, with a ``DeprecationWarning`` naming the new one (the signature, and so LightningCLI, shows
+    #: the new name only)
+    renamed_args: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.renamed_args and "__init__" in vars(cls):
+            cls.__init__ = _accepting_renamed(cls.__init__, cls.renamed_args)  # type: ignore[method-assign]
 
     def __init__(self, *, action: str = "warn", cooldown_steps: int = DEFAULT_COOLDOWN_STEPS) -> None:
         self.action: str = check_choice("action", action, self.allowed_actions)
@@ -132,6 +142,13 @@ class GradGuardCallback(Callback):
         """
         return getattr(trainer, "ckpt_path", None) is None and global_step(trainer) == 0
 
+    def reset_run(self) -> None:
+        """Forget what belongs to one run: called by :meth:`on_fit_start` when the fit starts a new run
+        (:meth:`fresh_run`), never on a resume. A subclass that keeps per-run state (windows, histories,
+        counters) extends it and calls ``super().reset_run()``; what lives within one fit only (a step
+        being gathered, a snapshot) is forgotten in ``on_fit_start`` instead."""
+        self._last_reported.clear()  # an earlier run's cooldowns do not silence this one's alerts
+
     @staticmethod
     def _layout(trainer: pl.Trainer) -> dict[str, list[str]]:
         charts: dict[str, list[str]] = {}
@@ -143,8 +160,8 @@ class GradGuardCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._step_cache = step_cache(trainer)
-        if self.fresh_run(trainer):  # an earlier run's cooldowns do not silence this one's alerts
-            self._last_reported.clear()
+        if self.fresh_run(trainer):
+            self.reset_run()
         _emit.write_layout(trainer, self._layout(trainer))
         frozen = frozen_summary(pl_module)
         if frozen is not None:  # once per Trainer, whichever gradguard callback starts first
@@ -237,6 +254,28 @@ class GradGuardCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_reported = dict(state_dict.get("last_reported", {}))
+
+
+def _accepting_renamed(init: Callable[..., None], renamed: dict[str, str]) -> Callable[..., None]:
+    """``init`` that also takes each old keyword of ``renamed``, warning that it is deprecated."""
+
+    @functools.wraps(init)  # inspect.signature follows __wrapped__: the new names only
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        for old, new in renamed.items():
+            if old not in kwargs:
+                continue
+            if new in kwargs:
+                raise TypeError(f"{type(self).__name__}() got both {old!r} and its new name {new!r}")
+            warnings.warn(
+                f"{type(self).__name__}({old}=...) is deprecated: use {new}=... (the old name goes in the "
+                "next release)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+
+    return wrapper
 
 
 def frozen_summary(module: Any, shown: int = 4) -> str | None:

@@ -4,11 +4,13 @@ Every gradguard chart is written at the step Lightning logs its own training met
 (:func:`log_step`), on Lightning's rule ``(step + 1) % every == 0`` plus the first step
 (:func:`on_logging_step`), with ``every`` from :func:`logging_interval` (``0``: never, as in Lightning).
 A detection rule checks on the same rule after a dense start (:func:`check_due`): a fault visible at step 0
-is named within a few steps, not at the cadence's third check.
+is named within a few steps, not at the cadence's third check. A callback tests its cadence with these
+functions only (or ``GradGuardCallback`` methods built on them), never with its own ``step % n``.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import lightning.pytorch as pl
@@ -51,9 +53,31 @@ def on_logging_step(at: int, every: int) -> bool:
 
 
 def check_due(at: int, every: int, dense: int) -> bool:
-    """Whether logging step ``at`` is a detection check: every step below ``dense``, then Lightning's rule
-    (``(at + 1) % every == 0``) plus step 0; ``every=0`` leaves the dense start alone."""
-    return at < dense or on_logging_step(at, every)
+    """Whether logging step ``at`` is a detection check (or a sampled step): every step below ``dense``,
+    then Lightning's rule (``(at + 1) % every == 0``) plus step 0; ``every=0`` leaves the dense start alone.
+
+    The test of every monitor's hot path: one call, :func:`on_logging_step` written out.
+    """
+    return at < dense or (every > 0 and (at == 0 or (at + 1) % every == 0))
+
+
+def next_due(at: int, every: int, dense: int) -> int:
+    """The first logging step from ``at`` on that :func:`check_due` accepts (``sys.maxsize``: none).
+
+    A hook that runs every step keeps it and tests ``at >= next`` (no call on the steps between), then
+    asks :func:`check_due` and moves it on with ``next_due(at + 1, ...)`` once ``at`` reaches it.
+    """
+    if at < dense or (every > 0 and at == 0):
+        return at
+    if every <= 0:
+        return sys.maxsize
+    return at + (-(at + 1)) % every  # the smallest s >= at with (s + 1) % every == 0
+
+
+def every_nth(done: int, every: int) -> bool:
+    """Whether ``done`` (optimizer steps taken so far) completes one more period of ``every``: a positive
+    multiple of it; never for ``every=0`` (a check "every N steps" that starts after the N-th step)."""
+    return every > 0 and done > 0 and done % every == 0
 
 
 def optimizer_index(trainer: pl.Trainer, optimizer: Any) -> int:

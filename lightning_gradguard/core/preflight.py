@@ -82,6 +82,7 @@ class PreflightCheck(GradGuardCallback):
     """
 
     error_type = SanityCheckError
+    allowed_actions = ("raise", "warn", "stop")
     #: why the check cannot run under a sharded strategy (FSDP, DeepSpeed): the middle of its warning
     sharded_reason = "a rank holds only pieces of the sharded parameters"
 

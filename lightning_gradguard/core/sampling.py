@@ -196,9 +196,12 @@ class SamplingMonitor(GradGuardCallback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):
-            self.progress = LossProgress()
         self._forget_sample()
+
+    @override
+    def reset_run(self) -> None:
+        super().reset_run()
+        self.progress = LossProgress()
 
     @override
     def on_train_batch_start(

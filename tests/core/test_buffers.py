@@ -143,7 +143,7 @@ def test_a_corrupt_batch_is_named_and_skipped_by_the_guard_with_the_statistics_o
     model, seen = Faulty({40: fault}), Buffers()
     guard = LossSpikeGuard()
     _fit(model, [seen, guard], 42, tmp_path)
-    assert [(r.step, r.action) for r in guard.records] == [(40, "skip")] and guard.skipped_steps == 1
+    assert [(r.step, r.action) for r in guard.records] == [(40, "skip")] and guard.dropped_steps == 1
     assert guard.records[0].batch_variance_factor is not None and guard.records[0].batch_variance_factor > 1e5
     alerts = [a for a in guard.alerts if a.kind == "batch_statistics_outlier"]
     assert [a.step for a in alerts] == [40] and "BatchNorm" in alerts[0].message

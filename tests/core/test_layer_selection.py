@@ -232,7 +232,7 @@ def test_the_detector_judges_only_watched_layers_and_caps_its_flow(memory_logger
 # ------------------------------------------------------------------------------ DeadReLUMonitor
 def test_dead_relu_patterns_skip_layers_and_the_cap_shows_the_dead_one(memory_logger: MemoryLogger) -> None:
     dead = 17
-    quiet = DeadReLUMonitor(window=2, patience=1, exclude=rf"^acts\.{dead}$")
+    quiet = DeadReLUMonitor(window_samples=2, patience=1, exclude=rf"^acts\.{dead}$")
     make_trainer([quiet], max_steps=4).fit(DeepMLP(dead=(dead,)), random_loader(n=32))
     assert (
         quiet.alerts == []
@@ -240,7 +240,7 @@ def test_dead_relu_patterns_skip_layers_and_the_cap_shows_the_dead_one(memory_lo
         and len(quiet.dead_fractions) == DEPTH - 1
     )
 
-    capped = DeadReLUMonitor(window=2, patience=1, max_layers=4, include=r"^acts\.")
+    capped = DeadReLUMonitor(window_samples=2, patience=1, max_layers=4, include=r"^acts\.")
     make_trainer([capped], logger=memory_logger, max_steps=4).fit(DeepMLP(dead=(dead,)), random_loader(n=32))
     assert [a.where for a in capped.alerts if a.kind == "dead_relu"] == [f"acts.{dead}"]
     shown = per_layer(memory_logger.calls, "dead_relu")

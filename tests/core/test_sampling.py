@@ -17,7 +17,7 @@ from lightning_gradguard import ActivationRangeMonitor, DeadReLUMonitor
 from lightning_gradguard.core.sampling import SamplingMonitor
 
 MONITORS = [
-    lambda: DeadReLUMonitor(sample_every_n_steps=1, window=1, patience=1),
+    lambda: DeadReLUMonitor(sample_every_n_steps=1, window_samples=1, patience=1),
     lambda: ActivationRangeMonitor(sample_every_n_steps=1),
 ]
 

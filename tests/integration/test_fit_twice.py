@@ -8,10 +8,12 @@ trains nothing; one with a higher limit continues at the step the first reached)
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from conftest import MemoryLogger, RecordingMLP, make_trainer, random_loader
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_gradguard import (
     DeadReLUMonitor,
@@ -21,15 +23,16 @@ from lightning_gradguard import (
     StallDetector,
     VanishingExplodingDetector,
 )
+from lightning_gradguard.core.base import GradGuardCallback
 
 
 def _callbacks() -> list[Any]:
     return [
         GradientNormLogger(log_every_n_steps=2, clip_window=10),
         VanishingExplodingDetector(check_every_n_steps=1),
-        DeadReLUMonitor(sample_every_n_steps=1, window=2, patience=1),
+        DeadReLUMonitor(sample_every_n_steps=1, window_samples=2, patience=1),
         NaNSentinel(),
-        LossSpikeGuard(warmup_steps=8, window=8),
+        LossSpikeGuard(warmup_steps=8, window_steps=8),
         StallDetector(check_every_n_steps=2),
     ]
 
@@ -91,3 +94,36 @@ def test_a_new_trainer_starts_a_new_run() -> None:
     )
     again = _state(callbacks)
     assert again["clip_seen"] == 12 and again["relu_sampled"] == 12 and len(again["ved_history"]) == 12
+
+
+class _Counting(GradGuardCallback):
+    """The base's lifecycle seen from a subclass: how often it asked for a fresh-run reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resets = 0
+
+    def reset_run(self) -> None:
+        super().reset_run()
+        self.resets += 1
+
+
+def test_the_base_resets_a_new_run_and_never_a_continued_or_resumed_one(tmp_path: Path) -> None:
+    """``reset_run`` is the one fresh-run hook: the base calls it when a fit starts a new run (a new
+    Trainer at step 0, no ``ckpt_path``) and neither on a second ``fit()`` that continues the Trainer's
+    run nor on a resume from a checkpoint; it also forgets the cooldowns of the earlier run."""
+    counting = _Counting()
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    trainer = make_trainer([counting, ckpt], max_epochs=1, enable_checkpointing=True)
+    counting._last_reported["kind@where"] = 0
+    trainer.fit(_model(), random_loader(n=32))
+    assert counting.resets == 1 and counting._last_reported == {}
+    counting._last_reported["kind@where"] = 3
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(_model(), random_loader(n=32))  # continues the Trainer's run
+    assert counting.resets == 1 and counting._last_reported == {"kind@where": 3}
+    resumed = make_trainer([counting], max_epochs=3)
+    resumed.fit(_model(), random_loader(n=32), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert counting.resets == 1 and resumed.global_step > trainer.global_step
+    make_trainer([counting], max_epochs=1).fit(_model(), random_loader(n=32))  # a new run
+    assert counting.resets == 2

@@ -241,10 +241,10 @@ def test_corrupt_inputs_a_scale_invariant_model_hides_are_an_outlier() -> None:
     trainer.fit(Classifier(norm_inputs=True), torch.utils.data.DataLoader(data, batch_size=8))
     assert [(a.kind, a.step) for a in guard.alerts] == [("batch_statistics_outlier", 20)]
     batches = data.x.reshape(30, 8, 8).square().mean(dim=(1, 2))
-    expected = float(batches[20] / batches[max(0, 20 - guard.window) : 20].median())
+    expected = float(batches[20] / batches[max(0, 20 - guard.window_steps) : 20].median())
     record = guard.records[0]
     assert record.inputs_factor == pytest.approx(expected, rel=0.3) and record.inputs_factor > 1e5
-    assert record.action == "skip" and guard.skipped_steps == 1
+    assert record.action == "skip" and guard.dropped_steps == 1
 
     twin = LossSpikeGuard(action="skip")
     make_trainer([twin], max_steps=30, max_epochs=-1).fit(Classifier(norm_inputs=True), random_loader(n=240))

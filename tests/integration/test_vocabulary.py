@@ -139,7 +139,7 @@ TRIGGERS: dict[str, tuple[Any, str, str]] = {
         "nonfinite_loss",
     ),
     "LossSpikeGuard": (
-        lambda a, d: LossSpikeGuard(action=a, warmup_steps=8, window=8),
+        lambda a, d: LossSpikeGuard(action=a, warmup_steps=8, window_steps=8),
         "spike",
         "loss_spike",
     ),
@@ -149,7 +149,7 @@ TRIGGERS: dict[str, tuple[Any, str, str]] = {
         "exploding_gradient",
     ),
     "DeadReLUMonitor": (
-        lambda a, d: DeadReLUMonitor(action=a, sample_every_n_steps=1, window=1, patience=1),
+        lambda a, d: DeadReLUMonitor(action=a, sample_every_n_steps=1, window_samples=1, patience=1),
         "dead",
         "dead_relu",
     ),
@@ -196,3 +196,89 @@ def test_every_action_has_its_effect(name: str, action: str, tmp_path: Any) -> N
         assert trainer.global_step == MAX_STEPS and callback.rollbacks == 1
     if name == "NaNSentinel":  # the poisoned update is applied under "warn" only
         assert finite is (action != "warn")
+
+
+# ------------------------------------------------------------------------------------- one meaning per name
+#: argument names two or more callbacks share, and the one thing each means (a word its docstring says)
+SHARED_NAMES: dict[str, str] = {
+    "patience": "consecutive",  # consecutive checks (or full windows) before a finding is reported
+    "dense_steps": "every step",
+    "warmup_steps": "step",
+    "history_size": "recent",
+    "growth_window": "look",  # sampled steps or checks the growth rule looks back over
+}
+#: names that meant two things across callbacks before 0.2, and what each became (the old name is only a
+#: deprecated keyword now)
+RENAMED = {
+    LossSpikeGuard: {"window": "window_steps", "patience": "escalate_after"},
+    DeadReLUMonitor: {"window": "window_samples"},
+}
+
+
+def _documented(cls: type) -> dict[str, str]:
+    """The ``Args:`` entries of a callback's docstring: name -> its text, on one line."""
+    doc = (cls.__doc__ or "").split("Args:", 1)[-1].split("\n\n", 1)[0]
+    found: dict[str, str] = {}
+    for line in doc.splitlines():
+        head, _, text = line.strip().partition(": ")
+        if line.startswith("        ") and not line.startswith("            ") and head.isidentifier():
+            found[head] = text
+        elif found:
+            found[list(found)[-1]] += " " + line.strip()
+    return found
+
+
+def test_one_meaning_per_shared_argument_name() -> None:
+    """A name two callbacks take means one thing: ``window`` is gone (``window_steps`` counts optimizer
+    steps, ``window_samples`` sampled ones) and ``patience`` always counts checks before an alert."""
+    users: dict[str, list[type]] = {}
+    for cls in ALL:
+        for name in _parameters(cls):
+            users.setdefault(name, []).append(cls)
+    for name, word in SHARED_NAMES.items():
+        assert len(users.get(name, [])) >= 2, name
+        for cls in users[name]:
+            assert word in _documented(cls)[name], (cls.__name__, name)
+    assert "window" not in users and "skipped_steps" not in vars(LossSpikeGuard).get("__annotations__", {})
+    for cls, renames in RENAMED.items():
+        for old, new in renames.items():
+            assert new in _parameters(cls) and old not in _parameters(cls), (cls.__name__, old)
+
+
+@pytest.mark.parametrize("cls", list(RENAMED), ids=lambda c: c.__name__)
+def test_a_renamed_argument_is_accepted_once_more_with_a_deprecation_warning(cls: type) -> None:
+    for old, new in RENAMED[cls].items():
+        with pytest.warns(DeprecationWarning, match=rf"\b{new}\b"):
+            callback = cls(**{old: 9})
+        assert getattr(callback, new) == 9
+        with pytest.raises(TypeError, match=new):
+            cls(**{old: 9, new: 9})
+
+
+def test_the_guard_counts_its_own_drops_as_dropped_steps() -> None:
+    """``skipped_steps`` is the GradScaler's count (NaNSentinel, the LR finder's result); the guard's own
+    drops are ``dropped_steps``, and its old ``skipped_steps`` reads them with a warning."""
+    guard = LossSpikeGuard()
+    guard.dropped_steps = 3
+    with pytest.warns(DeprecationWarning, match="dropped_steps"):
+        assert guard.skipped_steps == 3
+    assert isinstance(vars(NaNSentinel)["skipped_steps"], property)  # the GradScaler's skips, not renamed
+
+
+def test_lightning_cli_shows_the_new_names_only(capsys: Any) -> None:
+    from conftest import RecordingMLP
+    from lightning.pytorch.cli import LightningCLI
+
+    args = ["--trainer.callbacks=lightning_gradguard.LossSpikeGuard", "--trainer.callbacks.help"]
+    with pytest.raises(SystemExit):
+        LightningCLI(RecordingMLP, run=False, args=[*args, "lightning_gradguard.LossSpikeGuard"])
+    out = capsys.readouterr().out
+    assert "--trainer.callbacks.window_steps" in out and "--trainer.callbacks.escalate_after" in out
+    assert "callbacks.window " not in out and "callbacks.patience " not in out
+
+
+def test_action_is_the_first_argument_wherever_it_exists() -> None:
+    for cls in ALL:
+        names = list(_parameters(cls))[1:]  # after self
+        if "action" in names:
+            assert names[0] == "action", cls.__name__

@@ -26,7 +26,7 @@ import lightning_gradguard.monitors.spike.records as spike_records
 from lightning_gradguard import LossSpikeError, LossSpikeGuard
 
 THRESHOLDS: dict[str, Any] = dict(
-    loss_threshold=6.0, grad_norm_threshold=6.0, min_ratio=2.0, window=16, warmup_steps=8
+    loss_threshold=6.0, grad_norm_threshold=6.0, min_ratio=2.0, window_steps=16, warmup_steps=8
 )
 WRITES: list[str] = []
 _write = spike_records.write_spikes

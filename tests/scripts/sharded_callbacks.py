@@ -4,7 +4,8 @@ The callbacks beside the norms, under the strategy named by OUTDIR (``ddp``, ``f
 up as in ``sharded_norms.py``). The same model (a ReLU MLP whose first layer has units that never fire),
 data and seed under every strategy; fits in one process group, each writing OUTDIR/<fit><rank>.json:
 
-1. ``guard``: DeadReLUMonitor (every step, window 2) and LossSpikeGuard(action="skip", patience=1) with
+1. ``guard``: DeadReLUMonitor (every step, window_samples 2) and LossSpikeGuard(action="skip",
+   escalate_after=1) with
    a rollback point at the end of its warm-up; rank 1's loss is multiplied by 100 at steps ``SPIKES``:
    the first spike is skipped, the second (a streak of two) rolled back. Every rank records, at the end of
    every step, the whole weights (gathered: ``summon_full_params`` / ``DTensor.full_tensor``), the dead
@@ -164,8 +165,10 @@ class Recorder(pl.Callback):
 
 
 def guard_run(kind: str, out: Path) -> None:
-    guard = LossSpikeGuard(action="skip", patience=1, warmup_steps=8, window=8, snapshot_every_n_steps=100)
-    relu = DeadReLUMonitor(sample_every_n_steps=1, window=2, patience=1, log_histograms=False)
+    guard = LossSpikeGuard(
+        action="skip", escalate_after=1, warmup_steps=8, window_steps=8, snapshot_every_n_steps=100
+    )
+    relu = DeadReLUMonitor(sample_every_n_steps=1, window_samples=2, patience=1, log_histograms=False)
     recorder = Recorder(guard, relu)
     t = trainer(kind, out / "guard", [guard, relu, recorder])
     with warnings.catch_warnings(record=True) as caught:

@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS
-from lightning_gradguard.core.cadence import logging_interval
+from lightning_gradguard.core.cadence import logging_interval, on_logging_step
 from lightning_gradguard.core.layers import LayerSelection, cap_scalars
 from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
@@ -170,14 +170,17 @@ class ActivationRangeMonitor(SamplingMonitor):
         super().on_fit_start(trainer, pl_module)
         self._blocks = None
         self._every = self._cadence(trainer)[0]  # the Trainer's logging interval is fixed for the fit
-        if self.fresh_run(trainer):
-            self._history, self.ranges, self.max_logits, self.sampled_steps = [], {}, {}, 0
-            self.entropies, self._entropy_starts = {}, {}
+
+    @override
+    def reset_run(self) -> None:
+        super().reset_run()
+        self._history, self.ranges, self.max_logits, self.sampled_steps = [], {}, {}, 0
+        self.entropies, self._entropy_starts = {}, {}
 
     # ------------------------------------------------------------------ the sampled step
     @override
     def sample_due(self, trainer: pl.Trainer, at: int) -> bool:
-        return at == 0 or (at + 1) % self._every == 0  # Lightning's logging rule, plus step 0
+        return on_logging_step(at, self._every)  # Lightning's logging rule, plus step 0
 
     @override
     def new_capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RangeCapture:

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS
-from lightning_gradguard.core.cadence import log_step, logging_interval
+from lightning_gradguard.core.cadence import check_due, log_step, logging_interval
 from lightning_gradguard.core.layers import LayerSelection, cap_scalars
 from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
@@ -35,15 +35,17 @@ class DeadReLUMonitor(SamplingMonitor):
     in-place ReLUs, ``F.relu`` / ``torch.relu`` / ``Tensor.relu`` inside any ``forward``), through a
     ``TorchFunctionMode`` and global module hooks that exist only during the sampled ``training_step``
     (:class:`~lightning_gradguard.monitors.dead_units.measure.ActivationCapture`, which also names the layers:
-    ``"encoder.block3:relu(fc1)"``, ``"net.act#2"``). Sampled: every step while ``global_step < window +
-    patience - 1``, then every ``sample_every_n_steps``; a sample that finds more than ``threshold`` of a
-    layer silent is followed up on the next ``window + patience - 1`` steps (follow-ups start none). Calls
+    ``"encoder.block3:relu(fc1)"``, ``"net.act#2"``). Sampled: every step while ``global_step <
+    window_samples + patience - 1``, then every ``sample_every_n_steps``; a sample that finds more than
+    ``threshold`` of a layer silent is followed up on the next ``window_samples + patience - 1`` steps
+    (follow-ups start none). Calls
     outside every module's ``forward`` (loss code) and outputs of fewer than 2 dimensions are not layers.
 
     A *unit* is a feature of a ``Linear`` output (last dimension) or a channel of a ``ConvNd`` output
     (dimension 1). One sample is one optimizer step (its micro-batches pooled; one batch in manual
     optimization). A unit is *active* on a step if it output a non-zero value for some sample of the
-    step, *dead* if inactive in each of the last ``window`` sampled steps. Reductions stay on the device;
+    step, *dead* if inactive in each of the last ``window_samples`` sampled steps. Reductions stay on the
+    device;
     one vector per sampled step comes to the host (all-reduced first: every rank reaches one verdict).
 
     Logged per layer: ``dead_relu/<layer>`` (dead fraction) and, to TensorBoard, a histogram
@@ -57,9 +59,12 @@ class DeadReLUMonitor(SamplingMonitor):
     and alert ``saturated_activation`` (warning) fires above ``saturation_threshold``.
 
     Args:
+        action: what a ``dead_relu`` finding does: ``"warn"`` (default) reports it, ``"stop"`` ends the run
+            (``trainer.should_stop``), ``"raise"`` raises :class:`~lightning_gradguard.GradGuardError`
+            on every rank. Saturation findings are reported only.
         sample_every_n_steps: sample one training step in this many (after the first
-            ``window + patience - 1``).
-        window: sampled steps a unit must stay silent in to count as dead.
+            ``window_samples + patience - 1``).
+        window_samples: sampled steps a unit must stay silent in to count as dead (was ``window``).
         threshold: dead fraction of a layer above which it is reported (SageMaker's and the classic 0.5).
         patience: consecutive full-window checks above the threshold before the alert.
         check_saturation: also watch sigmoid/tanh saturation.
@@ -70,9 +75,6 @@ class DeadReLUMonitor(SamplingMonitor):
             see :class:`~lightning_gradguard.core.layers.LayerSelection`.
         exclude: activation layers whose name matches are not watched.
         max_layers: a cap on the curves per chart, the most dead layers first (``None``: no cap).
-        action: what a ``dead_relu`` finding does: ``"warn"`` (default) reports it, ``"stop"`` ends the run
-            (``trainer.should_stop``), ``"raise"`` raises :class:`~lightning_gradguard.GradGuardError`
-            on every rank. Saturation findings are reported only.
         cooldown_steps: minimum steps between two alerts for the same layer.
 
     Example::
@@ -84,13 +86,17 @@ class DeadReLUMonitor(SamplingMonitor):
         print(monitor.dead_fractions)   # {"net.1": 0.03, "net.3": 0.97, ...}
     """
 
+    allowed_actions = ("warn", "stop", "raise")
+    #: 0.x name: ``window`` was a count of sampled steps here and of optimizer steps in LossSpikeGuard
+    renamed_args = {"window": "window_samples"}
     state_key_args = ("sample_every_n_steps",)
 
     def __init__(
         self,
         *,
+        action: Literal["warn", "stop", "raise"] = "warn",
         sample_every_n_steps: int = 50,
-        window: int = 4,
+        window_samples: int = 4,
         threshold: float = 0.5,
         patience: int = 2,
         check_saturation: bool = True,
@@ -100,12 +106,11 @@ class DeadReLUMonitor(SamplingMonitor):
         include: str | list[str] | None = None,
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
-        action: Literal["warn", "stop", "raise"] = "warn",
         cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
         self.sample_every_n_steps: int = check_int("sample_every_n_steps", sample_every_n_steps, 1)
-        self.window: int = check_int("window", window, 1)
+        self.window_samples: int = check_int("window_samples", window_samples, 1)
         self.threshold: float = check_float("threshold", threshold, 0.0, 1.0)
         self.patience: int = check_int("patience", patience, 1)
         self.check_saturation = check_bool("check_saturation", check_saturation)
@@ -118,7 +123,8 @@ class DeadReLUMonitor(SamplingMonitor):
         self.saturated_fractions: dict[str, float] = {}
         #: how many optimizer steps were sampled (batches, in manual optimization); micro-batches pooled
         self.sampled_batches = 0
-        self._windows = UnitWindows(self.window)  # and the strikes of each finding
+        self._windows = UnitWindows(self.window_samples)  # and the strikes of each finding
+        self._dense = self.window_samples + self.patience - 1  # every step is sampled below this one
         self._follow_left = 0  # sampled steps still to take at once: a layer looked dead on a sample
         self._following = False  # the open sample is a follow-up
 
@@ -134,11 +140,11 @@ class DeadReLUMonitor(SamplingMonitor):
         the x of the loss and of the gradient histograms; every step at the start. Under
         ``accumulate_grad_batches`` all micro-batches of a due optimizer step are watched, as one sample.
         """
-        return step < self.window + self.patience - 1 or (step + 1) % self.sample_every_n_steps == 0
+        return check_due(step, self.sample_every_n_steps, self._dense)
 
     @override
     def sample_due(self, trainer: pl.Trainer, at: int) -> bool:
-        return self.due(at) or self._follow_left > 0
+        return self._follow_left > 0 or check_due(at, self.sample_every_n_steps, self._dense)
 
     @override
     def new_capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ActivationCapture:
@@ -150,11 +156,14 @@ class DeadReLUMonitor(SamplingMonitor):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):  # a new run is judged on its own sampled steps
-            self._windows = UnitWindows(self.window)
-            self.dead_fractions, self.saturated_fractions = {}, {}
-            self.sampled_batches, self._follow_left = 0, 0
         self._following = False
+
+    @override
+    def reset_run(self) -> None:
+        super().reset_run()
+        self._windows = UnitWindows(self.window_samples)  # a new run is judged on its own sampled steps
+        self.dead_fractions, self.saturated_fractions = {}, {}
+        self.sampled_batches, self._follow_left = 0, 0
 
     # ------------------------------------------------------------------ after the sampled step
     @override
@@ -209,7 +218,7 @@ class DeadReLUMonitor(SamplingMonitor):
         # nothing it needed (a RegNet's 4-unit squeeze-excitation gate): dead units harm a run that does
         # not learn, and one that learned and then diverges. Units dead from the start (the first full
         # windows' verdict) are the initialization's fault, whatever the loss does.
-        learning = self.sampled_batches > self.window + self.patience - 1 and self.progress.learning()
+        learning = self.sampled_batches > self.window_samples + self.patience - 1 and self.progress.learning()
         alerts = [
             self.report(trainer, f.kind, f.severity, f.where, f.message, f.hint, f.data, step=step)
             for f in verdict.findings
@@ -226,11 +235,12 @@ class DeadReLUMonitor(SamplingMonitor):
             for i, tag in enumerate(rates):
                 _emit.log_histogram_raw(trainer, tag, spec.stats[i], spec.edges[i], spec.counts[i], at)
         # A regular sample that looks dead (more than `threshold` of a layer's units silent on this very
-        # step) is followed up at once: the next window + patience - 1 steps are sampled too, so a layer
-        # that died mid-run is confirmed within a few steps, not every_n_steps x (window + patience - 1).
+        # step) is followed up at once: the next window_samples + patience - 1 steps are sampled too, so a
+        # layer that died mid-run is confirmed within a few steps, not every_n_steps x (window_samples +
+        # patience - 1).
         # Follow-ups do not start new follow-ups.
-        if verdict.suspicious and not self._following and step >= self.window + self.patience - 1:
-            self._follow_left = self.window + self.patience - 1
+        if verdict.suspicious and not self._following and step >= self.window_samples + self.patience - 1:
+            self._follow_left = self.window_samples + self.patience - 1
         self.act(trainer, [a for a in alerts if a is not None])
 
     # ------------------------------------------------------------------ state

@@ -271,7 +271,7 @@ DEAD_RELU_RULE = Rule(
     summary="most units of a ReLU layer output 0 for every sample over a window of sampled batches",
     when=(
         "more than `threshold` (0.5) of a ReLU layer's units gave 0 for every sample of the last "
-        "`window` (4) sampled optimizer steps, on `patience` (2) consecutive full-window checks, "
+        "`window_samples` (4) sampled optimizer steps, on `patience` (2) consecutive full-window checks, "
         "while the run is not learning (the median of its last three sampled losses above half its "
         "start): units that stopped firing in a run that learns cost it nothing it needed. Units "
         "dead from the start (the first verdict, step 4) are always named."

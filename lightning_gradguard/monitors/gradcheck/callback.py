@@ -88,6 +88,7 @@ def gradient_check(
     :mod:`~lightning_gradguard.monitors.gradcheck.engine`. Other arguments: :class:`GradientCheck`.
 
     Args:
+        action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
         module: the model (a ``LightningModule`` or any ``nn.Module``).
         batch: one batch, as ``training_step`` / ``loss_fn`` takes it.
         loss_fn: ``loss_fn(module, batch) -> scalar loss``; default for a ``LightningModule``: its
@@ -203,7 +204,6 @@ class GradientCheck(PreflightCheck):
             :class:`~lightning_gradguard.monitors.gradcheck.engine.GradientCheckSettings`).
         max_seconds: bound on the check's time: at most this over the time of its first evaluation are
             spent (``None``: ``max_evaluations`` alone); the tensors checked are then spread over the model.
-        action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
 
     Example::
 
@@ -224,6 +224,7 @@ class GradientCheck(PreflightCheck):
     def __init__(
         self,
         *,
+        action: Literal["raise", "warn", "stop"] = "raise",
         modules: list[str] | None = None,
         max_samples: int | None = 4,
         samples_per_tensor: int = 6,
@@ -234,7 +235,6 @@ class GradientCheck(PreflightCheck):
         seed: int = 0,
         taylor_tolerance: float = 1e-2,
         max_seconds: float | None = 10.0,
-        action: Literal["raise", "warn", "stop"] = "raise",
     ) -> None:
         super().__init__(action=action)
         _settings(

@@ -196,12 +196,16 @@ class GradientNormLogger(GradGuardCallback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):  # the clip window holds this run's steps only
-            self._clip = ClipRing(self.clip_window)
-            self._pending, self.last_logged, self._clip_check_due, self._ratio = [], {}, False, {}
-        self._noise.start(fresh=self.fresh_run(trainer))
+        self._noise.start(fresh=False)  # a fresh run emptied its average in reset_run
         if (reason := unsupported_reason(trainer)) is not None:  # DeepSpeed: no number, not a wrong one
             warn_once(trainer, "sharding:unsupported", reason)
+
+    @override
+    def reset_run(self) -> None:
+        super().reset_run()
+        self._clip = ClipRing(self.clip_window)  # the clip window holds this run's steps only
+        self._pending, self.last_logged, self._clip_check_due, self._ratio = [], {}, False, {}
+        self._noise.ema.reset()  # a fresh run starts an empty average
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -232,7 +236,7 @@ class GradientNormLogger(GradGuardCallback):
         if not self._measures:
             return
         at, every = log_step(trainer), self._every
-        logged = every > 0 and (at == 0 or (at + 1) % every == 0)  # Lightning's rule, plus step 0
+        logged = on_logging_step(at, every)  # Lightning's rule, plus step 0
         if logged or self._clip_setting is not None:
             self._measure(trainer, pl_module, optimizer, at, logged)
 

@@ -173,10 +173,9 @@ class LRFinderPlus(GradGuardCallback):
 
     # ------------------------------------------------------------------ hooks
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):  # the same callback reused for a new run tests that run again
-            self._done_epochs.clear()
+    def reset_run(self) -> None:
+        super().reset_run()
+        self._done_epochs.clear()  # the same callback reused for a new run tests that run again
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback
 from lightning_gradguard.core.buffers import keep_step_buffers, restore_step_buffers
+from lightning_gradguard.core.cadence import every_nth
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
@@ -77,9 +78,6 @@ class NaNSentinel(GradGuardCallback):
     drops below ``loss_scale_floor`` or ``max_consecutive_skips`` steps in a row are skipped.
 
     Args:
-        check_loss: check the loss before backward.
-        check_gradients: check the gradients before the optimizer step.
-        check_parameters_every_n_steps: also check parameters after the update every N steps (0: never).
         action: ``"raise"`` (default), ``"stop"``, ``"warn"`` or ``"skip"``. ``"skip"`` drops the
             poisoned update and goes on: every gradient of the optimizer is set to ``None``, which
             ``torch.optim`` optimizers treat as "no update" (Adam's step count and moments stay as
@@ -94,6 +92,9 @@ class NaNSentinel(GradGuardCallback):
             dropped too. ``"warn"`` only reports: the poisoned update is applied. Under
             ``accumulate_grad_batches > 1``, ``"skip"`` and ``"stop"`` drop the update of the whole
             optimizer step that holds the poisoned micro-batch.
+        check_loss: check the loss before backward.
+        check_gradients: check the gradients before the optimizer step.
+        check_parameters_every_n_steps: also check parameters after the update every N steps (0: never).
         report_dir: where reports go (default: ``<log_dir>/nan_report``).
         save_batch: write the offending batch.
         save_checkpoint: write the last-good checkpoint (a collective under DDP: every rank calls it).
@@ -127,10 +128,10 @@ class NaNSentinel(GradGuardCallback):
     def __init__(
         self,
         *,
+        action: Literal["raise", "stop", "warn", "skip"] = "raise",
         check_loss: bool = True,
         check_gradients: bool = True,
         check_parameters_every_n_steps: int = 0,
-        action: Literal["raise", "stop", "warn", "skip"] = "raise",
         report_dir: str | None = None,
         save_batch: bool = True,
         save_checkpoint: bool = True,
@@ -180,11 +181,14 @@ class NaNSentinel(GradGuardCallback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):  # the report of this run lists this run's steps only
-            self._skips = SkipCounters()
-            self.norm_history = _nan.NormRing(self.history_size)
         # a fit never starts inside an optimizer step (one stopped mid-accumulation leaves this behind)
         self._step = _nan.StepTrack()
+
+    @override
+    def reset_run(self) -> None:
+        super().reset_run()
+        self._skips = SkipCounters()  # the report of this run lists this run's steps only
+        self.norm_history = _nan.NormRing(self.history_size)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -279,7 +283,7 @@ class NaNSentinel(GradGuardCallback):
         current, stepped = self._step.end_batch()
         every = self.check_parameters_every_n_steps
         # parameters change only where an optimizer stepped: not after the other micro-batches of a step
-        if not every or not stepped or trainer.global_step == 0 or trainer.global_step % every:
+        if not (every and stepped and every_nth(trainer.global_step, every)):
             return
         if _nan.params_nonfinite(trainer, pl_module):  # one collective, one host read
             micro = current or MicroBatch(batch=batch, batch_idx=batch_idx, loss=None)

@@ -22,7 +22,14 @@ from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
-from lightning_gradguard.core.cadence import DENSE_STEPS, log_step, logging_interval, optimizer_index
+from lightning_gradguard.core.cadence import (
+    DENSE_STEPS,
+    check_due,
+    log_step,
+    logging_interval,
+    on_logging_step,
+    optimizer_index,
+)
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import SKIP_CAUSES
@@ -169,12 +176,15 @@ class OptimizerMonitor(GradGuardCallback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):
-            self._pending, self._strikes, self._skips_base, self.last_logged = [], {}, {}, {}
-            self._born_zero = {}
-            self._scale, self._counters_at = ScaleWatch(), None
         self._shared = trainer_state(trainer).skipped_updates
         self._skips_start = dict(self._shared)
+
+    @override
+    def reset_run(self) -> None:
+        super().reset_run()
+        self._pending, self._strikes, self._skips_base, self.last_logged = [], {}, {}, {}
+        self._born_zero = {}
+        self._scale, self._counters_at = ScaleWatch(), None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -194,10 +204,10 @@ class OptimizerMonitor(GradGuardCallback):
         if self._scaler_on:
             self._scale.before_step(step_stats(trainer, pl_module, optimizer))
         at, every = log_step(trainer), self._every
-        logged = every > 0 and (at == 0 or (at + 1) % every == 0)  # Lightning's rule, plus step 0
-        if logged:
-            self._counters_at = at
-        if logged or at < self.dense_steps or (every == 0 and at % _CHECK_EVERY == 0):
+        if check_due(at, every or _CHECK_EVERY, self.dense_steps):  # every=0: the checks go on
+            logged = on_logging_step(at, every)  # Lightning's rule, plus step 0
+            if logged:
+                self._counters_at = at
             self._measure(trainer, pl_module, optimizer, at, logged)
 
     @guarded

@@ -115,6 +115,7 @@ class OverfitBatchSanity(PreflightCheck):
     on one batch (a model memorises random labels too); labels that change from draw to draw can.
 
     Args:
+        action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
         max_steps: the most optimizer steps the check may take.
         target: the loss to reach, relative to the initial loss or absolute (see ``target_mode``).
         target_mode: ``"relative"`` (pass at ``loss <= target * initial_loss``) or ``"absolute"``.
@@ -127,7 +128,6 @@ class OverfitBatchSanity(PreflightCheck):
         ignore_parameters: ``fnmatch`` patterns of parameter names left out of the unused / not-updated
             findings (e.g. ``["head_aux.*"]``).
         fallback_lr: learning rate of the fallback Adam optimizer.
-        action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
 
     Example::
 
@@ -151,6 +151,7 @@ class OverfitBatchSanity(PreflightCheck):
     def __init__(
         self,
         *,
+        action: Literal["raise", "warn", "stop"] = "raise",
         max_steps: int = 200,
         target: float = 0.1,
         target_mode: Literal["relative", "absolute"] = "relative",
@@ -162,7 +163,6 @@ class OverfitBatchSanity(PreflightCheck):
         check_label_stability: bool = True,
         ignore_parameters: list[str] | None = None,
         fallback_lr: float = 1e-3,
-        action: Literal["raise", "warn", "stop"] = "raise",
     ) -> None:
         super().__init__(action=action)
         self.max_steps: int = check_int("max_steps", max_steps, 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -81,28 +82,28 @@ class LossSpikeGuard(GradGuardCallback):
     r"""Detect loss and gradient-norm spikes before the update; skip, roll back or raise.
 
     Before each update it scores the step's loss (the mean over micro-batches and ranks) and total gradient
-    norm (the shared statistics pass) against the last ``window`` accepted steps: a robust z-score
+    norm (the shared statistics pass) against the last ``window_steps`` accepted steps: a robust z-score
     (median/MAD, log space; :mod:`lightning_gradguard.functional.spikes`) at its threshold, and at least
     ``min_ratio`` times the median, is a spike; a gradient-norm spike only when the loss confirms it (its
     z-score 2 or more: a large gradient with a falling loss is left alone). A spike gets ``action``,
-    escalating every ``patience`` consecutive spikes along ``skip -> rollback -> raise``: a skip drops the
-    update (optimizer state untouched), a rollback restores the last CPU snapshot (weights, optimizer,
+    escalating every ``escalate_after`` consecutive spikes along ``skip -> rollback -> raise``: a skip drops
+    the update (optimizer state untouched), a rollback restores the last CPU snapshot (weights, optimizer,
     scheduler, GradScaler, RNG) and drops the update while the data moves on. Every rank decides alike (one
-    all-reduce). Each spike is an alert ``loss_spike`` and a record in ``spikes.json``. While the windows
-    warm up, a loss that stays at ``early_divergence_factor`` times the run's start (the median of its first
-    3 losses) for 5 steps in a row is an alert ``early_divergence`` (an error: the learning rate is too
-    high), once; nothing is skipped (no good state exists yet), ``action="raise"`` raises. The rules, in
-    full: docs/loss_spike.md.
+    all-reduce). Each spike is an alert ``loss_spike`` and a record in ``spikes.json``. While the windows warm
+    up, a loss that stays at ``early_divergence_factor`` times the run's start (the median of its first 3
+    losses) for 5 steps in a row is an alert ``early_divergence`` (an error: the learning rate is too high),
+    once; nothing is skipped (no good state exists yet), ``action="raise"`` raises. The rules, in full:
+    docs/loss_spike.md.
 
     Args:
         action: ``"skip"`` (default), ``"rollback"``, ``"warn"`` or ``"raise"``.
         loss_threshold: robust z-score of the loss that makes a spike (``None``: the loss is not judged).
         grad_norm_threshold: the same for the total gradient norm (``None``: not judged).
         min_ratio: a spike must also be this many times the recent median.
-        window: how many recent accepted steps the statistics cover.
+        window_steps: how many recent accepted steps the statistics cover (was ``window``).
         warmup_steps: steps that only fill the window at the start of a run (the MAD's standard error is
             about 16 % of the spread from 50 values, 26 % from 20).
-        patience: consecutive spikes before the action escalates one rung.
+        escalate_after: consecutive spikes before the action escalates one rung (was ``patience``).
         snapshot_every_n_steps: take a rollback snapshot after every this many healthy steps (``None``:
             100 when a rollback can happen, else never; ``0``: never, and rollbacks become skips).
         snapshot_device: ``"cpu"`` (default: spares the accelerator's memory) or ``"same"``.
@@ -131,11 +132,14 @@ class LossSpikeGuard(GradGuardCallback):
 
         guard = LossSpikeGuard(action="rollback", lr_cooldown_factor=0.5)
         Trainer(callbacks=[guard]).fit(model)
-        print(guard.skipped_steps, guard.rollbacks, guard.records)
+        print(guard.dropped_steps, guard.rollbacks, guard.records)
     """
 
     error_type = LossSpikeError
     allowed_actions = ("skip", "rollback", "warn", "raise")
+    #: 0.x names: ``window`` was a count of steps here and of sampled steps in DeadReLUMonitor, and
+    #: ``patience`` counted spikes before an escalation here, checks before an alert elsewhere
+    renamed_args = {"window": "window_steps", "patience": "escalate_after"}
 
     def __init__(
         self,
@@ -144,9 +148,9 @@ class LossSpikeGuard(GradGuardCallback):
         loss_threshold: float | None = 6.0,
         grad_norm_threshold: float | None = 6.0,
         min_ratio: float = 2.0,
-        window: int = 128,
+        window_steps: int = 128,
         warmup_steps: int = 50,
-        patience: int = 3,
+        escalate_after: int = 3,
         snapshot_every_n_steps: int | None = None,
         snapshot_device: Literal["cpu", "same"] = "cpu",
         lr_cooldown_factor: float | None = None,
@@ -164,9 +168,9 @@ class LossSpikeGuard(GradGuardCallback):
             "grad_norm_threshold", grad_norm_threshold, 0.0, low_open=True, allow_none=True
         )
         self.min_ratio: float = check_float("min_ratio", min_ratio, 1.0)
-        self.window: int = check_int("window", window, 8)
+        self.window_steps: int = check_int("window_steps", window_steps, 8)
         self.warmup_steps: int = check_int("warmup_steps", warmup_steps, 8)
-        self.patience: int = check_int("patience", patience, 1)
+        self.escalate_after: int = check_int("escalate_after", escalate_after, 1)
         every = check_int("snapshot_every_n_steps", snapshot_every_n_steps, 0, allow_none=True)
         self.snapshot_every_n_steps: int = (
             (100 if action in ("skip", "rollback") else 0) if every is None else every
@@ -183,15 +187,17 @@ class LossSpikeGuard(GradGuardCallback):
         self.batch_variance_factor = check_float(
             "batch_variance_factor", batch_variance_factor, 1.0, low_open=True, allow_none=True
         )
-        self._early = EarlyWatch(self.early_divergence_factor, min(self.warmup_steps, self.window))
+        self._early = EarlyWatch(self.early_divergence_factor, min(self.warmup_steps, self.window_steps))
         self._skip: set[tuple[int, int]] = set()
         self._step = StepInputs()
-        self._reset()
+        self.reset_run()
 
-    def _reset(self) -> None:
+    @override
+    def reset_run(self) -> None:
+        super().reset_run()
         self.windows: dict[str, deque[float]] = {}
         self.records: list[SpikeRecord] = []
-        self.skipped_steps = self.rollbacks = self.streak = self.judged = self.cooldown_left = 0
+        self.dropped_steps = self.rollbacks = self.streak = self.judged = self.cooldown_left = 0
         self.calm = 0  # healthy judged steps since the last spike
         self.probation = False  # a rollback was made and the run has not yet earned a new snapshot
         self.last_scores: dict[str, SpikeScore] = {}
@@ -212,8 +218,6 @@ class LossSpikeGuard(GradGuardCallback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):
-            self._reset()
         self._forget()  # a snapshot of an earlier fit holds another fit's objects
         self._skip = read_skip_batches(self.skip_batches_path) if self.skip_batches_path else set()
 
@@ -317,9 +321,9 @@ class LossSpikeGuard(GradGuardCallback):
         for key, value in values.items():
             if thresholds.get(key) is None:  # not judged by a window (the batch's BatchNorm statistics)
                 continue
-            window = self.windows.setdefault(key + suffix, deque(maxlen=self.window))
+            window = self.windows.setdefault(key + suffix, deque(maxlen=self.window_steps))
             scores[key] = spike_score(value, window)
-            warm &= len(window) >= min(self.warmup_steps, self.window)
+            warm &= len(window) >= min(self.warmup_steps, self.window_steps)
         self.last_scores = scores
         self.judged += 1
         verdict = step_verdict(scores, thresholds, self.min_ratio) if warm else "calm"
@@ -330,7 +334,7 @@ class LossSpikeGuard(GradGuardCallback):
         for key, score in judged.scores.items():
             self.windows[key + judged.suffix].append(score.value)
         if "inputs" in judged.values:  # what the run's inputs look like, for the next batches' statistics
-            self.windows.setdefault("inputs", deque(maxlen=self.window)).append(judged.values["inputs"])
+            self.windows.setdefault("inputs", deque(maxlen=self.window_steps)).append(judged.values["inputs"])
         self.calm += 1
         if judged.manual:
             self.manual_streaks[judged.suffix] = 0
@@ -346,8 +350,8 @@ class LossSpikeGuard(GradGuardCallback):
         streak has escalated to, a record, an alert, and the action carried out."""
         streak = self._lengthen_streak(judged)
         can_roll_back = self._snapshot is not None and not judged.manual
-        action = escalated_action(self.action, streak, self.patience, can_roll_back)
-        self.skipped_steps += action != "warn"
+        action = escalated_action(self.action, streak, self.escalate_after, can_roll_back)
+        self.dropped_steps += action != "warn"
         values = {k: v for k, v in judged.values.items() if k not in ("batch_variance", "inputs")}
         values.update(outliers)
         record_spike(
@@ -424,7 +428,7 @@ class LossSpikeGuard(GradGuardCallback):
         """Drop the update of a step whose batch an earlier run's ``spikes.json`` names, and record it."""
         skip_update(trainer, optimizer, "loss_spike")
         self._outcome = "dropped"
-        self.skipped_steps += 1
+        self.dropped_steps += 1
         record_spike(trainer, self.records, batches=batches, values=values, scores={}, action="replayed")
 
     def _count_down_lr(self, trainer: pl.Trainer) -> None:
@@ -455,16 +459,26 @@ class LossSpikeGuard(GradGuardCallback):
             return
         metrics = {SPIKE.tag(f"{k}_zscore"): s.zscore for k, s in scores.items() if math.isfinite(s.zscore)}
         metrics |= {
-            SPIKE.tag("skipped_steps"): float(self.skipped_steps),
+            SPIKE.tag("skipped_steps"): float(self.dropped_steps),
             SPIKE.tag("rollbacks"): float(self.rollbacks),
         }
         _emit.log_scalars(trainer, metrics, at)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Deprecated: :attr:`dropped_steps` (``skipped_steps`` is the GradScaler's count, in NaNSentinel)."""
+        warnings.warn(
+            "LossSpikeGuard.skipped_steps is deprecated: use dropped_steps (the updates the guard dropped)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.dropped_steps
 
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
         counters = {
-            "skipped_steps": self.skipped_steps,
+            "dropped_steps": self.dropped_steps,
             "rollbacks": self.rollbacks,
             "streak": self.streak,
             "judged": self.judged,
@@ -484,10 +498,11 @@ class LossSpikeGuard(GradGuardCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.windows = {k: deque(v, maxlen=self.window) for k, v in state_dict.get("windows", {}).items()}
+        windows = state_dict.get("windows", {})
+        self.windows = {k: deque(v, maxlen=self.window_steps) for k, v in windows.items()}
         self.records = [SpikeRecord(**r) for r in state_dict.get("records", [])]
         counters = {k: int(v) for k, v in state_dict.get("counters", {}).items()}
-        self.skipped_steps = counters.get("skipped_steps", 0)
+        self.dropped_steps = counters.get("dropped_steps", counters.get("skipped_steps", 0))  # 0.x: old name
         self.rollbacks = counters.get("rollbacks", 0)
         self.streak = counters.get("streak", 0)
         self.judged = counters.get("judged", 0)

@@ -64,6 +64,9 @@ class StallDetector(GradGuardCallback):
     ``sorted_labels``, all of severity warning.
 
     Args:
+        action: what a finding does (every stall finding, although its severity is warning):
+            ``"warn"`` (default) reports it, ``"stop"`` ends the run (``trainer.should_stop``), ``"raise"``
+            raises :class:`~lightning_gradguard.GradGuardError` on every rank.
         check_every_n_steps: take a check every this many optimizer steps (Lightning's logging rule:
             ``(step + 1) % n == 0``, and step 0), after the dense start.
         dense_steps: check every step while the step is below this (a fault visible at step 0, a clip
@@ -79,9 +82,6 @@ class StallDetector(GradGuardCallback):
         warmup_lr_fraction: an LR never above this fraction of the configured one is a warm-up that never
             ends.
         plateau_checks: checks without a new best loss before ``loss_plateau``.
-        action: what a finding does (every stall finding, although its severity is warning):
-            ``"warn"`` (default) reports it, ``"stop"`` ends the run (``trainer.should_stop``), ``"raise"``
-            raises :class:`~lightning_gradguard.GradGuardError` on every rank.
         cooldown_steps: minimum steps between two alerts of the same kind.
 
     Example::
@@ -93,12 +93,14 @@ class StallDetector(GradGuardCallback):
         print(stall.alerts)
     """
 
+    allowed_actions = ("warn", "stop", "raise")
     state_key_args = ("check_every_n_steps",)
     acted_severities = frozenset({"warning", "error", "critical"})
 
     def __init__(
         self,
         *,
+        action: Literal["warn", "stop", "raise"] = "warn",
         check_every_n_steps: int = 10,
         dense_steps: int = DENSE_STEPS,
         patience: int = 3,
@@ -109,7 +111,6 @@ class StallDetector(GradGuardCallback):
         lr_jump_factor: float = 10.0,
         warmup_lr_fraction: float = 0.05,
         plateau_checks: int = 30,
-        action: Literal["warn", "stop", "raise"] = "warn",
         cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
@@ -125,9 +126,11 @@ class StallDetector(GradGuardCallback):
             "warmup_lr_fraction", warmup_lr_fraction, 0.0, 1.0, low_open=True
         )
         self.plateau_checks: int = check_int("plateau_checks", plateau_checks, 1)
-        self._new_run()
+        self.reset_run()
 
-    def _new_run(self) -> None:
+    @override
+    def reset_run(self) -> None:
+        super().reset_run()
         names = {f.name for f in fields(StallThresholds)}
         thresholds = StallThresholds(**{k: v for k, v in vars(self).items() if k in names})
         #: what the rules remember (:mod:`~lightning_gradguard.monitors.stall.rules` judges each check on it)
@@ -151,12 +154,6 @@ class StallDetector(GradGuardCallback):
     def due(self, step: int) -> bool:
         """Whether logging step ``step`` is a check."""
         return check_due(step, self.check_every_n_steps, self.dense_steps)
-
-    @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):
-            self._new_run()
 
     @override
     @guarded

@@ -20,7 +20,14 @@ from typing_extensions import override
 from lightning_gradguard.alerts import Alert
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
-from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
+from lightning_gradguard.core.cadence import (
+    check_due,
+    log_step,
+    logging_interval,
+    next_due,
+    on_logging_step,
+    optimizer_index,
+)
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.lr import adaptive_eps, clip_setting
 from lightning_gradguard.core.progress import LossProgress
@@ -61,6 +68,8 @@ class VanishingExplodingDetector(GradGuardCallback):
     and neither counts towards ``patience`` nor resets it.
 
     Args:
+        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; with ``"stop"``/``"raise"`` under DDP the
+            flags are all-reduced before acting, so every rank acts at the same step.
         check_every_n_steps: after the dense start, check the steps where ``(step + 1)`` is a multiple of
             this (Lightning's logging rule).
         dense_steps: check every step while the step (Lightning's logging step) is below this.
@@ -82,8 +91,6 @@ class VanishingExplodingDetector(GradGuardCallback):
             total norm rules see every layer): see :class:`~lightning_gradguard.core.layers.LayerSelection`.
         exclude: layers neither judged nor charted.
         max_layers: a cap on the ``grad_flow/*`` curves (``None``: no cap).
-        action: ``"warn"`` (default), ``"stop"`` or ``"raise"``; with ``"stop"``/``"raise"`` under DDP the
-            flags are all-reduced before acting, so every rank acts at the same step.
         cooldown_steps: minimum steps between two alerts of the same kind.
 
     Example::
@@ -95,11 +102,13 @@ class VanishingExplodingDetector(GradGuardCallback):
         # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
     """
 
+    allowed_actions = ("warn", "stop", "raise")
     state_key_args = ("check_every_n_steps",)
 
     def __init__(
         self,
         *,
+        action: Literal["warn", "stop", "raise"] = "warn",
         check_every_n_steps: int = 5,
         dense_steps: int = 20,
         max_norm: float | None = 100.0,
@@ -118,7 +127,6 @@ class VanishingExplodingDetector(GradGuardCallback):
         include: str | list[str] | None = None,
         exclude: str | list[str] | None = None,
         max_layers: int | None = None,
-        action: Literal["warn", "stop", "raise"] = "warn",
         cooldown_steps: int = DEFAULT_COOLDOWN_STEPS,
     ) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
@@ -142,10 +150,13 @@ class VanishingExplodingDetector(GradGuardCallback):
         self.log_gradient_flow = check_bool("log_gradient_flow", log_gradient_flow)
         self.layers = LayerSelection(include, exclude, max_layers)
         self._watch: ForwardOrder | None = None
-        self._new_run()
+        self._next_check = 0
+        self.reset_run()
 
-    def _new_run(self) -> None:
+    @override
+    def reset_run(self) -> None:
         """Forget the run: a new run (perhaps of a new model) is judged on its own numbers."""
+        super().reset_run()
         self.history: dict[int, list[float]] = {}  # per optimizer: recent finite total norms of checks
         self.strikes: dict[str, int] = {}  # per optimizer and kind: consecutive checks with the condition
         self.forward_order: dict[str, int] = {}  # of the modules owning parameters (first training batch)
@@ -166,8 +177,7 @@ class VanishingExplodingDetector(GradGuardCallback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if self.fresh_run(trainer):
-            self._new_run()
+        self._next_check = 0  # the next check step (core.cadence.next_due), found again at the first step
 
     @override
     def on_train_batch_start(
@@ -193,7 +203,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         if self._watch is not None:
             self._unwatch()
         at = log_step(trainer)
-        if at < self.dense_steps or (at + 1) % self.check_every_n_steps == 0:  # a check's step: its loss
+        if at >= self._next_check and self.due(at):  # a check's step: its loss
             self.progress.add(loss)  # a scalar add on the device, read with the check's norms
 
     @override
@@ -211,16 +221,18 @@ class VanishingExplodingDetector(GradGuardCallback):
 
     def due(self, step: int) -> bool:
         """Whether logging step ``step`` (:func:`~lightning_gradguard.core.cadence.log_step`) is checked."""
-        return step < self.dense_steps or (step + 1) % self.check_every_n_steps == 0
+        return check_due(step, self.check_every_n_steps, self.dense_steps)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         at = log_step(trainer)
-        if at < self.dense_steps or (at + 1) % self.check_every_n_steps == 0:  # due(at), without the call
+        if at > self._next_check:  # past the last check (every optimizer of its step was checked)
+            self._next_check = next_due(at, self.check_every_n_steps, self.dense_steps)
+        if at == self._next_check:
             self._check(trainer, pl_module, optimizer)
-        else:
+        else:  # the steps between two checks: one comparison, no call
             self.progress.clear()
 
     @guarded

@@ -331,12 +331,12 @@ def test_below_threshold_is_quiet() -> None:
 
 
 def test_hooks_and_mode_exist_only_during_sampled_training_forward() -> None:
-    monitor = DeadReLUMonitor(sample_every_n_steps=4, window=1, patience=1)
+    monitor = DeadReLUMonitor(sample_every_n_steps=4, window_samples=1, patience=1)
     model = run("nn.ReLU", monitor, steps=12, val_check_interval=3, num_sanity_val_steps=1)
     train = {step: (modes, hooks) for where, step, modes, hooks in model.seen if where == "train"}
-    # this layer is 75 % dead: each regular sample (4, 8) is followed up at once by window + patience - 1
-    # = 1 more sampled step (5, 9); the dense start (step 0) is never followed up
-    # sampled: step 0, then Lightning's logging steps 3, 7, 11, each followed up once (window 1)
+    # this layer is 75 % dead: each regular sample (4, 8) is followed up at once by window_samples +
+    # patience - 1 = 1 more sampled step (5, 9); the dense start (step 0) is never followed up
+    # sampled: step 0, then Lightning's logging steps 3, 7, 11, each followed up once (window_samples 1)
     assert train == {s: ((1, 2) if s in (0, 3, 4, 7, 8, 11) else (0, 0)) for s in range(12)}
     assert {(m, h) for where, _, m, h in model.seen if where == "val"} == {(0, 0)}
     assert sum(where == "val" for where, *_ in model.seen) > 1
@@ -437,10 +437,10 @@ def test_action_raise() -> None:
 
 
 def test_cadence_and_state_dict() -> None:
-    monitor = DeadReLUMonitor(sample_every_n_steps=10, window=3, patience=2)
+    monitor = DeadReLUMonitor(sample_every_n_steps=10, window_samples=3, patience=2)
     assert [s for s in range(31) if monitor.due(s)] == [0, 1, 2, 3, 9, 19, 29]
     run("nn.ReLU", monitor)
-    other = DeadReLUMonitor(sample_every_n_steps=10, window=3, patience=2)
+    other = DeadReLUMonitor(sample_every_n_steps=10, window_samples=3, patience=2)
     other.load_state_dict(monitor.state_dict())
     assert other.sampled_batches == monitor.sampled_batches == 4  # steps 0..3 of 8
     assert other._windows.strikes == monitor._windows.strikes
@@ -629,7 +629,7 @@ def test_accumulation_samples_windows_and_patience_count_optimizer_steps(
         assert all(((m > 0).sum(0) == 1).all() for m in per_step)
     pooled = [m.sum(0) for m in per_step]
     sampled, fractions, alert_steps = rule(
-        pooled, monitor.sample_every_n_steps, monitor.window, monitor.patience, monitor.threshold
+        pooled, monitor.sample_every_n_steps, monitor.window_samples, monitor.patience, monitor.threshold
     )
     assert monitor.sampled_batches == len(sampled)
     assert memory_logger.series("dead_relu/net.act") == fractions
@@ -638,5 +638,5 @@ def test_accumulation_samples_windows_and_patience_count_optimizer_steps(
     assert (sampled, alert_steps[:1]) == expected.get(mode, ([0, 1, 2, 5], []))
     # the window holds one entry per sampled step: its micro-batches' counts and all their samples
     assert [(c.tolist(), n) for c, n in monitor._windows["net.act"]] == [
-        (pooled[s].tolist(), float(K * 8)) for s in sampled[-monitor.window :]
+        (pooled[s].tolist(), float(K * 8)) for s in sampled[-monitor.window_samples :]
     ]

@@ -263,9 +263,9 @@ def test_nan_sentinel_skip_is_counted_from_its_step_on() -> None:
 def test_loss_spike_skip_is_counted() -> None:
     torch.manual_seed(0)
     model, logger = PoisonAt(spike_step=12), MemoryLogger()
-    guard = LossSpikeGuard(action="skip", window=16, warmup_steps=8, loss_threshold=6.0, min_ratio=2.0)
+    guard = LossSpikeGuard(action="skip", window_steps=16, warmup_steps=8, loss_threshold=6.0, min_ratio=2.0)
     make_trainer([guard, OptimizerMonitor(log_every_n_steps=1)], logger).fit(model, random_loader(n=128))
-    assert guard.skipped_steps == 1 and [r.step for r in guard.records] == [12]
+    assert guard.dropped_steps == 1 and [r.step for r in guard.records] == [12]
     assert _counts(logger, "loss_spike") == {s: float(s >= 12) for s in range(16)}
     assert _adam_steps(model) == 16 - 1
 

@@ -28,7 +28,7 @@ from lightning_gradguard import LossSpikeError, LossSpikeGuard
 from lightning_gradguard.monitors.spike.records import FORMAT, SpikeRecord, read_skip_batches
 
 THRESHOLDS: dict[str, Any] = dict(
-    loss_threshold=6.0, grad_norm_threshold=6.0, min_ratio=2.0, window=16, warmup_steps=8
+    loss_threshold=6.0, grad_norm_threshold=6.0, min_ratio=2.0, window_steps=16, warmup_steps=8
 )
 
 
@@ -172,7 +172,7 @@ def test_skip_drops_the_update_and_leaves_adam_untouched(tmp_path: Path) -> None
     # the spike never enters the window: the last 16 accepted losses
     accepted = [model.losses[(0, i)] for i in range(32) if i != 12][-16:]
     assert list(guard.windows["loss"]) == pytest.approx(accepted, rel=1e-6)
-    assert (guard.skipped_steps, guard.rollbacks) == (1, 0)
+    assert (guard.dropped_steps, guard.rollbacks) == (1, 0)
 
     (alert,) = guard.alerts
     assert (alert.kind, alert.step, alert.severity) == ("loss_spike", 12, "warning")
@@ -203,7 +203,7 @@ def test_rollback_restores_the_snapshot_and_cools_the_lr(schedule: str, tmp_path
     )
     _, rec, _ = _fit(model, guard, tmp_path)
     assert [(r.step, r.action) for r in guard.records] == [(14, "rollback")]
-    assert (guard.rollbacks, guard.skipped_steps, guard.cooldown_left) == (1, 1, 0)
+    assert (guard.rollbacks, guard.dropped_steps, guard.cooldown_left) == (1, 1, 0)
     at = rec.at_step[14]  # just after the rollback, before the (dropped) update
     assert at["dropped"]
     _same(at["weights"], rec.after[11])
@@ -227,10 +227,10 @@ def test_rollback_restores_the_snapshot_and_cools_the_lr(schedule: str, tmp_path
 
 
 def test_a_lasting_spike_escalates_skip_rollback_raise(tmp_path: Path) -> None:
-    """patience=2: spikes 1-2 skipped (steps 12, 13), 3-4 rolled back (14, 15), the 5th (16) raises."""
+    """escalate_after=2: spikes 1-2 skipped (steps 12, 13), 3-4 rolled back (14, 15), the 5th (16) raises."""
     torch.manual_seed(0)
     model = SpikeModel(range(12, 100))
-    guard = LossSpikeGuard(action="skip", patience=2, snapshot_every_n_steps=4, **THRESHOLDS)
+    guard = LossSpikeGuard(action="skip", escalate_after=2, snapshot_every_n_steps=4, **THRESHOLDS)
     rec = Recorder()
     trainer = make_trainer([guard, rec], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path))
     with pytest.raises(LossSpikeError) as info:
@@ -258,12 +258,12 @@ def test_a_lasting_spike_escalates_skip_rollback_raise(tmp_path: Path) -> None:
 def test_a_rollback_that_does_not_hold_escalates(
     spikes: set[int], expected: list[tuple[int, str]], tmp_path: Path
 ) -> None:
-    """action="rollback", patience=2, a snapshot every 4 steps. A spike within 4 healthy steps of a
+    """action="rollback", escalate_after=2, a snapshot every 4 steps. A spike within 4 healthy steps of a
     rollback means the rollback did not hold: the streak goes on (12, 15) and the third spike (18) raises.
     Spikes 8 steps apart are each recovered from (a new snapshot after 4 calm steps) and never escalate."""
     torch.manual_seed(0)
     model = SpikeModel(spikes)
-    guard = LossSpikeGuard(action="rollback", patience=2, snapshot_every_n_steps=4, **THRESHOLDS)
+    guard = LossSpikeGuard(action="rollback", escalate_after=2, snapshot_every_n_steps=4, **THRESHOLDS)
     trainer = make_trainer([guard], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path))
     if expected[-1][1] == "raise":
         with pytest.raises(LossSpikeError):
@@ -276,11 +276,11 @@ def test_a_rollback_that_does_not_hold_escalates(
 
 def test_the_first_snapshot_is_taken_at_the_end_of_the_warmup(tmp_path: Path) -> None:
     """Snapshots every 100 steps, warm-up 8: the first one is taken after step 7, not step 99, so spikes
-    right after the warm-up can be rolled back (patience=1: 9 is skipped, 10 goes back to step 7) instead
-    of escalating straight to a raise."""
+    right after the warm-up can be rolled back (escalate_after=1: 9 is skipped, 10 goes back to step 7)
+    instead of escalating straight to a raise."""
     torch.manual_seed(0)
     model = SpikeModel({9, 10})
-    guard = LossSpikeGuard(action="skip", patience=1, snapshot_every_n_steps=100, **THRESHOLDS)
+    guard = LossSpikeGuard(action="skip", escalate_after=1, snapshot_every_n_steps=100, **THRESHOLDS)
     _, rec, _ = _fit(model, guard, tmp_path)
     assert [(r.step, r.action) for r in guard.records] == [(9, "skip"), (10, "rollback")]
     _same(rec.after[10], rec.after[7])
@@ -343,12 +343,17 @@ def test_healthy_noisy_digits_run_gives_no_alert(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Digits()
     guard = LossSpikeGuard(
-        action="skip", loss_threshold=6.0, grad_norm_threshold=6.0, min_ratio=2.0, window=128, warmup_steps=20
+        action="skip",
+        loss_threshold=6.0,
+        grad_norm_threshold=6.0,
+        min_ratio=2.0,
+        window_steps=128,
+        warmup_steps=20,
     )
     trainer = make_trainer([guard], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path))
     trainer.fit(model, loader)
     assert trainer.global_step == 225 and guard.judged == 225
-    assert guard.alerts == [] and guard.records == [] and guard.skipped_steps == 0
+    assert guard.alerts == [] and guard.records == [] and guard.dropped_steps == 0
     losses = model.losses  # the run is what the test claims: a fast fall, then small noisy batches
     assert losses[0] > 2.0 and float(np.median(losses[-50:])) < 0.25 * losses[0]
     assert max(losses[100:]) > 4.0 * float(np.median(losses[100:]))  # noisy: single batches well above
@@ -373,7 +378,7 @@ def test_16_mixed_scaler_skip_is_no_spike_and_a_rollback_works(tmp_path: Path) -
     torch.manual_seed(0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     model = OverflowOnce(10, spike_steps={16})
-    guard = LossSpikeGuard(action="rollback", snapshot_every_n_steps=4, **{**THRESHOLDS, "window": 64})
+    guard = LossSpikeGuard(action="rollback", snapshot_every_n_steps=4, **{**THRESHOLDS, "window_steps": 64})
     _, rec, _ = _fit(
         model, guard, tmp_path, n=192, plugins=[MixedPrecision("16-mixed", device="cpu", scaler=scaler)]
     )
@@ -395,7 +400,7 @@ def test_accumulation_judges_the_mean_micro_batch_loss(tmp_path: Path) -> None:
     step (12) holds batches 48-50 only. The loss judged is the mean of the step's micro-batch losses."""
     torch.manual_seed(0)
     model = SpikeModel(spike_batches={37})
-    guard = LossSpikeGuard(action="skip", **{**THRESHOLDS, "window": 32})
+    guard = LossSpikeGuard(action="skip", **{**THRESHOLDS, "window_steps": 32})
     trainer, rec, _ = _fit(model, guard, tmp_path, n=8 * 51, accumulate_grad_batches=4)
     assert trainer.global_step == 13
     (record,) = guard.records
@@ -444,7 +449,7 @@ class GuardState(pl.Callback):
         self.seen = {
             "windows": {k: list(v) for k, v in g.windows.items()},
             "records": list(g.records),
-            "counters": (g.skipped_steps, g.rollbacks, g.streak, g.judged, g.cooldown_left),
+            "counters": (g.dropped_steps, g.rollbacks, g.streak, g.judged, g.cooldown_left),
         }
 
 
@@ -461,7 +466,7 @@ def test_resume_restores_windows_counters_and_records(tmp_path: Path) -> None:
     path = tmp_path / "ckpt" / "epoch=0-step=16.ckpt"
     saved = torch.load(path, weights_only=False)["callbacks"]["LossSpikeGuard{}"]
     assert saved["counters"] == {
-        "skipped_steps": 1, "rollbacks": 0, "streak": 0, "judged": 16, "cooldown_left": 0, "calm": 3
+        "dropped_steps": 1, "rollbacks": 0, "streak": 0, "judged": 16, "cooldown_left": 0, "calm": 3
     }  # fmt: skip
     assert saved["probation"] is False and saved["step"] == {"full": 8}
 
@@ -540,7 +545,7 @@ def test_skip_batches_path_replays_the_recorded_steps_without_the_spike(tmp_path
     assert [(r.step, r.batch_idx, r.action) for r in replay.records] == [
         (12, [12], "replayed"), (20, [20], "replayed")
     ]  # fmt: skip
-    assert replay.alerts == [] and replay.skipped_steps == 2
+    assert replay.alerts == [] and replay.dropped_steps == 2
     assert replay.records[0].loss == pytest.approx(second.losses[(0, 12)], rel=1e-6)  # the clean loss
     assert rec.dropped() == {12, 20}
     _same(rec.after[12], rec.before[12])
@@ -606,7 +611,7 @@ def test_manual_optimization_judges_each_optimizer_norm_and_rolls_back_as_a_skip
     optimizers' updates of batch 14 (the batch is what is named, not the optimizer)."""
     torch.manual_seed(0)
     model = TwoOptimizers(spike_batch=14)
-    guard = LossSpikeGuard(action="rollback", snapshot_every_n_steps=2, **{**THRESHOLDS, "window": 64})
+    guard = LossSpikeGuard(action="rollback", snapshot_every_n_steps=2, **{**THRESHOLDS, "window_steps": 64})
     make_trainer([guard], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path)).fit(
         model, random_loader(n=256)
     )
@@ -615,7 +620,7 @@ def test_manual_optimization_judges_each_optimizer_norm_and_rolls_back_as_a_skip
     assert (record.step, record.epoch, record.batch_idx, record.action) == (29, 0, [14], "skip")
     assert record.loss is None and record.loss_zscore is None
     assert record.grad_norm == pytest.approx(model.norms["b"][14], rel=1e-5)
-    assert (guard.rollbacks, guard.skipped_steps) == (0, 1)
+    assert (guard.rollbacks, guard.dropped_steps) == (0, 1)
     assert "Action: skip." in guard.alerts[0].message
     assert not _moved(model, 14, "b.") and _moved(model, 14, "a.") and _moved(model, 15, "b.")
     assert list(guard.windows["grad_norm@0"]) == pytest.approx(
@@ -637,10 +642,10 @@ def test_manual_optimization_judges_each_optimizer_norm_and_rolls_back_as_a_skip
 
 def test_manual_optimization_keeps_a_streak_per_optimizer(tmp_path: Path) -> None:
     """``b`` spikes on every batch from 14 while ``a`` stays calm: ``a``'s calm steps between them do not
-    end ``b``'s streak (patience 2, no rollback under manual optimization: skip, skip, raise)."""
+    end ``b``'s streak (escalate_after 2, no rollback under manual optimization: skip, skip, raise)."""
     torch.manual_seed(0)
     model = TwoOptimizers(spike_batch=range(14, 100))
-    guard = LossSpikeGuard(action="skip", patience=2, **{**THRESHOLDS, "window": 64})
+    guard = LossSpikeGuard(action="skip", escalate_after=2, **{**THRESHOLDS, "window_steps": 64})
     trainer = make_trainer([guard], MemoryLogger(str(tmp_path)), default_root_dir=str(tmp_path))
     with pytest.raises(LossSpikeError):
         trainer.fit(model, random_loader(n=256))

@@ -87,7 +87,7 @@ def test_a_far_too_high_lr_is_named_within_ten_steps(offset: float, tmp_path: Pa
     assert f"{start:.4g}" in alert.message and f"{losses[fired]:.4g}" in alert.message
     assert "Lower the learning rate" in alert.hint
     # an alert, nothing dropped: no good state exists yet; the spike windows are not warm
-    assert guard.skipped_steps == 0 and guard.records == []
+    assert guard.dropped_steps == 0 and guard.records == []
 
 
 def test_action_raise_stops_the_run_at_the_early_divergence(tmp_path: Path) -> None:
@@ -118,7 +118,7 @@ def test_healthy_starts_stay_quiet(kwargs: dict[str, Any], batch: int, tmp_path:
 
 def test_the_rule_closes_when_the_windows_are_warm(tmp_path: Path) -> None:
     """A divergence that starts after the warm-up is the spike rule's: the early rule has stopped."""
-    model, guard = DigitsMLP(lr=0.1), LossSpikeGuard(warmup_steps=8, window=16)
+    model, guard = DigitsMLP(lr=0.1), LossSpikeGuard(warmup_steps=8, window_steps=16)
     _run(model, guard, tmp_path, steps=12)
     assert guard._early.seen == 8 and not guard._early.active and guard._early.threshold > 0
 

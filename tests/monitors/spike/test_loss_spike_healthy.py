@@ -108,7 +108,7 @@ def _robust_z(value: float, window: list[float]) -> tuple[float, float]:
 def test_a_model_leaving_a_plateau_is_not_skipped_or_rolled_back(tmp_path: Path) -> None:
     model, guard = Healthy("plateau"), LossSpikeGuard()
     _fit(model, guard, tmp_path, steps=150, batch=64)
-    assert (guard.skipped_steps, guard.rollbacks, guard.records, guard.alerts) == (0, 0, [], [])
+    assert (guard.dropped_steps, guard.rollbacks, guard.records, guard.alerts) == (0, 0, [], [])
     # the run is what the test claims: on the plateau, then learning
     assert min(model.losses[:90]) > 2.2 and float(np.median(model.losses[-10:])) < 1.5
     # and, by hand, the guard's own gradient-norm rule fired in it (z >= 6, >= 2x the median of the last
@@ -126,7 +126,7 @@ def test_a_model_leaving_a_plateau_is_not_skipped_or_rolled_back(tmp_path: Path)
 def test_healthy_runs_get_no_intervention(kind: str, steps: int, batch: int, tmp_path: Path) -> None:
     model, guard = Healthy(kind), LossSpikeGuard()
     _fit(model, guard, tmp_path, steps=steps, batch=batch)
-    assert (guard.skipped_steps, guard.rollbacks, guard.alerts) == (0, 0, [])
+    assert (guard.dropped_steps, guard.rollbacks, guard.alerts) == (0, 0, [])
     assert guard.judged == steps and np.mean(model.losses[-10:]) < 0.7 * np.mean(model.losses[:10])
 
 
@@ -141,7 +141,7 @@ def test_a_poisoned_batch_is_still_skipped_and_a_lasting_one_rolled_back(tmp_pat
         (72, "skip"),
         (73, "rollback"),
     ]
-    assert (guard.skipped_steps, guard.rollbacks) == (5, 1)
+    assert (guard.dropped_steps, guard.rollbacks) == (5, 1)
     for record in guard.records:
         median = float(np.median(model.losses[max(0, record.step - 128) : record.step]))
         assert record.loss == pytest.approx(model.losses[record.step], rel=1e-6) and record.loss > 5 * median

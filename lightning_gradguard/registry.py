@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from lightning_gradguard import monitors
+import lightning_gradguard.monitors as monitors
 from lightning_gradguard.alerts import Rule, alert_kinds, kinds_table
 
 #: the module declaring each monitor's rules: every ``monitors/<name>/rules.py``, found (a new monitor's

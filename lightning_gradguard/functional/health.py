@@ -34,11 +34,9 @@ def _floats(values: Sequence[float] | Tensor) -> list[float]:
     return list(map(float, values))
 
 
-def _log10(v: float) -> float:
-    """``log10`` as torch computes it: 0 gives ``-inf``, a negative or NaN value NaN, ``inf`` stays."""
-    if v > 0.0:
-        return math.log10(v)
-    return -math.inf if v == 0.0 else math.nan
+def _log10s(x: list[float]) -> list[float]:
+    """``log10`` of each value as torch computes it: 0 gives ``-inf``, a negative or NaN value NaN."""
+    return [math.log10(v) if v > 0.0 else -math.inf if v == 0.0 else math.nan for v in x]
 
 
 def _lower_median(x: list[float]) -> float:
@@ -48,7 +46,7 @@ def _lower_median(x: list[float]) -> float:
 
 def log10_norms(norms: Sequence[float] | Tensor) -> Tensor:
     """``log10`` of the norms; zeros become ``-inf`` and non-finite norms stay non-finite."""
-    return torch.tensor([_log10(v) for v in _floats(norms)], dtype=torch.float64)
+    return torch.tensor(_log10s(_floats(norms)), dtype=torch.float64)
 
 
 def robust_baseline(values: Sequence[float] | Tensor, method: str = "median", beta: float = 0.9) -> float:
@@ -96,7 +94,7 @@ def spike_ratio(value: float, history: Sequence[float] | Tensor, recent: int | N
     """
     if recent is not None and recent < 1:
         raise ValueError(f"`recent` must be a positive int or None; got {recent!r}")
-    logs = [_log10(v) for v in _floats(history)]
+    logs = _log10s(_floats(history))
     base = robust_baseline(logs)
     if recent is not None and math.isfinite(base):
         base = max(base, robust_baseline(logs[-recent:]))
@@ -112,7 +110,7 @@ def growth_factor(history: Sequence[float] | Tensor, min_rising: float = 0.7) ->
     little), ``10 ** (slope * (n - 1))``. A series counts as a sustained rise when at least
     ``min_rising`` of its consecutive steps go up. Non-finite or zero entries make it 1.0 (no verdict).
     """
-    y = [_log10(v) for v in _floats(history)]
+    y = _log10s(_floats(history))
     n = len(y)
     if n < 3 or not all(map(math.isfinite, y)):
         return 1.0
@@ -149,7 +147,7 @@ def flow_values(norms: Sequence[float] | Tensor) -> list[float]:
     top = max([v for v in x if math.isfinite(v) and v > 0], default=None)
     if top is None:
         return [math.nan] * len(x)
-    return [_log10(v / top) for v in x]
+    return _log10s([v / top for v in x])
 
 
 def gradient_flow(norms: Sequence[float] | Tensor) -> Tensor:

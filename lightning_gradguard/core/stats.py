@@ -22,6 +22,7 @@ norms before the step.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import weakref
@@ -78,6 +79,11 @@ class _Caches:
     dropped: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
+#: what the per-step lists read off each parameter group and parameter (C calls: no Python call per item)
+_PARAMS = operator.itemgetter("params")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_GRAD = operator.attrgetter("grad")
+
 #: id(trainer) -> its caches (a plain dict, read without a Python call; an entry goes with its Trainer)
 _CACHES: dict[int, _Caches] = {}
 
@@ -113,8 +119,8 @@ def _trainable(
 ) -> tuple[list[str], list[Tensor]]:
     """Names and tensors of the trainable parameters ``optimizer`` updates, in model order (cached)."""
     opt = getattr(optimizer, "optimizer", optimizer)  # unwrap LightningOptimizer
-    in_opt = [p for g in opt.param_groups for p in g["params"]]
-    trainable = [p.requires_grad for p in in_opt]  # unfreezing a layer later changes what is measured
+    in_opt = list(itertools.chain.from_iterable(map(_PARAMS, opt.param_groups)))  # no Python call per group
+    trainable = list(map(_REQUIRES_GRAD, in_opt))  # unfreezing a layer later changes what is measured
     cached = state.params.get(id(opt))
     if (  # the same tensors, each still (not) trainable: compared in C, no Python call per parameter
         cached is not None
@@ -232,7 +238,7 @@ class UpdateSample:
         if norm_type not in self._norms:
             diff = self.diff()
             norms = foreach_norms(diff, norm_type) if diff else torch.zeros(0)
-            if math.isfinite(norm_type) and any(s != 1.0 for s in self.scales):
+            if math.isfinite(norm_type) and max(self.scales, default=1.0) != 1.0:
                 factors = torch.tensor([s ** (1.0 / norm_type) for s in self.scales], dtype=norms.dtype)
                 norms = norms * factors.to(norms.device)
             self._norms[norm_type] = norms
@@ -281,10 +287,15 @@ class StepStats:
             self.names, self.params = _trainable(pl_module, optimizer, state)
         opt = getattr(optimizer, "optimizer", optimizer)
         self.sharding = _sharding(trainer, state, opt, self.params) if self.params else None
+        self.grads: list[Tensor]
         if self.sharding is None:
-            with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
-            self.grad_names = [self.names[i] for i in with_grad]
-            self.grads: list[Tensor] = [self.params[i].grad for i in with_grad]  # type: ignore[misc]
+            grads = list(map(_GRAD, self.params))
+            if not any(map(operator.is_, grads, itertools.repeat(None))):  # the usual case: all have one
+                self.grad_names, self.grads = list(self.names), grads
+            else:
+                with_grad = [i for i, g in enumerate(grads) if g is not None]
+                self.grad_names = [self.names[i] for i in with_grad]
+                self.grads = [grads[i] for i in with_grad]
         else:
             self.grad_names = list(self.names)
             self.grads = [
@@ -292,7 +303,7 @@ class StepStats:
                 for p in self.params
             ]
         self.scaler = active_scaler(trainer)
-        self.grad_scale = _grad_scale(self.scaler, optimizer)
+        self.grad_scale = None if self.scaler is None else _grad_scale(self.scaler, optimizer)
         #: why a callback dropped this step's update (a cause of ``core.skips.SKIP_CAUSES``), else ``None``
         self.dropped: str | None = state.dropped.get((self.step, id(opt))) if state.dropped else None
         self._cache: dict[tuple[Any, ...], Any] = {}
@@ -322,7 +333,11 @@ class StepStats:
         (made once per step: the weight norms, the update sample and the histograms share the list)."""
         local: list[Tensor] | None = self._cache.get(("local_params",))
         if local is None:
-            local = self._cache[("local_params",)] = [local_tensor(p.detach()) for p in self.params]
+            if self.sharding is None:  # ``.data``: the values without autograd history, no op per tensor
+                local = [p.data for p in self.params]
+            else:
+                local = [local_tensor(p.detach()) for p in self.params]
+            self._cache[("local_params",)] = local
         return local
 
     def grad_numels(self) -> list[int]:
@@ -378,8 +393,9 @@ class StepStats:
         """Per-parameter gradient norms (parameters with a gradient, model order)."""
         pending: PendingNorms | None = self._cache.get(("grad_pending", norm_type))
         if pending is None:
-            pending = self._cache[("grad_pending", norm_type)] = self.pending(
-                self.local_grad_norms(norm_type), norm_type
+            norms = self.local_grad_norms(norm_type)
+            pending = self._cache[("grad_pending", norm_type)] = (
+                PendingNorms(norms, norm_type) if self.sharding is None else self.pending(norms, norm_type)
             )
         return pending
 
@@ -531,8 +547,8 @@ def step_stats(trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: An
     key = (step, id(getattr(optimizer, "optimizer", optimizer)))
     stats = steps.get(key)
     if stats is None:
-        for old in [k for k in steps if k[0] != step]:
-            del steps[old]
+        if steps and next(iter(steps))[0] != step:  # the entries are all of one step: an older one's go
+            steps.clear()
         if caches.dropped:
             for old in [k for k in caches.dropped if k[0] != step]:
                 del caches.dropped[old]

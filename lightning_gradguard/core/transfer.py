@@ -24,6 +24,15 @@ from lightning_gradguard.core.sharding import PendingNorms, world_size
 _SUMS = frozenset({"sum", "mean"})
 
 
+def _flat(tensor: Tensor) -> Tensor:
+    """``tensor`` detached, 1-D, float32, for the pack: no op for what is so already (norms usually are)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dim() != 1:
+        tensor = tensor.reshape(-1)
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
 class HostTransfer:
     """Collects device tensors under keys; :meth:`fetch` brings them all to the host in one transfer.
 
@@ -42,6 +51,8 @@ class HostTransfer:
         self._layout: list[
             tuple[Hashable, int, tuple[int, ...], str | None, Callable[[Tensor], Tensor] | None]
         ] = []
+        #: whether some tensor queued has its own way to combine across the ranks
+        self._own_ops = False
 
     def __len__(self) -> int:
         return len(self._layout)
@@ -56,7 +67,8 @@ class HostTransfer:
         collective whatever the fetch's ``reduce_op`` (every rank must then fetch alike).
         """
         self._layout.append((key, tensor.numel(), tuple(tensor.shape), reduce, None))
-        self._parts.append(tensor.detach().reshape(-1).float())
+        self._own_ops = self._own_ops or reduce is not None
+        self._parts.append(_flat(tensor))
 
     def add_norms(self, key: Hashable, norms: PendingNorms) -> None:
         """Queue norms that may still need the other ranks' shares: the fetch combines and finishes them.
@@ -64,10 +76,13 @@ class HostTransfer:
         Without sharding they are the norms already: queued as they are, never reduced (under DDP the
         gradients are all-reduced, so every rank holds the norms).
         """
-        self._layout.append(
-            (key, norms.values.numel(), tuple(norms.values.shape), norms.reduce_op, norms.finish)
-        )
-        self._parts.append(norms.values.detach().reshape(-1).float())
+        values = norms.values
+        if norms.sharded:
+            self._layout.append((key, values.numel(), tuple(values.shape), norms.reduce_op, norms.finish))
+            self._own_ops = True
+        else:  # the norms themselves: nothing to combine, nothing to finish
+            self._layout.append((key, values.numel(), tuple(values.shape), None, None))
+        self._parts.append(_flat(values))
 
     def fetch(
         self, trainer: pl.Trainer | None = None, reduce_op: str | None = None, device: Any = None
@@ -80,19 +95,19 @@ class HostTransfer:
         empty transfer (on a rank with nothing to add, the collective still needs a tensor).
         """
         packed = torch.cat(self._parts) if self._parts else torch.zeros(0, device=device)
-        if any(entry[3] is not None for entry in self._layout) and world_size() > 1:
+        if self._own_ops and world_size() > 1:
             fallback = reduce_op if trainer is not None and trainer.world_size > 1 else None
             packed = self._combine(packed, [entry[3] or fallback for entry in self._layout])
         elif reduce_op is not None and trainer is not None and trainer.world_size > 1:
             packed = trainer.strategy.reduce(packed, reduce_op=reduce_op)
         host = packed.cpu()  # the one device -> host transfer
         out: dict[Any, Tensor] = {}
-        offset = 0
-        for key, numel, shape, _, finish in self._layout:
-            value = host[offset : offset + numel].reshape(shape)
+        pieces = host.split_with_sizes([entry[1] for entry in self._layout]) if self._layout else ()  # one op
+        for (key, numel, shape, _, finish), value in zip(self._layout, pieces, strict=True):
+            if shape != (numel,):
+                value = value.reshape(shape)
             out[key] = finish(value) if finish is not None else value
-            offset += numel
-        self._parts, self._layout = [], []
+        self._parts, self._layout, self._own_ops = [], [], False
         return out
 
     def _combine(self, packed: Tensor, ops: list[str | None]) -> Tensor:

@@ -15,6 +15,7 @@ Conventions:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -26,13 +27,26 @@ from torch import Tensor
 SATURATION_BOUNDS: dict[str, tuple[float, float]] = {"tanh": (-9.5, 9.5), "sigmoid": (-23.0, 17.0)}
 
 
-def _as_float_tensor(values: Sequence[float] | Tensor) -> Tensor:
-    return torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+def _floats(values: Sequence[float] | Tensor) -> list[float]:
+    """``values`` as Python floats (a tensor read once; a list of host numbers taken as it is)."""
+    if isinstance(values, Tensor):
+        return list(map(float, values.detach().reshape(-1).tolist()))
+    return list(map(float, values))
+
+
+def _log10s(x: list[float]) -> list[float]:
+    """``log10`` of each value as torch computes it: 0 gives ``-inf``, a negative or NaN value NaN."""
+    return [math.log10(v) if v > 0.0 else -math.inf if v == 0.0 else math.nan for v in x]
+
+
+def _lower_median(x: list[float]) -> float:
+    """The lower median (``torch.median``'s: the smaller middle value of an even count)."""
+    return sorted(x)[(len(x) - 1) // 2]
 
 
 def log10_norms(norms: Sequence[float] | Tensor) -> Tensor:
     """``log10`` of the norms; zeros become ``-inf`` and non-finite norms stay non-finite."""
-    return _as_float_tensor(norms).log10()
+    return torch.tensor(_log10s(_floats(norms)), dtype=torch.float64)
 
 
 def robust_baseline(values: Sequence[float] | Tensor, method: str = "median", beta: float = 0.9) -> float:
@@ -40,18 +54,18 @@ def robust_baseline(values: Sequence[float] | Tensor, method: str = "median", be
 
     Non-finite entries are ignored. Meant for log-norms: the median of ``log10`` norms is the log of
     the median norm, and a geometric EMA is far less sensitive to a single spike than an arithmetic one.
+    Host math (a handful of numbers per check).
 
     Returns:
         The baseline, or NaN when no finite value was given.
     """
     if method not in ("median", "ema"):
         raise ValueError(f"`method` must be 'median' or 'ema'; got {method!r}")
-    x = _as_float_tensor(values)
-    x = x[torch.isfinite(x)]
-    if x.numel() == 0:
+    x = [v for v in _floats(values) if math.isfinite(v)]
+    if not x:
         return math.nan
     if method == "median":
-        return float(x.median())  # the lower median for an even count: a conservative baseline
+        return _lower_median(x)  # the lower median for an even count: a conservative baseline
     return ema(x, beta)
 
 
@@ -59,12 +73,12 @@ def ema(values: Sequence[float] | Tensor, beta: float = 0.9) -> float:
     """Exponential moving average with bias correction (``beta`` close to 1 = long memory)."""
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"`beta` must be in [0, 1); got {beta!r}")
-    x = _as_float_tensor(values)
-    if x.numel() == 0:
+    x = _floats(values)
+    n = len(x)
+    if n == 0:
         return math.nan
-    n = x.numel()
-    weights = (1.0 - beta) * beta ** torch.arange(n - 1, -1, -1, dtype=torch.float64)
-    return float((weights * x).sum() / (1.0 - beta**n))
+    weighted = math.fsum([(1.0 - beta) * beta ** (n - 1 - i) * v for i, v in enumerate(x)])
+    return weighted / (1.0 - beta**n)
 
 
 def spike_ratio(value: float, history: Sequence[float] | Tensor, recent: int | None = None) -> float:
@@ -80,7 +94,7 @@ def spike_ratio(value: float, history: Sequence[float] | Tensor, recent: int | N
     """
     if recent is not None and recent < 1:
         raise ValueError(f"`recent` must be a positive int or None; got {recent!r}")
-    logs = log10_norms(history)
+    logs = _log10s(_floats(history))
     base = robust_baseline(logs)
     if recent is not None and math.isfinite(base):
         base = max(base, robust_baseline(logs[-recent:]))
@@ -96,16 +110,16 @@ def growth_factor(history: Sequence[float] | Tensor, min_rising: float = 0.7) ->
     little), ``10 ** (slope * (n - 1))``. A series counts as a sustained rise when at least
     ``min_rising`` of its consecutive steps go up. Non-finite or zero entries make it 1.0 (no verdict).
     """
-    y = log10_norms(history)
-    n = y.numel()
-    if n < 3 or not bool(torch.isfinite(y).all()):
+    y = _log10s(_floats(history))
+    n = len(y)
+    if n < 3 or not all(map(math.isfinite, y)):
         return 1.0
-    rising = float((y[1:] > y[:-1]).double().mean())
-    if rising < min_rising:
+    if sum([b > a for a, b in itertools.pairwise(y)]) / (n - 1) < min_rising:
         return 1.0
-    t = torch.arange(n, dtype=torch.float64)
-    t = t - t.mean()
-    slope = float((t * (y - y.mean())).sum() / (t * t).sum())
+    t = [i - (n - 1) / 2.0 for i in range(n)]
+    y_mean = math.fsum(y) / n
+    covariance = math.fsum([ti * (yi - y_mean) for ti, yi in zip(t, y, strict=True)])
+    slope = covariance / math.fsum([ti * ti for ti in t])
     return 10.0 ** (slope * (n - 1))
 
 
@@ -119,12 +133,21 @@ def depth_ratio(norms_in_depth_order: Sequence[float] | Tensor) -> tuple[float, 
         ``(ratio, first, last)``: the ratio and the positions used; ``(nan, -1, -1)`` when fewer than
         two layers carry a gradient.
     """
-    x = _as_float_tensor(norms_in_depth_order)
-    live = torch.nonzero(torch.isfinite(x) & (x > 0)).reshape(-1).tolist()
+    x = _floats(norms_in_depth_order)
+    live = [i for i, v in enumerate(x) if math.isfinite(v) and v > 0]
     if len(live) < 2:
         return math.nan, -1, -1
     first, last = live[0], live[-1]
-    return float(x[first] / x[last]), first, last
+    return x[first] / x[last], first, last
+
+
+def flow_values(norms: Sequence[float] | Tensor) -> list[float]:
+    """``log10(norm / largest norm)`` per layer as host numbers (see :func:`gradient_flow`)."""
+    x = _floats(norms)
+    top = max([v for v in x if math.isfinite(v) and v > 0], default=None)
+    if top is None:
+        return [math.nan] * len(x)
+    return _log10s([v / top for v in x])
 
 
 def gradient_flow(norms: Sequence[float] | Tensor) -> Tensor:
@@ -132,11 +155,7 @@ def gradient_flow(norms: Sequence[float] | Tensor) -> Tensor:
 
     Layers with a zero norm get ``-inf``; if no layer has a finite positive norm, every entry is NaN.
     """
-    x = _as_float_tensor(norms)
-    live = x[torch.isfinite(x) & (x > 0)]
-    if live.numel() == 0:
-        return torch.full_like(x, math.nan)
-    return (x / live.max()).log10()
+    return torch.tensor(flow_values(norms), dtype=torch.float64)
 
 
 def unit_dim(ndim: int, channel_first: bool) -> int:

@@ -8,6 +8,7 @@ values to the host is the caller's decision (the callbacks do it at most once pe
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,9 @@ def _check_norm_type(norm_type: float) -> float:
         raise ValueError(f"`norm_type` must be a positive number or 'inf', got {norm_type!r}")
     return norm_type
 
+
+#: a tensor's ``(device, dtype, layout)``
+_KIND = operator.attrgetter("device", "dtype", "layout")
 
 #: the name FSDP1 (``use_orig_params=False``) gives the one flat parameter of each wrapped unit
 _FLAT_PARAM = "_flat_param"
@@ -107,10 +111,11 @@ def foreach_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     NaN gets a NaN norm, one holding an inf gets an inf norm: finiteness of the result is finiteness
     of the input.
     """
-    norm_type = _check_norm_type(norm_type)
+    if norm_type != 2.0:  # the usual 2-norm needs no check
+        norm_type = _check_norm_type(norm_type)
     if len(tensors) == 0:
         return torch.zeros(0)
-    kinds = {(t.device, t.dtype, t.layout) for t in tensors}  # one pass, no Python call per tensor
+    kinds = set(map(_KIND, tensors))  # one pass, C calls only (no Python call per tensor)
     if len(kinds) == 1 and next(iter(kinds))[2] == torch.strided and not math.isinf(norm_type):
         norms = torch.stack(torch._foreach_norm(list(tensors), norm_type))  # the usual case: one kernel
         return norms if norms.dtype == torch.float32 else norms.float()

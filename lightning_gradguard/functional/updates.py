@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,9 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.functional.stats import foreach_norms, reduce_norms
+
+#: ``t.requires_grad`` without a Python call per tensor
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 #: a parameter with more entries than this is sampled for its update norm (one size for every monitor)
 SAMPLE_ENTRIES = 1 << 16
@@ -51,7 +55,8 @@ class WeightSnapshot:
     """The values to diff against after the step: each parameter whole, or a strided sample of it.
 
     Attributes:
-        values: flat copies (the whole tensor when ``strides[i] == 1``).
+        values: copies: the whole tensor in its shape when ``strides[i] == 1``, else its flat strided
+            sample (:func:`sampled`).
         strides: the stride of each sample.
         scales: ``numel / sampled`` of each parameter (1.0 when copied whole).
     """
@@ -68,24 +73,26 @@ def _stride(numel: int, max_entries: int | None) -> int:
     return k if k % 2 else k + 1
 
 
-def _sample(p: Tensor, stride: int) -> Tensor:
-    flat = p.detach().reshape(-1)
-    return flat if stride == 1 else flat[::stride]
-
-
 def sampled(tensors: Sequence[Tensor], strides: Sequence[int]) -> list[Tensor]:
     """Views of the entries a snapshot with these ``strides`` keeps (no copy): the same sample of another
-    tensor of each parameter's shape (its gradient, an optimizer moment)."""
-    return [_sample(t, k) for t, k in zip(tensors, strides, strict=True)]
+    tensor of each parameter's shape (its gradient, an optimizer moment). A tensor kept whole (stride 1)
+    is itself (no op), a sampled one a flat strided view; a tensor that requires grad is detached first."""
+    if max(strides, default=1) == 1 and not any(map(_REQUIRES_GRAD, tensors)):
+        return list(tensors)  # the usual case: every tensor whole, nothing to detach (no op)
+    out = []
+    for t, k in zip(tensors, strides, strict=True):
+        t = t.detach() if t.requires_grad else t
+        out.append(t if k == 1 else t.reshape(-1)[::k])
+    return out
 
 
 def weight_snapshot(params: Sequence[Tensor], max_entries: int | None = SAMPLE_ENTRIES) -> WeightSnapshot:
     """A copy of the parameters' values (one fused kernel), sampled above ``max_entries`` entries
     (``None``: every tensor whole)."""
-    strides = [_stride(p.numel(), max_entries) for p in params]
-    views = [_sample(p, k) for p, k in zip(params, strides, strict=True)]
-    values = list(torch._foreach_mul(views, 1.0))
-    scales = [p.numel() / max(1, v.numel()) for p, v in zip(params, values, strict=True)]
+    numels = [p.numel() for p in params]
+    strides = [1 if max_entries is None or n <= max_entries else _stride(n, max_entries) for n in numels]
+    values = list(torch._foreach_mul(sampled(params, strides), 1.0))
+    scales = [n / max(1, v.numel()) for n, v in zip(numels, values, strict=True)]
     return WeightSnapshot(values, strides, scales)
 
 
@@ -100,10 +107,9 @@ def update_norms(
 
     ``index[i]`` is the group of ``params[i]`` (a long tensor on the norms' device).
     """
-    current = [_sample(p, k) for p, k in zip(params, snapshot.strides, strict=True)]
-    torch._foreach_sub_(snapshot.values, current)
+    torch._foreach_sub_(snapshot.values, sampled(params, snapshot.strides))
     upd = foreach_norms(snapshot.values, norm_type)
-    if math.isfinite(norm_type) and any(s != 1.0 for s in snapshot.scales):
+    if math.isfinite(norm_type) and max(snapshot.scales, default=1.0) != 1.0:
         factors = torch.tensor([s ** (1.0 / norm_type) for s in snapshot.scales], dtype=upd.dtype)
         upd = upd * factors.to(upd.device)
     return UpdateNorms(

@@ -48,6 +48,9 @@ from lightning_gradguard.monitors.vanishing.rules import (
 )
 from lightning_gradguard.tags import GRAD_FLOW, charts_of
 
+#: the detector's arguments that are :class:`VerdictRules`' thresholds (read once, not per check)
+_RULE_NAMES = tuple(f.name for f in fields(VerdictRules))
+
 
 class VanishingExplodingDetector(GradGuardCallback):
     r"""Alert on exploding and vanishing gradients, measured where the numbers are true.
@@ -254,10 +257,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         )
         verdict = self._judge(pl_module, norms, opt_idx, rules, context)
         flags = self._agreed_flags(trainer, verdict, norms.device)
-        self.last_check = {
-            "step": int(trainer.global_step),
-            **{f.name: getattr(verdict, f.name) for f in fields(verdict)},
-        }
+        self.last_check = {"step": int(trainer.global_step), **vars(verdict)}  # its fields, in order
         if not math.isfinite(verdict.total):
             # No verdict on a NaN/inf norm: that is NaNSentinel's finding (or, under 16-mixed, a step the
             # GradScaler skips). It neither counts towards patience nor resets it, so finite evidence on
@@ -275,7 +275,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         self.act(trainer, alerts)
 
     def _rules(self) -> VerdictRules:
-        return VerdictRules(**{f.name: getattr(self, f.name) for f in fields(VerdictRules)})
+        return VerdictRules(**{name: getattr(self, name) for name in _RULE_NAMES})
 
     def _judge(
         self,

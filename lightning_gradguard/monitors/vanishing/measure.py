@@ -45,7 +45,7 @@ def read_layer_norms(stats: StepStats, loss: torch.Tensor | None = None) -> Laye
     transfer.add_norms("norms", norms)
     transfer.add_norms("total", stats.grad_total(2.0))
     if loss is not None:
-        transfer.add("loss", loss.reshape(1).to(norms.values.device))
+        transfer.add("loss", loss.to(norms.values.device))
     host = transfer.fetch()  # the one device -> host transfer of this check
     return LayerNorms(
         labels=labels,

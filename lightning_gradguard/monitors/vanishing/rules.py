@@ -60,7 +60,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from lightning_gradguard.alerts import Rule, declare
-from lightning_gradguard.functional.health import depth_ratio, gradient_flow, growth_factor, spike_ratio
+from lightning_gradguard.functional.health import depth_ratio, flow_values, growth_factor, spike_ratio
 from lightning_gradguard.functional.stats import suggest_clip_value
 
 _MAX_NAMED = 5
@@ -264,7 +264,7 @@ def _checked_layers(
     that start at 0 and grow together."""
     positive = [i for i, v in enumerate(values) if math.isfinite(v) and v > 0]
     groups = [[i for i in positive if i not in opening], [i for i in positive if i in opening]]
-    flow = gradient_flow(values).tolist()
+    flow = flow_values(values)
     return _Check(labels=labels, values=values, flow=flow, numels=numels, groups=groups)
 
 
@@ -411,7 +411,8 @@ def judge(
             labels=labels, values=values, total=total, data=data, flow=[math.nan] * len(labels)
         )
     exploding, spike = _exploding(total, list(history), rules, data, ctx)
-    order = sorted(range(len(labels)), key=lambda i: -values[i] if math.isfinite(values[i]) else 0.0)
+    largest_first = [-v if math.isfinite(v) else 0.0 for v in values]
+    order = sorted(range(len(labels)), key=largest_first.__getitem__)
     top = [i for i in order if values[i] > 0][:_MAX_NAMED]
     if opening:
         data["opening_layers"] = float(len(opening))

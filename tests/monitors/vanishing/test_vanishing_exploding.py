@@ -77,6 +77,35 @@ def test_gradient_flow_is_log10_relative_to_the_largest() -> None:
     assert flow[3] == float("-inf")
 
 
+def test_the_host_math_agrees_with_the_same_math_in_torch() -> None:
+    """The rules' helpers run on host floats: checked against the float64 torch formulas they replaced, on
+    series with zeros, an inf and a NaN."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        x = (10.0 ** (torch.rand(12, generator=g, dtype=torch.float64) * 8 - 6)).tolist()
+        if trial % 3 == 1:
+            x[2], x[7] = 0.0, math.inf
+        if trial % 3 == 2:
+            x[4] = math.nan
+        t = torch.tensor(x, dtype=torch.float64)
+        live = t[torch.isfinite(t) & (t > 0)]
+        assert gradient_flow(x).tolist() == pytest.approx((t / live.max()).log10().tolist(), nan_ok=True)
+        logs = t.log10()
+        finite = logs[torch.isfinite(logs)]
+        assert robust_baseline(logs) == pytest.approx(float(finite.median()))
+        assert robust_baseline(logs.tolist()) == robust_baseline(logs)
+        rising = (10.0 ** torch.linspace(0, 3, 10, dtype=torch.float64)) * (
+            1 + 0.1 * torch.rand(10, generator=g)
+        )
+        y, n = rising.log10(), 10
+        tt = torch.arange(n, dtype=torch.float64) - (n - 1) / 2
+        slope = float((tt * (y - y.mean())).sum() / (tt * tt).sum())
+        if float((y[1:] > y[:-1]).double().mean()) >= 0.7:
+            assert growth_factor(rising.tolist()) == pytest.approx(10.0 ** (slope * (n - 1)))
+        first, last = (int(i) for i in torch.nonzero(torch.isfinite(t) & (t > 0)).reshape(-1)[[0, -1]])
+        assert depth_ratio(x) == (pytest.approx(x[first] / x[last]), first, last)
+
+
 # ---------------------------------------------------------------------------------------------- modules
 class Scheduled(RecordingMLP):
     """RecordingMLP whose loss is multiplied by ``scale(step)``: the gradients scale exactly with it."""

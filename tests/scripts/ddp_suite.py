@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -31,8 +32,10 @@ def run(out: Path, names: list[str]) -> None:
         spec.loader.exec_module(module)
         folder = out / name
         folder.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
         try:
             module.main(folder, *([list(module.FITS)] if hasattr(module, "FITS") else []))
+            (folder / "seconds.txt").write_text(f"{time.perf_counter() - start:.2f}\n")
         except BaseException:
             (folder / "error.txt").write_text(traceback.format_exc())
             raise

@@ -29,7 +29,9 @@ from lightning_gradguard.alerts import (
     undeclared,
 )
 from lightning_gradguard.core import emit as _emit
+from lightning_gradguard.core.buffers import restore_step_buffers
 from lightning_gradguard.core.cadence import log_step
+from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.state import info_once, strict_mode, trainer_state, warn_once
 from lightning_gradguard.core.stats import global_step, step_cache
 from lightning_gradguard.core.validate import check_choice, check_int
@@ -99,6 +101,8 @@ class GradGuardCallback(Callback):
     #: release, with a ``DeprecationWarning`` naming the new one (the signature, and so LightningCLI, shows
     #: the new name only)
     renamed_args: ClassVar[dict[str, str]] = {}
+    #: the cause a dropped update is counted under (``core.skips``), for the callbacks that drop updates
+    skip_cause: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -239,12 +243,46 @@ class GradGuardCallback(Callback):
     def act(self, trainer: pl.Trainer, alerts: list[Alert]) -> None:
         """Apply ``action`` to the alerts of a severity in ``acted_severities`` (call it on every rank)."""
         serious = [a for a in alerts if a.severity in self.acted_severities]
-        if not serious or self.action == "warn":
+        if serious:
+            self.apply_action(trainer, self.action, alerts=serious)
+
+    def apply_action(
+        self,
+        trainer: pl.Trainer,
+        action: str,
+        *,
+        alerts: list[Alert] | None = None,
+        optimizer: Any = None,
+        poisoned: bool = False,
+        error: GradGuardError | None = None,
+    ) -> None:
+        """What ``action`` does, the same in every callback (call it on every rank, with the same decision).
+
+        ``warn``: nothing more. ``skip``: this step's update of ``optimizer`` is dropped (its buffers put
+        back, counted under :attr:`skip_cause`: ``core.skips``). ``rollback``: dropped, then
+        :meth:`roll_back`. ``stop``: ``trainer.should_stop``; a ``poisoned`` update (one a NaN would write
+        into the weights) is dropped first. ``raise``: the buffers this step's forward wrote are put back
+        (the update never applies), then ``error`` (by default :attr:`error_type` over ``alerts``) is raised.
+        """
+        if action == "warn":
             return
-        if self.action == "stop":
+        if action == "raise":
+            if optimizer is not None:
+                restore_step_buffers(trainer)
+            found = alerts or []
+            raise error if error is not None else self.error_type("; ".join(a.format() for a in found), found)
+        if action == "stop":
             trainer.should_stop = True
-            return
-        raise self.error_type("; ".join(a.format() for a in serious), serious)
+        if optimizer is not None and (action in ("skip", "rollback") or (action == "stop" and poisoned)):
+            if not self.skip_cause:
+                raise TypeError(f"{type(self).__name__} drops updates: it needs a skip_cause")
+            skip_update(trainer, optimizer, self.skip_cause)
+        if action == "rollback":
+            self.roll_back(trainer, optimizer)
+
+    def roll_back(self, trainer: pl.Trainer, optimizer: Any) -> None:
+        """``action="rollback"``: bring back the last rollback point (the callbacks that allow it say how)."""
+        raise NotImplementedError(f"{type(self).__name__} has no rollback point")
 
     # ------------------------------------------------------------------ state
     @override

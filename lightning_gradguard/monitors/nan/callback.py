@@ -124,6 +124,7 @@ class NaNSentinel(GradGuardCallback):
 
     error_type = NonFiniteError
     allowed_actions = ("warn", "stop", "raise", "skip")
+    skip_cause = "nan_sentinel"
 
     def __init__(
         self,
@@ -333,17 +334,15 @@ class NaNSentinel(GradGuardCallback):
         due = self.would_report(finding.kind, int(trainer.global_step))
         filed = self._file(trainer, finding, counters, due) if due or self.action == "raise" else None
         self._skips = counters  # last_good.ckpt is written: the counters may count this step now
+        error = None
         if filed is not None and self.action == "raise":  # "raise" always has its report
             alerts = [a for a in self.alerts if a.kind == finding.kind][-1:]
-            raise NonFiniteError(filed.message(), alerts, filed.report.to_dict(), filed.folder)
-        if self.action == "stop":  # Lightning ends the run after this batch (see the class docstring)
-            trainer.should_stop = True
-        if (
-            self.action in ("skip", "stop")
-            and finding.optimizer is not None
-            and finding.kind != "nonfinite_parameter"
-        ):
-            skip_update(trainer, finding.optimizer, "nan_sentinel")  # accumulation, no optimizer: at the step
+            error = NonFiniteError(filed.message(), alerts, filed.report.to_dict(), filed.folder)
+        # "stop" ends the run after this batch (see the class docstring) without the poisoned update; a NaN
+        # found in the weights after a step (nonfinite_parameter) has no update left to drop
+        poisoned = finding.kind != "nonfinite_parameter"
+        optimizer = finding.optimizer if poisoned else None  # accumulation, no optimizer: at the step
+        self.apply_action(trainer, self.action, optimizer=optimizer, poisoned=poisoned, error=error)
 
     def _file(self, trainer: pl.Trainer, finding: Finding, counters: SkipCounters, write: bool) -> Filed:
         """Build the report of ``finding``; with ``write``, write its files and then record its alert.

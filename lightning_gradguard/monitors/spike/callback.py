@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_gradguard.alerts import LossSpikeError
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import GradGuardCallback
-from lightning_gradguard.core.buffers import keep_step_buffers, restore_step_buffers, step_buffers
+from lightning_gradguard.core.buffers import keep_step_buffers, step_buffers
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.lr import rescale_learning_rates
 from lightning_gradguard.core.skips import skip_update
@@ -136,6 +136,7 @@ class LossSpikeGuard(GradGuardCallback):
     """
 
     error_type = LossSpikeError
+    skip_cause = "loss_spike"
     allowed_actions = ("skip", "rollback", "warn", "raise")
     #: 0.x names: ``window`` was a count of steps here and of sampled steps in DeadReLUMonitor, and
     #: ``patience`` counted spikes before an escalation here, checks before an alert elsewhere
@@ -399,17 +400,18 @@ class LossSpikeGuard(GradGuardCallback):
         return self.streak
 
     def _act(self, trainer: pl.Trainer, optimizer: Any, action: str) -> None:
-        """Raise; or drop the update and roll back; or drop it; or (``"warn"``) let it be applied.
-
-        Whatever drops the step also puts back the buffers its forward wrote (``skip_update``), before a
-        rollback writes the rollback point's."""
-        if action == "raise":
-            restore_step_buffers(trainer)  # the step is never applied: the model in memory is the last good
-            raise LossSpikeError(self.alerts[-1].format() if self.alerts else "loss spike", self.alerts[-1:])
+        """The (possibly escalated) ``action`` on this step, as every callback applies it
+        (:meth:`~lightning_gradguard.core.base.GradGuardCallback.apply_action`): raise with the last alert;
+        or drop the update (and roll back); or (``"warn"``) let it be applied."""
+        last = self.alerts[-1:]
+        error = LossSpikeError(last[0].format() if last else "loss spike", last)
+        self.apply_action(trainer, action, alerts=last, optimizer=optimizer, error=error)
         if action in ("skip", "rollback"):
-            skip_update(trainer, optimizer, "loss_spike")
             self._outcome = "dropped"
-        if action == "rollback" and self._snapshot is not None:
+
+    @override
+    def roll_back(self, trainer: pl.Trainer, optimizer: Any) -> None:
+        if self._snapshot is not None:
             self._roll_back(trainer, optimizer, self._snapshot)
 
     def _roll_back(self, trainer: pl.Trainer, optimizer: Any, snapshot: TrainingSnapshot) -> None:

@@ -35,7 +35,7 @@ from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.state import info_once, strict_mode, trainer_state, warn_once
 from lightning_gradguard.core.stats import global_step, step_cache
 from lightning_gradguard.core.validate import check_choice, check_int
-from lightning_gradguard.tags import ALERT_TEXT, ALERTS, charts_of
+from lightning_gradguard.tags import ALERT_CHARTS, ALERT_TEXT, ALERTS, charts_of
 
 #: the ``cooldown_steps`` default of every monitor (LossSpikeGuard's is 0: each spike is an intervention)
 DEFAULT_COOLDOWN_STEPS = 1000
@@ -158,7 +158,7 @@ class GradGuardCallback(Callback):
         charts: dict[str, list[str]] = {}
         for cb in gradguard_callbacks(trainer):
             charts.update(cb.layout_charts())
-        charts.update(charts_of("GradGuardCallback"))  # the alert counts every callback writes
+        charts.update(charts_of(ALERT_CHARTS))  # the alert counts every callback writes
         return charts
 
     @override

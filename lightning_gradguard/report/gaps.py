@@ -14,8 +14,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_gradguard.monitors.gradients.tags import GRAD_NORM, UPDATE_RATIO, WEIGHT_NORM
+from lightning_gradguard.monitors.optimizer.tags import OPTIMIZER
+from lightning_gradguard.monitors.stall.tags import STALL
 from lightning_gradguard.report.read import LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS, RunData
-from lightning_gradguard.tags import GRAD_NORM, OPTIMIZER, STALL, UPDATE_RATIO, WEIGHT_NORM
 
 #: the families written on Lightning's logging steps (step 0, then ``(step + 1) % every == 0``)
 _ON_LOGGING_STEPS = tuple(f.prefix for f in (GRAD_NORM, WEIGHT_NORM, UPDATE_RATIO, OPTIMIZER))

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning_gradguard.report.figures as figures
 import lightning_gradguard.report.gaps as gaps
+from lightning_gradguard.registry import FAMILIES
 from lightning_gradguard.report.read import RunData
 from lightning_gradguard.tags import families_of
 
@@ -34,7 +35,7 @@ _ORDER = (
     "StallDetector",
 )
 #: monitor -> the tag prefixes that show it was attached to the run (the tag registry's families)
-MONITORS: dict[str, tuple[str, ...]] = {m: tuple(f.prefix for f in families_of(m)) for m in _ORDER}
+MONITORS: dict[str, tuple[str, ...]] = {m: tuple(f.prefix for f in families_of(FAMILIES, m)) for m in _ORDER}
 _RANK = {"info": 0, "warning": 1, "error": 2, "critical": 3}
 
 

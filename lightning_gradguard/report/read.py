@@ -18,8 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_gradguard.monitors.lr_finder.tags import LR_FINDER
+from lightning_gradguard.monitors.overfit.tags import PREFLIGHT
+from lightning_gradguard.registry import SCALAR_PREFIXES
 from lightning_gradguard.tags import ACROSS_LAYERS as _ACROSS
-from lightning_gradguard.tags import LR_FINDER, PREFLIGHT, SCALAR_PREFIXES
 
 #: the aggregates over all layers of a monitor with ``max_layers``
 ACROSS_LAYERS = f"{_ACROSS}/"

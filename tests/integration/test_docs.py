@@ -31,7 +31,7 @@ from lightning_gradguard import (
     functional,
     gradient_check,
     lr_find,
-    tags,
+    registry,
 )
 
 DOCS = ROOT / "docs"
@@ -143,15 +143,15 @@ def test_every_public_name_is_documented() -> None:
 
 
 def test_the_layout_table_is_the_chart_registry() -> None:
-    """docs/tags.md's layout table lists exactly the charts of ``lightning_gradguard.tags``, and every
-    callback's layout is drawn from that registry."""
+    """docs/tags.md's layout table lists exactly the charts the monitors declare (gathered by
+    ``lightning_gradguard.registry``), and every callback's layout is drawn from those."""
     text = (DOCS / "tags.md").read_text(encoding="utf-8")
     layout = text.split('## The "GradGuard" custom-scalars layout', 1)[1].split("\n## ", 1)[0]
     rows = set(re.findall(r"^\| ([^|`]+?) \|", layout, re.M)) - {"chart"}
-    registry = {c.title for c in tags.CHARTS}
-    assert rows == registry
+    declared = {c.title for c in registry.CHARTS}
+    assert rows == declared
     drawn = {title for cls in ALL for title in cls().layout_charts()}
-    assert drawn <= registry and len(drawn) > 30
+    assert drawn <= declared and len(drawn) > 30
 
 
 def test_every_tag_family_a_run_writes_is_in_the_tag_reference(tmp_path: Path) -> None:
@@ -186,9 +186,9 @@ def test_every_tag_family_a_run_writes_is_in_the_tag_reference(tmp_path: Path) -
     written = {*found["scalars"], *found["histograms"], *found["images"], *found["tensors"]}
     ours = {t for t in written if not t.startswith(("train_loss", "epoch"))}
     families = {t.split("/")[0] + "/" for t in ours if "/" in t}
-    assert families <= {f.prefix for f in tags.FAMILIES} | {"gradguard/"}  # every family a run writes
+    assert families <= {f.prefix for f in registry.FAMILIES} | {"gradguard/"}  # every family a run writes
     text = (DOCS / "tags.md").read_text(encoding="utf-8")
-    assert not [f.prefix for f in tags.FAMILIES if f"`{f.prefix}" not in text]  # is in the registry and here
+    assert not [f.prefix for f in registry.FAMILIES if f"`{f.prefix}" not in text]  # declared and here
     assert families >= {"grad_norm/", "grad_clip/", "grad_flow/", "dead_relu/", "lr_finder/", "preflight/"}
     assert families >= {"optimizer/", "activation/", "stall/"}
     undocumented = sorted(f for f in families if f"`{f}" not in text)

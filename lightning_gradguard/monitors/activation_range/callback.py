@@ -38,7 +38,8 @@ from lightning_gradguard.monitors.activation_range.rules import (
     headroom_verdict,
     logit_verdict,
 )
-from lightning_gradguard.tags import ACTIVATION, ATTENTION, charts_of
+from lightning_gradguard.monitors.activation_range.tags import ACTIVATION, ATTENTION, CHARTS
+from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``Trainer(log_every_n_steps=0)``) the alerts are still checked this often
 _DETECT_EVERY = 50
@@ -156,7 +157,7 @@ class ActivationRangeMonitor(SamplingMonitor):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of("ActivationRangeMonitor", attention=self.attention)
+        return charts_of(CHARTS, attention=self.attention)
 
     def _cadence(self, trainer: pl.Trainer) -> tuple[int, bool]:
         """(sample every, whether the samples are logged)."""

@@ -25,7 +25,8 @@ from lightning_gradguard.functional.stats import device_histograms
 from lightning_gradguard.monitors.dead_units.counts import sum_counts
 from lightning_gradguard.monitors.dead_units.measure import ActivationCapture
 from lightning_gradguard.monitors.dead_units.rules import UnitCounts, UnitWindows
-from lightning_gradguard.tags import DEAD_RELU, SATURATED, charts_of
+from lightning_gradguard.monitors.dead_units.tags import CHARTS, DEAD_RELU, SATURATED
+from lightning_gradguard.tags import charts_of
 
 
 class DeadReLUMonitor(SamplingMonitor):
@@ -130,7 +131,7 @@ class DeadReLUMonitor(SamplingMonitor):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of("DeadReLUMonitor", saturation=self.check_saturation)
+        return charts_of(CHARTS, saturation=self.check_saturation)
 
     def due(self, step: int) -> bool:
         """Whether logging step ``step`` (see :func:`~lightning_gradguard.core.cadence.log_step`) is sampled

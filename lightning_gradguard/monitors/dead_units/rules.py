@@ -34,7 +34,7 @@ from torch import Tensor
 
 from lightning_gradguard.alerts import Rule, declare
 from lightning_gradguard.functional.health import dead_units
-from lightning_gradguard.tags import ACTIVATION_RATE, DEAD_RELU, SATURATED
+from lightning_gradguard.monitors.dead_units.tags import ACTIVATION_RATE, DEAD_RELU, SATURATED
 
 DEAD_HINT = (
     "Lower the learning rate; initialise with He/Kaiming and zero (or small positive) biases; normalise the "

@@ -43,7 +43,8 @@ from lightning_gradguard.monitors.gradients.measure import (
 )
 from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
 from lightning_gradguard.monitors.gradients.ratio import RatioWatch, ratio_finding
-from lightning_gradguard.tags import GRAD_CLIP, charts_of
+from lightning_gradguard.monitors.gradients.tags import CHARTS, GRAD_CLIP
+from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``log_every_n_steps=0``), the clipping verdict is still reached this often
 _CLIP_CHECK_EVERY = 100
@@ -188,9 +189,7 @@ class GradientNormLogger(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(
-            "GradientNormLogger", capped=self.layers.max_layers is not None, noise_scale=self.log_noise_scale
-        )
+        return charts_of(CHARTS, capped=self.layers.max_layers is not None, noise_scale=self.log_noise_scale)
 
     # ------------------------------------------------------------------ hooks
     @override

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_gradguard.functional.clipping import ClipWindowStats
-from lightning_gradguard.tags import GRAD_CLIP
+from lightning_gradguard.monitors.gradients.tags import GRAD_CLIP
 
 
 @dataclass(frozen=True)

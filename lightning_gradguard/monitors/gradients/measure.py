@@ -32,7 +32,7 @@ from lightning_gradguard.functional.stats import (
     nonfinite_counts,
 )
 from lightning_gradguard.functional.updates import update_ratio
-from lightning_gradguard.tags import (
+from lightning_gradguard.monitors.gradients.tags import (
     GRAD_HISTOGRAM,
     GRAD_LOG10_HISTOGRAM,
     GRAD_NONFINITE,
@@ -40,8 +40,8 @@ from lightning_gradguard.tags import (
     UPDATE_RATIO,
     WEIGHT_HISTOGRAM,
     WEIGHT_NORM,
-    Family,
 )
+from lightning_gradguard.tags import Family
 
 _HIST_PARTS = ("stats", "edges", "counts")  # a histogram's NaN/inf counts are the grad_nonfinite scalars
 

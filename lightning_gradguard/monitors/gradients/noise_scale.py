@@ -39,7 +39,7 @@ from lightning_gradguard.functional.noise_scale import (
     effective_batch_sizes,
     noise_scale_terms,
 )
-from lightning_gradguard.tags import NOISE_SCALE
+from lightning_gradguard.monitors.gradients.tags import NOISE_SCALE
 
 _KEY = ("noise_scale", "ema")
 _NAME = "GradientNormLogger(log_noise_scale=True)"

@@ -30,6 +30,7 @@ from lightning_gradguard.functional.lr_suggest import SUGGESTION_METHODS
 from lightning_gradguard.monitors.lr_finder import engine
 from lightning_gradguard.monitors.lr_finder.output import write_result
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+from lightning_gradguard.monitors.lr_finder.tags import CHARTS
 from lightning_gradguard.tags import charts_of
 
 
@@ -169,7 +170,7 @@ class LRFinderPlus(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of("LRFinderPlus")
+        return charts_of(CHARTS)
 
     # ------------------------------------------------------------------ hooks
     @override

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
-from lightning_gradguard.tags import LR_FINDER, LR_FINDER_CURVE
+from lightning_gradguard.monitors.lr_finder.tags import LR_FINDER, LR_FINDER_CURVE
 
 log = logging.getLogger("lightning_gradguard")
 

@@ -55,7 +55,8 @@ from lightning_gradguard.monitors.optimizer.rules import (
     orphans_finding,
     outlier_finding,
 )
-from lightning_gradguard.tags import OPTIMIZER, charts_of
+from lightning_gradguard.monitors.optimizer.tags import CHARTS, OPTIMIZER
+from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``log_every_n_steps=0``), the rules are still checked this often
 _CHECK_EVERY = 100
@@ -170,7 +171,7 @@ class OptimizerMonitor(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of("OptimizerMonitor", capped=self.layers.max_layers is not None)
+        return charts_of(CHARTS, capped=self.layers.max_layers is not None)
 
     # ------------------------------------------------------------------ hooks
     @override

@@ -40,7 +40,7 @@ from lightning_gradguard.functional.optimizer_state import (
 )
 from lightning_gradguard.functional.stats import foreach_norms
 from lightning_gradguard.functional.updates import sampled, update_ratio
-from lightning_gradguard.tags import OPTIMIZER
+from lightning_gradguard.monitors.optimizer.tags import OPTIMIZER
 
 
 class ScaleWatch:

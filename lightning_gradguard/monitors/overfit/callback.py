@@ -31,7 +31,8 @@ from lightning_gradguard.core.validate import check_bool, check_choice, check_fl
 from lightning_gradguard.monitors.overfit.check import OverfitSettings, run_overfit_check
 from lightning_gradguard.monitors.overfit.diagnosis import blow_up
 from lightning_gradguard.monitors.overfit.findings import OverfitResult, label_stability
-from lightning_gradguard.tags import PREFLIGHT, charts_of
+from lightning_gradguard.monitors.overfit.tags import CHARTS, PREFLIGHT
+from lightning_gradguard.tags import charts_of
 
 
 class OverfitBatchSanity(PreflightCheck):
@@ -185,7 +186,7 @@ class OverfitBatchSanity(PreflightCheck):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of("OverfitBatchSanity")
+        return charts_of(CHARTS)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

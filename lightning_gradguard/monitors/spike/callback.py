@@ -47,7 +47,8 @@ from lightning_gradguard.monitors.spike.rules import (
     spike_alert,
     step_verdict,
 )
-from lightning_gradguard.tags import SPIKE, charts_of
+from lightning_gradguard.monitors.spike.tags import CHARTS, SPIKE
+from lightning_gradguard.tags import charts_of
 
 #: the accepted steps whose inputs must be seen before a batch's inputs are judged against them
 _INPUTS_WARM = 8
@@ -214,7 +215,7 @@ class LossSpikeGuard(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of("LossSpikeGuard")
+        return charts_of(CHARTS)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

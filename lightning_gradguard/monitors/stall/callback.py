@@ -39,7 +39,8 @@ from lightning_gradguard.monitors.stall.measure import (
 )
 from lightning_gradguard.monitors.stall.rules import observe
 from lightning_gradguard.monitors.stall.state import StallState
-from lightning_gradguard.tags import STALL, charts_of
+from lightning_gradguard.monitors.stall.tags import CHARTS, STALL
+from lightning_gradguard.tags import charts_of
 
 
 class StallDetector(GradGuardCallback):
@@ -265,7 +266,7 @@ class StallDetector(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of("StallDetector")
+        return charts_of(CHARTS)
 
     # ------------------------------------------------------------------ state
     @override

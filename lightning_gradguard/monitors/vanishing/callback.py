@@ -46,7 +46,8 @@ from lightning_gradguard.monitors.vanishing.rules import (
     judge,
     opening_layers,
 )
-from lightning_gradguard.tags import GRAD_FLOW, charts_of
+from lightning_gradguard.monitors.vanishing.tags import CHARTS, GRAD_FLOW
+from lightning_gradguard.tags import charts_of
 
 #: the detector's arguments that are :class:`VerdictRules`' thresholds (read once, not per check)
 _RULE_NAMES = tuple(f.name for f in fields(VerdictRules))
@@ -175,7 +176,7 @@ class VanishingExplodingDetector(GradGuardCallback):
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of("VanishingExplodingDetector")
+        return charts_of(CHARTS)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

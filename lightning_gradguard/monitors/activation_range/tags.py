@@ -1,0 +1,50 @@
+"""The tags ActivationRangeMonitor writes, declared once: its tag families and its GradGuard charts.
+
+Only declarations (no torch): the callback and its modules tag what they log from them, ``gradguard report``
+and the docs test read them through :mod:`lightning_gradguard.registry`.
+"""
+
+from __future__ import annotations
+
+from lightning_gradguard.tags import Chart, Family
+
+ACTIVATION = Family("activation", "ActivationRangeMonitor")
+ATTENTION = Family("attention", "ActivationRangeMonitor")
+
+#: every tag family ActivationRangeMonitor writes
+FAMILIES: tuple[Family, ...] = (
+    ACTIVATION,
+    ATTENTION,
+)
+
+#: its charts of the "GradGuard" custom-scalars layout
+CHARTS: tuple[Chart, ...] = (
+    Chart(
+        "Activations: max abs per block (use the log y axis)",
+        (ACTIVATION.tag("max_abs", ".*"),),
+        "ActivationRangeMonitor",
+    ),
+    Chart("Activations: RMS per block", (ACTIVATION.tag("rms", ".*"),), "ActivationRangeMonitor"),
+    Chart(
+        "Activations: kurtosis per block (Gaussian = 3)",
+        (ACTIVATION.tag("kurtosis", ".*"),),
+        "ActivationRangeMonitor",
+    ),
+    Chart(
+        "Activations: fp16 headroom per block in bits (0 = overflow)",
+        (ACTIVATION.tag("fp16_headroom", ".*"),),
+        "ActivationRangeMonitor",
+    ),
+    Chart(
+        "Attention: largest logit per attention module",
+        (ATTENTION.tag("max_logit", ".*"),),
+        "ActivationRangeMonitor",
+        "attention",
+    ),
+    Chart(
+        "Attention: entropy per attention module in nats (ln of the keys = uniform, 0 = one-hot)",
+        (ATTENTION.tag("entropy", ".*"),),
+        "ActivationRangeMonitor",
+        "attention",
+    ),
+)

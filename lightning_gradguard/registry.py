@@ -60,18 +60,50 @@ def alerts_table() -> str:
     return kinds_table(globals().get("RULES") or __getattr__("RULES"))
 
 
-#: the markers docs/alerts.md keeps the generated table between
-BEGIN, END = "<!-- alert kinds: begin (generated) -->", "<!-- alert kinds: end -->"
-#: the command that rewrites the table (the docs test names it when the page is stale)
-REWRITE = "python -m lightning_gradguard.registry docs/alerts.md"
+#: what a chart's ``only`` setting is called among its callback's arguments (docs/tags.md's layout table)
+_ONLY = {
+    "capped": "`max_layers`",
+    "saturation": "`check_saturation=True`",
+    "attention": "`attention=True`",
+    "noise_scale": "`log_noise_scale=True`",
+}
 
 
-def with_table(page: str) -> str:
-    """``page`` with the text between :data:`BEGIN` and :data:`END` replaced by :func:`alerts_table`."""
-    head, rest = page.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    note = f"<!-- do not edit: declared in monitors/*/rules.py; `{REWRITE}` -->"
-    return f"{head}{BEGIN}\n{note}\n\n{alerts_table()}\n{END}{tail}"
+def layout_table() -> str:
+    """docs/tags.md's table of the "GradGuard" layout (Markdown): one row per declared chart."""
+    lines = ["| chart | tag regex | drawn by |", "|---|---|---|"]
+    for c in CHARTS:
+        regexes = ", ".join(f"`{r}`" for r in c.regexes).replace("|", "\\|")
+        by = f"`{c.owner}`" + (f", with {_ONLY.get(c.only, c.only)}" if c.only else "")
+        lines.append(f"| {c.title} | {regexes} | {by} |")
+    return "\n".join(lines) + "\n"
+
+
+#: the generated tables: marker name -> (what it is built from, the function that builds it)
+TABLES = {
+    "alert kinds": ("monitors/*/rules.py", alerts_table),
+    "layout": ("monitors/*/tags.py", layout_table),
+}
+#: the command that rewrites the tables (the docs test names it when a page is stale)
+REWRITE = "python -m lightning_gradguard.registry docs/alerts.md docs/tags.md"
+
+
+def markers(table: str) -> tuple[str, str]:
+    """The comments a page keeps the generated ``table`` between."""
+    return f"<!-- {table}: begin (generated) -->", f"<!-- {table}: end -->"
+
+
+def with_tables(page: str) -> str:
+    """``page`` with every generated table it holds (between its :func:`markers`) rebuilt."""
+    for table, (source, build) in TABLES.items():
+        begin, end = markers(table)
+        if begin not in page:
+            continue
+        head, rest = page.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        note = f"<!-- do not edit: declared in {source}; `{REWRITE}` -->"
+        page = f"{head}{begin}\n{note}\n\n{build()}\n{end}{tail}"
+    return page
 
 
 if __name__ == "__main__":
@@ -81,4 +113,4 @@ if __name__ == "__main__":
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
         with open(path, "w", encoding="utf-8") as fh:
-            fh.write(with_table(text))
+            fh.write(with_tables(text))

@@ -80,8 +80,8 @@ def test_a_declaration_is_checked() -> None:
 
 def test_the_docs_table_of_kinds_is_the_generated_one() -> None:
     page = (ROOT / "docs/alerts.md").read_text(encoding="utf-8")
-    assert registry.with_table(page) == page, f"docs/alerts.md is stale: run `{registry.REWRITE}`"
-    assert registry.with_table(page.replace("| `dead_relu` |", "| `dead_neuron` |")) == page  # it rewrites
+    assert registry.with_tables(page) == page, f"docs/alerts.md is stale: run `{registry.REWRITE}`"
+    assert registry.with_tables(page.replace("| `dead_relu` |", "| `dead_neuron` |")) == page  # it rewrites
 
 
 class _Liar(GradGuardCallback):

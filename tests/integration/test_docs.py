@@ -119,7 +119,7 @@ def test_every_alert_kind_is_in_the_alert_table() -> None:
     from lightning_gradguard import registry
 
     text = (DOCS / "alerts.md").read_text(encoding="utf-8")
-    assert registry.with_table(text) == text, (
+    assert registry.with_tables(text) == text, (
         f"docs/alerts.md's table of kinds is stale: run `{registry.REWRITE}`"
     )
     rows = set(re.findall(r"^\| `([a-z0-9_]+)` \|", text, re.M))
@@ -150,6 +150,7 @@ def test_the_layout_table_is_the_chart_registry() -> None:
     rows = set(re.findall(r"^\| ([^|`]+?) \|", layout, re.M)) - {"chart"}
     declared = {c.title for c in registry.CHARTS}
     assert rows == declared
+    assert registry.with_tables(text) == text, f"docs/tags.md is stale: run `{registry.REWRITE}`"
     drawn = {title for cls in ALL for title in cls().layout_charts()}
     assert drawn <= declared and len(drawn) > 30
 

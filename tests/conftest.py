@@ -15,138 +15,40 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
-import torch
-from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
-from torch import nn
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 # A monitor's own exception is raised in tests, not turned into a warning (see core.base.guarded).
 os.environ.setdefault("GRADGUARD_STRICT", "1")
-logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
 sys.path.insert(0, str(Path(__file__).resolve().parent / "machine"))
-import other_machine  # noqa: E402  (this machine rounding like another one, on request)
+import other_machine  # this machine rounding like another one, on request
 
 other_machine.apply()
-#: every monitor's declared alert kinds, loaded in every worker: under GRADGUARD_STRICT a monitor that reports
-#: a kind it did not declare fails the test whichever test file runs first (GradGuardCallback.report)
-importlib.import_module("lightning_gradguard.registry")
 #: ``make unit`` runs the suite in pytest-xdist workers, one per core: one torch thread each (and in the
 #: subprocesses they start: the examples, the DDP scripts, the command line), or the workers' thread pools
 #: oversubscribe the cores. A thread count the caller chose (``OMP_NUM_THREADS``) is kept; an empty one is
 #: no choice (torch then starts one thread per core).
-if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("OMP_NUM_THREADS", "").strip():
+_ONE_THREAD = (
+    bool(os.environ.get("PYTEST_XDIST_WORKER")) and not os.environ.get("OMP_NUM_THREADS", "").strip()
+)
+if _ONE_THREAD:  # set before torch is imported: its pools start with one thread
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("MKL_NUM_THREADS", "1")
-    torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*is smaller than the logging interval.*")
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
-class MemoryLogger(Logger):
-    """A real ``Logger``: every ``log_metrics`` call is kept as ``(step, metrics)``."""
-
-    def __init__(self, save_dir: str | None = None) -> None:
-        super().__init__()
-        self.calls: list[tuple[int | None, dict[str, float]]] = []
-        self._save_dir = save_dir
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @property
-    def log_dir(self) -> str | None:
-        return self._save_dir
-
-    @property
-    @rank_zero_experiment
-    def experiment(self) -> Any:
-        return None
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.calls.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def series(self, tag: str) -> dict[int, float]:
-        """``{step: value}`` of one tag (the last value wins if a step repeats)."""
-        return {int(s): m[tag] for s, m in self.calls if tag in m and s is not None}
+#: the helpers of tests/testkit.py, imported on first use (``from conftest import make_trainer``)
+_TESTKIT = ("MemoryLogger", "RecordingMLP", "make_trainer", "public_callbacks", "random_loader")
 
 
-def random_loader(
-    n: int = 64, features: int = 8, classes: int = 4, batch_size: int = 8, seed: int = 0
-) -> Any:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, features, generator=g)
-    y = torch.randint(0, classes, (n,), generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+def __getattr__(name: str) -> Any:
+    if name in _TESTKIT:
+        import testkit
 
-
-class RecordingMLP(pl.LightningModule):
-    """A small classifier that records, independently of gradguard, the true norms at every step."""
-
-    def __init__(self, features: int = 8, hidden: int = 16, classes: int = 4, lr: float = 0.1) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Linear(hidden, classes))
-        self.lr = lr
-        self.true_total: dict[int, float] = {}
-        self.true_layers: dict[int, dict[str, float]] = {}
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.true_total[self.trainer.global_step] = float(torch.nn.utils.get_total_norm(grads))
-        layers: dict[str, list[torch.Tensor]] = {}
-        for name, p in self.named_parameters():
-            if p.grad is not None:
-                layers.setdefault(name.rsplit(".", 1)[0], []).append(p.grad.reshape(-1))
-        self.true_layers[self.trainer.global_step] = {
-            k: float(torch.linalg.vector_norm(torch.cat(v))) for k, v in layers.items()
-        }
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-
-def public_callbacks() -> list[type]:
-    """Every callback class the package exports (a new one is checked by the convention tests at once)."""
-    import lightning_gradguard
-    from lightning_gradguard import GradGuardCallback
-
-    exported = [getattr(lightning_gradguard, name) for name in lightning_gradguard.__all__]
-    return [
-        c
-        for c in exported
-        if isinstance(c, type) and issubclass(c, GradGuardCallback) and c is not GradGuardCallback
-    ]
-
-
-def make_trainer(callbacks: list[Any], logger: Any = None, **kwargs: Any) -> pl.Trainer:
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=logger if logger is not None else False,
-        log_every_n_steps=1,
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **defaults)
+        return getattr(testkit, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: the repository's root and the 2-process DDP scripts
@@ -179,7 +81,25 @@ _SUITE: dict[str, Any] = {}
 _SUITE_DIR = "GRADGUARD_DDP_SUITE_DIR"
 
 
+def _prepare_testing_process() -> None:
+    """In a process that runs tests (an xdist worker, or the one process without xdist), not in the
+    controller, which only hands tests out: torch on one thread in a worker, and every monitor's declared
+    alert kinds loaded, so that under GRADGUARD_STRICT a monitor reporting a kind it did not declare fails
+    the test whichever test file runs first (GradGuardCallback.report); Lightning's INFO lines quiet (its
+    import sets its logger's level: this comes after it)."""
+    import lightning.pytorch  # noqa: F401
+    import torch
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
+    if _ONE_THREAD:
+        torch.set_num_threads(1)
+    assert importlib.import_module("lightning_gradguard.registry").RULES
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):  # a process that tests
+        _prepare_testing_process()
     if not hasattr(config, "workerinput"):  # the session's own process, not an xdist worker
         root = tempfile.mkdtemp(prefix="gradguard_ddp_suite_")
         os.environ[_SUITE_DIR] = root  # the workers start after this and inherit it
@@ -356,7 +276,9 @@ def _example_child(script: Path, args: list[str], cwd: Path, out: Path, err: Pat
 
 
 @pytest.fixture
-def memory_logger(tmp_path: Any) -> MemoryLogger:
+def memory_logger(tmp_path: Any) -> Any:
+    from testkit import MemoryLogger
+
     return MemoryLogger(str(tmp_path))
 
 

@@ -1,8 +1,4 @@
-"""The tags ActivationRangeMonitor writes, declared once: its tag families and its GradGuard charts.
-
-Only declarations (no torch): the callback and its modules tag what they log from them, ``gradguard report``
-and the docs test read them through :mod:`lightning_gradguard.registry`.
-"""
+"""ActivationRangeMonitor's tag families and charts: declarations (no torch)."""
 
 from __future__ import annotations
 
@@ -11,13 +7,11 @@ from lightning_gradguard.tags import Chart, Family
 ACTIVATION = Family("activation", "ActivationRangeMonitor")
 ATTENTION = Family("attention", "ActivationRangeMonitor")
 
-#: every tag family ActivationRangeMonitor writes
 FAMILIES: tuple[Family, ...] = (
     ACTIVATION,
     ATTENTION,
 )
 
-#: its charts of the "GradGuard" custom-scalars layout
 CHARTS: tuple[Chart, ...] = (
     Chart(
         "Activations: max abs per block (use the log y axis)",

@@ -1,8 +1,4 @@
-"""The tags GradientNormLogger writes, declared once: its tag families and its GradGuard charts.
-
-Only declarations (no torch): the callback and its modules tag what they log from them, ``gradguard report``
-and the docs test read them through :mod:`lightning_gradguard.registry`.
-"""
+"""GradientNormLogger's tag families and charts: declarations (no torch)."""
 
 from __future__ import annotations
 
@@ -18,7 +14,6 @@ GRAD_HISTOGRAM = Family("grad", "GradientNormLogger", "histogram")
 GRAD_LOG10_HISTOGRAM = Family("grad_log10", "GradientNormLogger", "histogram")
 WEIGHT_HISTOGRAM = Family("weight", "GradientNormLogger", "histogram")
 
-#: every tag family GradientNormLogger writes
 FAMILIES: tuple[Family, ...] = (
     GRAD_NORM,
     WEIGHT_NORM,
@@ -31,7 +26,6 @@ FAMILIES: tuple[Family, ...] = (
     WEIGHT_HISTOGRAM,
 )
 
-#: its charts of the "GradGuard" custom-scalars layout
 CHARTS: tuple[Chart, ...] = (
     Chart(
         "Gradient norm across all layers: min / median / max",

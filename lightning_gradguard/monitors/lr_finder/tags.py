@@ -1,8 +1,4 @@
-"""The tags LRFinderPlus writes, declared once: its tag families and its GradGuard charts.
-
-Only declarations (no torch): the callback and its modules tag what they log from them, ``gradguard report``
-and the docs test read them through :mod:`lightning_gradguard.registry`.
-"""
+"""LRFinderPlus's tag families and charts: declarations (no torch)."""
 
 from __future__ import annotations
 
@@ -11,13 +7,11 @@ from lightning_gradguard.tags import Chart, Family
 LR_FINDER = Family("lr_finder", "LRFinderPlus")
 LR_FINDER_CURVE = Family("lr_finder", "LRFinderPlus", "image")
 
-#: every tag family LRFinderPlus writes
 FAMILIES: tuple[Family, ...] = (
     LR_FINDER,
     LR_FINDER_CURVE,
 )
 
-#: its charts of the "GradGuard" custom-scalars layout
 CHARTS: tuple[Chart, ...] = (
     Chart(
         "LR finder: loss per sweep step",

@@ -1,8 +1,4 @@
-"""The tags OptimizerMonitor writes, declared once: its tag families and its GradGuard charts.
-
-Only declarations (no torch): the callback and its modules tag what they log from them, ``gradguard report``
-and the docs test read them through :mod:`lightning_gradguard.registry`.
-"""
+"""OptimizerMonitor's tag families and charts: declarations (no torch)."""
 
 from __future__ import annotations
 
@@ -10,10 +6,8 @@ from lightning_gradguard.tags import ACROSS_LAYERS, PER_LAYER, Chart, Family
 
 OPTIMIZER = Family("optimizer", "OptimizerMonitor")
 
-#: every tag family OptimizerMonitor writes
 FAMILIES: tuple[Family, ...] = (OPTIMIZER,)
 
-#: its charts of the "GradGuard" custom-scalars layout
 CHARTS: tuple[Chart, ...] = (
     Chart(
         "Optimizer step size across all layers: min / median / max",

@@ -1,8 +1,4 @@
-"""The tags OverfitBatchSanity writes, declared once: its tag families and its GradGuard charts.
-
-Only declarations (no torch): the callback and its modules tag what they log from them, ``gradguard report``
-and the docs test read them through :mod:`lightning_gradguard.registry`.
-"""
+"""OverfitBatchSanity's tag families and charts: declarations (no torch)."""
 
 from __future__ import annotations
 
@@ -10,10 +6,8 @@ from lightning_gradguard.tags import Chart, Family
 
 PREFLIGHT = Family("preflight", "OverfitBatchSanity")
 
-#: every tag family OverfitBatchSanity writes
 FAMILIES: tuple[Family, ...] = (PREFLIGHT,)
 
-#: its charts of the "GradGuard" custom-scalars layout
 CHARTS: tuple[Chart, ...] = (
     Chart(
         "Pre-flight: overfit-one-batch loss (x = check step)",

@@ -1,8 +1,4 @@
-"""The tags StallDetector writes, declared once: its tag families and its GradGuard charts.
-
-Only declarations (no torch): the callback and its modules tag what they log from them, ``gradguard report``
-and the docs test read them through :mod:`lightning_gradguard.registry`.
-"""
+"""StallDetector's tag families and charts: declarations (no torch)."""
 
 from __future__ import annotations
 
@@ -10,10 +6,8 @@ from lightning_gradguard.tags import Chart, Family
 
 STALL = Family("stall", "StallDetector")
 
-#: every tag family StallDetector writes
 FAMILIES: tuple[Family, ...] = (STALL,)
 
-#: its charts of the "GradGuard" custom-scalars layout
 CHARTS: tuple[Chart, ...] = (
     Chart(
         "Stalled learning: training loss vs the chance level",

@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning_gradguard.monitors as monitors
 from lightning_gradguard.alerts import Rule, alert_kinds, kinds_table
-from lightning_gradguard.tags import ALERT_CHARTS, ALERTS, Chart, Family
+from lightning_gradguard.tags import ALERT_CHARTS, ALERTS, PER_LAYER, Chart, Family
 
 #: every monitor package, by name (a new monitor's folder is all it takes)
 MONITORS = tuple(sorted(m.name for m in pkgutil.iter_modules(monitors.__path__) if m.ispkg))
@@ -70,10 +70,13 @@ _ONLY = {
 
 
 def layout_table() -> str:
-    """docs/tags.md's table of the "GradGuard" layout (Markdown): one row per declared chart."""
+    """docs/tags.md's table of the "GradGuard" layout (Markdown): one row per declared chart; ``<layer>``
+    stands for :data:`~lightning_gradguard.tags.PER_LAYER` (every layer's tag but the totals, aggregates)."""
     lines = ["| chart | tag regex | drawn by |", "|---|---|---|"]
     for c in CHARTS:
-        regexes = ", ".join(f"`{r}`" for r in c.regexes).replace("|", "\\|")
+        regexes = ", ".join(
+            f"`{r.removesuffix(PER_LAYER)}<layer>`" if r.endswith(PER_LAYER) else f"`{r}`" for r in c.regexes
+        )
         by = f"`{c.owner}`" + (f", with {_ONLY.get(c.only, c.only)}" if c.only else "")
         lines.append(f"| {c.title} | {regexes} | {by} |")
     return "\n".join(lines) + "\n"

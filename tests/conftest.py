@@ -34,6 +34,8 @@ _ONE_THREAD = (
 if _ONE_THREAD:  # set before torch is imported: its pools start with one thread
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+#: whether torch in this process starts on one thread (then a forked child may run torch: run_example)
+_STARTED_ON_ONE_THREAD = os.environ.get("OMP_NUM_THREADS", "").strip() == "1"
 warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 warnings.filterwarnings("ignore", message=".*is smaller than the logging interval.*")
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
@@ -196,9 +198,10 @@ def run_example(
     output goes to its own files, and it gets what a fresh interpreter would (the root logger without
     pytest's handlers, ``sys.argv``, the script's folder first on ``sys.path``, only its own ``atexit``
     functions run at its end). ``fork=False`` starts a real interpreter (``make demo``'s way, kept for the
-    quickstart).
+    quickstart), as does a test process whose torch runs more than one thread (``make unit-elsewhere``):
+    OpenMP's thread team does not survive a fork, and the child's first parallel region hangs.
     """
-    if not fork:
+    if not fork or not _fork_safe():
         env = dict(os.environ, PYTHONPATH=other_machine.subprocess_path(str(ROOT)), OMP_NUM_THREADS="1")
         proc = subprocess.run(
             [sys.executable, str(ROOT / "examples" / name), *(args or [])],
@@ -212,6 +215,16 @@ def run_example(
         proc = _run_forked(ROOT / "examples" / name, args or [], cwd, timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def _fork_safe() -> bool:
+    """Whether this process may fork a child that runs torch: only when torch has never had a second thread,
+    that is when the process started with ``OMP_NUM_THREADS=1`` (the xdist workers) and still runs one (an
+    OpenMP team started before the fork leaves the child's runtime waiting for threads it lost: the child
+    hangs; PyTorch's own forked DataLoader workers drop to one thread for the same reason)."""
+    import torch
+
+    return _STARTED_ON_ONE_THREAD and torch.get_num_threads() == 1
 
 
 def _run_forked(script: Path, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:

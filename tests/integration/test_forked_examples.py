@@ -49,3 +49,17 @@ def test_a_failing_script_exits_with_its_code_and_its_traceback(tmp_path: Path) 
 def test_a_hung_script_is_stopped_at_its_timeout(tmp_path: Path) -> None:
     with pytest.raises(subprocess.TimeoutExpired):
         _run_forked(_script(tmp_path, "import time\ntime.sleep(60)\n"), [], tmp_path, timeout=1)
+
+
+def test_a_process_whose_torch_runs_two_threads_does_not_fork() -> None:
+    """An OpenMP team started before a fork hangs the child's first parallel region (seen: make
+    unit-elsewhere at two threads): there the examples start a fresh interpreter instead."""
+    import torch
+    from conftest import _fork_safe
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not _fork_safe()
+    finally:
+        torch.set_num_threads(threads)

@@ -88,7 +88,6 @@ def gradient_check(
     :mod:`~lightning_gradguard.monitors.gradcheck.engine`. Other arguments: :class:`GradientCheck`.
 
     Args:
-        action: ``"raise"`` (default), ``"warn"`` or ``"stop"``.
         module: the model (a ``LightningModule`` or any ``nn.Module``).
         batch: one batch, as ``training_step`` / ``loss_fn`` takes it.
         loss_fn: ``loss_fn(module, batch) -> scalar loss``; default for a ``LightningModule``: its

@@ -94,6 +94,49 @@ class Rule:
         return (self.severity, *self.also)
 
 
+@dataclass(frozen=True)
+class Finding:
+    """A rule that holds, in words: what a check returns. Its kind is the rule's; its severity, place and
+    hint are the rule's unless the check states its own (a severity the rule declares in ``also``, the
+    layer it found, a hint with the numbers in it).
+
+    Attributes:
+        rule: the declaration that held.
+        message: what was seen, with the numbers.
+        data: the numbers behind the message.
+        hint: the check's own wording of the fix; empty: the rule's ``hint``.
+        where: the place; ``None``: the rule's ``where``.
+        severity: one of the rule's ``severities``; ``None``: its usual one.
+    """
+
+    rule: Rule
+    message: str
+    data: dict[str, float] = field(default_factory=dict)
+    hint: str = ""
+    where: str | None = None
+    severity: Severity | None = None
+
+    def __post_init__(self) -> None:
+        if self.severity is None:
+            object.__setattr__(self, "severity", self.rule.severity)
+        elif self.severity not in self.rule.severities:
+            raise ValueError(f"{self.rule.kind} is declared {self.rule.severities}, not {self.severity!r}")
+        if self.where is None:
+            object.__setattr__(self, "where", self.rule.where)
+        if not self.hint:
+            object.__setattr__(self, "hint", self.rule.hint)
+
+    @property
+    def kind(self) -> str:
+        return self.rule.kind
+
+    @property
+    def level(self) -> Severity:
+        """The severity it is reported at (``severity``, typed as always set)."""
+        assert self.severity is not None  # set in __post_init__
+        return self.severity
+
+
 _KIND = re.compile(r"[a-z][a-z0-9_]*")
 #: monitor class name -> the kinds it declared (filled by :func:`declare`)
 _DECLARED: dict[str, set[str]] = {}

@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_gradguard.alerts import (
     ACTIONS,
     Alert,
+    Finding,
     GradGuardError,
     JsonlSink,
     LoggingSink,
@@ -234,6 +235,21 @@ class GradGuardCallback(Callback):
         if trainer.is_global_zero:
             _fan_out(trainer, alert)
         return alert
+
+    def report_finding(
+        self,
+        trainer: pl.Trainer,
+        finding: Finding,
+        *,
+        step: int | None = None,
+        cooldown_key: str | None = None,
+    ) -> Alert | None:
+        """:meth:`report` a check's :class:`~lightning_gradguard.alerts.Finding`: its rule's kind, and the
+        severity, place and hint the finding carries (the rule's unless the check stated its own)."""
+        f = finding
+        return self.report(
+            trainer, f.kind, f.level, f.where, f.message, f.hint, f.data, step=step, cooldown_key=cooldown_key
+        )
 
     def would_report(self, key: str, step: int) -> bool:
         """Whether a finding under ``key`` at ``step`` is outside the cooldown (nothing is recorded)."""

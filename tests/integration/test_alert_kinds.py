@@ -126,8 +126,8 @@ def test_the_stall_rules_are_their_declarations() -> None:
 def test_a_rule_added_by_its_declaration_alone_is_judged(monkeypatch: pytest.MonkeyPatch) -> None:
     """The walkthrough of docs/architecture.md: one more declaration, and the detector judges it."""
 
-    def lr_above_one(state: StallState, c: StallCheck) -> stall_rules.StallFinding | None:
-        return stall_rules.StallFinding(new, f"LR {c.lr}", {"lr": c.lr}) if c.lr > 1.0 else None
+    def lr_above_one(state: StallState, c: StallCheck) -> stall_rules.Finding | None:
+        return stall_rules.Finding(new, f"LR {c.lr}", {"lr": c.lr}) if c.lr > 1.0 else None
 
     new = Rule(
         kind="lr_above_one", severity="warning", monitor="StallDetector", summary="the LR is above 1",
@@ -136,7 +136,7 @@ def test_a_rule_added_by_its_declaration_alone_is_judged(monkeypatch: pytest.Mon
     monkeypatch.setattr(stall_rules, "RULES", (*stall_rules.RULES, new))
     state = StallState(StallThresholds())
     found = stall_rules.observe(state, StallCheck(step=0, lr=2.0, lr_max=2.0, lr_configured=2.0))
-    assert [(f.kind, f.where, f.wording()) for f in found] == [("lr_above_one", "lr_scheduler", "Lower it.")]
+    assert [(f.kind, f.where, f.hint) for f in found] == [("lr_above_one", "lr_scheduler", "Lower it.")]
     assert stall_rules.observe(state, StallCheck(step=1, lr=2.0, lr_max=2.0, lr_configured=2.0)) == []
 
 

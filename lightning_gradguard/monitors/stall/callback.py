@@ -245,9 +245,7 @@ class StallDetector(GradGuardCallback):
         self._emit(trainer, check)
         alerts = []
         for f in found:
-            alert = self.report(
-                trainer, f.kind, f.rule.severity, f.where, f.message, f.wording(), f.data, step=check.step
-            )
+            alert = self.report_finding(trainer, f, step=check.step)
             if alert is not None:
                 alerts.append(alert)
         self.act(trainer, alerts)

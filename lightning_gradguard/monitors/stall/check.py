@@ -2,9 +2,8 @@
 
 Plain data and helpers on host numbers, no Trainer: :class:`StallCheck` is one check's measurements,
 :class:`Rounding` what it measured of the low-precision weights' updates, :class:`StallThresholds` the
-thresholds the rules of :mod:`lightning_gradguard.monitors.stall.rules` read, :class:`StallFinding` a rule
-that holds, in words; :func:`label_entropy`
-is the loss of a classifier that learned only the class frequencies, :func:`token_entropy` that of a
+thresholds the rules of :mod:`lightning_gradguard.monitors.stall.rules` read; :func:`label_entropy` is
+the loss of a classifier that learned only the class frequencies, :func:`token_entropy` that of a
 sequence model that learned only the token frequencies, :func:`loss_trend` how much a loss fell over a few
 checks against its noise, :func:`batch_purity` how much of a batch its one or two largest classes hold.
 """
@@ -17,8 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-
-from lightning_gradguard.alerts import Rule
 
 #: the weight dtypes whose updates the rounding rule measures (16-bit floats: bfloat16 keeps 8 significant
 #: bits, float16 11)
@@ -183,29 +180,6 @@ class StallCheck:
             for k, w in self.weight_norms.items()
         )
         return math.sqrt(moved) / weights
-
-
-@dataclass(frozen=True)
-class StallFinding:
-    """A rule that holds, in words: the alert's kind, ``where`` and (unless the check words its own) hint
-    come from the rule's declaration."""
-
-    rule: Rule
-    message: str
-    data: dict[str, float]
-    hint: str = ""  # the check's own hint, with numbers in it; empty: the rule's
-
-    @property
-    def kind(self) -> str:
-        return self.rule.kind
-
-    @property
-    def where(self) -> str:
-        return self.rule.where or "training"
-
-    def wording(self) -> str:
-        """The hint the alert carries."""
-        return self.hint or self.rule.hint
 
 
 def label_entropy(counts: Sequence[float]) -> float:

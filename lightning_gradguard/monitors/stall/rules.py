@@ -4,7 +4,7 @@ last: they defer to a cause found). Adding a rule is one more declaration here.
 
 A check is ``check(state, c)``: it reads the :class:`~lightning_gradguard.monitors.stall.state.StallState`
 (what earlier checks left, the streaks) and the new :class:`StallCheck`, and returns the
-:class:`StallFinding` that holds, or ``None``. Pure host math: no Trainer, no device.
+:class:`Finding` that holds, or ``None``. Pure host math: no Trainer, no device.
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import math
 
 import torch
 
-from lightning_gradguard.alerts import Rule, declare
+from lightning_gradguard.alerts import Finding, Rule, declare
 from lightning_gradguard.functional.updates import dtype_spacing
 from lightning_gradguard.monitors.stall.check import (
     Rounding,
     StallCheck,
-    StallFinding,
     batch_purity,
     loss_trend,
     spread,
@@ -34,7 +33,7 @@ _NO_GRADIENT_HINT = (
 
 
 # ------------------------------------------------------------------ update_below_precision
-def _below_precision(s: StallState, c: StallCheck) -> StallFinding | None:
+def _below_precision(s: StallState, c: StallCheck) -> Finding | None:
     r, rounding = s.thresholds, c.rounding
     # a run that learned is not stalled (16-bit weights stop moving once the steps shrink near the end)
     learning = s.smoothed is None or s.far_from_done()
@@ -44,7 +43,7 @@ def _below_precision(s: StallState, c: StallCheck) -> StallFinding | None:
     return _precision_finding(s, c, rounding)
 
 
-def _precision_finding(s: StallState, c: StallCheck, rounding: Rounding) -> StallFinding:
+def _precision_finding(s: StallState, c: StallCheck, rounding: Rounding) -> Finding:
     kind = str(rounding.dtype).removeprefix("torch.")
     eps = torch.finfo(rounding.dtype).eps
     bits = round(-math.log2(eps)) + 1
@@ -53,7 +52,7 @@ def _precision_finding(s: StallState, c: StallCheck, rounding: Rounding) -> Stal
     at = rounding.lost_weight
     lost_at = f" (of the unchanged entries {at:.2g})" if math.isfinite(at) else ""
     checks = s.streaks["update_below_precision"]
-    return StallFinding(
+    return Finding(
         UPDATE_BELOW_PRECISION,
         f"{rounding.share:.0%} of the {kind} weight entries that had a non-zero gradient did not "
         f"change on {checks} checks in a row (step {c.step}, {rounding.parameters} parameters): "
@@ -108,7 +107,7 @@ UPDATE_BELOW_PRECISION = Rule(
 
 
 # ------------------------------------------------------------------ no_update
-def _no_update(s: StallState, c: StallCheck) -> StallFinding | None:
+def _no_update(s: StallState, c: StallCheck) -> Finding | None:
     if c.update_total is None or not s.streak("no_update", c.update_total == 0.0):
         return None
     if s.streaks.get("update_below_precision", 0):
@@ -117,7 +116,7 @@ def _no_update(s: StallState, c: StallCheck) -> StallFinding | None:
         return _lr_finding(s, c, share=1.0, why="every update was exactly 0")
     n = s.streaks["no_update"]
     lr_zero = c.lr == 0.0
-    return StallFinding(
+    return Finding(
         NO_UPDATE,
         f"No parameter changed in {n} checked optimizer steps in a row (step {c.step}): every update "
         f"was exactly 0{' (the LR is 0)' if lr_zero else ''}.",
@@ -144,13 +143,13 @@ NO_UPDATE = Rule(
 
 
 # ------------------------------------------------------------------ clipped_updates
-def _clipped(s: StallState, c: StallCheck) -> StallFinding | None:
+def _clipped(s: StallState, c: StallCheck) -> Finding | None:
     # under an adaptive optimizer a gradient clipped 500x moves the weights as far as the raw one (the
     # usual AdamW + gradient_clip_val=1 of a MobileNetV2 or a small transformer): no finding
     shrunk = not c.adaptive and c.clip_ratio is not None and c.clip_ratio < 1.0 / s.thresholds.clip_factor
     if not s.streak("clipped_updates", shrunk) or c.clip_ratio is None:
         return None
-    return StallFinding(
+    return Finding(
         CLIPPED_UPDATES,
         f"The gradient the optimizer used was {1 / max(c.clip_ratio, 1e-30):.3g}x smaller than the "
         f"raw gradient on {s.streaks['clipped_updates']} checks in a row (step {c.step}): clipping "
@@ -186,7 +185,7 @@ CLIPPED_UPDATES = Rule(
 
 
 # ------------------------------------------------------------------ lr_decayed
-def _lr_finding(s: StallState, c: StallCheck, share: float, why: str) -> StallFinding:
+def _lr_finding(s: StallState, c: StallCheck, share: float, why: str) -> Finding:
     history = ", ".join(f"{lr:.3g} at step {s}" for s, lr in spread(s.lr_history, 5))
     planned = f" of {c.planned_steps} planned" if c.planned_steps is not None else ""
     message = (
@@ -195,7 +194,7 @@ def _lr_finding(s: StallState, c: StallCheck, share: float, why: str) -> StallFi
         f"(best {s.best_raw:.4g}). LR: {history}."
     )
     data = {"collapsed_share": share, "lr": c.lr, "lr_max": c.lr_max, "best_loss": s.best_raw}
-    return StallFinding(LR_DECAYED, message, data)
+    return Finding(LR_DECAYED, message, data)
 
 
 LR_DECAYED = Rule(
@@ -224,7 +223,7 @@ LR_DECAYED = Rule(
 
 
 # ------------------------------------------------------------------ updates_collapsed
-def _collapse(s: StallState, c: StallCheck) -> StallFinding | None:
+def _collapse(s: StallState, c: StallCheck) -> Finding | None:
     r = s.thresholds
     ratios = {k: v for k, v in c.update_ratios.items() if math.isfinite(v)}
     if not ratios:
@@ -254,7 +253,7 @@ def _collapse(s: StallState, c: StallCheck) -> StallFinding | None:
     if lr_fell:
         return _lr_finding(s, c, share, why)
     history = ", ".join(f"{lr:.3g} at step {s}" for s, lr in spread(s.lr_history, 5))
-    return StallFinding(
+    return Finding(
         UPDATES_COLLAPSED,
         f"Since step {s.collapsed_since} {why}, while the LR did not, and the loss stopped improving "
         f"(best {s.best:.4g}, first {s.first_loss:.4g}). LR: {history}.",
@@ -287,7 +286,7 @@ UPDATES_COLLAPSED = Rule(
 
 
 # ------------------------------------------------------------------ weight_decay_collapse
-def _weight_decay(s: StallState, c: StallCheck) -> StallFinding | None:
+def _weight_decay(s: StallState, c: StallCheck) -> Finding | None:
     r = s.thresholds
     layers = {
         k: dr for k, dr in c.decay.items() if dr[0] > 0 and math.isfinite(c.weight_norms.get(k, math.nan))
@@ -309,7 +308,7 @@ def _weight_decay(s: StallState, c: StallCheck) -> StallFinding | None:
     return _decay_finding(s, c, shrunk, len(layers))
 
 
-def _decay_finding(s: StallState, c: StallCheck, shrunk: list[str], decayed: int) -> StallFinding:
+def _decay_finding(s: StallState, c: StallCheck, shrunk: list[str], decayed: int) -> Finding:
     worst = max(shrunk, key=lambda k: s.peak_weight[k] / max(c.weight_norms[k], 1e-300))
     fall = s.peak_weight[worst] / max(c.weight_norms[worst], 1e-300)
     decay = math.sqrt(sum(c.decay[k][0] ** 2 for k in shrunk))
@@ -317,7 +316,7 @@ def _decay_finding(s: StallState, c: StallCheck, shrunk: list[str], decayed: int
     share = decay / (decay + rest) if decay + rest > 0 else 1.0
     times = decay / max(rest, 1e-300)
     lr, wd = max(c.decay_groups, key=lambda g: g[0] * g[1]) if c.decay_groups else (c.lr, math.nan)
-    return StallFinding(
+    return Finding(
         WEIGHT_DECAY_COLLAPSE,
         f"Weight decay is shrinking the weights away: since step {s.decay_since} the weight norms of "
         f"{len(shrunk)} of the {decayed} decayed layers fell {s.thresholds.decay_fall:g}x or more below "
@@ -365,11 +364,11 @@ WEIGHT_DECAY_COLLAPSE = Rule(
 
 
 # ------------------------------------------------------------------ lr_jump
-def _lr_jump(s: StallState, c: StallCheck) -> StallFinding | None:
+def _lr_jump(s: StallState, c: StallCheck) -> Finding | None:
     factor = c.lr_max / c.lr_configured if c.lr_configured > 0 else 0.0
     if factor < s.thresholds.lr_jump_factor:
         return None
-    return StallFinding(
+    return Finding(
         LR_JUMP,
         f"The LR reached {c.lr_max:.3g}, {factor:.3g}x the highest LR the optimizer and its scheduler "
         f"were configured with ({c.lr_configured:.3g}); it is {c.lr:.3g} at step {c.step}.",
@@ -399,7 +398,7 @@ LR_JUMP = Rule(
 
 
 # ------------------------------------------------------------------ warmup_never_ends
-def _warmup(s: StallState, c: StallCheck) -> StallFinding | None:
+def _warmup(s: StallState, c: StallCheck) -> Finding | None:
     r = s.thresholds
     low = c.lr_configured > 0 and c.lr_max <= r.warmup_lr_fraction * c.lr_configured
     if not low or c.step < r.warmup_min_steps:
@@ -415,7 +414,7 @@ def _warmup(s: StallState, c: StallCheck) -> StallFinding | None:
     if not late:
         return None
     share = c.lr_max / c.lr_configured
-    return StallFinding(
+    return Finding(
         WARMUP_NEVER_ENDS,
         f"After {c.step + 1} steps the LR has never been above {share:.2%} of the configured "
         f"{c.lr_configured:.3g} (highest so far {c.lr_max:.3g}); {ends}.",
@@ -449,7 +448,7 @@ WARMUP_NEVER_ENDS = Rule(
 
 
 # ------------------------------------------------------------------ warmup_missing
-def _no_warmup(s: StallState, c: StallCheck) -> StallFinding | None:
+def _no_warmup(s: StallState, c: StallCheck) -> Finding | None:
     """A transformer under an adaptive optimizer at its full LR from step 0, whose first updates rewrite
     ``warmup_ratio`` of the weights a step, on ``patience`` checks of the dense start."""
     r, ratio = s.thresholds, c.update_ratio_total
@@ -459,7 +458,7 @@ def _no_warmup(s: StallState, c: StallCheck) -> StallFinding | None:
     holds = full and ratio is not None and ratio >= r.warmup_ratio
     if not s.streak("warmup_missing", holds) or ratio is None:
         return None
-    return StallFinding(
+    return Finding(
         WARMUP_MISSING,
         f"No learning-rate warm-up: the LR is {c.lr:.3g} from step 0 (configured {c.lr_configured:.3g}), "
         f"and the first updates rewrite {ratio:.1%} of the weights a step (update/weight ratio "
@@ -499,7 +498,7 @@ WARMUP_MISSING = Rule(
 
 
 # ------------------------------------------------------------------ sorted_labels
-def _sorted(s: StallState, c: StallCheck) -> StallFinding | None:
+def _sorted(s: StallState, c: StallCheck) -> Finding | None:
     r, labels = s.thresholds, c.labels
     if labels is None or not labels or sum(labels) < 8:
         return None
@@ -526,7 +525,7 @@ def _sorted(s: StallState, c: StallCheck) -> StallFinding | None:
     if not s.streak("sorted_labels", pure):
         return None
     top = order[0]
-    return StallFinding(
+    return Finding(
         SORTED_LABELS,
         f"{s.streaks['sorted_labels']} checked batches in a row were almost one class each (step "
         f"{c.step}: {labels[top] / total:.0%} class {top}), while that class is "
@@ -561,7 +560,7 @@ SORTED_LABELS = Rule(
 
 
 # ------------------------------------------------------------------ chance_level
-def _chance(s: StallState, c: StallCheck) -> StallFinding | None:
+def _chance(s: StallState, c: StallCheck) -> Finding | None:
     r, chance = s.thresholds, s.chance()
     low, high = s.chance_band()
     warm = c.lr_configured <= 0 or c.lr_max > r.warmup_lr_fraction * c.lr_configured
@@ -594,7 +593,7 @@ def _chance(s: StallState, c: StallCheck) -> StallFinding | None:
     return _chance_finding(s, c, trend.level, trend.fall, trend.noise)
 
 
-def _chance_finding(s: StallState, c: StallCheck, level: float, fall: float, noise: float) -> StallFinding:
+def _chance_finding(s: StallState, c: StallCheck, level: float, fall: float, noise: float) -> Finding:
     chance, uniform, since = s.chance(), s.uniform(), s.window[0][0]
     if s.token_counts is not None:
         what = (
@@ -608,7 +607,7 @@ def _chance_finding(s: StallState, c: StallCheck, level: float, fall: float, noi
     else:
         what = f"{chance:.4g}: the loss of predicting only the class frequencies"
         inputs = "check that each target belongs to its input (a shifted or shuffled label pipeline)"
-    return StallFinding(
+    return Finding(
         CHANCE_LEVEL,
         f"From step {since} to step {c.step} the training loss ({level:.4g}) stayed at the chance level "
         f"({what}); over those steps it fell {fall:.3g} ({fall / level:.1%}; noise {noise:.2g})."
@@ -667,7 +666,7 @@ CHANCE_LEVEL = Rule(
 
 
 # ------------------------------------------------------------------ loss_plateau
-def _plateau(s: StallState, c: StallCheck) -> StallFinding | None:
+def _plateau(s: StallState, c: StallCheck) -> Finding | None:
     r = s.thresholds
     if s.smoothed is None or s.first_loss is None or c.step < r.warmup_steps:
         return None
@@ -675,7 +674,7 @@ def _plateau(s: StallState, c: StallCheck) -> StallFinding | None:
     never = s.smoothed >= 0.9 * s.first_loss
     if s.checks_since_best < r.plateau_checks or not (regressed or never) or s.fired:
         return None
-    return StallFinding(
+    return Finding(
         LOSS_PLATEAU,
         f"The smoothed training loss ({s.smoothed:.4g}) has not improved for {s.checks_since_best} "
         f"checks; its best was {s.best:.4g}, its first {s.first_loss:.4g}.",
@@ -727,7 +726,7 @@ RULES = declare(
 CAUSES = frozenset(r.kind for r in RULES if r.cause)
 
 
-def observe(state: StallState, c: StallCheck) -> list[StallFinding]:
+def observe(state: StallState, c: StallCheck) -> list[Finding]:
     """Take one check into ``state`` and judge it: the findings that hold now (each kind once per run)."""
     state.update(c)
     found = []

@@ -38,7 +38,7 @@ def _below_precision(s: StallState, c: StallCheck) -> Finding | None:
     # a run that learned is not stalled (16-bit weights stop moving once the steps shrink near the end)
     learning = s.smoothed is None or s.far_from_done()
     lost = rounding is not None and rounding.graded > 0 and rounding.share > r.rounding_share
-    if not s.streak("update_below_precision", lost and learning) or rounding is None:
+    if not s.streak(UPDATE_BELOW_PRECISION, lost and learning) or rounding is None:
         return None
     return _precision_finding(s, c, rounding)
 
@@ -51,7 +51,7 @@ def _precision_finding(s: StallState, c: StallCheck, rounding: Rounding) -> Find
     needed = gap / 2 / rounding.update if rounding.update > 0 else math.nan
     at = rounding.lost_weight
     lost_at = f" (of the unchanged entries {at:.2g})" if math.isfinite(at) else ""
-    checks = s.streaks["update_below_precision"]
+    checks = s.checks_in_a_row(UPDATE_BELOW_PRECISION)
     return Finding(
         UPDATE_BELOW_PRECISION,
         f"{rounding.share:.0%} of the {kind} weight entries that had a non-zero gradient did not "
@@ -108,13 +108,13 @@ UPDATE_BELOW_PRECISION = Rule(
 
 # ------------------------------------------------------------------ no_update
 def _no_update(s: StallState, c: StallCheck) -> Finding | None:
-    if c.update_total is None or not s.streak("no_update", c.update_total == 0.0):
+    if c.update_total is None or not s.streak(NO_UPDATE, c.update_total == 0.0):
         return None
-    if s.streaks.get("update_below_precision", 0):
+    if s.checks_in_a_row(UPDATE_BELOW_PRECISION):
         return None  # the gradients are there: their updates are being rounded away (now, not earlier)
     if s.lr_fell_early(c) or (c.lr_max > 0 and 0.0 < c.lr < c.lr_max * 1e-6):
         return _lr_finding(s, c, share=1.0, why="every update was exactly 0")
-    n = s.streaks["no_update"]
+    n = s.checks_in_a_row(NO_UPDATE)
     lr_zero = c.lr == 0.0
     return Finding(
         NO_UPDATE,
@@ -147,12 +147,12 @@ def _clipped(s: StallState, c: StallCheck) -> Finding | None:
     # under an adaptive optimizer a gradient clipped 500x moves the weights as far as the raw one (the
     # usual AdamW + gradient_clip_val=1 of a MobileNetV2 or a small transformer): no finding
     shrunk = not c.adaptive and c.clip_ratio is not None and c.clip_ratio < 1.0 / s.thresholds.clip_factor
-    if not s.streak("clipped_updates", shrunk) or c.clip_ratio is None:
+    if not s.streak(CLIPPED_UPDATES, shrunk) or c.clip_ratio is None:
         return None
     return Finding(
         CLIPPED_UPDATES,
         f"The gradient the optimizer used was {1 / max(c.clip_ratio, 1e-30):.3g}x smaller than the "
-        f"raw gradient on {s.streaks['clipped_updates']} checks in a row (step {c.step}): clipping "
+        f"raw gradient on {s.checks_in_a_row(CLIPPED_UPDATES)} checks in a row (step {c.step}): clipping "
         "shrinks every update.",
         {"clip_ratio": c.clip_ratio},
     )
@@ -243,7 +243,7 @@ def _collapse(s: StallState, c: StallCheck) -> Finding | None:
     # the LR fell early in the plan: the schedule did it; else the loss must still be far from done
     evidence = lr_fell or (s.far_from_done() and lasted and not late)
     holds = collapsed and evidence and not s.improving()
-    if not s.streak("collapse", holds):
+    if not s.streak(UPDATES_COLLAPSED, holds):
         return None
     share = len(low) / len(ratios)
     why = (
@@ -303,7 +303,7 @@ def _weight_decay(s: StallState, c: StallCheck) -> Finding | None:
     shrinking = bool(layers) and len(shrunk) > r.collapse_layers * len(layers)
     s.decay_since = (s.decay_since if s.decay_since is not None else c.step) if shrinking else None
     # shrinking on `patience` checks in a row, and the loss stopped improving far from done
-    if not s.streak("weight_decay_collapse", shrinking) or not s.far_from_done() or s.improving():
+    if not s.streak(WEIGHT_DECAY_COLLAPSE, shrinking) or not s.far_from_done() or s.improving():
         return None
     return _decay_finding(s, c, shrunk, len(layers))
 
@@ -456,13 +456,13 @@ def _no_warmup(s: StallState, c: StallCheck) -> Finding | None:
         return None
     full = c.lr_configured > 0 and c.lr >= 0.5 * c.lr_configured and s.lr_history[0][1] >= 0.5 * c.lr
     holds = full and ratio is not None and ratio >= r.warmup_ratio
-    if not s.streak("warmup_missing", holds) or ratio is None:
+    if not s.streak(WARMUP_MISSING, holds) or ratio is None:
         return None
     return Finding(
         WARMUP_MISSING,
         f"No learning-rate warm-up: the LR is {c.lr:.3g} from step 0 (configured {c.lr_configured:.3g}), "
         f"and the first updates rewrite {ratio:.1%} of the weights a step (update/weight ratio "
-        f"{ratio:.3g} on {s.streaks['warmup_missing']} checks in a row, step {c.step}; runs with a "
+        f"{ratio:.3g} on {s.checks_in_a_row(WARMUP_MISSING)} checks in a row, step {c.step}; runs with a "
         f"warm-up start near 0.5 %).",
         {"update_ratio": ratio, "lr": c.lr, "lr_configured": c.lr_configured},
     )
@@ -522,12 +522,12 @@ def _sorted(s: StallState, c: StallCheck) -> Finding | None:
     )
     if boundary:
         return None
-    if not s.streak("sorted_labels", pure):
+    if not s.streak(SORTED_LABELS, pure):
         return None
     top = order[0]
     return Finding(
         SORTED_LABELS,
-        f"{s.streaks['sorted_labels']} checked batches in a row were almost one class each (step "
+        f"{s.checks_in_a_row(SORTED_LABELS)} checked batches in a row were almost one class each (step "
         f"{c.step}: {labels[top] / total:.0%} class {top}), while that class is "
         f"{s.label_counts[top] / seen:.0%} of the labels seen.",
         {"majority": labels[top] / total, "class_share": s.label_counts[top] / seen},
@@ -587,8 +587,7 @@ def _chance(s: StallState, c: StallCheck) -> Finding | None:
         and low <= trend.level <= high
         and (trend.fall < r.trend_floor * trend.level or trend.fall < r.trend_sigmas * trend.noise)
     )
-    s.streaks["chance_level"] = s.streaks.get("chance_level", 0) + 1 if stuck else 0
-    if trend is None or s.streaks["chance_level"] < r.chance_checks:
+    if s.count(CHANCE_LEVEL, stuck) < r.chance_checks or trend is None:
         return None
     return _chance_finding(s, c, trend.level, trend.fall, trend.noise)
 

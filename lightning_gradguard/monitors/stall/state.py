@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lightning_gradguard.alerts import Rule
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds, label_entropy, token_entropy
 
 #: what :meth:`StallState.state_dict` saves
@@ -83,9 +84,18 @@ class StallState:
         counts = state.get("token_counts")
         self.token_counts = None if counts is None else torch.as_tensor(counts, dtype=torch.float64).clone()
 
-    def streak(self, kind: str, holds: bool) -> bool:
-        self.streaks[kind] = self.streaks.get(kind, 0) + 1 if holds else 0
-        return self.streaks[kind] >= self.thresholds.patience
+    def count(self, rule: Rule, holds: bool) -> int:
+        """The checks in a row on which ``rule``'s condition held, this one counted (0 when it does not)."""
+        self.streaks[rule.kind] = self.streaks.get(rule.kind, 0) + 1 if holds else 0
+        return self.streaks[rule.kind]
+
+    def streak(self, rule: Rule, holds: bool) -> bool:
+        """Count this check for ``rule`` (:meth:`count`): whether it held on ``patience`` checks in a row."""
+        return self.count(rule, holds) >= self.thresholds.patience
+
+    def checks_in_a_row(self, rule: Rule) -> int:
+        """The checks in a row on which ``rule``'s condition held, up to the last one counted."""
+        return self.streaks.get(rule.kind, 0)
 
     def _loss(self, loss: float | None) -> None:
         if loss is None or not math.isfinite(loss):

@@ -6,7 +6,9 @@ Per block of the model: the range of its outputs (max \|x\|, RMS, kurtosis, fp16
 module the largest attention logit and the attention entropy; on sampled training steps only; nothing is
 attached on the other steps or during validation. The measuring is
 :mod:`lightning_gradguard.monitors.activation_range.measure`, the math
-:mod:`lightning_gradguard.functional.activation_range`; when to sample, what to log and the alerts are here.
+:mod:`lightning_gradguard.functional.activation_range`, the rules (their declarations and checks)
+:mod:`lightning_gradguard.monitors.activation_range.rules`; when to sample, what to log and which rules a
+sampled step is judged on are here.
 """
 
 from __future__ import annotations
@@ -239,8 +241,8 @@ class ActivationRangeMonitor(SamplingMonitor):
         for name, e in entropies.items():
             self._entropy_starts.setdefault(name, EntropyStart(step=step, entropy=e.entropy, ratio=e.ratio))
         for f in findings:
-            if f is not None:
-                self.report(trainer, f.kind, "warning", f.where, f.message, f.hint, f.data, step, f.kind)
+            if f is not None:  # one cooldown per kind, wherever it is found
+                self.report_finding(trainer, f, step=step, cooldown_key=f.kind)
 
     def _scalars(self, reading: CaptureReading) -> dict[str, float]:
         ranges, peaks = reading.ranges, reading.max_logits

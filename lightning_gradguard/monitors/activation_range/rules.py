@@ -1,8 +1,10 @@
-"""ActivationRangeMonitor's rules and their wording: fp16 headroom running out, attention logits growing,
-attention collapsing to one key.
+"""ActivationRangeMonitor's rules, one declaration each (its kind, docs row, constant hint and its check,
+right above it): fp16 headroom running out, attention logits growing, attention collapsing to one key.
 
 The numbers they judge are :mod:`lightning_gradguard.functional.activation_range` (block output moments,
-the headroom in bits, the largest attention logit, the attention entropy).
+the headroom in bits, the largest attention logit, the attention entropy). A check returns the
+:class:`~lightning_gradguard.alerts.Finding` that holds (always a warning, at the block or module named),
+or ``None``; the callback calls each on the sampled steps its rule applies to.
 """
 
 from __future__ import annotations
@@ -11,42 +13,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_gradguard.alerts import Rule, declare
+from lightning_gradguard.alerts import Finding, Rule, declare
 from lightning_gradguard.functional.activation_range import AttentionEntropy, BlockRange
-
-# ---------------------------------------------------------------------------------------------- the rules
-HEADROOM_HINT = (
-    "Train in bf16-mixed (float32's range), put a normalization where this output grows (pre-LN blocks, a "
-    "final LayerNorm), lower the learning rate, or scale/clamp the residual stream: the next float16 "
-    "matmul that reads this output overflows to inf."
-)
-
-
-LOGIT_HINT = (
-    "Normalize queries and keys (QK-norm: a LayerNorm or RMSNorm on q and k before the dot product), "
-    "soft-cap the logits (cap * tanh(logits / cap); Gemma 2 caps at 50), or lower the learning rate (that "
-    "of the q/k projections at least): growing logits make the attention one-hot and then diverge."
-)
-
-
-@dataclass(frozen=True)
-class RangeFinding:
-    """One finding of ActivationRangeMonitor, ready for its alert."""
-
-    kind: str
-    where: str
-    message: str
-    hint: str
-    data: dict[str, float]
 
 
 def _nan_first(value: float) -> float:
     return math.inf if math.isnan(value) else value
 
 
-def headroom_verdict(
-    ranges: Mapping[str, BlockRange], min_bits: float, precision: str
-) -> RangeFinding | None:
+# ------------------------------------------------------------------ fp16_headroom_low
+def headroom_verdict(ranges: Mapping[str, BlockRange], min_bits: float, precision: str) -> Finding | None:
     """``fp16_headroom_low``: the block with the least headroom, when some block has less than ``min_bits``
     (a NaN output counts as none left). The caller asks only for float16 runs."""
     low = [k for k, r in ranges.items() if not r.headroom_bits >= min_bits]
@@ -55,19 +31,38 @@ def headroom_verdict(
     worst = min(low, key=lambda k: -_nan_first(-ranges[k].headroom_bits))
     r = ranges[worst]
     others = f" ({len(low) - 1} more blocks below it)" if len(low) > 1 else ""
-    return RangeFinding(
-        kind="fp16_headroom_low",
-        where=worst,
-        message=f"under {precision}, block {worst!r} output max |x| = {r.max_abs:.4g}: "
+    return Finding(
+        FP16_HEADROOM_LOW,
+        f"under {precision}, block {worst!r} output max |x| = {r.max_abs:.4g}: "
         f"{r.headroom_bits:.2f} bits of float16 headroom, below {min_bits:g}{others}",
-        hint=HEADROOM_HINT,
-        data={"max_abs": r.max_abs, "headroom_bits": r.headroom_bits, "blocks_below": float(len(low))},
+        {"max_abs": r.max_abs, "headroom_bits": r.headroom_bits, "blocks_below": float(len(low))},
+        where=worst,
     )
 
 
+FP16_HEADROOM_LOW = Rule(
+    kind="fp16_headroom_low",
+    severity="warning",
+    monitor="ActivationRangeMonitor",
+    summary="under 16-mixed, a block's output came within a few bits of float16's overflow",
+    when=(
+        "under `16-mixed` / `16-true`, a block's output came within `min_headroom_bits` (2 bits, "
+        "4x) of float16's largest number 65504; one alert for the block with the least headroom. "
+        "See [activation range](activations.md)."
+    ),
+    hint=(
+        "Train in bf16-mixed (float32's range), put a normalization where this output grows (pre-LN blocks, "
+        "a final LayerNorm), lower the learning rate, or scale/clamp the residual stream: the next float16 "
+        "matmul that reads this output overflows to inf."
+    ),
+    check=headroom_verdict,
+)
+
+
+# ------------------------------------------------------------------ attention_logit_growth
 def logit_verdict(
     history: Sequence[float], peaks: Mapping[str, float], max_logit: float, growth_factor: float | None
-) -> RangeFinding | None:
+) -> Finding | None:
     """``attention_logit_growth`` on the largest of ``peaks`` (the step's largest logit per module).
 
     * ceiling: it is above ``max_logit``;
@@ -94,29 +89,42 @@ def logit_verdict(
         why = f"{latest / reference:.1f}x the {reference:.4g} of the last {len(history)} sampled steps"
     else:
         return None
-    return RangeFinding(
-        kind="attention_logit_growth",
+    return Finding(
+        ATTENTION_LOGIT_GROWTH,
+        f"largest attention logit {latest:.4g} in {where!r}: {why}",
+        {"max_logit": latest, "reference": reference},
         where=where,
-        message=f"largest attention logit {latest:.4g} in {where!r}: {why}",
-        hint=LOGIT_HINT,
-        data={"max_logit": latest, "reference": reference},
     )
 
 
-INIT_COLLAPSE_HINT = (
+ATTENTION_LOGIT_GROWTH = Rule(
+    kind="attention_logit_growth",
+    severity="warning",
+    monitor="ActivationRangeMonitor",
+    summary="the largest attention logit passed its ceiling or grew fast toward it",
+    when=(
+        "the largest attention logit (q·k/√d) passed `max_attention_logit` (100), or passed a "
+        "quarter of it after growing `logit_growth_factor` (4) times within `growth_window` (10) "
+        "sampled steps; judged at step 0 and while the run is not learning (as "
+        "`attention_entropy_collapse`). See [activation range](activations.md)."
+    ),
+    hint=(
+        "Normalize queries and keys (QK-norm: a LayerNorm or RMSNorm on q and k before the dot product), "
+        "soft-cap the logits (cap * tanh(logits / cap); Gemma 2 caps at 50), or lower the learning rate "
+        "(that of the q/k projections at least): growing logits make the attention one-hot and then diverge."
+    ),
+    check=logit_verdict,
+)
+
+
+# ------------------------------------------------------------------ attention_entropy_collapse
+_INIT_COLLAPSE_HINT = (
     "At initialization attention should be close to uniform (entropy near ln of the keys): here the logits "
     "q.k/sqrt(d) are already large, so the query/key projections are initialized far too large (e.g. std 1 "
     "instead of nn.Linear's ~1/sqrt(3 d_model), or a gain on q or k), or their inputs are not normalized (no "
     "LayerNorm before the attention, scaled-up embeddings). Initialize q/k at the usual scale, normalize "
     "their inputs (pre-LN), or normalize queries and keys (QK-norm); a one-hot attention passes almost no "
     "gradient to the other keys, so it may never learn to spread."
-)
-
-COLLAPSE_HINT = (
-    "Attention entropy collapse (Zhai et al. 2023): the logits grew until each query attends to about one "
-    "key; loss spikes and divergence usually follow. Add or lengthen the learning-rate warm-up, lower the "
-    "learning rate (at least of the q/k projections), normalize queries and keys (QK-norm, Dehghani et al. "
-    "2023), or reparametrize the projections (sigma-reparam, Zhai et al. 2023)."
 )
 
 
@@ -153,7 +161,7 @@ def entropy_verdict(
     min_ratio: float,
     step: int,
     starts: Mapping[str, EntropyStart],
-) -> RangeFinding | None:
+) -> Finding | None:
     """``attention_entropy_collapse``: the module whose mean attention entropy (over its heads and query
     rows) is the smallest fraction of ``ln(keys)``, when that fraction is below ``min_ratio`` and the
     module's largest logit (``peaks``) is at least :data:`COLLAPSE_MIN_LOGIT`.
@@ -176,15 +184,13 @@ def entropy_verdict(
     more = len(low) - 1
     others = f"; {more} more module{'s' if more > 1 else ''} below it" if more else ""
     peak = peaks.get(where, math.nan)
-    return RangeFinding(
-        kind="attention_entropy_collapse",
-        where=where,
-        message=f"attention in {where!r} is near one-hot {when}: mean entropy {e.entropy:.3g} nats over "
+    return Finding(
+        ATTENTION_ENTROPY_COLLAPSE,
+        f"attention in {where!r} is near one-hot {when}: mean entropy {e.entropy:.3g} nats over "
         f"{e.heads} head{'s' if e.heads > 1 else ''} (uniform attention: {e.log_keys:.3g} nats, ln of the "
         f"keys each query sees; {e.ratio:.2f} of it, below {min_ratio:g}){since}; lowest head "
         f"{e.min_head_entropy:.3g} nats; largest logit {peak:.4g}{others}",
-        hint=INIT_COLLAPSE_HINT if born_low else COLLAPSE_HINT,
-        data={
+        {
             "entropy": e.entropy,
             "log_keys": e.log_keys,
             "ratio": e.ratio,
@@ -194,34 +200,10 @@ def entropy_verdict(
             "at_init": float(born_low),
             "modules_below": float(len(low)),
         },
+        hint=_INIT_COLLAPSE_HINT if born_low else "",  # else the rule's: a collapse during training
+        where=where,
     )
 
-
-# ---------------------------------------------------------------- the declarations
-FP16_HEADROOM_LOW = Rule(
-    kind="fp16_headroom_low",
-    severity="warning",
-    monitor="ActivationRangeMonitor",
-    summary="under 16-mixed, a block's output came within a few bits of float16's overflow",
-    when=(
-        "under `16-mixed` / `16-true`, a block's output came within `min_headroom_bits` (2 bits, "
-        "4x) of float16's largest number 65504; one alert for the block with the least headroom. "
-        "See [activation range](activations.md)."
-    ),
-)
-
-ATTENTION_LOGIT_GROWTH = Rule(
-    kind="attention_logit_growth",
-    severity="warning",
-    monitor="ActivationRangeMonitor",
-    summary="the largest attention logit passed its ceiling or grew fast toward it",
-    when=(
-        "the largest attention logit (q·k/√d) passed `max_attention_logit` (100), or passed a "
-        "quarter of it after growing `logit_growth_factor` (4) times within `growth_window` (10) "
-        "sampled steps; judged at step 0 and while the run is not learning (as "
-        "`attention_entropy_collapse`). See [activation range](activations.md)."
-    ),
-)
 
 ATTENTION_ENTROPY_COLLAPSE = Rule(
     kind="attention_entropy_collapse",
@@ -241,6 +223,13 @@ ATTENTION_ENTROPY_COLLAPSE = Rule(
         "that sharpens in a run that learns is what it learned (a BART copying its input: one-hot "
         "cross-attention). See [activation range](activations.md#attention-entropy)."
     ),
+    hint=(
+        "Attention entropy collapse (Zhai et al. 2023): the logits grew until each query attends to about "
+        "one key; loss spikes and divergence usually follow. Add or lengthen the learning-rate warm-up, "
+        "lower the learning rate (at least of the q/k projections), normalize queries and keys (QK-norm, "
+        "Dehghani et al. 2023), or reparametrize the projections (sigma-reparam, Zhai et al. 2023)."
+    ),
+    check=entropy_verdict,
 )
 
 #: every kind this monitor reports

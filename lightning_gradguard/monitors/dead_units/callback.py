@@ -24,7 +24,7 @@ from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.stats import device_histograms
 from lightning_gradguard.monitors.dead_units.counts import sum_counts
 from lightning_gradguard.monitors.dead_units.measure import ActivationCapture
-from lightning_gradguard.monitors.dead_units.rules import UnitCounts, UnitWindows
+from lightning_gradguard.monitors.dead_units.rules import DEAD_RELU_RULE, UnitCounts, UnitWindows
 from lightning_gradguard.monitors.dead_units.tags import CHARTS, DEAD_RELU, SATURATED
 from lightning_gradguard.tags import charts_of
 
@@ -221,9 +221,9 @@ class DeadReLUMonitor(SamplingMonitor):
         # windows' verdict) are the initialization's fault, whatever the loss does.
         learning = self.sampled_batches > self.window_samples + self.patience - 1 and self.progress.learning()
         alerts = [
-            self.report(trainer, f.kind, f.severity, f.where, f.message, f.hint, f.data, step=step)
+            self.report_finding(trainer, f, step=step)
             for f in verdict.findings
-            if not (learning and f.kind == "dead_relu")
+            if not (learning and f.rule is DEAD_RELU_RULE)
         ]
         logging_on = logging_interval(trainer) > 0  # Trainer(log_every_n_steps=0): detection only
         scalars = cap_scalars(self.layers, verdict.scalars, DEAD_RELU.name)

@@ -11,8 +11,10 @@ Pure functions and a small store on per-unit counts, no Trainer:
   and its per-unit rates; :func:`silent_fraction`: the share of units silent on one step;
 * :class:`UnitWindows`: the windows of many layers and their strikes (consecutive full windows over the
   limit), updated once per sampled step into a :class:`StepVerdict` (one :class:`LayerCheck` per layer, the
-  scalars and histograms to log, the findings); it is what a checkpoint stores. :func:`explain` puts a
-  check that fired into words (:class:`Finding`).
+  scalars and histograms to log, the findings); it is what a checkpoint stores;
+* the two rules, one declaration each (kind, docs row, hint and check): a layer whose check fired is put
+  into words (a :class:`~lightning_gradguard.alerts.Finding`) by its rule's check, :func:`dead_finding` or
+  :func:`saturated_finding` (:func:`explain` picks it).
 
 Example::
 
@@ -27,23 +29,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_gradguard.alerts import Rule, declare
+from lightning_gradguard.alerts import Finding, Rule, declare
 from lightning_gradguard.functional.health import dead_units
 from lightning_gradguard.monitors.dead_units.tags import ACTIVATION_RATE, DEAD_RELU, SATURATED
-
-DEAD_HINT = (
-    "Lower the learning rate; initialise with He/Kaiming and zero (or small positive) biases; normalise the "
-    "inputs; put BatchNorm/LayerNorm before the ReLU; or switch to LeakyReLU/GELU, whose units cannot die."
-)
-SATURATION_HINT = (
-    "Pre-activations are far outside the sensitive range: normalise the inputs, use Xavier initialization, "
-    "add normalization before the activation, lower the learning rate, or use ReLU/GELU."
-)
 
 
 @dataclass
@@ -124,18 +117,6 @@ class LayerCheck:
 
 
 @dataclass(frozen=True)
-class Finding:
-    """A check that fired, in words."""
-
-    kind: str
-    severity: Literal["warning", "error"]
-    where: str
-    message: str
-    hint: str
-    data: dict[str, float]
-
-
-@dataclass(frozen=True)
 class StepVerdict:
     """Every watched layer after one sampled step.
 
@@ -193,7 +174,8 @@ class UnitWindows:
             summary = window_summary([c for c, _ in win], [n for _, n in win], record.saturation)
             limit = saturation_threshold if record.saturation else threshold
             full = len(win) >= self.size
-            strike = f"{'saturated_activation' if record.saturation else 'dead_relu'}@{key}"
+            rule = SATURATED_RULE if record.saturation else DEAD_RELU_RULE
+            strike = f"{rule.kind}@{key}"
             if full:
                 self.strikes[strike] = self.strikes.get(strike, 0) + 1 if summary.fraction > limit else 0
             silent = 0.0 if record.saturation else silent_fraction(record.counts)
@@ -239,29 +221,30 @@ class UnitWindows:
 
 
 def explain(check: LayerCheck) -> Finding:
-    """The alert of a check that fired: ``dead_relu`` (error) or ``saturated_activation`` (warning)."""
+    """The alert of a check that fired, by its rule's check: ``dead_relu`` (error) or
+    ``saturated_activation`` (warning)."""
+    return saturated_finding(check) if check.saturation else dead_finding(check)
+
+
+def _data(check: LayerCheck) -> dict[str, float]:
+    s = check.summary
+    return {
+        "fraction": s.fraction,
+        "threshold": check.limit,
+        "units": float(s.units),
+        "window": float(s.steps),
+    }
+
+
+# ------------------------------------------------------------------ dead_relu
+def dead_finding(check: LayerCheck) -> Finding:
+    """A ReLU layer whose check fired: most of its units gave 0 for every sample of the window."""
     s, key, limit = check.summary, check.key, check.limit
-    data = {"fraction": s.fraction, "threshold": limit, "units": float(s.units), "window": float(s.steps)}
-    if not check.saturation:
-        message = (
-            f"{s.fraction:.0%} of the {s.units} units of {key} output 0 for every sample of the last "
-            f"{s.steps} sampled steps (threshold {limit:.0%})."
-        )
-        return Finding(
-            kind="dead_relu", severity="error", where=key, message=message, hint=DEAD_HINT, data=data
-        )
     message = (
-        f"{s.fraction:.0%} of the {s.units} units of {key} spend most of the last {s.steps} sampled "
-        f"steps in the saturated zone, where the derivative is 0 (threshold {limit:.0%})."
+        f"{s.fraction:.0%} of the {s.units} units of {key} output 0 for every sample of the last "
+        f"{s.steps} sampled steps (threshold {limit:.0%})."
     )
-    return Finding(
-        kind="saturated_activation",
-        severity="warning",
-        where=key,
-        message=message,
-        hint=SATURATION_HINT,
-        data=data,
-    )
+    return Finding(DEAD_RELU_RULE, message, _data(check), where=key)
 
 
 DEAD_RELU_RULE = Rule(
@@ -276,7 +259,25 @@ DEAD_RELU_RULE = Rule(
         "start): units that stopped firing in a run that learns cost it nothing it needed. Units "
         "dead from the start (the first verdict, step 4) are always named."
     ),
+    hint=(
+        "Lower the learning rate; initialise with He/Kaiming and zero (or small positive) biases; normalise "
+        "the inputs; put BatchNorm/LayerNorm before the ReLU; or switch to LeakyReLU/GELU, whose units "
+        "cannot die."
+    ),
+    check=dead_finding,
 )
+
+
+# ------------------------------------------------------------------ saturated_activation
+def saturated_finding(check: LayerCheck) -> Finding:
+    """A sigmoid/tanh layer whose check fired: most of its units sat in the saturated zone."""
+    s, key, limit = check.summary, check.key, check.limit
+    message = (
+        f"{s.fraction:.0%} of the {s.units} units of {key} spend most of the last {s.steps} sampled "
+        f"steps in the saturated zone, where the derivative is 0 (threshold {limit:.0%})."
+    )
+    return Finding(SATURATED_RULE, message, _data(check), where=key)
+
 
 SATURATED_RULE = Rule(
     kind="saturated_activation",
@@ -287,6 +288,11 @@ SATURATED_RULE = Rule(
         "more than `saturation_threshold` (0.5) of the units of a sigmoid/tanh layer sit in the "
         "flat zone (with `check_saturation=True`, the default)."
     ),
+    hint=(
+        "Pre-activations are far outside the sensitive range: normalise the inputs, use Xavier "
+        "initialization, add normalization before the activation, lower the learning rate, or use ReLU/GELU."
+    ),
+    check=saturated_finding,
 )
 
 #: every kind this monitor reports

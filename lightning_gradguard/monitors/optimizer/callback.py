@@ -7,8 +7,9 @@ between the update and the negative gradient per layer, Adam's moments (``exp_av
 ``sqrt(v_hat)``) or SGD's momentum buffer, and a count of the updates that were skipped, by cause.
 Measured on Lightning's logging steps only; all values of a step reach the host in one transfer. The
 measuring is :mod:`lightning_gradguard.monitors.optimizer.measure`, the math
-:mod:`lightning_gradguard.functional.optimizer_state`, the rules' wording
-:mod:`lightning_gradguard.monitors.optimizer.rules`; the cadence, the tags and the verdicts are here.
+:mod:`lightning_gradguard.functional.optimizer_state`, the rules (their
+declarations and checks) :mod:`lightning_gradguard.monitors.optimizer.rules`; the cadence, the tags and the
+consecutive checks a finding must persist are here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
+from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import (
@@ -37,11 +39,7 @@ from lightning_gradguard.core.state import info_once, trainer_state, warn_once
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_float, check_int
-from lightning_gradguard.functional.optimizer_state import (
-    adam_step_threshold,
-    epsilon_dominated,
-    ratio_outliers,
-)
+from lightning_gradguard.functional.optimizer_state import epsilon_dominated, ratio_outliers
 from lightning_gradguard.monitors.optimizer.measure import (
     OptimizerReading,
     OptimizerSample,
@@ -49,7 +47,7 @@ from lightning_gradguard.monitors.optimizer.measure import (
     reading_scalars,
 )
 from lightning_gradguard.monitors.optimizer.rules import (
-    OptimizerFinding,
+    ADAM_STEP_TOO_LARGE,
     adam_step_finding,
     epsilon_finding,
     orphans_finding,
@@ -311,11 +309,13 @@ class OptimizerMonitor(GradGuardCallback):
         ]
         if layers:
             findings += self._outliers(reading, suffix)
-        findings += self._adam_steps(reading)
+        steps = {k: s for k, s in reading.adam_steps.items() if self.layers.watches(k)}
+        adam = adam_step_finding(steps, self.max_adam_step)
+        findings += [adam] if adam is not None else []
         for f in findings:
             # the Adam step is the optimizer's setting: one cooldown whichever layer went furthest
-            key = f"{f.kind}{suffix}" if f.kind == "adam_step_too_large" else None
-            self.report(trainer, f.kind, "warning", f.layer, f.message, f.hint, f.data, reading.step, key)
+            key = f"{f.kind}{suffix}" if f.rule is ADAM_STEP_TOO_LARGE else None
+            self.report_finding(trainer, f, step=reading.step, cooldown_key=key)
 
     def _check_held(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``parameters_not_in_optimizer``: trainable parameters that got a gradient but that no optimizer
@@ -329,9 +329,9 @@ class OptimizerMonitor(GradGuardCallback):
         }
         if orphans:
             f = orphans_finding(orphans, sum(p.numel() for p in pl_module.parameters()))
-            self.report(trainer, f.kind, "warning", f.layer, f.message, f.hint, f.data, log_step(trainer))
+            self.report_finding(trainer, f, step=log_step(trainer))
 
-    def _outliers(self, reading: OptimizerReading, suffix: str) -> list[OptimizerFinding]:
+    def _outliers(self, reading: OptimizerReading, suffix: str) -> list[Finding]:
         """``update_ratio_outlier`` for the layers beyond ``outlier_factor`` of the median layer's ratio on
         ``patience`` checks in a row."""
         graded = reading.graded
@@ -346,17 +346,6 @@ class OptimizerMonitor(GradGuardCallback):
             outlier_finding(layer, ratios[layer], median, self.outlier_factor, n)
             for layer, n in self._strike("outlier", suffix, set(outliers)).items()
         ]
-
-    def _adam_steps(self, reading: OptimizerReading) -> list[OptimizerFinding]:
-        """One finding for the layer whose Adam step went furthest past its limit (a setting, not a layer,
-        is at fault: the others are counted in it). At once: no healthy Adam step comes near the limit."""
-        steps = {k: s for k, s in reading.adam_steps.items() if self.layers.watches(k)}
-        over = {k: s.step / adam_step_threshold(s.bound, self.max_adam_step) for k, s in steps.items()}
-        over = {k: x for k, x in over.items() if x > 1.0}
-        if not over:
-            return []
-        worst = max(over, key=lambda k: over[k])
-        return [adam_step_finding(worst, steps[worst], len(over) - 1)]
 
     # ------------------------------------------------------------------ state
     @override

@@ -1,72 +1,61 @@
-"""OptimizerMonitor's rules in words: Adam's ``eps`` dominating its step, an update ratio far off, an
-Adam step far above its learning rate.
+"""OptimizerMonitor's rules, one declaration each (its kind, docs row, constant hint and its check, right
+above it): Adam's ``eps`` dominating its step, an update ratio far off, trainable parameters no optimizer
+holds, an Adam step far above its learning rate.
 
 Whether a layer is dominated by ``eps`` or an outlier is decided by
 :func:`~lightning_gradguard.functional.optimizer_state.epsilon_dominated` and
-:func:`~lightning_gradguard.functional.optimizer_state.ratio_outliers`, how large an Adam step may be by
-:func:`~lightning_gradguard.functional.optimizer_state.adam_step_threshold`; here a finding is said, with
-the numbers and the setting to change.
+:func:`~lightning_gradguard.functional.optimizer_state.ratio_outliers` over the callback's consecutive
+checks, how large an Adam step may be by
+:func:`~lightning_gradguard.functional.optimizer_state.adam_step_threshold`; a check here says the
+:class:`~lightning_gradguard.alerts.Finding` (always a warning), with the numbers and the setting to change.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Mapping
 
-from lightning_gradguard.alerts import Rule, declare
+from lightning_gradguard.alerts import Finding, Rule, declare
+from lightning_gradguard.functional.optimizer_state import adam_step_threshold
 from lightning_gradguard.monitors.optimizer.measure import AdamStep
 
 
-@dataclass(frozen=True)
-class OptimizerFinding:
-    """A finding of one of the rules, in words (always a warning)."""
-
-    kind: Literal[
-        "adam_epsilon_dominates", "update_ratio_outlier", "adam_step_too_large", "parameters_not_in_optimizer"
-    ]
-    layer: str
-    message: str
-    hint: str
-    data: dict[str, float]
-
-
-def epsilon_finding(layer: str, rms: float, eps: float, checks: int) -> OptimizerFinding:
+# ------------------------------------------------------------------ adam_epsilon_dominates
+def epsilon_finding(layer: str, rms: float, eps: float, checks: int) -> Finding:
     """``eps`` outweighs the typical ``sqrt(v_hat)`` of ``layer`` (RMS ``rms``) on ``checks`` checks."""
-    return OptimizerFinding(
-        "adam_epsilon_dominates",
-        layer,
+    return Finding(
+        ADAM_EPSILON_DOMINATES,
         f"In layer {layer} Adam's eps ({eps:.3g}) outweighs the typical sqrt(v_hat) (RMS {rms:.3g}, "
         f"{eps / rms:.3g}x smaller) on {checks} consecutive checks: the denominator sqrt(v_hat) + eps is "
         f"mostly eps, so the layer's steps are about {rms / (rms + eps):.2g} of Adam's normalised step "
         "and it trains like SGD with momentum at lr / eps.",
+        {"rms_sqrt_v_hat": rms, "eps": eps, "checks": float(checks)},
+        where=layer,
+    )
+
+
+ADAM_EPSILON_DOMINATES = Rule(
+    kind="adam_epsilon_dominates",
+    severity="warning",
+    monitor="OptimizerMonitor",
+    summary="Adam's eps outweighs a layer's typical sqrt(v_hat) (OptimizerMonitor)",
+    when=(
+        "a layer's RMS of sqrt(v_hat) (Adam family) stayed below `epsilon_ratio` × `eps` on "  # noqa: RUF001
+        "`patience` consecutive checks: `eps` dominates the denominator and the layer's steps "
+        "shrink. The hint: lower `eps` or fix the gradient's scale. See "
+        "[OptimizerMonitor](optimizer.md)."
+    ),
+    hint=(
         "Its gradients are tiny (about the RMS above). Lower eps (1e-8 -> 1e-12 is safe with float32 "
         "optimizer states), or fix the gradient's scale: a loss that is divided down, a vanishing signal "
-        "upstream (see grad_norm/<layer>).",
-        {"rms_sqrt_v_hat": rms, "eps": eps, "checks": float(checks)},
-    )
+        "upstream (see grad_norm/<layer>)."
+    ),
+    check=epsilon_finding,
+)
 
 
-def orphans_finding(orphans: dict[str, int], total: int) -> OptimizerFinding:
-    """Trainable parameters with a gradient that no optimizer holds (name -> entries)."""
-    names = sorted(orphans)
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    entries = sum(orphans.values())
-    modules = sorted({n.rsplit(".", 1)[0] for n in names})
-    return OptimizerFinding(
-        "parameters_not_in_optimizer",
-        modules[0] if len(modules) == 1 else "parameters",
-        f"{len(names)} trainable parameter tensor{'s' if len(names) > 1 else ''} ({entries:,} entries, "
-        f"{entries / max(total, 1):.1%} of the model) got a gradient but no optimizer holds them, so they "
-        f"never change: {shown}.",
-        "They were created or replaced after configure_optimizers built the optimizer (a new head set in "
-        "on_train_start or a callback, a module added later). Build the model completely before "
-        "configure_optimizers, or add them to the optimizer (optimizer.add_param_group).",
-        {"tensors": float(len(names)), "entries": float(entries), "share": entries / max(total, 1)},
-    )
-
-
-def outlier_finding(layer: str, ratio: float, median: float, factor: float, checks: int) -> OptimizerFinding:
+# ------------------------------------------------------------------ update_ratio_outlier
+def outlier_finding(layer: str, ratio: float, median: float, factor: float, checks: int) -> Finding:
     """``layer``'s update/weight ``ratio`` is beyond ``factor`` from the ``median`` layer's."""
     x = ratio / median
     far = f"{x:.3g}x" if x > 1 else "0 times" if x == 0 else f"1/{1 / x:.3g} of"
@@ -79,17 +68,69 @@ def outlier_finding(layer: str, ratio: float, median: float, factor: float, chec
         "decay cancels its update, or it is sparse (an embedding whose batches touch few rows: leave it "
         "out with exclude=...)."
     )
-    return OptimizerFinding(
-        "update_ratio_outlier",
-        layer,
+    return Finding(
+        UPDATE_RATIO_OUTLIER,
         f"The update/weight ratio of layer {layer} is {ratio:.3g}, {far} the median layer's "
         f"({median:.3g}), beyond {factor:g}x on {checks} consecutive checks.",
-        hint,
         {"update_ratio": ratio, "median": median, "checks": float(checks)},
+        hint=hint,
+        where=layer,
     )
 
 
-def adam_step_finding(layer: str, s: AdamStep, others: int) -> OptimizerFinding:
+UPDATE_RATIO_OUTLIER = Rule(
+    kind="update_ratio_outlier",
+    severity="warning",
+    monitor="OptimizerMonitor",
+    summary="a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",
+    when=(
+        "a layer's update/weight ratio stayed more than `outlier_factor` (300) times above or below"
+        " the median layer's on `patience` consecutive checks; the hint names the likely cause (its"
+        " param group's lr, a frozen-by-mistake layer, weight decay, a sparse layer)."
+    ),
+    check=outlier_finding,
+)
+
+
+# ------------------------------------------------------------------ parameters_not_in_optimizer
+def orphans_finding(orphans: dict[str, int], total: int) -> Finding:
+    """Trainable parameters with a gradient that no optimizer holds (name -> entries)."""
+    names = sorted(orphans)
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    entries = sum(orphans.values())
+    modules = sorted({n.rsplit(".", 1)[0] for n in names})
+    return Finding(
+        PARAMETERS_NOT_IN_OPTIMIZER,
+        f"{len(names)} trainable parameter tensor{'s' if len(names) > 1 else ''} ({entries:,} entries, "
+        f"{entries / max(total, 1):.1%} of the model) got a gradient but no optimizer holds them, so they "
+        f"never change: {shown}.",
+        {"tensors": float(len(names)), "entries": float(entries), "share": entries / max(total, 1)},
+        where=modules[0] if len(modules) == 1 else "parameters",
+    )
+
+
+PARAMETERS_NOT_IN_OPTIMIZER = Rule(
+    kind="parameters_not_in_optimizer",
+    severity="warning",
+    monitor="OptimizerMonitor",
+    summary="trainable parameters got a gradient but no optimizer holds them",
+    when=(
+        "at the first measured step, trainable parameters got a gradient but no optimizer holds "
+        "them (a head replaced after `configure_optimizers`, a module added in a hook): they never "
+        "train. Names the tensors, their entries and share of the model. Frozen parameters "
+        "(`requires_grad=False`) are never named. See [OptimizerMonitor](optimizer.md#alerts)."
+    ),
+    hint=(
+        "They were created or replaced after configure_optimizers built the optimizer (a new head set in "
+        "on_train_start or a callback, a module added later). Build the model completely before "
+        "configure_optimizers, or add them to the optimizer (optimizer.add_param_group)."
+    ),
+    check=orphans_finding,
+)
+
+
+# ------------------------------------------------------------------ adam_step_too_large
+def _adam_step_words(layer: str, s: AdamStep, others: int) -> Finding:
     """An entry of ``layer`` moved far more than Adam's ``lr`` allows (``others``: more layers did too)."""
     moved = (
         f"{s.optimizer} moved an entry of layer {layer} by {s.step:.3g} x lr in one step (lr={s.lr:.3g}: "
@@ -125,7 +166,7 @@ def adam_step_finding(layer: str, s: AdamStep, others: int) -> OptimizerFinding:
             f"beta2={s.beta2:g} is far too small: use the default 0.999 (0.95-0.99 for large models); "
             "beta2 must stay above beta1^2." + tiny_eps
         )
-        return OptimizerFinding("adam_step_too_large", layer, moved + why, hint, data)
+        return Finding(ADAM_STEP_TOO_LARGE, moved + why, data, hint=hint, where=layer)
     why = (
         f" That is above {s.bound:.3g} x lr, the most Adam can move an entry with betas=({s.beta1:g}, "
         f"{s.beta2:g}) after {s.steps_taken:.0f} steps, whatever the gradients: the weights moved by more "
@@ -136,47 +177,25 @@ def adam_step_finding(layer: str, s: AdamStep, others: int) -> OptimizerFinding:
         "(a custom optimizer_step, weight clipping or re-initialisation in a hook), or the lr changed "
         "within the step." + tiny_eps
     )
-    return OptimizerFinding("adam_step_too_large", layer, moved + why, hint, data)
+    return Finding(ADAM_STEP_TOO_LARGE, moved + why, data, hint=hint, where=layer)
 
 
-# ---------------------------------------------------------------- the declarations
-ADAM_EPSILON_DOMINATES = Rule(
-    kind="adam_epsilon_dominates",
-    severity="warning",
-    monitor="OptimizerMonitor",
-    summary="Adam's eps outweighs a layer's typical sqrt(v_hat) (OptimizerMonitor)",
-    when=(
-        "a layer's RMS of sqrt(v_hat) (Adam family) stayed below `epsilon_ratio` × `eps` on "  # noqa: RUF001
-        "`patience` consecutive checks: `eps` dominates the denominator and the layer's steps "
-        "shrink. The hint: lower `eps` or fix the gradient's scale. See "
-        "[OptimizerMonitor](optimizer.md)."
-    ),
-)
+def adam_step_finding(steps: Mapping[str, AdamStep], max_adam_step: float) -> Finding | None:
+    """The layer whose Adam step went furthest past its limit (a setting, not a layer, is at fault: the
+    others are counted in it), or ``None`` when no layer's step did. At once: no healthy Adam step comes
+    near the limit.
 
-UPDATE_RATIO_OUTLIER = Rule(
-    kind="update_ratio_outlier",
-    severity="warning",
-    monitor="OptimizerMonitor",
-    summary="a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",
-    when=(
-        "a layer's update/weight ratio stayed more than `outlier_factor` (300) times above or below"
-        " the median layer's on `patience` consecutive checks; the hint names the likely cause (its"
-        " param group's lr, a frozen-by-mistake layer, weight decay, a sparse layer)."
-    ),
-)
+    Args:
+        steps: the largest Adam step of each watched layer, over its lr.
+        max_adam_step: the callback's ``max_adam_step`` (:func:`adam_step_threshold` with each bound).
+    """
+    over = {k: s.step / adam_step_threshold(s.bound, max_adam_step) for k, s in steps.items()}
+    over = {k: x for k, x in over.items() if x > 1.0}
+    if not over:
+        return None
+    worst = max(over, key=lambda k: over[k])
+    return _adam_step_words(worst, steps[worst], len(over) - 1)
 
-PARAMETERS_NOT_IN_OPTIMIZER = Rule(
-    kind="parameters_not_in_optimizer",
-    severity="warning",
-    monitor="OptimizerMonitor",
-    summary="trainable parameters got a gradient but no optimizer holds them",
-    when=(
-        "at the first measured step, trainable parameters got a gradient but no optimizer holds "
-        "them (a head replaced after `configure_optimizers`, a module added in a hook): they never "
-        "train. Names the tensors, their entries and share of the model. Frozen parameters "
-        "(`requires_grad=False`) are never named. See [OptimizerMonitor](optimizer.md#alerts)."
-    ),
-)
 
 ADAM_STEP_TOO_LARGE = Rule(
     kind="adam_step_too_large",
@@ -192,6 +211,7 @@ ADAM_STEP_TOO_LARGE = Rule(
         "0.1) passed 10 x at step 4, (0.9, 0.5) at step 16. Names beta2, and eps when below 1e-10. "
         "See [OptimizerMonitor](optimizer.md#the-adam-step-rule)."
     ),
+    check=adam_step_finding,
 )
 
 #: every kind this monitor reports

@@ -39,10 +39,12 @@ from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.monitors.vanishing.measure import LayerNorms, read_layer_norms, watched_norms
 from lightning_gradguard.monitors.vanishing.order import ForwardOrder
 from lightning_gradguard.monitors.vanishing.rules import (
+    EXPLODING_GRADIENT,
+    RULES,
+    VANISHING_GRADIENT,
     GradientVerdict,
     StepContext,
     VerdictRules,
-    explain,
     judge,
     opening_layers,
 )
@@ -268,7 +270,8 @@ class VanishingExplodingDetector(GradGuardCallback):
         self._log_flow(trainer, norms, verdict.flow, opt_idx)
         alerts = self._strike(trainer, verdict, flags, opt_idx, rules, context)
         # a spike does not move the baseline it is measured against, until it has been reported
-        adopt = not verdict.spike or self.strikes.get(f"{opt_idx}:exploding_gradient", 0) >= self.patience
+        spiked = self.strikes.get(f"{opt_idx}:{EXPLODING_GRADIENT.kind}", 0) >= self.patience
+        adopt = not verdict.spike or spiked
         if adopt and verdict.total > 0:
             hist = self.history.setdefault(opt_idx, [])
             hist.append(verdict.total)
@@ -311,39 +314,41 @@ class VanishingExplodingDetector(GradGuardCallback):
 
     def _agreed_flags(
         self, trainer: pl.Trainer, verdict: GradientVerdict, device: torch.device
-    ) -> list[bool]:
-        """``[exploding, vanishing]``. The gradients are all-reduced, so every rank computes the same verdict
-        from the same numbers; when the verdict can stop the run, make sure of it: one collective on the
-        packed flags."""
-        flags = [bool(verdict.exploding), bool(verdict.vanishing)]
+    ) -> dict[str, bool]:
+        """Kind -> whether it holds (``exploding_gradient``, ``vanishing_gradient``). The gradients are
+        all-reduced, so every rank computes the same verdict from the same numbers; when the verdict can stop
+        the run, make sure of it: one collective on the packed flags."""
+        flags = {
+            EXPLODING_GRADIENT.kind: bool(verdict.exploding),
+            VANISHING_GRADIENT.kind: bool(verdict.vanishing),
+        }
         if trainer.world_size > 1 and self.action != "warn":
             packed = HostTransfer()
-            packed.add("flags", torch.tensor([float(f) for f in flags], device=device))
-            flags = [bool(x > 0) for x in packed.fetch(trainer, reduce_op="sum")["flags"].tolist()]
+            packed.add("flags", torch.tensor([float(f) for f in flags.values()], device=device))
+            agreed = packed.fetch(trainer, reduce_op="sum")["flags"].tolist()
+            flags = {kind: bool(x > 0) for kind, x in zip(flags, agreed, strict=True)}
         return flags
 
     def _strike(
         self,
         trainer: pl.Trainer,
         verdict: GradientVerdict,
-        flags: list[bool],
+        flags: dict[str, bool],
         opt_idx: int,
         rules: VerdictRules,
         context: StepContext,
     ) -> list[Alert]:
         """Count the consecutive checks each condition held; report those that reached ``patience``."""
         alerts: list[Alert] = []
-        for kind, flag in zip(("exploding_gradient", "vanishing_gradient"), flags, strict=True):
-            key = f"{opt_idx}:{kind}"
-            self.strikes[key] = self.strikes.get(key, 0) + 1 if flag else 0
-            if self.strikes[key] < self.patience:
+        for rule in RULES:
+            key = f"{opt_idx}:{rule.kind}"
+            self.strikes[key] = self.strikes.get(key, 0) + 1 if flags[rule.kind] else 0
+            if self.strikes[key] < self.patience or rule.check is None:
                 continue
-            e = explain(kind, verdict, self.patience, self.history.get(opt_idx, []), rules, context)
+            history = self.history.get(opt_idx, [])
+            finding = rule.check(verdict, self.patience, history, rules, context)
             # one cooldown per optimizer and kind: ``where`` (the top layers) moves from check to check
-            step = int(trainer.global_step)
-            alert = self.report(
-                trainer, kind, "error", e.where, e.message, e.hint, e.data, step=step, cooldown_key=key
-            )
+            alert = self.report_finding(trainer, finding, step=int(trainer.global_step), cooldown_key=key)
             if alert is not None:
                 alerts.append(alert)
         return alerts

@@ -2,8 +2,10 @@ r"""The verdict on one check of per-layer gradient norms: exploding or vanishing
 
 Pure functions on host numbers (a handful of per-layer norms already brought to the host), no Trainer.
 :func:`judge` applies the rules of :class:`VerdictRules` and returns a :class:`GradientVerdict`;
-:func:`explain` puts a verdict into words (message, hint, ``where``); :func:`opening_layers` tracks the
-layers behind zero-initialized weights. The rules:
+:func:`opening_layers` tracks the layers behind zero-initialized weights. Each rule is one declaration,
+below: its kind, docs row, hint, the conditions that make it hold, and its check
+(:func:`exploding_finding`, :func:`vanishing_finding`), which puts a verdict that held on ``patience``
+checks into words (a :class:`~lightning_gradguard.alerts.Finding`: message, hint, ``where``). The rules:
 
 What the optimizer does with the gradient decides which rules apply (:class:`StepContext`): under an
 adaptive optimizer (Adam and its family: each entry's step is divided by its gradient's running RMS) the
@@ -59,7 +61,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_gradguard.alerts import Rule, declare
+from lightning_gradguard.alerts import Finding, Rule, declare
 from lightning_gradguard.functional.health import depth_ratio, flow_values, growth_factor, spike_ratio
 from lightning_gradguard.functional.stats import suggest_clip_value
 
@@ -68,22 +70,6 @@ _MAX_NAMED = 5
 _SPIKE_OVER_MAX = 2.0
 #: a layer that started behind a zero-initialized weight is judged again once its gradient grew this much
 _OPENED_FACTOR = 100.0
-
-EXPLODING_HINT = (
-    "Clip gradients: Trainer(gradient_clip_val={clip:g}) ({clip_why}). Lower the learning rate (try 10x "
-    "lower). Check the initialization (He/Kaiming for ReLU, Xavier for tanh/sigmoid). In deep or recurrent "
-    "nets add normalization (BatchNorm/LayerNorm) and residual connections."
-)
-CLIPPED_HINT = (
-    "The gradient is already clipped (gradient_clip_val={clip:g}), so each update stays bounded; a norm "
-    "that spikes or keeps growing over the run's own level means the loss surface is getting steeper: "
-    "lower the learning rate (try 10x lower) or lengthen the warm-up, and look at the data of these steps."
-)
-VANISHING_HINT = (
-    "Use non-saturating activations (ReLU/GELU instead of sigmoid/tanh), He/Xavier initialization, "
-    "BatchNorm/LayerNorm between layers and residual connections in deep nets; raise the learning rate "
-    "only after those fixes."
-)
 
 
 @dataclass(frozen=True)
@@ -157,16 +143,6 @@ class Opening:
     seen: set[str]
 
 
-@dataclass(frozen=True)
-class Explanation:
-    """A verdict in words, for an alert."""
-
-    where: str | None
-    message: str
-    hint: str
-    data: dict[str, float]
-
-
 def named(labels: Sequence[str], values: Sequence[float], fmt: str = "{:.3g}") -> str:
     """``"a (1.2), b (3.4)"`` for the first five layers, ``" and N more"`` for the rest."""
     shown = [f"{n} ({fmt.format(v)})" for n, v in zip(labels[:_MAX_NAMED], values[:_MAX_NAMED], strict=False)]
@@ -214,6 +190,81 @@ def opening_layers(
     return Opening(positions=out, opening=opening, seen=seen)
 
 
+def judge(
+    *,
+    labels: Sequence[str],
+    values: Sequence[float],
+    total: float,
+    numels: Sequence[int],
+    history: Sequence[float],
+    rules: VerdictRules,
+    forward_order: Mapping[str, int],
+    opening: Collection[int] = (),
+    embeddings: Collection[str] = (),
+    context: StepContext | None = None,
+) -> GradientVerdict:
+    """The verdict of one check (pure Python on a handful of numbers).
+
+    Args:
+        labels: the layers, ``values`` their gradient norms and ``numels`` their element counts.
+        total: the total gradient norm; a NaN/inf total gives no verdict (empty reasons, NaN flow).
+        history: this run's recent finite total norms of checked steps (the spike and growth baseline).
+        rules: the thresholds.
+        forward_order: layer -> position in the forward pass (the first and last layer).
+        opening: positions of layers behind zero-initialized weights (:func:`opening_layers`).
+        embeddings: embedding layers (left out of the ``min_rms`` floor).
+        context: what the optimizer does with the gradient and where the loss stands (default: an
+            SGD-like optimizer, no clip, no loss).
+    """
+    ctx = context if context is not None else StepContext()
+    labels, values = list(labels), list(values)
+    data: dict[str, float] = {"total_norm": total}
+    if not math.isfinite(total):  # NaN/inf gradients are NaNSentinel's business
+        return GradientVerdict(
+            labels=labels, values=values, total=total, data=data, flow=[math.nan] * len(labels)
+        )
+    exploding, spike = _exploding(total, list(history), rules, data, ctx)
+    largest_first = [-v if math.isfinite(v) else 0.0 for v in values]
+    order = sorted(range(len(labels)), key=largest_first.__getitem__)
+    top = [i for i in order if values[i] > 0][:_MAX_NAMED]
+    if opening:
+        data["opening_layers"] = float(len(opening))
+    check = _checked_layers(labels, values, numels, opening)
+    flow = check.flow
+    # A layer is not judged small against one that is exploding: while the exploding rules hold, the rules
+    # that measure a layer against the largest or the last one (relative floor, depth ratio) would read
+    # the explosion as vanishing everywhere else (a recurrent layer at 9e4 puts a healthy head at 1e-5 of
+    # it). The absolute RMS floor still applies.
+    relative = rules if not exploding else replace(rules, relative_floor=None, depth_ratio_floor=None)
+    vanishing, low = _vanishing(check, relative, forward_order, embeddings, data, ctx)
+    return GradientVerdict(
+        labels=labels,
+        values=values,
+        total=total,
+        exploding=exploding,
+        vanishing=vanishing,
+        vanishing_layers=[labels[i] for i in sorted(low)],
+        spike=spike,
+        data=data,
+        flow=flow,
+        top=[labels[i] for i in top],
+        top_values=[values[i] for i in top],
+    )
+
+
+# ------------------------------------------------------------------ exploding_gradient
+EXPLODING_HINT = (
+    "Clip gradients: Trainer(gradient_clip_val={clip:g}) ({clip_why}). Lower the learning rate (try 10x "
+    "lower). Check the initialization (He/Kaiming for ReLU, Xavier for tanh/sigmoid). In deep or recurrent "
+    "nets add normalization (BatchNorm/LayerNorm) and residual connections."
+)
+CLIPPED_HINT = (
+    "The gradient is already clipped (gradient_clip_val={clip:g}), so each update stays bounded; a norm "
+    "that spikes or keeps growing over the run's own level means the loss surface is getting steeper: "
+    "lower the learning rate (try 10x lower) or lengthen the warm-up, and look at the data of these steps."
+)
+
+
 def _exploding(
     total: float, hist: list[float], rules: VerdictRules, data: dict[str, float], ctx: StepContext
 ) -> tuple[list[str], bool]:
@@ -244,6 +295,65 @@ def _exploding(
     return reasons, spike
 
 
+def exploding_finding(
+    verdict: GradientVerdict,
+    patience: int,
+    history: Sequence[float],
+    rules: VerdictRules,
+    context: StepContext | None = None,
+) -> Finding:
+    """``exploding_gradient`` in words, once it held on ``patience`` consecutive checks: message, hint,
+    ``where`` (the largest layer) and data.
+
+    The hint suggests a ``gradient_clip_val``: about the 90th percentile of this run's earlier norms
+    (``history``, those under ``max_norm``) once there are ``warmup_checks`` of them, else 1.0; when the
+    run clips already (``context.clip``) it says so and suggests the learning rate instead.
+
+    Args:
+        verdict: the check's verdict (:func:`judge`); its exploding reasons may be empty when the
+            condition held on another rank.
+        patience: the consecutive checks it held.
+        history: this run's recent finite total norms of checked steps.
+        rules: the thresholds (``max_norm``, ``warmup_checks``).
+        context: the check's :class:`StepContext` (``clip``: the Trainer clips the gradient).
+    """
+    data = dict(verdict.data)
+    reasons = "; ".join(verdict.exploding) or "the condition held on another rank"
+    message = (
+        f"Gradient norm {verdict.total:.3g} for {patience} consecutive checks: {reasons}. "
+        f"Largest layers: {named(verdict.top, verdict.top_values)}."
+    )
+    clipped = context.clip if context is not None else None
+    if clipped is not None:
+        hint = CLIPPED_HINT.format(clip=clipped)
+    else:
+        hist = [h for h in history if rules.max_norm is None or h <= rules.max_norm]
+        clip = suggest_clip_value(hist) if len(hist) >= rules.warmup_checks else None
+        clip_why = "about the 90th percentile of this run's earlier norms"
+        if clip is None:
+            clip, clip_why = 1.0, "the usual starting point; tune it from grad_norm/total"
+        data["suggested_clip_val"] = clip
+        hint = EXPLODING_HINT.format(clip=clip, clip_why=clip_why)
+    return Finding(EXPLODING_GRADIENT, message, data, hint=hint, where=_where(verdict.top[:1]))
+
+
+EXPLODING_GRADIENT = Rule(
+    kind="exploding_gradient",
+    severity="error",
+    monitor="VanishingExplodingDetector",
+    summary="grad norm over its ceiling, a spike over the run's baseline, or a sustained rise",
+    when=(
+        "the total or a layer norm above `max_norm` (default 100), a spike of 10x over the run's "
+        "own median that also tops the recent maximum, or a sustained rise, on `patience` "
+        "consecutive checks. Under a `gradient_clip_val` the ceiling and the spike rule are off "
+        "(the clip already bounds every update); the sustained rise stays. The hint suggests a "
+        "`gradient_clip_val`, or under one a lower LR. See [detectors](detectors.md)."
+    ),
+    check=exploding_finding,
+)
+
+
+# ------------------------------------------------------------------ vanishing_gradient
 @dataclass(frozen=True)
 class _Check:
     """One check's layers, as the vanishing rules read them."""
@@ -377,134 +487,33 @@ def _vanishing(
     return reasons, low
 
 
-def judge(
-    *,
-    labels: Sequence[str],
-    values: Sequence[float],
-    total: float,
-    numels: Sequence[int],
-    history: Sequence[float],
-    rules: VerdictRules,
-    forward_order: Mapping[str, int],
-    opening: Collection[int] = (),
-    embeddings: Collection[str] = (),
-    context: StepContext | None = None,
-) -> GradientVerdict:
-    """The verdict of one check (pure Python on a handful of numbers).
-
-    Args:
-        labels: the layers, ``values`` their gradient norms and ``numels`` their element counts.
-        total: the total gradient norm; a NaN/inf total gives no verdict (empty reasons, NaN flow).
-        history: this run's recent finite total norms of checked steps (the spike and growth baseline).
-        rules: the thresholds.
-        forward_order: layer -> position in the forward pass (the first and last layer).
-        opening: positions of layers behind zero-initialized weights (:func:`opening_layers`).
-        embeddings: embedding layers (left out of the ``min_rms`` floor).
-        context: what the optimizer does with the gradient and where the loss stands (default: an
-            SGD-like optimizer, no clip, no loss).
-    """
-    ctx = context if context is not None else StepContext()
-    labels, values = list(labels), list(values)
-    data: dict[str, float] = {"total_norm": total}
-    if not math.isfinite(total):  # NaN/inf gradients are NaNSentinel's business
-        return GradientVerdict(
-            labels=labels, values=values, total=total, data=data, flow=[math.nan] * len(labels)
-        )
-    exploding, spike = _exploding(total, list(history), rules, data, ctx)
-    largest_first = [-v if math.isfinite(v) else 0.0 for v in values]
-    order = sorted(range(len(labels)), key=largest_first.__getitem__)
-    top = [i for i in order if values[i] > 0][:_MAX_NAMED]
-    if opening:
-        data["opening_layers"] = float(len(opening))
-    check = _checked_layers(labels, values, numels, opening)
-    flow = check.flow
-    # A layer is not judged small against one that is exploding: while the exploding rules hold, the rules
-    # that measure a layer against the largest or the last one (relative floor, depth ratio) would read
-    # the explosion as vanishing everywhere else (a recurrent layer at 9e4 puts a healthy head at 1e-5 of
-    # it). The absolute RMS floor still applies.
-    relative = rules if not exploding else replace(rules, relative_floor=None, depth_ratio_floor=None)
-    vanishing, low = _vanishing(check, relative, forward_order, embeddings, data, ctx)
-    return GradientVerdict(
-        labels=labels,
-        values=values,
-        total=total,
-        exploding=exploding,
-        vanishing=vanishing,
-        vanishing_layers=[labels[i] for i in sorted(low)],
-        spike=spike,
-        data=data,
-        flow=flow,
-        top=[labels[i] for i in top],
-        top_values=[values[i] for i in top],
-    )
-
-
-def explain(
-    kind: str,
+def vanishing_finding(
     verdict: GradientVerdict,
     patience: int,
-    history: Sequence[float],
-    rules: VerdictRules,
+    history: Sequence[float] = (),
+    rules: VerdictRules | None = None,
     context: StepContext | None = None,
-) -> Explanation:
-    """``exploding_gradient`` or ``vanishing_gradient`` in words: message, hint, ``where`` and data.
+) -> Finding:
+    """``vanishing_gradient`` in words, once it held on ``patience`` consecutive checks: message, ``where``
+    (the low layers) and data; the hint is the rule's. It takes the arguments of :func:`exploding_finding`
+    (the callback runs both from :data:`RULES`) and reads only the first two.
 
-    The exploding hint suggests a ``gradient_clip_val``: about the 90th percentile of this run's earlier
-    norms (``history``, those under ``max_norm``) once there are ``warmup_checks`` of them, else 1.0; when
-    the run clips already (``context.clip``) it says so and suggests the learning rate instead.
+    Args:
+        verdict: the check's verdict (:func:`judge`); its vanishing reasons may be empty when the
+            condition held on another rank.
+        patience: the consecutive checks it held.
+        history: unused.
+        rules: unused.
+        context: unused.
     """
-    data = dict(verdict.data)
-    clipped = context.clip if context is not None else None
-    if kind == "exploding_gradient" and clipped is not None:
-        reasons = "; ".join(verdict.exploding) or "the condition held on another rank"
-        return Explanation(
-            where=_where(verdict.top[:1]),
-            message=f"Gradient norm {verdict.total:.3g} for {patience} consecutive checks: {reasons}. "
-            f"Largest layers: {named(verdict.top, verdict.top_values)}.",
-            hint=CLIPPED_HINT.format(clip=clipped),
-            data=data,
-        )
-    if kind == "exploding_gradient":
-        hist = [h for h in history if rules.max_norm is None or h <= rules.max_norm]
-        clip = suggest_clip_value(hist) if len(hist) >= rules.warmup_checks else None
-        clip_why = "about the 90th percentile of this run's earlier norms"
-        if clip is None:
-            clip, clip_why = 1.0, "the usual starting point; tune it from grad_norm/total"
-        data["suggested_clip_val"] = clip
-        reasons = "; ".join(verdict.exploding) or "the condition held on another rank"
-        message = (
-            f"Gradient norm {verdict.total:.3g} for {patience} consecutive checks: {reasons}. "
-            f"Largest layers: {named(verdict.top, verdict.top_values)}."
-        )
-        return Explanation(
-            where=_where(verdict.top[:1]),
-            message=message,
-            hint=EXPLODING_HINT.format(clip=clip, clip_why=clip_why),
-            data=data,
-        )
     reasons = "; ".join(verdict.vanishing) or "the condition held on another rank"
-    return Explanation(
+    return Finding(
+        VANISHING_GRADIENT,
+        f"Gradients vanish ({patience} consecutive checks): {reasons}.",
+        dict(verdict.data),
         where=_where(verdict.vanishing_layers),
-        message=f"Gradients vanish ({patience} consecutive checks): {reasons}.",
-        hint=VANISHING_HINT,
-        data=data,
     )
 
-
-# ---------------------------------------------------------------- the declarations
-EXPLODING_GRADIENT = Rule(
-    kind="exploding_gradient",
-    severity="error",
-    monitor="VanishingExplodingDetector",
-    summary="grad norm over its ceiling, a spike over the run's baseline, or a sustained rise",
-    when=(
-        "the total or a layer norm above `max_norm` (default 100), a spike of 10x over the run's "
-        "own median that also tops the recent maximum, or a sustained rise, on `patience` "
-        "consecutive checks. Under a `gradient_clip_val` the ceiling and the spike rule are off "
-        "(the clip already bounds every update); the sustained rise stays. The hint suggests a "
-        "`gradient_clip_val`, or under one a lower LR. See [detectors](detectors.md)."
-    ),
-)
 
 VANISHING_GRADIENT = Rule(
     kind="vanishing_gradient",
@@ -518,6 +527,12 @@ VANISHING_GRADIENT = Rule(
         "of its `eps` (where its steps shrink with the gradient). Never once the loss is at a tenth"
         " of its start. Layers without a gradient this step are never counted."
     ),
+    hint=(
+        "Use non-saturating activations (ReLU/GELU instead of sigmoid/tanh), He/Xavier initialization, "
+        "BatchNorm/LayerNorm between layers and residual connections in deep nets; raise the learning rate "
+        "only after those fixes."
+    ),
+    check=vanishing_finding,
 )
 
 #: every kind this monitor reports

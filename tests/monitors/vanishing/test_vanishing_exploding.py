@@ -24,7 +24,13 @@ from lightning_gradguard.functional.health import (
 )
 from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 from lightning_gradguard.monitors.vanishing.order import ForwardOrder
-from lightning_gradguard.monitors.vanishing.rules import VerdictRules, explain, judge, opening_layers
+from lightning_gradguard.monitors.vanishing.rules import (
+    VerdictRules,
+    exploding_finding,
+    judge,
+    opening_layers,
+    vanishing_finding,
+)
 
 
 # ---------------------------------------------------------------------------------------------- pure math
@@ -492,11 +498,11 @@ def test_judge_on_host_numbers() -> None:
     big = judge(values=[100.0, 150.0], total=180.0, forward_order={"a": 0, "b": 1}, **kwargs)
     assert big.exploding == ["the total norm exceeds max_norm=100"] and big.vanishing == []
     assert (big.top, big.top_values) == (["b", "a"], [150.0, 100.0])
-    said = explain("exploding_gradient", big, 2, [], rules)
+    said = exploding_finding(big, 2, [], rules)
     assert said.where == "b" and said.data["suggested_clip_val"] == 1.0
     assert "gradient_clip_val=1)" in said.hint and said.message.startswith("Gradient norm 180 for 2")
     tiny = judge(values=[1e-12, 1.0], total=1.0, forward_order={"a": 0, "b": 1}, **kwargs)
-    assert tiny.vanishing_layers == ["a"] and explain("vanishing_gradient", tiny, 2, [], rules).where == "a"
+    assert tiny.vanishing_layers == ["a"] and vanishing_finding(tiny, 2, [], rules).where == "a"
 
 
 def test_a_layer_is_not_called_vanishing_next_to_an_exploding_one() -> None:

@@ -1,26 +1,27 @@
 """What the pre-flight checks share: what they find, when a check runs, and how it ends.
 
-A :class:`Finding` is one specific problem a check found: the alert it becomes (kind, severity, the
-names concerned, message, hint, numbers). :class:`PreflightCheck` is the base of
-:class:`~lightning_gradguard.OverfitBatchSanity` and :class:`~lightning_gradguard.GradientCheck`. A check
-runs in ``on_train_start`` of a fit that starts a new run, where it applies (:meth:`PreflightCheck.applies`:
-not under ``fast_dev_run``, not on a fit that resumes from a checkpoint or continues the Trainer's run,
-automatic optimization only, not under a sharded strategy such as FSDP or DeepSpeed, where each check
-says why in ``sharded_reason``). It ends
-with :meth:`PreflightCheck.conclude` on every rank, even one that could not run it: the verdict is
-reduced across ranks (one collective), so when one rank fails every rank acts alike (the ranks that
-passed say "failed on another rank", with a :class:`Summary` of their own) and none is left waiting in a
-collective.
+A :class:`PreflightFinding` is one specific problem a check found: an
+:class:`~lightning_gradguard.alerts.Finding` of one of the check's declared rules (its kind, severity,
+message, hint, numbers) with the names concerned, the place of its alert. :class:`PreflightCheck` is the
+base of :class:`~lightning_gradguard.OverfitBatchSanity` and :class:`~lightning_gradguard.GradientCheck`.
+A check runs in ``on_train_start`` of a fit that starts a new run, where it applies
+(:meth:`PreflightCheck.applies`: not under ``fast_dev_run``, not on a fit that resumes from a checkpoint
+or continues the Trainer's run, automatic optimization only, not under a sharded strategy such as FSDP or
+DeepSpeed, where each check says why in ``sharded_reason``). It ends with :meth:`PreflightCheck.conclude`
+on every rank, even one that could not run it: the verdict is reduced across ranks (one collective), so
+when one rank fails every rank acts alike (the ranks that passed say "failed on another rank", with a
+closing finding of their own) and none is left waiting in a collective.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
-from lightning_gradguard.alerts import Alert, SanityCheckError, Severity
+from lightning_gradguard.alerts import Alert, Finding, SanityCheckError
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.collective import reduce_any
 from lightning_gradguard.core.sharding import is_sharded
@@ -36,41 +37,26 @@ OTHER_RANKS = "See the alerts of the other ranks."
 MAX_LISTED = 8
 
 
-@dataclass
-class Finding:
-    """One specific problem a check found.
+@dataclass(frozen=True)
+class PreflightFinding(Finding):
+    """One specific problem a check found: a rule of the check that holds, and the parameters (or
+    samples) concerned. Its ``kind``, ``severity``, ``message``, ``hint`` and ``data`` are those of every
+    :class:`~lightning_gradguard.alerts.Finding`; ``severity`` ``"error"`` fails the check, ``"warning"``
+    and ``"info"`` are reported only.
 
     Attributes:
-        kind: alert kind (``unused_parameter``, ``parameter_not_updated``, ``initial_loss_mismatch``,
-            ``batch_mixing``, ``labels_unstable``, ``gradient_not_shrinking``, ``overfit_unstable``,
-            ``overfit_failed``; the gradient check's ``gradient_mismatch``).
-        severity: ``"error"`` fails the check; ``"warning"`` and ``"info"`` are reported only.
-        names: the parameters (or samples) concerned.
-        message: what was seen, with the numbers.
-        hint: what to do about it.
-        data: the numbers behind the message.
+        names: the parameters (or samples) concerned; the first :data:`MAX_LISTED` are the alert's place
+            (``where``), unless the check states one.
     """
 
-    kind: str
-    severity: Severity
-    names: list[str]
-    message: str
-    hint: str
-    data: dict[str, float] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)
 
-
-@dataclass(frozen=True, kw_only=True)
-class Summary:
-    """The closing alert of a check: its kind, what it says and the numbers behind it.
-
-    Its severity is set by :meth:`PreflightCheck.conclude`: ``error`` when the check failed on some rank,
-    ``warning`` when it passed with a reservation.
-    """
-
-    kind: str
-    message: str
-    hint: str
-    data: dict[str, float] = field(default_factory=dict)
+    @override
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        listed = ", ".join(self.names[:MAX_LISTED]) + (", ..." if len(self.names) > MAX_LISTED else "")
+        if self.where is None and listed:
+            object.__setattr__(self, "where", listed)
 
 
 class PreflightCheck(GradGuardCallback):
@@ -131,12 +117,12 @@ class PreflightCheck(GradGuardCallback):
             "on the unwrapped model."
         )
 
-    def report_findings(self, trainer: pl.Trainer, findings: list[Finding]) -> list[Alert]:
-        """Report every finding as an alert of its kind and severity, where: its names (the first few)."""
+    def report_findings(self, trainer: pl.Trainer, findings: list[PreflightFinding]) -> list[Alert]:
+        """Report every finding (:meth:`report_finding`): its kind and severity, where: its names (the first
+        few)."""
         alerts: list[Alert] = []
         for f in findings:
-            where = ", ".join(f.names[:MAX_LISTED]) + (", ..." if len(f.names) > MAX_LISTED else "")
-            alert = self.report(trainer, f.kind, f.severity, where or None, f.message, f.hint, f.data)
+            alert = self.report_finding(trainer, f)
             if alert is not None:
                 alerts.append(alert)
         return alerts
@@ -147,9 +133,9 @@ class PreflightCheck(GradGuardCallback):
         alerts: list[Alert],
         *,
         failed_here: bool,
-        on_failure: Summary | None,
+        on_failure: Finding | None,
         passed_line: str | None,
-        on_success: Summary | None = None,
+        on_success: Finding | None = None,
     ) -> None:
         """End the check on every rank alike: reduce the verdict (one collective), report, then act.
 
@@ -157,35 +143,21 @@ class PreflightCheck(GradGuardCallback):
             trainer: the trainer.
             alerts: what this rank already reported (its findings).
             failed_here: whether the check failed on this rank (``False`` for a rank that could not run it).
-            on_failure: reported as an error when the check failed on some rank (``None``: nothing more).
+            on_failure: the closing finding, reported as an error when the check failed on some rank
+                (``None``: nothing more).
             passed_line: logged (INFO, global rank zero) when it passed on every rank: silence after
                 success reads as "did it run?" (``None``: nothing, e.g. the check did not run here).
-            on_success: reported as a warning when it passed on every rank with a reservation.
+            on_success: the closing finding, reported as a warning when it passed on every rank with a
+                reservation.
         """
         if reduce_any(trainer, failed_here):
             if on_failure is not None:
-                alert = self.report(
-                    trainer,
-                    on_failure.kind,
-                    "error",
-                    None,
-                    on_failure.message,
-                    on_failure.hint,
-                    on_failure.data,
-                )
+                alert = self.report_finding(trainer, replace(on_failure, severity="error"))
                 if alert is not None:
                     alerts.append(alert)
         else:
             if on_success is not None:
-                self.report(
-                    trainer,
-                    on_success.kind,
-                    "warning",
-                    None,
-                    on_success.message,
-                    on_success.hint,
-                    on_success.data,
-                )
+                self.report_finding(trainer, replace(on_success, severity="warning"))
             if passed_line is not None and trainer.is_global_zero:
                 log.info(passed_line)
         self.act(trainer, alerts)

@@ -805,7 +805,7 @@ def test_recurrent_attention_and_reparametrised_layers_pass(model: Callable[[], 
 
 def test_a_slow_steady_curve_is_not_called_oscillating() -> None:
     from lightning_gradguard import OverfitResult
-    from lightning_gradguard.monitors.overfit.diagnosis import failed_finding
+    from lightning_gradguard.monitors.overfit.rules import failed_finding
 
     def shape(losses: list[float]) -> str:
         r = OverfitResult(

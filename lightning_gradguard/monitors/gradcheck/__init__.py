@@ -7,8 +7,9 @@
   ``ParameterCheck``);
 * ``graph``: the float64 copy, and which module made which part of the autograd graph
   (``find_custom_functions``);
-* ``findings``: what a result says: the ``gradient_mismatch`` findings, the known patterns, the passed
-  line.
+* ``rules``: the ``gradient_mismatch`` rule, declared with its hint and its check (one finding per
+  failing parameter);
+* ``findings``: what a result says in words: a failing parameter, the known patterns, the passed line.
 
 The math is :mod:`lightning_gradguard.functional.gradcheck`; what the check shares with
 :class:`~lightning_gradguard.OverfitBatchSanity` is :mod:`lightning_gradguard.core.preflight`.

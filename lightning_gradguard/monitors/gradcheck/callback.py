@@ -10,7 +10,8 @@ plain function on any module and batch.
 This module holds both faces: :func:`gradient_check` (the arguments validated, the batch cut and
 converted to float64, the caller's RNG states put back) and :class:`GradientCheck`, which runs it on the
 first batch of ``fit``. The engine under both is
-:mod:`~lightning_gradguard.monitors.gradcheck.engine`; the alerts' words are in
+:mod:`~lightning_gradguard.monitors.gradcheck.engine`; the alerts are the findings of its rule
+(:mod:`~lightning_gradguard.monitors.gradcheck.rules`), in the words of
 :mod:`~lightning_gradguard.monitors.gradcheck.findings`.
 """
 
@@ -25,8 +26,9 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core.batch import first_train_batch, slice_batch
-from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck, Summary
+from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck
 from lightning_gradguard.core.snapshot import RNGState, train_loader_generators
 from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of
@@ -37,8 +39,9 @@ from lightning_gradguard.monitors.gradcheck.engine import (
     ModuleLossFn,
     gradcheck_module,
 )
-from lightning_gradguard.monitors.gradcheck.findings import mismatch_findings, passed_line
+from lightning_gradguard.monitors.gradcheck.findings import passed_line
 from lightning_gradguard.monitors.gradcheck.graph import unwrapped_name
+from lightning_gradguard.monitors.gradcheck.rules import GRADIENT_MISMATCH, mismatch_findings
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -311,9 +314,7 @@ class GradientCheck(PreflightCheck):
                 f"{' ...' if len(result.skipped) > 8 else ''} (raise max_seconds to check them all).",
             )
         alerts = self.report_findings(trainer, mismatch_findings(result))
-        elsewhere = Summary(
-            kind="gradient_mismatch", message="The gradient check failed on another rank.", hint=OTHER_RANKS
-        )
+        elsewhere = Finding(GRADIENT_MISMATCH, "The gradient check failed on another rank.", hint=OTHER_RANKS)
         self.conclude(
             trainer,
             alerts,

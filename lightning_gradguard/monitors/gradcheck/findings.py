@@ -1,48 +1,17 @@
-"""What a gradient check's result says, in words: its findings, the known patterns, the passed line.
+"""What a gradient check's result says, in words: a failing parameter, the known patterns, the passed line.
 
-The alerts of :class:`~lightning_gradguard.GradientCheck` are built here: :func:`mismatch_findings` (one
-``gradient_mismatch`` error per failing parameter) from :func:`describe` (the parameter, its two gradient
-values and its Taylor order), :data:`MISMATCH_HINT` (where to look) and :func:`pattern` (a
-straight-through estimator, a gradient-reversal layer, a constant factor); :func:`passed_line` is the
-INFO line of a check that passed.
+The words of the ``gradient_mismatch`` findings, which its rule's check
+(:func:`~lightning_gradguard.monitors.gradcheck.rules.mismatch_findings`) puts together:
+:func:`describe` (the parameter, its two gradient values and its Taylor order) and :func:`pattern` (a
+straight-through estimator, a gradient-reversal layer, a constant factor: added to the rule's hint);
+:func:`passed_line` is the INFO line of a check that passed.
 """
 
 from __future__ import annotations
 
 import math
 
-from lightning_gradguard.core.preflight import Finding
 from lightning_gradguard.monitors.gradcheck.engine import GradientCheckResult, ParameterCheck
-
-MISMATCH_HINT = (
-    "The backward pass of this parameter disagrees with the loss it differentiates. In a custom "
-    "autograd.Function check: a missing factor (chain rule, a constant, the 1/N of a mean), a missing "
-    "transpose (grad_input = grad_output @ W, grad_W = grad_output.T @ x), the wrong saved tensor, a "
-    "missing sum over a broadcast dimension, or a sign. A backward hook must return a gradient of the "
-    "same meaning, not a rescaled one."
-)
-
-
-def mismatch_findings(result: GradientCheckResult) -> list[Finding]:
-    """One ``gradient_mismatch`` error per parameter whose gradient failed the gradient check."""
-    return [
-        Finding(
-            kind="gradient_mismatch",
-            severity="error",
-            names=[check.name],
-            message="Autograd and finite differences disagree: " + describe(check) + ".",
-            hint=MISMATCH_HINT + pattern(check),
-            data={
-                "relative_error": check.max_rel_error,
-                "analytic": check.analytic,
-                "numeric": check.numeric,
-                "taylor_order": check.taylor_order,
-                "taylor_linear_error": check.taylor_linear_error,
-                "directional_error": check.directional_error,
-            },
-        )
-        for check in result.failures
-    ]
 
 
 def describe(check: ParameterCheck) -> str:

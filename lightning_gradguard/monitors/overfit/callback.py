@@ -7,9 +7,10 @@ until its loss collapses, check on the way that every parameter gets a gradient 
 initial loss is the one a fresh classifier should have, and put everything back exactly as it was.
 
 This module holds the callback: its arguments, when it runs (the first batch drawn and cut, everything
-put back afterwards) and its verdict in words (the closing ``overfit_failed`` alert, the line that says
+put back afterwards) and its verdict in words (the closing ``overfit_failed`` finding, the line that says
 it passed). The check itself is
-:func:`~lightning_gradguard.monitors.overfit.check.run_overfit_check`.
+:func:`~lightning_gradguard.monitors.overfit.check.run_overfit_check`; its rules, their checks and words
+are :mod:`~lightning_gradguard.monitors.overfit.rules`.
 """
 
 from __future__ import annotations
@@ -21,16 +22,18 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.batch import first_train_batch, redraw_first_samples, slice_batch
 from lightning_gradguard.core.compile import Uncompiled
-from lightning_gradguard.core.preflight import OTHER_RANKS, Finding, PreflightCheck, Summary
+from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck, PreflightFinding
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
 from lightning_gradguard.monitors.overfit.check import OverfitSettings, run_overfit_check
 from lightning_gradguard.monitors.overfit.diagnosis import blow_up
-from lightning_gradguard.monitors.overfit.findings import OverfitResult, label_stability
+from lightning_gradguard.monitors.overfit.findings import OverfitResult
+from lightning_gradguard.monitors.overfit.rules import OVERFIT_FAILED, label_stability
 from lightning_gradguard.monitors.overfit.tags import CHARTS, PREFLIGHT
 from lightning_gradguard.tags import charts_of
 
@@ -238,7 +241,7 @@ class OverfitBatchSanity(PreflightCheck):
     def _conclude(self, trainer: pl.Trainer, result: OverfitResult | None) -> None:
         if result is None:
             message = "This rank could not run the check; the overfit-one-batch check failed on another rank."
-            failure = Summary(kind="overfit_failed", message=message, hint=OTHER_RANKS)
+            failure = Finding(OVERFIT_FAILED, message, hint=OTHER_RANKS)
             self.conclude(trainer, [], failed_here=False, on_failure=failure, passed_line=None)
             return
         for i, value in enumerate(result.losses):
@@ -247,8 +250,8 @@ class OverfitBatchSanity(PreflightCheck):
                 metrics[PREFLIGHT.tag("overfit_grad_norm")] = result.grad_norms[i]
             _emit.log_scalars(trainer, metrics, i)
         # the summary (overfit_failed) is reported once, by conclude
-        alerts = self.report_findings(trainer, [f for f in result.findings if f.kind != "overfit_failed"])
-        summary = next((f for f in result.findings if f.kind == "overfit_failed"), None)
+        alerts = self.report_findings(trainer, [f for f in result.findings if f.rule is not OVERFIT_FAILED])
+        summary = next((f for f in result.findings if f.rule is OVERFIT_FAILED), None)
         self.conclude(
             trainer,
             alerts,
@@ -256,9 +259,7 @@ class OverfitBatchSanity(PreflightCheck):
             on_failure=_failure_summary(result, summary),
             passed_line=_passed_line(result),
             # a warning: the target was missed, but the model learns (slow LR)
-            on_success=None
-            if summary is None
-            else Summary(kind=summary.kind, message=summary.message, hint=summary.hint, data=summary.data),
+            on_success=summary,
         )
 
     # ------------------------------------------------------------------ state
@@ -275,19 +276,19 @@ class OverfitBatchSanity(PreflightCheck):
         return state
 
 
-def _failure_summary(result: OverfitResult, summary: Finding | None) -> Summary:
+def _failure_summary(result: OverfitResult, summary: PreflightFinding | None) -> Finding:
     """The closing error when the check failed on some rank: this rank's ``overfit_failed`` finding with
     the kinds of the other errors; the errors alone when the batch was learned; or, when this rank
     passed, a pointer to the other ranks."""
-    errors = sorted({f.kind for f in result.findings if f.severity == "error" and f.kind != "overfit_failed"})
+    errors = sorted(
+        {f.kind for f in result.findings if f.severity == "error" and f.rule is not OVERFIT_FAILED}
+    )
     if summary is not None:
         extra = f" Findings: {', '.join(errors)}." if errors else ""
-        return Summary(
-            kind="overfit_failed", message=summary.message + extra, hint=summary.hint, data=summary.data
-        )
+        return Finding(OVERFIT_FAILED, summary.message + extra, summary.data, hint=summary.hint)
     if result.passed:
         message = "This rank passed, but the overfit-one-batch check failed on another rank."
-        return Summary(kind="overfit_failed", message=message, hint=OTHER_RANKS)
+        return Finding(OVERFIT_FAILED, message, hint=OTHER_RANKS)
     how = (
         "The loss reached the target"
         if result.reached_target
@@ -299,12 +300,7 @@ def _failure_summary(result: OverfitResult, summary: Finding | None) -> Summary:
         f"{how} ({result.initial_loss:.4g} -> {result.final_loss:.4g} in {result.steps} steps) but "
         f"the check found: {', '.join(errors)}."
     )
-    return Summary(
-        kind="overfit_failed",
-        message=message,
-        hint="See the findings above.",
-        data={"steps": float(result.steps)},
-    )
+    return Finding(OVERFIT_FAILED, message, {"steps": float(result.steps)}, hint="See the findings above.")
 
 
 def _passed_line(result: OverfitResult) -> str:

@@ -3,13 +3,12 @@
 :func:`run_overfit_check` is what :class:`~lightning_gradguard.OverfitBatchSanity` runs on the first
 batch (drawn, cut and restored afterwards by the callback), with the callback's arguments as an
 :class:`OverfitSettings`. It trains on the batch with the user's optimizer
-(:func:`~lightning_gradguard.monitors.overfit.trial.train_on_batch`), collects the findings
-(:mod:`~lightning_gradguard.monitors.overfit.findings`,
-:mod:`~lightning_gradguard.monitors.overfit.diagnosis`) and, when the target was missed, tries
-``Adam(fallback_lr)`` from the same weights to tell a slow LR from a broken pipeline. The verdict: the
-batch was learned (the target reached, the batch memorised, the loss on a floor, or a slow learner as
-:func:`~lightning_gradguard.monitors.overfit.diagnosis.missed_target` judges it) and no finding is an
-error.
+(:func:`~lightning_gradguard.monitors.overfit.trial.train_on_batch`), collects the findings of its
+rules (the checks in :mod:`~lightning_gradguard.monitors.overfit.rules`, called where the check reaches
+them) and, when the target was missed, tries ``Adam(fallback_lr)`` from the same weights to tell a slow
+LR from a broken pipeline. The verdict: the batch was learned (the target reached, the batch memorised,
+the loss on a floor, or a slow learner as :func:`~lightning_gradguard.monitors.overfit.rules.missed_target`
+judges it) and no finding is an error.
 """
 
 from __future__ import annotations
@@ -23,25 +22,21 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gradguard.core.batch import batch_size_of
-from lightning_gradguard.core.preflight import Finding
+from lightning_gradguard.core.preflight import PreflightFinding
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import configured_lr
 from lightning_gradguard.functional.overfit import at_floor
-from lightning_gradguard.monitors.overfit.diagnosis import (
-    chance_loss,
+from lightning_gradguard.monitors.overfit.diagnosis import chance_loss, labels_of
+from lightning_gradguard.monitors.overfit.findings import OverfitResult, ParameterRecord
+from lightning_gradguard.monitors.overfit.modules import used_outside_training
+from lightning_gradguard.monitors.overfit.rules import (
+    batch_mixing,
     initial_loss_finding,
-    labels_of,
     missed_target,
     not_shrinking,
     overshot,
-)
-from lightning_gradguard.monitors.overfit.findings import (
-    OverfitResult,
-    ParameterRecord,
-    batch_mixing,
     parameter_findings,
 )
-from lightning_gradguard.monitors.overfit.modules import used_outside_training
 from lightning_gradguard.monitors.overfit.trial import (
     TrialCurve,
     TrialPlan,
@@ -215,7 +210,7 @@ def _result(check: _Check, curve: TrialCurve) -> OverfitResult:
     )
 
 
-def _findings(check: _Check, curve: TrialCurve, result: OverfitResult) -> list[Finding]:
+def _findings(check: _Check, curve: TrialCurve, result: OverfitResult) -> list[PreflightFinding]:
     """What the user's trial showed besides the loss reaching the target, in the order it is reported."""
     settings, findings = check.settings, []
     if result.steps > 0:

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_gradguard import OverfitBatchSanity, SanityCheckError
-from lightning_gradguard.monitors.overfit.diagnosis import not_shrinking
 from lightning_gradguard.monitors.overfit.modules import used_outside_training
+from lightning_gradguard.monitors.overfit.rules import not_shrinking
 from tests.conftest import make_trainer
 
 sys.path.insert(0, str(ROOT / "examples"))
@@ -356,7 +356,7 @@ def _missed(losses: list[float], **kw: Any) -> Any:
 
 def test_a_curve_that_rose_above_its_start_is_never_called_slow() -> None:
     """The verdict from the curve alone (no classifier, so no chance level to compare with)."""
-    from lightning_gradguard.monitors.overfit.diagnosis import missed_target
+    from lightning_gradguard.monitors.overfit.rules import missed_target
 
     stuck = [1.0, 0.9, 4.0, 2.0, *[1.1] * 20]  # blew up, then sat above its start
     came_down = [1.0, 0.9, 4.0, 2.0, *[0.4] * 20]  # blew up, then fell to 40 % of its start
@@ -377,7 +377,8 @@ def test_a_curve_that_rose_above_its_start_is_never_called_slow() -> None:
 
 
 def test_a_validation_head_left_out_of_the_optimizer_is_an_info_line_too() -> None:
-    from lightning_gradguard.monitors.overfit.findings import ParameterRecord, parameter_findings
+    from lightning_gradguard.monitors.overfit.findings import ParameterRecord
+    from lightning_gradguard.monitors.overfit.rules import parameter_findings
 
     model = _Reader()
     names = [n for n, _ in model.named_parameters()]

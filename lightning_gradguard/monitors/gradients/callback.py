@@ -43,7 +43,7 @@ from lightning_gradguard.monitors.gradients.measure import (
 )
 from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
 from lightning_gradguard.monitors.gradients.ratio import RatioWatch
-from lightning_gradguard.monitors.gradients.rules import clip_verdict, ratio_too_high
+from lightning_gradguard.monitors.gradients.rules import clip_verdict, ratio_finding
 from lightning_gradguard.monitors.gradients.tags import CHARTS, GRAD_CLIP
 from lightning_gradguard.tags import charts_of
 
@@ -330,8 +330,8 @@ class GradientNormLogger(GradGuardCallback):
             return
         watch = self._ratio.setdefault(p.suffix, RatioWatch())
         step = p.sample.stats.step
-        f = ratio_too_high(watch, step, reading.update_ratio_total, self.max_update_ratio, p.optimizer)
-        if f is not None:
+        if watch.check(step, reading.update_ratio_total, self.max_update_ratio):
+            f = ratio_finding(watch, step, self.max_update_ratio, p.optimizer)
             self.report_finding(trainer, f, step=step, cooldown_key=f"{f.kind}{p.suffix}")
 
     def _emit_clip(

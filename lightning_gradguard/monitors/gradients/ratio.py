@@ -9,7 +9,7 @@ sustained: ``SUSTAIN_CHECKS`` checks spanning ``SUSTAIN_STEPS`` steps, none befo
 (Adam's first steps move every entry by about ``lr``, and a freshly initialised head moves fast for its
 first 20 steps). :func:`optimizer_setting` is what the optimizer runs with, as the rule names it. The
 rule itself, ``update_ratio_high``, and its words are
-:func:`~lightning_gradguard.monitors.gradients.rules.ratio_too_high`.
+:func:`~lightning_gradguard.monitors.gradients.rules.ratio_finding`.
 """
 
 from __future__ import annotations

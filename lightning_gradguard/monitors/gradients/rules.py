@@ -3,11 +3,12 @@
 The clipping rules judge the statistics of the recent pre-clip norms
 (:func:`~lightning_gradguard.functional.clipping.clip_window_stats`): a ``gradient_clip_val`` that clips
 nearly every step, or never comes near a norm of a full window; :func:`clip_verdict` runs their checks.
-The update-ratio rule judges the total update/weight ratio of a logging step against the run of checks
-above the ceiling (:class:`~lightning_gradguard.monitors.gradients.ratio.RatioWatch`) and names the
-optimizer's learning rate, or its weight decay when ``lr * weight_decay`` alone is half the ratio or more
-(AdamW with a decay far too strong: the update is mostly the decay's shrinking, and lowering the LR would
-not be the fix). A check returns the :class:`~lightning_gradguard.alerts.Finding` that holds, or ``None``.
+The update-ratio rule: once the total update/weight ratio of the logging steps has stayed above the
+ceiling long enough (:class:`~lightning_gradguard.monitors.gradients.ratio.RatioWatch` decides), its
+check names the optimizer's learning rate, or its weight decay when ``lr * weight_decay`` alone is half
+the ratio or more (AdamW with a decay far too strong: the update is mostly the decay's shrinking, and
+lowering the LR would not be the fix). A check returns the :class:`~lightning_gradguard.alerts.Finding`
+that holds (or ``None``).
 """
 
 from __future__ import annotations
@@ -115,14 +116,11 @@ _HEALTHY_TOP = 1e-2
 DECAY_SHARE = 0.5
 
 
-def ratio_too_high(
-    watch: RatioWatch, step: int, ratio: float | None, ceiling: float, optimizer: Any
-) -> Finding | None:
-    """The check of a logging step's total update ratio ``ratio`` (``watch`` notes it): once it has stayed
-    above ``ceiling`` long enough, the learning rate of ``optimizer`` named; its weight decay instead when
-    the decay alone removes most of that ratio each step."""
-    if not watch.check(step, ratio, ceiling):
-        return None
+def ratio_finding(watch: RatioWatch, step: int, ceiling: float, optimizer: Any) -> Finding:
+    """The check's words once the ratio has stayed above ``ceiling`` long enough (``watch.check`` said so at
+    ``step``; a logging step whose ratio is not judged high costs no more call): the learning rate of
+    ``optimizer`` named; its weight decay instead when the decay alone removes most of that ratio each
+    step."""
     setting = optimizer_setting(optimizer)
     if setting.decay >= DECAY_SHARE * watch.lowest:
         return _decay_finding(watch, step, ceiling, setting)
@@ -198,7 +196,7 @@ UPDATE_RATIO_HIGH = Rule(
         "0.04-0.055. See [the learning-rate "
         "rule](optimizer.md#the-learning-rate-rule-gradientnormlogger)."
     ),
-    check=ratio_too_high,
+    check=ratio_finding,
 )
 
 #: every rule of this monitor

@@ -216,11 +216,13 @@ def test_a_weight_decay_far_too_strong_is_named_instead_of_the_learning_rate(tmp
 )
 def test_the_weight_decay_advice_fits_the_optimizer(make_opt: Any, usual: str) -> None:
     """SGD's decay also removes lr * weight_decay a step; its advice is SGD's scale, not AdamW's."""
-    from lightning_gradguard.monitors.gradients.ratio import RatioWatch, ratio_finding
+    from lightning_gradguard.monitors.gradients.ratio import RatioWatch
+    from lightning_gradguard.monitors.gradients.rules import UPDATE_RATIO_HIGH, ratio_finding
 
     watch = RatioWatch()
     assert [watch.check(step, 0.06, 0.03) for step in (20, 30, 40)] == [False, False, True]
     finding = ratio_finding(watch, 40, 0.03, make_opt([nn.Parameter(torch.zeros(3))]))
+    assert finding.rule is UPDATE_RATIO_HIGH
     assert "weight decay is far too strong" in finding.message and usual in finding.hint
 
 

@@ -6,9 +6,10 @@ Logs gradient norms (total and per layer), weight norms, the update/weight ratio
 measured where the numbers are true: in ``on_before_optimizer_step``, on accumulated, unscaled,
 all-reduced and not yet clipped gradients. All values of a logging step go to the host in one transfer.
 The measuring is :mod:`lightning_gradguard.monitors.gradients.measure`, the clipping statistics
-:mod:`lightning_gradguard.functional.clipping`, the verdicts in words
-:mod:`lightning_gradguard.monitors.gradients.clipping` and
-:mod:`lightning_gradguard.monitors.gradients.ratio`; what is logged when, and when a verdict is due, are here.
+:mod:`lightning_gradguard.functional.clipping`, the update-ratio watch
+:mod:`lightning_gradguard.monitors.gradients.ratio`, the rules and their words
+:mod:`lightning_gradguard.monitors.gradients.rules`; what is logged when, and when a verdict is due, are
+here.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.clipping import clip_window_stats
-from lightning_gradguard.monitors.gradients.clipping import clip_verdict
 from lightning_gradguard.monitors.gradients.measure import (
     ClipRing,
     NormReading,
@@ -42,7 +42,8 @@ from lightning_gradguard.monitors.gradients.measure import (
     select_reading,
 )
 from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
-from lightning_gradguard.monitors.gradients.ratio import RatioWatch, ratio_finding
+from lightning_gradguard.monitors.gradients.ratio import RatioWatch
+from lightning_gradguard.monitors.gradients.rules import clip_verdict, ratio_finding
 from lightning_gradguard.monitors.gradients.tags import CHARTS, GRAD_CLIP
 from lightning_gradguard.tags import charts_of
 
@@ -324,16 +325,14 @@ class GradientNormLogger(GradGuardCallback):
                 _emit.log_histogram_raw(trainer, f"{h.kind}/{name}", h.stats[j], h.edges[j], h.counts[j], at)
 
     def _judge_ratio(self, trainer: pl.Trainer, p: _Logged, reading: NormReading) -> None:
-        """The update-ratio verdict on a logging step's total ratio (``monitors.gradients.ratio``)."""
+        """The update-ratio rule on a logging step's total ratio (``monitors.gradients.rules``)."""
         if self.max_update_ratio is None or reading.update_ratio_total is None:
             return
         watch = self._ratio.setdefault(p.suffix, RatioWatch())
         step = p.sample.stats.step
         if watch.check(step, reading.update_ratio_total, self.max_update_ratio):
             f = ratio_finding(watch, step, self.max_update_ratio, p.optimizer)
-            self.report(
-                trainer, f.kind, "warning", None, f.message, f.hint, f.data, step, f"{f.kind}{p.suffix}"
-            )
+            self.report_finding(trainer, f, step=step, cooldown_key=f"{f.kind}{p.suffix}")
 
     def _emit_clip(
         self, trainer: pl.Trainer, last: tuple[int, int] | None, clip: ClipSetting, window: Tensor
@@ -352,7 +351,7 @@ class GradientNormLogger(GradGuardCallback):
         adaptive = adaptive_eps(optimizer) is not None
         name = type(getattr(optimizer, "optimizer", optimizer)).__name__ if adaptive else None
         if (f := clip_verdict(s, clip.value, clip.norm_type, self.clip_window, name)) is not None:
-            self.report(trainer, f.kind, f.severity, None, f.message, f.hint, f.data, step=step)
+            self.report_finding(trainer, f, step=step)
 
     # ------------------------------------------------------------------ state
     _clip_norms = property(lambda self: self._clip.values)  # the ring as it is on the device

@@ -1,4 +1,4 @@
-"""GradientNormLogger's update-ratio verdict: a learning rate far too high, named with the numbers.
+"""GradientNormLogger's update-ratio watch: how long the total update/weight ratio has stayed too high.
 
 ``||delta w|| / ||w||`` near 1e-3 is the rule of thumb for a healthy layer (Karpathy, CS231n): far above
 it every step rewrites a sizeable part of the weights and the learning rate is the usual cause. The
@@ -7,16 +7,16 @@ naturally larger ratios of biases and LayerNorm gains hardly count) is read on e
 :class:`RatioWatch` keeps the run of consecutive checks above the ceiling and says when it was
 sustained: ``SUSTAIN_CHECKS`` checks spanning ``SUSTAIN_STEPS`` steps, none before ``SETTLE_STEPS``
 (Adam's first steps move every entry by about ``lr``, and a freshly initialised head moves fast for its
-first 20 steps). :func:`ratio_finding` says it, naming the optimizer's learning rate, or its weight decay
-when ``lr * weight_decay`` alone is half the ratio or more (AdamW with a decay far too strong: the update
-is mostly the decay's shrinking, and lowering the LR would not be the fix).
+first 20 steps). :func:`optimizer_setting` is what the optimizer runs with, as the rule names it. The
+rule itself, ``update_ratio_high``, and its words are
+:func:`~lightning_gradguard.monitors.gradients.rules.ratio_finding`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from lightning_gradguard.core.lr import decay_factors
 
@@ -26,21 +26,6 @@ SETTLE_STEPS = 20
 SUSTAIN_CHECKS = 3
 #: ... spanning at least this many steps
 SUSTAIN_STEPS = 20
-#: the top of the band the healthy runs sat in after their first 20 steps: what a suggested lr aims at
-_HEALTHY_TOP = 1e-2
-#: the weight decay is named instead of the LR when ``lr * weight_decay`` is at least this share of the
-#: lowest ratio seen (a decay that removes half of what moves is the cause, not a side effect)
-DECAY_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class RatioFinding:
-    """A sustained update/weight ratio far above the healthy band, in words (a warning)."""
-
-    kind: Literal["update_ratio_high"]
-    message: str
-    hint: str
-    data: dict[str, float]
 
 
 class RatioWatch:
@@ -78,7 +63,7 @@ class RatioWatch:
 
 
 @dataclass(frozen=True)
-class _Setting:
+class OptimizerSetting:
     """What the optimizer runs with: its name, its param groups' learning rates, betas or momentum."""
 
     name: str
@@ -97,14 +82,15 @@ class _Setting:
         return f"{self.name}({lr})"
 
 
-def _setting(optimizer: Any) -> _Setting:
+def optimizer_setting(optimizer: Any) -> OptimizerSetting:
+    """What ``optimizer`` runs with (a Lightning wrapper's optimizer is read)."""
     opt = getattr(optimizer, "optimizer", optimizer)
     groups = list(getattr(opt, "param_groups", []))
     first = groups[0] if groups else {}
     betas = (float(first["betas"][0]), float(first["betas"][1])) if "betas" in first else None
     factors = decay_factors(opt, ())
     decay, weight_decay = factors.largest if factors is not None else (0.0, 0.0)
-    return _Setting(
+    return OptimizerSetting(
         name=type(opt).__name__,
         lrs=sorted({float(g["lr"]) for g in groups if "lr" in g}),
         betas=betas,
@@ -112,73 +98,3 @@ def _setting(optimizer: Any) -> _Setting:
         decay=decay,
         weight_decay=weight_decay,
     )
-
-
-def _decay_dominates(setting: _Setting, watch: RatioWatch) -> bool:
-    """The weight decay alone removes at least half the update ratio seen: it, not the LR, is the cause."""
-    return setting.decay >= DECAY_SHARE * watch.lowest
-
-
-def ratio_finding(watch: RatioWatch, step: int, ceiling: float, optimizer: Any) -> RatioFinding:
-    """The learning rate of ``optimizer`` named for a ratio that stayed above ``ceiling`` (``watch``); its
-    weight decay instead when the decay alone removes most of that ratio each step."""
-    setting = _setting(optimizer)
-    if _decay_dominates(setting, watch):
-        return _decay_finding(watch, step, ceiling, setting)
-    unbounded = setting.betas is not None and setting.betas[1] <= setting.betas[0] ** 2
-    cause = (
-        "Adam's beta2 is far too small (beta2 <= beta1^2: its step has no bound), or the lr too high"
-        if unbounded
-        else "The learning rate is likely too high"
-    )
-    message = (
-        f"The update/weight ratio ||delta w|| / ||w|| over all trainable parameters stayed above {ceiling:g} "
-        f"on {watch.count} checks in a row (steps {watch.first}-{step}; latest {watch.last:.3g}, lowest "
-        f"{watch.lowest:.3g}): {watch.lowest / 1e-3:.0f}x the ~1e-3 of a healthy layer (CS231n), so every "
-        f"step rewrites about {watch.lowest:.1%} of the weights. {cause}: {setting}."
-    )
-    factor = watch.lowest / _HEALTHY_TOP
-    lr = max(setting.lrs) if setting.lrs else math.nan
-    hint = (
-        f"Lower the learning rate about {factor:.2g}x (the ratio grows with it: try lr={lr / factor:.2g}), "
-        "or warm it up; LRFinderPlus measures a good one. Healthy runs sat at 2e-3 to 2e-2 after their "
-        "first 20 steps."
-    )
-    if unbounded:
-        hint += (
-            " Here beta2 <= beta1^2: Adam's own step has no bound, so raise beta2 first (OptimizerMonitor "
-            "reports it as adam_step_too_large)."
-        )
-    return RatioFinding("update_ratio_high", message, hint, {**_data(watch, ceiling), "lr": lr})
-
-
-def _decay_finding(watch: RatioWatch, step: int, ceiling: float, setting: _Setting) -> RatioFinding:
-    """The ratio is the weight decay's doing: it removes ``lr * weight_decay`` of every weight a step."""
-    message = (
-        f"The update/weight ratio ||delta w|| / ||w|| over all trainable parameters stayed above {ceiling:g} "
-        f"on {watch.count} checks in a row (steps {watch.first}-{step}; latest {watch.last:.3g}, lowest "
-        f"{watch.lowest:.3g}), and the weight decay alone accounts for most of it: {setting} removes "
-        f"lr * weight_decay = {setting.decay:.3g} of every weight each step (weight_decay="
-        f"{setting.weight_decay:g}). The weight decay is far too strong for this learning rate."
-    )
-    usual = (
-        "SGD's usual values are 1e-4 to 5e-4"
-        if setting.name == "SGD"
-        else f"{setting.name}'s usual values are 0.01-0.1 (1e-4 to 5e-4 is SGD's L2 scale)"
-    )
-    hint = (
-        f"Lower weight_decay: {usual}, so that lr * weight_decay stays near 1e-4 or below. "
-        "StallDetector's weight_decay_collapse says when the weights have shrunk."
-    )
-    return RatioFinding(
-        "update_ratio_high", message, hint, {**_data(watch, ceiling), "decay_share": setting.decay}
-    )
-
-
-def _data(watch: RatioWatch, ceiling: float) -> dict[str, float]:
-    return {
-        "update_ratio": watch.last,
-        "lowest": watch.lowest,
-        "ceiling": ceiling,
-        "checks": float(watch.count),
-    }

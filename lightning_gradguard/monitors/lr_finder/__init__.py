@@ -2,6 +2,8 @@
 
 * ``callback``: ``LRFinderPlus`` (when a test runs, its alert, its state) and ``lr_find`` (one test before
   training, in a throwaway Trainer).
+* ``rules``: the ``lr_finder_failed`` rule, declared with its check (no LR applied, in words, and what to
+  change).
 * ``engine``: the range test itself: which setups it supports, the sweep, the decision, applying the LR.
 * ``divergence``: ``DivergenceMonitor``, the sweep's online smoothing and stop rule.
 * ``result``: ``LRFinderResult``, the outcome of one test, and its figure.

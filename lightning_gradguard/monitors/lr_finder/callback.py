@@ -13,7 +13,8 @@ and the rest of the run is identical to one started with the suggested learning 
 This module holds the callback (when a test runs, its alert, its state) and :func:`lr_find`, which runs
 one test before training in a throwaway Trainer. The range test itself is
 :mod:`~lightning_gradguard.monitors.lr_finder.engine`; where its result goes,
-:mod:`~lightning_gradguard.monitors.lr_finder.output`.
+:mod:`~lightning_gradguard.monitors.lr_finder.output`; the alert's rule and words,
+:mod:`~lightning_gradguard.monitors.lr_finder.rules`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_int_list
@@ -30,6 +32,7 @@ from lightning_gradguard.functional.lr_suggest import SUGGESTION_METHODS
 from lightning_gradguard.monitors.lr_finder import engine
 from lightning_gradguard.monitors.lr_finder.output import write_result
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+from lightning_gradguard.monitors.lr_finder.rules import range_test_failed
 from lightning_gradguard.monitors.lr_finder.tags import CHARTS
 from lightning_gradguard.tags import charts_of
 
@@ -220,35 +223,22 @@ class LRFinderPlus(GradGuardCallback):
                 trainer, f"lr_finder_unsupported:{problem.message}", f"{problem.message}; no range test ran."
             )
             self.results.append(test.not_run(epoch, problem.message))
-            self._alert(trainer, epoch, f"No LR range test: {problem.message}.", problem.hint, points=0)
+            self._alert(trainer, range_test_failed(self.results[-1], epoch, self.min_points, problem))
             return None
         result = test.run(trainer, pl_module, epoch=epoch, apply=self.apply)
         self.results.append(result)
-        if result.suggestion is None:
-            self._alert(
-                trainer,
-                epoch,
-                f"LR range test gave no suggestion: {result.reason}.",
-                _hint(result, self.min_points),
-                points=len(result.lrs),
-            )
+        self._alert(trainer, range_test_failed(result, epoch, self.min_points))
         # lr_find's throwaway fit has no logger on purpose: no "the trainer has no logger" line for it
         write_result(
             trainer, result, plot=self.plot, log_curve=not (self._stop_after and not trainer.loggers)
         )
         return result
 
-    def _alert(self, trainer: pl.Trainer, epoch: int, message: str, hint: str, points: int) -> None:
-        """The ``lr_finder_failed`` alert: no LR was applied (an unsupported setup, or no suggestion)."""
-        self.report(
-            trainer,
-            "lr_finder_failed",
-            "warning",
-            f"epoch {epoch}",
-            f"{message} The learning rate was left unchanged.",
-            hint,
-            data={"points": float(points)},
-        )
+    def _alert(self, trainer: pl.Trainer, finding: Finding | None) -> None:
+        """The ``lr_finder_failed`` alert, when its check found that no LR was applied (an unsupported
+        setup, or no suggestion)."""
+        if finding is not None:
+            self.report_finding(trainer, finding)
 
     # ------------------------------------------------------------------ state
     @override
@@ -262,71 +252,6 @@ class LRFinderPlus(GradGuardCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self._done_epochs = set(state_dict.get("done_epochs", []))
-
-
-def _hint(result: LRFinderResult, min_points: int) -> str:
-    """What to change after a sweep that gave no suggestion."""
-    if result.limited_to is not None and len(result.lrs) < min_points:
-        return (
-            "The Trainer's batch limit left too few batches for the sweep: raise "
-            "limit_train_batches (or overfit_batches), or run lr_find() without the limit."
-        )
-    check = result.descent
-    if len(result.lrs) < min_points or check is None or check.stands_out:
-        return (
-            "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
-            "raise num_training, or check that the loss depends on the learning rate at all."
-        )
-    if _flat(result):
-        return _plateau_hint(result)
-    averaged = f"the mean of {result.sweeps} sweeps was still too noisy; " if result.sweeps > 1 else ""
-    return (
-        f"If the loss should fall, {averaged}make the curve less noisy: a larger batch size or "
-        "accumulate_grad_batches, more sweeps averaged (max_sweeps), or num_training (more points in the "
-        "descent). If it should not, check that it depends on the trained weights (a detached output, "
-        "frozen layers, a loss computed from constants)."
-    )
-
-
-#: a sweep whose smoothed loss fell by less than this share of its level is flat (no descent to read)
-FLAT_SHARE = 0.02
-
-
-def _flat(result: LRFinderResult) -> bool:
-    """Whether the smoothed curve hardly moved: a fall under :data:`FLAT_SHARE` of its level, or under twice
-    its noise."""
-    check = result.descent
-    if check is None or not result.curve:
-        return False
-    level = abs(result.curve[check.start]) or 1.0
-    return check.fall < FLAT_SHARE * level or check.ratio < 2.0
-
-
-def _plateau_hint(result: LRFinderResult) -> str:
-    """What to do about a sweep whose loss stayed flat: a loss that cannot fall, or a plateau."""
-    blew_up = _blow_up_lr(result)
-    top = blew_up if blew_up is not None else (result.lrs[-1] if result.lrs else None)
-    where, scale = "over the sweep", ""
-    if top is not None:
-        where = f"until it blew up at lr {top:.2e}" if blew_up is not None else f"up to lr {top:.2e}"
-        scale = f" at a third to a tenth of {top:.2e}"
-    return (
-        f"The loss stayed flat {where}. Either it cannot fall (check that it depends on the trained "
-        f"weights: a detached output, frozen layers, a loss computed from constants), or the model sits on "
-        f"a plateau that a {len(result.lrs)}-step sweep cannot see: deep tanh or sigmoid stacks and ViTs "
-        f"break away only after hundreds of steps. Sweep with num_training of 500 to 1000 to see where the "
-        f"plateau ends, or train a few hundred steps{scale} and watch the loss"
-        + (", or raise max_lr if it never blew up." if blew_up is None else ".")
-    )
-
-
-def _blow_up_lr(result: LRFinderResult) -> float | None:
-    """The LR where the sweep diverged (its tail's first point, or where the stop rule ended it)."""
-    if result.divergence_at is not None:
-        return result.lrs[result.divergence_at]
-    if result.stop_reason in ("diverged", "non-finite loss") and result.lrs:
-        return result.lrs[-1]
-    return None
 
 
 def lr_find(

@@ -6,8 +6,9 @@ Fails a run the moment a loss, gradient or parameter turns NaN/inf: on every ran
 applies the poisoned update, with a forensic report that says where the value was born. This module holds
 the callback: its hooks, and the failure path in its order (the verdict, the report and its files while
 the callback is still as it was before the bad step, then the alert and the skip counters, then the
-action). What it sees of a step, and the verdict, are :mod:`lightning_gradguard.monitors.nan.measure`; the
-report and its files are :mod:`lightning_gradguard.monitors.nan.report`.
+action). What it sees of a step is :mod:`lightning_gradguard.monitors.nan.measure`; the verdict and the
+rules with their checks (the alerts' words) are :mod:`lightning_gradguard.monitors.nan.rules`; the report
+and its files are :mod:`lightning_gradguard.monitors.nan.report`.
 """
 
 from __future__ import annotations
@@ -28,14 +29,9 @@ from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.validate import check_bool, check_float, check_int, check_path
 from lightning_gradguard.monitors.nan import measure as _nan
-from lightning_gradguard.monitors.nan.measure import Finding, Flags, MicroBatch, SkipCounters
-from lightning_gradguard.monitors.nan.report import (
-    Filed,
-    NaNReport,
-    ReportSettings,
-    build_report,
-    write_report,
-)
+from lightning_gradguard.monitors.nan.measure import Flags, MicroBatch, NaNReport, SkipCounters
+from lightning_gradguard.monitors.nan.report import Filed, ReportSettings, build_report, write_report
+from lightning_gradguard.monitors.nan.rules import NONFINITE_PARAMETER, Detection, decide, finding_of
 
 
 class NaNSentinel(GradGuardCallback):
@@ -288,7 +284,7 @@ class NaNSentinel(GradGuardCallback):
             return
         if _nan.params_nonfinite(trainer, pl_module):  # one collective, one host read
             micro = current or MicroBatch(batch=batch, batch_idx=batch_idx, loss=None)
-            found = Finding(kind="nonfinite_parameter", culprit=0, micro=micro, can_replay=False)
+            found = Detection(NONFINITE_PARAMETER, culprit=0, micro=micro, can_replay=False)
             self._fail(trainer, found, self._skips)
 
     # ------------------------------------------------------------------ the verdict
@@ -299,9 +295,9 @@ class NaNSentinel(GradGuardCallback):
 
         ``opt`` is ``None`` for a micro-batch judged under accumulation (``on_before_backward``), and
         ``previous`` the micro-batch before ``current``: see
-        :func:`~lightning_gradguard.monitors.nan.measure.decide`, which takes the decision.
+        :func:`~lightning_gradguard.monitors.nan.rules.decide`, which takes the decision.
         """
-        verdict = _nan.decide(
+        verdict = decide(
             flags,
             current=current,
             previous=previous,
@@ -310,42 +306,43 @@ class NaNSentinel(GradGuardCallback):
             loss_scale_floor=self.loss_scale_floor,
             max_consecutive_skips=self.max_consecutive_skips,
         )
-        if verdict.finding is None:
+        if verdict.detection is None:
             if verdict.counters.skipped_steps > self._skips.skipped_steps:  # the GradScaler drops this step
                 restore_step_buffers(trainer)
             self._skips = verdict.counters
             return
         if opt is None:  # under accumulation: the rest of this optimizer step is not judged
-            self._step.poisoned = verdict.finding.micro
-        self._fail(trainer, verdict.finding, verdict.counters)
+            self._step.poisoned = verdict.detection.micro
+        self._fail(trainer, verdict.detection, verdict.counters)
 
     # ------------------------------------------------------------------ the failure path and the action
-    def _fail(self, trainer: pl.Trainer, finding: Finding, counters: SkipCounters) -> None:
-        """Report ``finding`` (in this rank's micro-batch), take the skip ``counters``, apply the action.
+    def _fail(self, trainer: pl.Trainer, found: Detection, counters: SkipCounters) -> None:
+        """Report what was ``found`` (in this rank's micro-batch), take the skip ``counters``, then act.
 
         Within the cooldown (a "warn"/"skip"/"stop" run that keeps meeting NaNs) no replay, no gather, no
         files: only the action. Every rank has the same cooldown, so all skip alike. ``action="raise"``
         always builds the report (the error carries it); its files too, unless within the cooldown.
         """
-        if self.action == "raise" or (self.action != "warn" and finding.optimizer is not None):
+        if self.action == "raise" or (self.action != "warn" and found.optimizer is not None):
             # the bad step is dropped: what its forwards wrote goes, before last_good.ckpt (not before a
             # micro-batch's backward under accumulation, which reads BatchNorm's buffers: at the step)
             restore_step_buffers(trainer)
-        due = self.would_report(finding.kind, int(trainer.global_step))
-        filed = self._file(trainer, finding, counters, due) if due or self.action == "raise" else None
+        kind = found.rule.kind
+        due = self.would_report(kind, int(trainer.global_step))
+        filed = self._file(trainer, found, counters, due) if due or self.action == "raise" else None
         self._skips = counters  # last_good.ckpt is written: the counters may count this step now
         error = None
         if filed is not None and self.action == "raise":  # "raise" always has its report
-            alerts = [a for a in self.alerts if a.kind == finding.kind][-1:]
+            alerts = [a for a in self.alerts if a.kind == kind][-1:]
             error = NonFiniteError(filed.message(), alerts, filed.report.to_dict(), filed.folder)
         # "stop" ends the run after this batch (see the class docstring) without the poisoned update; a NaN
         # found in the weights after a step (nonfinite_parameter) has no update left to drop
-        poisoned = finding.kind != "nonfinite_parameter"
-        optimizer = finding.optimizer if poisoned else None  # accumulation, no optimizer: at the step
+        poisoned = found.rule is not NONFINITE_PARAMETER
+        optimizer = found.optimizer if poisoned else None  # accumulation, no optimizer: at the step
         self.apply_action(trainer, self.action, optimizer=optimizer, poisoned=poisoned, error=error)
 
-    def _file(self, trainer: pl.Trainer, finding: Finding, counters: SkipCounters, write: bool) -> Filed:
-        """Build the report of ``finding``; with ``write``, write its files and then record its alert.
+    def _file(self, trainer: pl.Trainer, found: Detection, counters: SkipCounters, write: bool) -> Filed:
+        """Build the report of what was ``found``; with ``write``, write its files and then record its alert.
 
         The files come first: ``last_good.ckpt`` holds this callback as it was before the bad step, without
         this finding in the cooldown (a resumed run that meets the same NaN reports it in full) and with
@@ -361,30 +358,18 @@ class NaNSentinel(GradGuardCallback):
             counters=counters,
         )
         history = self.norm_history.records()
-        report = build_report(trainer, trainer.lightning_module, finding, settings, history)
+        report = build_report(trainer, trainer.lightning_module, found, settings, history)
         if not write:
             return Filed(report=report, folder=None)
-        filed = write_report(trainer, report, finding.micro, settings)
+        filed = write_report(trainer, report, found.micro, settings)
         self._alert(trainer, report)
         self.last_report_dir = filed.folder
         return filed
 
     def _alert(self, trainer: pl.Trainer, report: NaNReport) -> None:
-        """Record the alert of ``report``: one finding of a kind per cooldown, wherever the origin moves."""
-        step = report.step
-        data = {"step": float(step), "rank": float(report.rank)}
-        where, hint = report.where(), report.hint()
-        self.report(
-            trainer,
-            report.kind,
-            report.severity(),
-            where,
-            report.message(),
-            hint,
-            data,
-            step=step,
-            cooldown_key=report.kind,
-        )
+        """Record the alert of ``report`` (its rule's words): one finding of a kind per cooldown, wherever
+        the origin moves."""
+        self.report_finding(trainer, finding_of(report), step=report.step, cooldown_key=report.kind)
 
     # ------------------------------------------------------------------ state
     @override

@@ -1,4 +1,4 @@
-"""What NaNSentinel sees of an optimizer step: its micro-batches, the flags it judges them by, the verdict.
+"""What NaNSentinel sees of an optimizer step: its micro-batches, the flags it reads, a report's facts.
 
 :class:`StepTrack` follows the optimizer step being judged (the batch Lightning started, the micro-batch
 whose backward ran last, under accumulation the step's micro-batches and the one found poisoned).
@@ -6,27 +6,26 @@ whose backward ran last, under accumulation the step's micro-batches and the one
 one per rank for the gradients summed over the step's earlier micro-batches, one for the step's
 gradients, all-reduced in one collective and read, with the GradScaler's scale beside them (never
 summed), in one device -> host transfer (:class:`~lightning_gradguard.core.transfer.HostTransfer`).
-:func:`decide` turns the :class:`Flags` into a :class:`Verdict`, a pure function of them and the
-:class:`SkipCounters`: the :class:`Finding`, if any (its kind, culprit rank and micro-batch: what the
-failure path, :mod:`~lightning_gradguard.monitors.nan.report`, reports), and the skip counters the step
-implies. What the flags are made of: the :class:`Check` of the losses, of the step's gradients and of the
-earlier micro-batches' gradients (:func:`loss_check`, :func:`grads_check`, :func:`earlier_check`), and
-:func:`params_nonfinite`, the parameter check after an update. :class:`NormRing` keeps the recent total
-gradient norms on the device for a report; :func:`named_grads` and :func:`add_up_pieces` give a report
-its non-finite tensors.
+The verdict the :class:`Flags` imply is :func:`~lightning_gradguard.monitors.nan.rules.decide`, with the
+:class:`SkipCounters`. What the flags are made of: the :class:`Check` of the losses, of the step's
+gradients and of the earlier micro-batches' gradients (:func:`loss_check`, :func:`grads_check`,
+:func:`earlier_check`), and :func:`params_nonfinite`, the parameter check after an update.
+:class:`NormRing` keeps the recent total gradient norms on the device for a report; :func:`named_grads`
+and :func:`add_up_pieces` give a report its non-finite tensors; :class:`NaNReport` is the report's facts.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from lightning_gradguard.alerts import Rule
 from lightning_gradguard.core.sharding import PendingNorms, local_tensor
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonfinite_counts
@@ -287,23 +286,6 @@ def add_up_pieces(ranks: list[list[NonFiniteTensor]], pl_module: pl.LightningMod
 
 
 @dataclass(frozen=True)
-class Finding:
-    """What a verdict found: the alert kind, the culprit rank, the micro-batch, and the step's optimizer.
-
-    ``culprit`` ``None``: the gradients are all-reduced, the report is of the first rank whose replay finds
-    an origin. ``optimizer`` is ``None`` for a micro-batch judged under accumulation.
-    """
-
-    kind: str
-    culprit: int | None
-    micro: MicroBatch
-    optimizer: Any = None
-    can_replay: bool = True
-    #: the GradScaler's scale, for a finding under 16-mixed
-    scale: float | None = None
-
-
-@dataclass(frozen=True)
 class SkipCounters:
     """The steps a GradScaler skipped (non-finite gradients under 16-mixed): in all, and in a row."""
 
@@ -316,53 +298,6 @@ class SkipCounters:
             skipped_steps=self.skipped_steps + int(skipped),
             consecutive_skips=self.consecutive_skips + 1 if skipped else 0,
         )
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What the flags of a step (or micro-batch) imply: a finding, if any, and the skip counters after it."""
-
-    finding: Finding | None
-    counters: SkipCounters
-
-
-def decide(
-    flags: Flags,
-    *,
-    current: MicroBatch,
-    previous: MicroBatch | None,
-    optimizer: Any,
-    counters: SkipCounters,
-    loss_scale_floor: float,
-    max_consecutive_skips: int,
-) -> Verdict:
-    """The verdict of ``flags`` (reduced across ranks, read once: the same on every rank); changes nothing.
-
-    ``optimizer`` is ``None`` for a micro-batch judged under accumulation (``on_before_backward``); there
-    ``flags.earlier_ranks`` says whether the gradients summed over the step's earlier micro-batches are
-    non-finite, which names ``previous`` (the micro-batch just before ``current``) as the culprit.
-    ``counters`` are the skip counters before the step; the verdict holds them after it.
-    """
-    if flags.earlier_ranks and previous is not None:  # the first poisoned micro-batch is the previous one
-        found = Finding(kind="nonfinite_gradient", culprit=flags.earlier_ranks[0], micro=previous)
-        return Verdict(finding=found, counters=counters)
-    if flags.loss_ranks:
-        found = Finding(
-            kind="nonfinite_loss", culprit=flags.loss_ranks[0], micro=current, optimizer=optimizer
-        )
-        return Verdict(finding=found, counters=counters)
-    if flags.scale is not None:  # a GradScaler is active: non-finite gradients mean "skip this step"
-        after, scale = counters.after(flags.grads_bad), flags.scale
-        if scale < loss_scale_floor or after.consecutive_skips >= max_consecutive_skips:
-            found = Finding(
-                kind="loss_scale_collapse", culprit=0, micro=current, optimizer=optimizer, scale=scale
-            )
-            return Verdict(finding=found, counters=after)
-        return Verdict(finding=None, counters=after)
-    if flags.grads_bad and optimizer is not None:
-        found = Finding(kind="nonfinite_gradient", culprit=None, micro=current, optimizer=optimizer)
-        return Verdict(finding=found, counters=counters)
-    return Verdict(finding=None, counters=counters)
 
 
 def params_nonfinite(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -432,3 +367,52 @@ class NormRing:
         device = self.kept[-1].device
         values = torch.stack([t.to(device).float().reshape(()) for t in self.kept]).tolist()
         return [NormRecord(step=s, total_grad_norm=v) for s, v in zip(self.steps, values, strict=True)]
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    """The GradScaler at a finding under 16-mixed: its scale and the steps it skipped."""
+
+    scale: float
+    skipped_steps: int
+    consecutive: int
+
+
+@dataclass
+class NaNReport:
+    """The forensic report of a finding (the facts; its alert's words are its rule's check, in
+    :mod:`~lightning_gradguard.monitors.nan.rules`); :meth:`to_dict` gives it as ``report.json`` and
+    ``NonFiniteError.report``."""
+
+    rule: Rule
+    step: int
+    epoch: int
+    batch_idx: int | None
+    micro_batches: list[int]
+    losses_checked: bool
+    rank: int
+    world_size: int
+    precision: str
+    loss: float | None
+    learning_rates: list[list[float]]
+    nonfinite_parameters: list[NonFiniteTensor]
+    origin: dict[str, Any] | None
+    recent_total_grad_norms: list[NormRecord]
+    grad_scaler: ScalerState | None
+    weights: str
+    #: the files written (``report``, ``batch``, ``checkpoint``); set by
+    #: :func:`~lightning_gradguard.monitors.nan.report.write_report`
+    files: dict[str, str] | None = None
+
+    @property
+    def kind(self) -> str:
+        """The alert kind of the finding (its rule's)."""
+        return self.rule.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = asdict(self)
+        del fields["rule"]
+        out = {"kind": self.rule.kind, **fields}
+        if out["files"] is None:
+            del out["files"]
+        return out

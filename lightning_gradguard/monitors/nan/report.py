@@ -5,10 +5,12 @@ needs of it comes as :class:`ReportSettings` (its settings and its skip counters
 :func:`build_report` gathers what every rank knows (its loss, its non-finite tensors in model order, the
 origin found by replaying the offending micro-batch with
 :func:`~lightning_gradguard.monitors.nan.forensics.replay_origin`, its recent total gradient norms) in one
-object all-gather, and makes a :class:`NaNReport` of the culprit rank's findings: the message, the hint,
-the severity and the place an alert names. :func:`write_report` writes ``report.json``, the offending
-batch (``batch.pt``) and ``last_good.ckpt`` into the finding's folder and gives it back as :class:`Filed`.
-:meth:`NaNReport.to_dict` is the report as ``report.json`` and ``NonFiniteError.report`` hold it.
+object all-gather, and makes a :class:`~lightning_gradguard.monitors.nan.measure.NaNReport` of the culprit
+rank's findings (the alert's words are its rule's check:
+:func:`~lightning_gradguard.monitors.nan.rules.finding_of`). :func:`write_report` writes ``report.json``,
+the offending batch (``batch.pt``) and ``last_good.ckpt`` into the finding's folder and gives it back as
+:class:`Filed`. :meth:`NaNReport.to_dict` is the report as ``report.json`` and ``NonFiniteError.report``
+hold it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,7 +26,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_gradguard.alerts import Severity
+from lightning_gradguard.alerts import Rule
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core import sharding as _sharding
 from lightning_gradguard.core.collective import gather
@@ -34,48 +36,22 @@ from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonf
 from lightning_gradguard.monitors.nan.forensics import ForwardOrigin, replay_origin
 from lightning_gradguard.monitors.nan.measure import (
     NOT_REPLAYED,
-    Finding,
     MicroBatch,
+    NaNReport,
     NonFiniteTensor,
     NormRecord,
+    ScalerState,
     SkipCounters,
     add_up_pieces,
     named_grads,
 )
-
-_MAX_LISTED = 10
-
-_HINTS = {
-    "nonfinite_loss": (
-        "Check the batch for NaN/inf (data pipeline, bad labels), then the loss: use log-softmax / "
-        "cross_entropy on logits instead of log(softmax), clamp before log/sqrt/division, add eps to "
-        "normalisers. If the loss grew until it overflowed, lower the learning rate and clip gradients "
-        "(gradient_clip_val=1.0)."
-    ),
-    "nonfinite_gradient": (
-        "The loss was finite, so a backward op overflowed or divided by zero: look at the named op "
-        "(sqrt/pow/div/log at 0 are the usual suspects; add eps or clamp). Exploding gradients: clip "
-        "them (gradient_clip_val=1.0) and lower the learning rate."
-    ),
-    "nonfinite_parameter": (
-        "An update wrote NaN/inf into the weights: lower the learning rate, clip gradients, and enable "
-        "check_gradients so the next occurrence is caught before the update."
-    ),
-    "loss_scale_collapse": (
-        "16-mixed keeps overflowing: something produces values beyond fp16's range. Use bf16-mixed if the "
-        "hardware supports it, keep softmax/normalisation/loss in float32, lower the learning rate, or "
-        "clip gradients."
-    ),
-}
-
-
-@dataclass(frozen=True)
-class ScalerState:
-    """The GradScaler at a finding under 16-mixed: its scale and the steps it skipped."""
-
-    scale: float
-    skipped_steps: int
-    consecutive: int
+from lightning_gradguard.monitors.nan.rules import (
+    LOSS_SCALE_COLLAPSE,
+    NONFINITE_GRADIENT,
+    NONFINITE_PARAMETER,
+    Detection,
+    finding_of,
+)
 
 
 @dataclass(frozen=True)
@@ -88,120 +64,6 @@ class RankFindings:
     nonfinite_parameters: list[NonFiniteTensor]
     origin: dict[str, Any] | None
     history: list[NormRecord]
-
-
-@dataclass
-class NaNReport:
-    """The forensic report; :meth:`to_dict` gives it as ``report.json`` and ``NonFiniteError.report``."""
-
-    kind: str
-    step: int
-    epoch: int
-    batch_idx: int | None
-    micro_batches: list[int]
-    losses_checked: bool
-    rank: int
-    world_size: int
-    precision: str
-    loss: float | None
-    learning_rates: list[list[float]]
-    nonfinite_parameters: list[NonFiniteTensor]
-    origin: dict[str, Any] | None
-    recent_total_grad_norms: list[NormRecord]
-    grad_scaler: ScalerState | None
-    weights: str
-    #: the files written (``report``, ``batch``, ``checkpoint``); set by :func:`write_report`
-    files: dict[str, str] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        if out["files"] is None:
-            del out["files"]
-        return out
-
-    def message(self) -> str:
-        kind, step = self.kind, self.step
-        what = {
-            "nonfinite_loss": f"the loss is {self.loss}",
-            "nonfinite_gradient": "gradients hold NaN/inf",
-            "nonfinite_parameter": "parameters hold NaN/inf after the update",
-            "loss_scale_collapse": "the GradScaler keeps skipping steps",
-        }[kind]
-        among = self.micro_batches
-        batch = f"batch {self.batch_idx}" if not among else f"micro-batches {among[0]}-{among[-1]}"
-        parts = [f"{kind} at step {step} (rank {self.rank}, {batch}): {what}."]
-        if among:
-            if self.losses_checked:
-                parts.append("Every loss of the step's micro-batches was finite.")
-            parts.append(
-                "Which micro-batch's backward made the gradients non-finite is not known "
-                "(NaNSentinel(check_micro_batches=True) names it)."
-            )
-        bad = self.nonfinite_parameters
-        if bad:
-            listed = ", ".join(f"{b.name} ({b.nonfinite}/{b.numel})" for b in bad[:_MAX_LISTED])
-            more = f" and {len(bad) - _MAX_LISTED} more" if len(bad) > _MAX_LISTED else ""
-            label = "parameters" if kind == "nonfinite_parameter" else "gradients"
-            parts.append(f"Non-finite {label}, in model order: {listed}{more}.")
-        if self.origin:
-            parts.append(f"Origin: {self.origin['description']}.")
-        if self.grad_scaler:
-            gs = self.grad_scaler
-            parts.append(
-                f"Scale {gs.scale:g}, {gs.consecutive} consecutive skips, {gs.skipped_steps} in all."
-            )
-        return " ".join(parts)
-
-    def hint(self) -> str:
-        """Advice for what was found, sharpened by where the value was born when the replay found it."""
-        kind, origin = self.kind, self.origin
-        if kind == "nonfinite_gradient" and self.loss is not None and not math.isfinite(self.loss):
-            kind = "nonfinite_loss"  # the loss went unchecked (check_loss=False): never claim it was finite
-        if origin and origin.get("phase") == "forward":
-            return _forward_hint(origin, _HINTS[kind].split(". ", 1)[-1])
-        if origin and origin.get("phase") == "backward":
-            return (
-                f"The forward pass was finite; the backward of `{origin.get('op')}` made the first NaN/inf. "
-                "Derivatives of sqrt/pow/log/div blow up at 0: add eps or clamp the input there."
-            )
-        return _HINTS[kind]
-
-    def where(self) -> str | None:
-        """The place an alert names: the origin's module or op, else the first non-finite tensor."""
-        origin = self.origin or {}
-        if origin.get("module") is not None and origin.get("phase") == "forward":
-            return str(origin["module"]) or "<root>"
-        if origin.get("op"):
-            return str(origin["op"])
-        return self.nonfinite_parameters[0].name if self.nonfinite_parameters else None
-
-    def severity(self) -> Severity:
-        """The alert's severity: critical, but a GradScaler that keeps skipping is an error."""
-        return "error" if self.kind == "loss_scale_collapse" else "critical"
-
-
-def _forward_hint(origin: dict[str, Any], general: str) -> str:
-    """The advice when the forward replay found where the value was born (``origin``: its dict)."""
-    module, guard = f"`{origin.get('module')}`", "guard its divisions, logs and sqrt (add eps, clamp)"
-    if origin.get("in_input") and origin.get("inputs_finite"):
-        return (
-            f"The batch was finite but the input of {module} was not: the code of the step before it "
-            "(training_step, or the forward that calls it) made NaN/inf: guard the divisions, logs and sqrt "
-            "there (add eps, clamp)."
-        )
-    if origin.get("in_input"):
-        return (
-            "The batch itself holds NaN/inf (it entered the model that way): inspect the saved batch.pt "
-            "and the data pipeline (missing values, division in preprocessing, corrupt samples); filter "
-            "or impute them."
-        )
-    if origin.get("root"):  # the model's own code, not one of its submodules
-        code = "step code (training_step)" if origin.get("in_step") else "forward"
-        module = f"{module}'s own {code}, outside its submodules,"
-    return (
-        f"{module} turned finite inputs into NaN/inf: {guard}, compute softmax/log-softmax stably, and "
-        f"check its parameters' scale. {general}"
-    )
 
 
 @dataclass(frozen=True)
@@ -227,38 +89,38 @@ class Filed:
     folder: str | None
 
     def message(self) -> str:
-        """The error's message: the report's, and where its files are."""
-        message = self.report.message()
+        """The error's message: the alert's (its rule's words), and where its files are."""
+        message = finding_of(self.report).message
         return message if self.folder is None else f"{message} Report: {self.folder}"
 
 
 def build_report(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
-    finding: Finding,
+    detection: Detection,
     settings: ReportSettings,
     history: list[NormRecord],
 ) -> NaNReport:
     """Gather every rank's findings (one object all-gather under DDP) into the report of the culprit."""
-    kind, micro, sharded = finding.kind, finding.micro, _sharding.is_sharded(trainer)
-    replay, opt = settings.find_origin and finding.can_replay, finding.optimizer
-    local = _local_findings(trainer, pl_module, kind, opt, micro, replay and not sharded, history)
+    rule, micro, sharded = detection.rule, detection.micro, _sharding.is_sharded(trainer)
+    replay, opt = settings.find_origin and detection.can_replay, detection.optimizer
+    local = _local_findings(trainer, pl_module, rule, opt, micro, replay and not sharded, history)
     findings: list[RankFindings] = gather(trainer, local)
     if sharded:  # no replay (its collectives would differ between ranks); add up the ranks' pieces
         whole, note = add_up_pieces([f.nonfinite_parameters for f in findings], pl_module), NOT_REPLAYED
         findings = [replace(f, nonfinite_parameters=whole, origin=note if replay else None) for f in findings]
-    culprit = finding.culprit
+    culprit = detection.culprit
     if culprit is None:  # gradients are all-reduced: the first rank whose replay found an origin
         culprit = next((r for r, f in enumerate(findings) if f.origin), 0)
     mine = findings[culprit]
     scaler = None
-    if finding.scale is not None:
+    if detection.scale is not None:
         skips = settings.counters
         scaler = ScalerState(
-            scale=finding.scale, skipped_steps=skips.skipped_steps, consecutive=skips.consecutive_skips
+            scale=detection.scale, skipped_steps=skips.skipped_steps, consecutive=skips.consecutive_skips
         )
     return NaNReport(
-        kind=kind,
+        rule=rule,
         step=int(trainer.global_step),
         epoch=int(trainer.current_epoch),
         batch_idx=mine.batch_idx,
@@ -273,14 +135,14 @@ def build_report(
         origin=mine.origin,
         recent_total_grad_norms=mine.history,
         grad_scaler=scaler,
-        weights=_weights_note(kind, settings.action),
+        weights=_weights_note(rule, settings.action),
     )
 
 
 def _local_findings(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
-    kind: str,
+    rule: Rule,
     optimizer: Any,
     micro: MicroBatch,
     replay: bool,
@@ -289,7 +151,7 @@ def _local_findings(
     """What this rank knows: its loss, its non-finite tensors, and the replayed origin."""
     loss = None if micro.loss is None else float(micro.loss.float().mean())
     numels: list[int] | None = None
-    if kind == "nonfinite_parameter":
+    if rule is NONFINITE_PARAMETER:
         named = [(clean_name(n), _sharding.local_tensor(p.detach())) for n, p in pl_module.named_parameters()]
     elif optimizer is not None:  # sizes of the whole tensors: under sharding a rank holds pieces
         stats = step_stats(trainer, pl_module, optimizer)
@@ -309,7 +171,7 @@ def _local_findings(
         ]
     origin: dict[str, Any] | None = None
     if replay and pl_module.automatic_optimization and micro.batch is not None:
-        backward = kind in ("nonfinite_gradient", "loss_scale_collapse")
+        backward = rule is NONFINITE_GRADIENT or rule is LOSS_SCALE_COLLAPSE
         try:
             found = replay_origin(trainer, pl_module, micro.batch, micro.batch_idx or 0, backward)
         except Exception as err:  # forensics must never hide the real failure
@@ -347,7 +209,7 @@ def write_report(
         torch.save(apply_to_collection(micro.batch, Tensor, lambda t: t.detach().cpu()), files["batch"])
     if settings.save_checkpoint and _sharding.fsdp_checkpoint_on_cpu(trainer):
         warn_once(trainer, "nan:fsdp_cpu_checkpoint", _sharding.FSDP_CPU_CHECKPOINT)
-    elif settings.save_checkpoint and report.kind != "nonfinite_parameter":
+    elif settings.save_checkpoint and report.rule is not NONFINITE_PARAMETER:
         files["checkpoint"] = os.path.join(folder, "last_good.ckpt")
         trainer.save_checkpoint(files["checkpoint"])  # every rank calls it (a barrier under DDP)
     if save_batch:
@@ -361,10 +223,10 @@ def write_report(
     return Filed(report=report, folder=folder)
 
 
-def _weights_note(kind: str, action: str) -> str:
+def _weights_note(rule: Rule, action: str) -> str:
     """What the report says about the weights at the time it was written."""
-    if kind == "nonfinite_parameter":
+    if rule is NONFINITE_PARAMETER:
         return "already non-finite: the update that caused it was applied"
-    if action == "warn" and kind != "loss_scale_collapse":
+    if action == "warn" and rule is not LOSS_SCALE_COLLAPSE:
         return "as after the last good step when written; action='warn' lets this step's update through"
     return "as after the last good step (the update was not applied)"

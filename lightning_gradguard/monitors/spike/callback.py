@@ -9,8 +9,9 @@ with the run's own start instead, and says so when the loss climbs far above it 
 
 The callback holds the hooks, the windows, the counters and its checkpoint state, and logs the ``spike/*``
 scalars. What a step gathers and reads is :mod:`~lightning_gradguard.monitors.spike.measure`, what makes a
-spike, the escalation and the alert's words :mod:`~lightning_gradguard.monitors.spike.rules`, the early
-divergence :mod:`~lightning_gradguard.monitors.spike.early`, ``spikes.json``
+spike, the escalation and the rules with their checks (the alerts' words)
+:mod:`~lightning_gradguard.monitors.spike.rules`, the early divergence's watch
+:mod:`~lightning_gradguard.monitors.spike.early`, ``spikes.json``
 :mod:`~lightning_gradguard.monitors.spike.records`, the score :mod:`lightning_gradguard.functional.spikes`.
 """
 
@@ -37,14 +38,16 @@ from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.snapshot import TrainingSnapshot, rollback_point
 from lightning_gradguard.core.validate import check_choice, check_float, check_int, check_path
 from lightning_gradguard.functional.spikes import SpikeScore, spike_score
-from lightning_gradguard.monitors.spike.early import EarlyWatch, early_alert
+from lightning_gradguard.monitors.spike.early import EarlyWatch
 from lightning_gradguard.monitors.spike.measure import StepInputs, read_step_values
 from lightning_gradguard.monitors.spike.records import SpikeRecord, read_skip_batches, record_spike
 from lightning_gradguard.monitors.spike.rules import (
     batch_variance_outlier,
+    early_finding,
     escalated_action,
+    outlier_finding,
     snapshot_due,
-    spike_alert,
+    spike_finding,
     step_verdict,
 )
 from lightning_gradguard.monitors.spike.tags import CHARTS, SPIKE
@@ -360,17 +363,14 @@ class LossSpikeGuard(GradGuardCallback):
             trainer, self.records, batches=judged.batches, values=values, scores=judged.scores, action=action
         )
         self._log_scalars(trainer, judged.scores, force=True)
-        spiked = judged.verdict == "spike"
-        alert = spike_alert(
-            step=int(trainer.global_step),
-            action=action,
-            values=values,
-            scores=judged.scores if spiked else {},
-            streak=streak,
-            spiked=spiked,
-        )
-        kind = "loss_spike" if spiked else "batch_statistics_outlier"
-        self.report(trainer, kind, alert.severity, None, alert.message, alert.hint, alert.data)
+        step = int(trainer.global_step)
+        if judged.verdict == "spike":
+            found = spike_finding(
+                step=step, action=action, values=values, scores=judged.scores, streak=streak
+            )
+        else:
+            found = outlier_finding(step=step, action=action, values=values, streak=streak)
+        self.report_finding(trainer, found)
         self._act(trainer, optimizer, action)
 
     def _on_early_divergence(self, trainer: pl.Trainer, optimizer: Any, loss: float) -> None:
@@ -378,18 +378,16 @@ class LossSpikeGuard(GradGuardCallback):
         ``action="raise"``. Nothing is dropped: before the warm-up ends no good state exists to return to."""
         groups = getattr(optimizer, "param_groups", None) or [{}]
         lr = groups[0].get("lr")
-        alert = early_alert(
+        found = early_finding(
             step=int(trainer.global_step),
             first=self._early.first,
             loss=loss,
             factor=self.early_divergence_factor or 0.0,
             lr=None if lr is None else float(lr),
         )
-        reported = self.report(
-            trainer, "early_divergence", alert.severity, None, alert.message, alert.hint, alert.data
-        )
+        reported = self.report_finding(trainer, found)
         if self.action == "raise":
-            raise LossSpikeError(alert.message, [reported] if reported is not None else [])
+            raise LossSpikeError(found.message, [reported] if reported is not None else [])
 
     def _lengthen_streak(self, judged: _Judged) -> int:
         """The spike's place in its streak: the optimizer's own under manual optimization, else the run's
@@ -429,7 +427,7 @@ class LossSpikeGuard(GradGuardCallback):
         self, trainer: pl.Trainer, optimizer: Any, batches: list[int], values: dict[str, float]
     ) -> None:
         """Drop the update of a step whose batch an earlier run's ``spikes.json`` names, and record it."""
-        skip_update(trainer, optimizer, "loss_spike")
+        skip_update(trainer, optimizer, self.skip_cause)
         self._outcome = "dropped"
         self.dropped_steps += 1
         record_spike(trainer, self.records, batches=batches, values=values, scores={}, action="replayed")

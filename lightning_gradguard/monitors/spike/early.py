@@ -5,8 +5,8 @@ anything. A learning rate far too high shows in exactly that stretch: the loss c
 updates (SGD at 3 on a digits MLP: 2.4, 2.5, 4.6, 8.1, 11, 22, 49, ...). :class:`EarlyWatch` compares each
 judged loss with the run's start (:func:`~lightning_gradguard.functional.spikes.start_level` of the first
 :data:`START_STEPS` losses) and fires once when :data:`SUSTAIN_STEPS` judged losses in a row lie at
-``factor`` starts or more. :func:`early_alert` puts it into words: the start, the loss now, the step and
-the learning rate of group 0.
+``factor`` starts or more. Its words (the start, the loss now, the step and the learning rate of group 0)
+are the ``early_divergence`` rule's check, :func:`~lightning_gradguard.monitors.spike.rules.early_finding`.
 
 The numbers, measured on real digits runs (docs/loss_spike.md, ``benchmarks/spike_healthy.py``, 3 seeds
 each): over the first 50 steps of 10 healthy starts (warm-up, a catapult that rises 2.6x then falls,
@@ -21,7 +21,6 @@ import math
 from typing import Any
 
 from lightning_gradguard.functional.spikes import start_level
-from lightning_gradguard.monitors.spike.rules import SpikeAlert
 
 #: the first judged losses whose median is the run's start (one lucky or unlucky batch does not move it)
 START_STEPS = 3
@@ -79,31 +78,3 @@ class EarlyWatch:
         self.seen, self.above = int(state.get("seen", 0)), int(state.get("above", 0))
         self.fired = bool(state.get("fired", False))
         self._refresh()
-
-
-def early_alert(*, step: int, first: list[float], loss: float, factor: float, lr: float | None) -> SpikeAlert:
-    """The ``early_divergence`` alert: the loss at ``step`` stood at ``factor`` starts or more for
-    :data:`SUSTAIN_STEPS` judged steps; ``first`` are the run's first losses, ``lr`` group 0's rate."""
-    start = start_level(first)
-    now = start.factor(loss)
-    if start.level > 0 and start.scale == start.level:  # a ratio reads as one
-        rise = f"{now:.3g}x the start"
-    else:  # a difference, counted in the same unit as the factor
-        unit = "the start's magnitude" if start.scale == abs(start.level) else "the first losses' spread"
-        rise = f"up by {loss - start.level:.4g}: {now:.3g} starts, a start being {start.scale:.3g}, {unit}"
-    rate = f"the learning rate (param group 0: {lr:.3g})" if lr is not None else "the learning rate"
-    message = (
-        f"Early divergence at step {step}: the loss started at {start.level:.4g} (median of the first "
-        f"{len(first)} steps) and is {loss:.4g} now ({rise}); the last {SUSTAIN_STEPS} steps all lay at "
-        f"{factor:g} starts or more. The likely cause: {rate} or another optimizer setting (momentum, betas, "
-        "eps) is too aggressive for this model."
-    )
-    hint = (
-        "Lower the learning rate (3-10x), add a warm-up, or clip gradients (gradient_clip_val); LRFinderPlus "
-        "finds a rate that trains. No update was skipped: this early there is no good state to go back to "
-        "(action='raise' stops the run here)."
-    )
-    data = {"start": start.level, "loss": loss, "factor": now, "steps": float(SUSTAIN_STEPS)}
-    if lr is not None:
-        data["lr"] = lr
-    return SpikeAlert(severity="error", message=message, hint=hint, data=data)

@@ -1,20 +1,23 @@
-"""LossSpikeGuard's rules and their wording: what makes a step a spike, escalation, rollback points, the
-``loss_spike`` alert.
+"""LossSpikeGuard's rules: what makes a step a spike, escalation, rollback points, and one declaration
+per alert kind with its check right above it.
 
 :func:`step_verdict` says whether a step's scores make it a spike (a gradient-norm spike counts only when
 the loss confirms it, :data:`LOSS_CONFIRMS_Z`); :func:`escalated_action` is how a run of spikes climbs
-``skip -> rollback -> raise``; :func:`snapshot_due` says when a rollback point is taken; :func:`spike_alert`
-puts a spike into words (:class:`SpikeAlert`, with :data:`SPIKE_HINTS`). Whether one value is a spike is
-the pure score of :mod:`lightning_gradguard.functional.spikes`.
+``skip -> rollback -> raise``; :func:`snapshot_due` says when a rollback point is taken. A rule's check
+puts what was found into words, as the :class:`~lightning_gradguard.alerts.Finding` of its declaration:
+:func:`spike_finding` a spike (with :data:`SPIKE_HINTS`), :func:`outlier_finding` a batch whose statistics
+are far out (:func:`batch_variance_outlier`), :func:`early_finding` an early divergence (its rule is
+:class:`~lightning_gradguard.monitors.spike.early.EarlyWatch`). Whether one value is a spike is the pure
+score of :mod:`lightning_gradguard.functional.spikes`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
-from lightning_gradguard.alerts import Rule, Severity, declare
-from lightning_gradguard.functional.spikes import SpikeScore, is_spike
+from lightning_gradguard.alerts import Finding, Rule, declare
+from lightning_gradguard.functional.spikes import SpikeScore, is_spike, start_level
+from lightning_gradguard.monitors.spike.early import SUSTAIN_STEPS
 
 #: a gradient-norm spike is acted on only when the step's loss is at least this robust z-score above its
 #: recent median (or when the loss is not judged). Healthy gradient-norm excursions came with losses of z
@@ -85,24 +88,6 @@ SPIKE_HINTS = {
 }
 
 
-@dataclass(frozen=True, kw_only=True)
-class SpikeAlert:
-    """The words of a ``loss_spike`` alert (one spike) or an ``early_divergence`` alert; it names no place:
-    the whole step is concerned.
-
-    Attributes:
-        severity: ``"error"`` when the spike raises (and for an early divergence), else ``"warning"``.
-        message: what was seen, with the numbers.
-        hint: what was done, and what to try.
-        data: the numbers: for a spike each judged value's z-score (``<name>_zscore``) and the ``streak``.
-    """
-
-    severity: Severity
-    message: str
-    hint: str
-    data: dict[str, float]
-
-
 def batch_variance_outlier(value: float | None, limit: float | None) -> bool:
     """Whether a BatchNorm layer's batch variance was ``limit`` times over (or under) its running variance."""
     return value is not None and limit is not None and max(value, 1 / max(value, 1e-300)) > limit
@@ -113,26 +98,20 @@ def _times(factor: float) -> str:
     return f"{factor:.3g}x over" if factor >= 1 else f"{1 / max(factor, 1e-300):.3g}x under"
 
 
-def spike_alert(
+def _step_finding(
+    rule: Rule,
+    what: str,
+    parts: list[str],
+    zscores: dict[str, float],
     *,
     step: int,
     action: str,
     values: dict[str, float],
-    scores: dict[str, SpikeScore],
     streak: int,
-    spiked: bool = True,
-) -> SpikeAlert:
-    """The alert of the ``streak``-th spike in a row, at ``step``, that got ``action``.
-
-    ``spiked``: the loss or the gradient norm spiked (else only the batch's statistics were far out: the
-    loss may not move at all, since BatchNorm normalises a batch x1000 away in training mode)."""
-    parts = [
-        f"{k.replace('_', ' ')} {values[k]:.4g} is {s.ratio:.3g}x the recent median {s.level:.4g} "
-        f"(robust z-score {s.zscore:.1f})"
-        for k, s in scores.items()
-    ]
-    if not spiked:
-        parts = [f"loss {values['loss']:.4g}"] if "loss" in values else []
+) -> Finding:
+    """The words of a step that got ``action`` (a spike, or a batch far out): ``what`` it was and the
+    ``parts`` seen (the judged values' ``zscores`` lead its data), the batch's statistics that were far
+    out, the streak; an error when it raises."""
     if "batch_variance" in values:
         parts.append(
             f"a BatchNorm layer's batch variance is {_times(values['batch_variance'])} its running one"
@@ -140,21 +119,37 @@ def spike_alert(
     if "inputs" in values:
         parts.append(f"the batch's inputs have {_times(values['inputs'])} the mean square of recent batches'")
     run = f"; {streak} spikes in a row" if streak > 1 else ""
-    what = "Spike" if spiked else "Batch far outside the run's statistics"
     hint = SPIKE_HINTS[action]
     if "batch_variance" in values or "inputs" in values:
         hint += " Batch statistics this far off usually mean corrupt data: check the batch's inputs."
-    data = {f"{k}_zscore": s.zscore for k, s in scores.items()} | {"streak": float(streak)}
+    data = zscores | {"streak": float(streak)}
     data |= {f"{k}_factor": values[k] for k in ("batch_variance", "inputs") if k in values}
-    return SpikeAlert(
-        severity="error" if action == "raise" else "warning",
-        message=f"{what} at step {step}: " + "; ".join(parts) + f"{run}. Action: {action}.",
+    return Finding(
+        rule,
+        f"{what} at step {step}: " + "; ".join(parts) + f"{run}. Action: {action}.",
+        data,
         hint=hint,
-        data=data,
+        severity="error" if action == "raise" else "warning",
     )
 
 
-# ---------------------------------------------------------------- the declarations
+# ---------------------------------------------------------------- loss_spike
+def spike_finding(
+    *, step: int, action: str, values: dict[str, float], scores: dict[str, SpikeScore], streak: int
+) -> Finding:
+    """The alert of the ``streak``-th spike in a row (:func:`step_verdict`), at ``step``, that got ``action``:
+    each judged value against its recent median; it names no place (the whole step is concerned)."""
+    parts = [
+        f"{k.replace('_', ' ')} {values[k]:.4g} is {s.ratio:.3g}x the recent median {s.level:.4g} "
+        f"(robust z-score {s.zscore:.1f})"
+        for k, s in scores.items()
+    ]
+    zscores = {f"{k}_zscore": s.zscore for k, s in scores.items()}
+    return _step_finding(
+        LOSS_SPIKE, "Spike", parts, zscores, step=step, action=action, values=values, streak=streak
+    )
+
+
 LOSS_SPIKE = Rule(
     kind="loss_spike",
     severity="warning",
@@ -167,7 +162,35 @@ LOSS_SPIKE = Rule(
         " taken (warning for warn / skip / rollback, error when spikes kept coming until it raised "
         "`LossSpikeError`). See [LossSpikeGuard](loss_spike.md)."
     ),
+    check=spike_finding,
 )
+
+
+# ---------------------------------------------------------------- early_divergence
+def early_finding(*, step: int, first: list[float], loss: float, factor: float, lr: float | None) -> Finding:
+    """The alert of an early divergence (:class:`~lightning_gradguard.monitors.spike.early.EarlyWatch`
+    fired): the loss at ``step`` stood at ``factor`` starts or more for
+    :data:`~lightning_gradguard.monitors.spike.early.SUSTAIN_STEPS` judged steps; ``first`` are the run's
+    first losses, ``lr`` group 0's rate."""
+    start = start_level(first)
+    now = start.factor(loss)
+    if start.level > 0 and start.scale == start.level:  # a ratio reads as one
+        rise = f"{now:.3g}x the start"
+    else:  # a difference, counted in the same unit as the factor
+        unit = "the start's magnitude" if start.scale == abs(start.level) else "the first losses' spread"
+        rise = f"up by {loss - start.level:.4g}: {now:.3g} starts, a start being {start.scale:.3g}, {unit}"
+    rate = f"the learning rate (param group 0: {lr:.3g})" if lr is not None else "the learning rate"
+    message = (
+        f"Early divergence at step {step}: the loss started at {start.level:.4g} (median of the first "
+        f"{len(first)} steps) and is {loss:.4g} now ({rise}); the last {SUSTAIN_STEPS} steps all lay at "
+        f"{factor:g} starts or more. The likely cause: {rate} or another optimizer setting (momentum, betas, "
+        "eps) is too aggressive for this model."
+    )
+    data = {"start": start.level, "loss": loss, "factor": now, "steps": float(SUSTAIN_STEPS)}
+    if lr is not None:
+        data["lr"] = lr
+    return Finding(EARLY_DIVERGENCE, message, data)
+
 
 EARLY_DIVERGENCE = Rule(
     kind="early_divergence",
@@ -183,7 +206,26 @@ EARLY_DIVERGENCE = Rule(
         'step and the LR of param group 0; reported once; nothing is skipped, `action="raise"` '
         "raises `LossSpikeError`. See [LossSpikeGuard](loss_spike.md#early-divergence)."
     ),
+    hint=(
+        "Lower the learning rate (3-10x), add a warm-up, or clip gradients (gradient_clip_val); LRFinderPlus "
+        "finds a rate that trains. No update was skipped: this early there is no good state to go back to "
+        "(action='raise' stops the run here)."
+    ),
+    check=early_finding,
 )
+
+
+# ---------------------------------------------------------------- batch_statistics_outlier
+def outlier_finding(*, step: int, action: str, values: dict[str, float], streak: int) -> Finding:
+    """The alert of a step whose batch statistics were far out (:func:`batch_variance_outlier`) while its
+    loss and gradient norm did not spike (BatchNorm normalises a batch x1000 away in training mode, so the
+    loss may not move at all), at ``step``, that got ``action`` as the ``streak``-th in a row."""
+    parts = [f"loss {values['loss']:.4g}"] if "loss" in values else []
+    what = "Batch far outside the run's statistics"
+    return _step_finding(
+        BATCH_STATISTICS_OUTLIER, what, parts, {}, step=step, action=action, values=values, streak=streak
+    )
+
 
 BATCH_STATISTICS_OUTLIER = Rule(
     kind="batch_statistics_outlier",
@@ -202,6 +244,7 @@ BATCH_STATISTICS_OUTLIER = Rule(
         "put back). See [LossSpikeGuard](loss_spike.md#what-is-judged-and-when). An error when it "
         'raises (`action="raise"`).'
     ),
+    check=outlier_finding,
 )
 
 #: every kind this monitor reports

@@ -21,7 +21,8 @@ from torch import nn
 
 from lightning_gradguard import LossSpikeError, LossSpikeGuard
 from lightning_gradguard.functional.spikes import start_level
-from lightning_gradguard.monitors.spike.early import EarlyWatch, early_alert
+from lightning_gradguard.monitors.spike.early import EarlyWatch
+from lightning_gradguard.monitors.spike.rules import early_finding
 
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -158,7 +159,7 @@ def test_the_alert_counts_the_rise_in_the_unit_of_its_factor(
 ) -> None:
     """Regression: a start near zero (scale: the first losses' spread) was called "7x the start" for a
     67x ratio, and a negative start gave "5.5 starts" beside "6 starts or more"."""
-    alert = early_alert(step=9, first=first, loss=loss, factor=6.0, lr=0.1)
+    alert = early_finding(step=9, first=first, loss=loss, factor=6.0, lr=0.1)
     assert said in alert.message, alert.message
     assert alert.data["factor"] == pytest.approx(start_level(first).factor(loss))
 

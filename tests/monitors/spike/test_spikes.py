@@ -17,7 +17,13 @@ from lightning_gradguard.monitors.spike.records import (
     read_skip_batches,
     write_spikes,
 )
-from lightning_gradguard.monitors.spike.rules import SPIKE_HINTS, escalated_action, snapshot_due, spike_alert
+from lightning_gradguard.monitors.spike.rules import (
+    LOSS_SPIKE,
+    SPIKE_HINTS,
+    escalated_action,
+    snapshot_due,
+    spike_finding,
+)
 
 
 def _hand_score(value: float, window: list[float], log: bool) -> tuple[float, float]:
@@ -168,12 +174,13 @@ def test_snapshot_due_at_warmup_end_then_every_n_and_after_a_held_rollback() -> 
 def test_spike_alert_says_the_numbers_the_streak_and_the_action() -> None:
     scores = {"loss": _score(3.0, 1.0, 9.0), "grad_norm": _score(40.0, 2.0, 12.5)}
     values = {"loss": 3.0, "grad_norm": 40.0}
-    alert = spike_alert(step=7, action="rollback", values=values, scores=scores, streak=2)
+    alert = spike_finding(step=7, action="rollback", values=values, scores=scores, streak=2)
+    assert alert.rule is LOSS_SPIKE and alert.where is None
     assert alert.message == (
         "Spike at step 7: loss 3 is 3x the recent median 1 (robust z-score 9.0); "
         "grad norm 40 is 20x the recent median 2 (robust z-score 12.5); 2 spikes in a row. Action: rollback."
     )
     assert (alert.severity, alert.hint) == ("warning", SPIKE_HINTS["rollback"])
     assert alert.data == {"loss_zscore": 9.0, "grad_norm_zscore": 12.5, "streak": 2.0}
-    first = spike_alert(step=3, action="raise", values=values, scores={"loss": scores["loss"]}, streak=1)
+    first = spike_finding(step=3, action="raise", values=values, scores={"loss": scores["loss"]}, streak=1)
     assert first.severity == "error" and "in a row" not in first.message and first.message.endswith("raise.")

@@ -7,12 +7,13 @@
 * ``functional/`` is stateless public math: no hooks, no state, no alert prose.
 * A ``core/`` module serves two monitors or more; a module that only re-exports another is a shim.
 * No function over 60 lines.
+* A kind's string is typed once, in its ``Rule`` declaration; checks return ``alerts.Finding(RULE, ...)``.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,52 @@ def test_every_monitor_names_its_modules_by_role() -> None:
         names = {p.stem for p in package.glob("*.py")}
         assert {"callback", "rules"} <= names, package.name
         assert not names & RETIRED_ROLE_NAMES, (package.name, names & RETIRED_ROLE_NAMES)
+
+
+def _declared_kinds() -> dict[str, str]:
+    """kind -> the module declaring it (``Rule(kind="...")`` in a rules module), read without torch."""
+    out: dict[str, str] = {}
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Rule":
+                out.update({k.value.value: name for k in node.keywords if k.arg == "kind"})  # type: ignore[attr-defined]
+    return out
+
+
+def _typed_kinds(tree: ast.Module, kinds: Collection[str]) -> list[tuple[int, str]]:
+    """The string constants of ``tree`` that spell a declared kind, outside a ``Rule(kind=...)`` and prose."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Rule":
+            skip.update(id(k.value) for k in node.keywords if k.arg == "kind")
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            skip.add(id(node.value))  # a docstring
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in kinds and id(node) not in skip
+    ]
+
+
+#: strings that spell a kind but name something else: (module, string) -> what it names
+NOT_A_KIND = {
+    ("lightning_gradguard.core.skips", "loss_spike"): "LossSpikeGuard as the cause of a dropped update",
+    ("lightning_gradguard.monitors.stall.callback", "chance_level"): "the chance level's chart tag",
+    ("lightning_gradguard.monitors.stall.tags", "chance_level"): "the chance level's chart tag",
+    ("lightning_gradguard.monitors.spike.callback", "loss_spike"): "its cause name for a dropped update",
+    ("lightning_gradguard.monitors.dead_units.tags", "dead_relu"): "the dead units' tag family",
+}
+
+
+def test_a_kind_is_typed_once_in_its_declaration() -> None:
+    """A check returns ``alerts.Finding(RULE, ...)``: the kind's string lives in its ``Rule`` only, so a
+    rename or a second spelling cannot drift from the declaration (docs/architecture.md)."""
+    kinds = _declared_kinds()
+    assert len(kinds) >= 40 and "nonfinite_loss" in kinds  # the walk found the declarations
+    typed = [
+        (name, line, kind)
+        for name, path in MODULES.items()
+        for line, kind in _typed_kinds(ast.parse(path.read_text(encoding="utf-8")), kinds)
+        if (name, kind) not in NOT_A_KIND
+    ]
+    assert not typed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,7 +27,7 @@ from lightning_gradguard.functional.gradcheck import (
     sample_coordinates,
     taylor_test,
 )
-from tests.conftest import make_trainer
+from tests.conftest import make_trainer, random_loader
 
 
 @pytest.fixture(autouse=True)
@@ -339,7 +340,10 @@ def test_user_chosen_modules_and_the_evaluation_budget() -> None:
     assert [p.name for p in result.parameters] == ["4.weight", "4.bias"]  # a standard layer: its own
     tanh = gradient_check(net(), batch(), ce, modules=["3"])  # parameter-free: everything upstream of it
     assert [p.name for p in tanh.parameters] == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    small = gradient_check(net(), batch(), ce, modules=[""], max_evaluations=50, samples_per_tensor=6)
+    # max_evaluations alone (max_seconds=None): the evaluations the time budget is sized on are not spent
+    small = gradient_check(
+        net(), batch(), ce, modules=[""], max_evaluations=50, samples_per_tensor=6, max_seconds=None
+    )
     assert small.evaluations <= 50 and small.skipped
     assert all(len(p.checked) == 1 for p in small.parameters)
     assert len(small.parameters) + len(small.skipped) == 6
@@ -596,3 +600,35 @@ def test_a_kink_at_the_point_checked_is_told_from_a_wrong_gradient() -> None:
         loss, [x], [torch.tensor([0.0, 5.0, 0.0, 0.0], dtype=torch.float64)], [v], base=float(loss())
     )
     assert smooth_wrong.error > 0.3  # the entry off every kink is wrong: outside both one-sided slopes
+
+
+class _StallsOnce(pl.LightningModule):
+    """A healthy MLP whose first loss evaluation stalls, as a loaded machine or a process's one-time costs
+    stall it (the check runs on a copy: the copy's first evaluation stalls, then the run's first step)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.stall = seconds
+
+    def training_step(self, b: Any, batch_idx: int) -> torch.Tensor:
+        if self.stall:
+            time.sleep(self.stall)
+            self.stall = 0.0
+        return nn.functional.cross_entropy(self.net(b[0]), b[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_first_evaluation_that_stalls_does_not_shrink_the_check() -> None:
+    # The budget was max_seconds over the first evaluation's time: a first evaluation that took 0.6 s left
+    # 1 evaluation of max_seconds=1 and every tensor unchecked, though each later one takes milliseconds.
+    torch.manual_seed(0)
+    check = GradientCheck(max_seconds=1.0)
+    trainer = make_trainer([check], max_steps=1)
+    trainer.fit(_StallsOnce(0.6), random_loader(n=16))
+    result = check.result
+    assert result is not None and result.passed and not result.skipped
+    assert [p.name for p in result.parameters] == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    assert all(len(p.checked) == min(6, p.numel) for p in result.parameters)

@@ -205,7 +205,8 @@ class GradientCheck(PreflightCheck):
         taylor_tolerance: the largest Taylor remainder linear in ``h`` still blamed on kinks (see
             :class:`~lightning_gradguard.monitors.gradcheck.engine.GradientCheckSettings`).
         max_seconds: bound on the check's time: at most this over the time of one evaluation (timed on
-            two warm ones, the faster) are spent (``None``: ``max_evaluations`` alone); the tensors checked are then spread over the model.
+            two warm ones, the faster) are spent (``None``: ``max_evaluations`` alone); the tensors
+            checked are then spread over the model.
 
     Example::
 

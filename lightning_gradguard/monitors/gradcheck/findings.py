@@ -72,6 +72,11 @@ def passed_line(result: GradientCheckResult) -> str:
     n = len(result.parameters)
     whole = result.targets in ([""], [])
     where = "of the whole model" if whole else f"(targets {', '.join(repr(t) for t in result.targets)})"
+    if n == 0 and result.skipped:  # not a pass: the budget left everything unchecked
+        return (
+            f"GradientCheck: nothing checked - the budget (max_evaluations, max_seconds) left all "
+            f"{len(result.skipped)} parameter tensors {where} unchecked ({result.seconds:.1f} s)."
+        )
     if n == 0:
         return f"GradientCheck: passed - no parameter tensor {where} to check ({result.seconds:.1f} s)."
     worst = max(p.max_rel_error for p in result.parameters)

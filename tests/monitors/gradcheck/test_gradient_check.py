@@ -632,3 +632,14 @@ def test_a_first_evaluation_that_stalls_does_not_shrink_the_check() -> None:
     assert result is not None and result.passed and not result.skipped
     assert [p.name for p in result.parameters] == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
     assert all(len(p.checked) == min(6, p.numel) for p in result.parameters)
+
+
+def test_a_check_the_budget_left_empty_does_not_say_it_passed(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    check = GradientCheck(max_seconds=1e-9)  # no evaluation fits: every tensor is left out
+    with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
+        make_trainer([check], max_steps=1).fit(_StallsOnce(0.0), random_loader(n=16))
+    assert check.result is not None and not check.result.parameters and len(check.result.skipped) == 4
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GradientCheck: ")]
+    assert said and all("passed" not in m for m in said), said
+    assert any("nothing checked" in m and "all 4 parameter tensors" in m for m in said), said

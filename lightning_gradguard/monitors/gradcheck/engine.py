@@ -277,11 +277,7 @@ def gradcheck_module(
     # loss depends on it.
     chosen = [(n, p, g) for (n, p), g in zip(named, grads, strict=True) if id(p) in graph.chosen]
     result.not_in_graph = [n for n, _, g in chosen if g is None]
-    budget = settings.max_evaluations - 1  # the first evaluation is spent
-    if settings.max_seconds is not None and budget > _TIMED:
-        fit = _evaluations_within(loss, settings.max_seconds)
-        result.evaluations += _TIMED
-        budget = min(budget - _TIMED, fit)
+    budget = _budget(result, loss, settings)
     _check_tensors(result, [(n, p, g) for n, p, g in chosen if g is not None], loss, settings, budget)
     result.passed = all(c.passed for c in result.parameters)
     return result
@@ -289,6 +285,17 @@ def gradcheck_module(
 
 #: the warm evaluations timed to size the budget under ``max_seconds``
 _TIMED = 2
+
+
+def _budget(result: GradientCheckResult, loss: _CopyLoss, settings: GradientCheckSettings) -> int:
+    """The evaluations the checks may spend after the first: ``max_evaluations`` less those spent, and
+    under ``max_seconds`` no more than fit in it (the evaluations timed for it are spent too)."""
+    budget = settings.max_evaluations - result.evaluations
+    if settings.max_seconds is not None and budget > _TIMED:
+        fit = _evaluations_within(loss, settings.max_seconds)
+        result.evaluations += _TIMED
+        budget = min(budget - _TIMED, fit)
+    return budget
 
 
 def _evaluations_within(loss: _CopyLoss, seconds: float) -> int:

@@ -43,7 +43,7 @@ from lightning_gradguard.monitors.gradients.measure import (
 )
 from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
 from lightning_gradguard.monitors.gradients.ratio import RatioWatch
-from lightning_gradguard.monitors.gradients.rules import clip_verdict, ratio_finding
+from lightning_gradguard.monitors.gradients.rules import ClipWindow, clip_verdict, ratio_finding
 from lightning_gradguard.monitors.gradients.tags import CHARTS, GRAD_CLIP
 from lightning_gradguard.tags import charts_of
 
@@ -350,7 +350,10 @@ class GradientNormLogger(GradGuardCallback):
         optimizer = trainer.optimizers[0] if trainer.optimizers else None  # clipping: automatic optimization
         adaptive = adaptive_eps(optimizer) is not None
         name = type(getattr(optimizer, "optimizer", optimizer)).__name__ if adaptive else None
-        if (f := clip_verdict(s, clip.value, clip.norm_type, self.clip_window, name)) is not None:
+        w = ClipWindow(
+            stats=s, clip_val=clip.value, norm_type=clip.norm_type, window=self.clip_window, adaptive=name
+        )
+        if (f := clip_verdict(w)) is not None:
             self.report_finding(trainer, f, step=step)
 
     # ------------------------------------------------------------------ state

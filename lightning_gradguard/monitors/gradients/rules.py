@@ -14,6 +14,7 @@ that holds (or ``None``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_gradguard.alerts import Finding, Rule, declare
@@ -22,22 +23,40 @@ from lightning_gradguard.monitors.gradients.ratio import OptimizerSetting, Ratio
 from lightning_gradguard.monitors.gradients.tags import GRAD_CLIP
 
 
-def _clip_words(s: ClipWindowStats, clip_val: float, norm_type: float) -> tuple[str, str, dict[str, float]]:
+@dataclass(frozen=True, kw_only=True)
+class ClipWindow:
+    """What the clipping rules judge: the statistics of the recent pre-clip norms and the clip's setting.
+
+    Attributes:
+        stats: the window's statistics (:func:`~lightning_gradguard.functional.clipping.clip_window_stats`).
+        clip_val: the Trainer's ``gradient_clip_val``; ``norm_type`` 2.0 clips the norm, inf each value.
+        window: ``clip_window``, the steps a full window holds.
+        adaptive: the name of an adaptive optimizer (Adam and its family) the clipped gradient goes to.
+    """
+
+    stats: ClipWindowStats
+    clip_val: float
+    norm_type: float = 2.0
+    window: int = 1000
+    adaptive: str | None = None
+
+
+def _clip_words(w: ClipWindow) -> tuple[str, str, dict[str, float]]:
     """What is clipped (``"norm"`` or ``"largest |g|"``), the setting in words, and the window's numbers."""
-    what, by = ("norm", "") if norm_type == 2.0 else ("largest |g|", " (clipping by value)")
-    data = {"fraction_clipped": s.fraction_clipped, "clip_val": clip_val, "steps": float(s.steps)}
+    s = w.stats
+    what, by = ("norm", "") if w.norm_type == 2.0 else ("largest |g|", " (clipping by value)")
+    data = {"fraction_clipped": s.fraction_clipped, "clip_val": w.clip_val, "steps": float(s.steps)}
     data.update({GRAD_CLIP.tag(name): x for name, x in s.metrics().items()})
-    return what, f"gradient_clip_val={clip_val:g}{by}", data
+    return what, f"gradient_clip_val={w.clip_val:g}{by}", data
 
 
 # ------------------------------------------------------------------ clipping_always_active
-def _always_active(
-    s: ClipWindowStats, clip_val: float, norm_type: float, window: int, adaptive: str | None
-) -> Finding | None:
+def _always_active(w: ClipWindow) -> Finding | None:
+    s, adaptive = w.stats, w.adaptive
     n, fraction, suggested = s.steps, s.fraction_clipped, s.suggested
-    if not (n >= min(100, window) and fraction >= 0.95 and suggested is not None):
+    if not (n >= min(100, w.window) and fraction >= 0.95 and suggested is not None):
         return None
-    what, setting, data = _clip_words(s, clip_val, norm_type)
+    what, setting, data = _clip_words(w)
     message = (
         f"{setting} clipped {fraction:.0%} of the last {n} steps (median pre-clip {what} "
         f"{s.percentiles[50]:.3g})."
@@ -75,13 +94,12 @@ CLIPPING_ALWAYS_ACTIVE = Rule(
 
 
 # ------------------------------------------------------------------ clipping_never_active
-def _never_active(
-    s: ClipWindowStats, clip_val: float, norm_type: float, window: int, adaptive: str | None
-) -> Finding | None:
+def _never_active(w: ClipWindow) -> Finding | None:
+    s = w.stats
     n, suggested = s.steps, s.suggested
-    if not (n >= window and s.fraction_clipped == 0.0 and s.largest < clip_val / 10):
+    if not (n >= w.window and s.fraction_clipped == 0.0 and s.largest < w.clip_val / 10):
         return None
-    what, setting, data = _clip_words(s, clip_val, norm_type)
+    what, setting, data = _clip_words(w)
     message = f"{setting} never fired in {n} steps; the largest pre-clip {what} was {s.largest:.3g}."
     if suggested is None:
         hint = (
@@ -205,18 +223,15 @@ RULES = declare(CLIPPING_ALWAYS_ACTIVE, CLIPPING_NEVER_ACTIVE, UPDATE_RATIO_HIGH
 CLIP_RULES = (CLIPPING_ALWAYS_ACTIVE, CLIPPING_NEVER_ACTIVE)
 
 
-def clip_verdict(
-    s: ClipWindowStats, clip_val: float, norm_type: float, window: int, adaptive: str | None = None
-) -> Finding | None:
+def clip_verdict(w: ClipWindow) -> Finding | None:
     """Whether ``gradient_clip_val`` clips nearly every step (it slows learning) or never comes near a
     norm of a full window (it guards nothing); ``None`` when it does its job.
 
-    ``adaptive``: the name of an adaptive optimizer (Adam and its family) the clipped gradient goes to.
-    Its step does not scale with the gradient, so a clip on every step does not slow it down: the usual
-    ``gradient_clip_val=1.0`` of transformer recipes clips nearly every step of a small model, and that is
-    an INFO line, not a warning."""
+    Under an adaptive optimizer (``w.adaptive``) the step does not scale with the gradient, so a clip on
+    every step does not slow it down: the usual ``gradient_clip_val=1.0`` of transformer recipes clips
+    nearly every step of a small model, and that is an INFO line, not a warning."""
     for rule in CLIP_RULES:
-        f = rule.check(s, clip_val, norm_type, window, adaptive) if rule.check is not None else None
+        f = rule.check(w) if rule.check is not None else None
         if f is not None:
             return f
     return None

@@ -43,6 +43,7 @@ from lightning_gradguard.monitors.vanishing.rules import (
     RULES,
     VANISHING_GRADIENT,
     GradientVerdict,
+    Held,
     StepContext,
     VerdictRules,
     judge,
@@ -345,8 +346,14 @@ class VanishingExplodingDetector(GradGuardCallback):
             self.strikes[key] = self.strikes.get(key, 0) + 1 if flags[rule.kind] else 0
             if self.strikes[key] < self.patience or rule.check is None:
                 continue
-            history = self.history.get(opt_idx, [])
-            finding = rule.check(verdict, self.patience, history, rules, context)
+            held = Held(
+                verdict=verdict,
+                patience=self.patience,
+                history=self.history.get(opt_idx, []),
+                rules=rules,
+                context=context,
+            )
+            finding = rule.check(held)
             # one cooldown per optimizer and kind: ``where`` (the top layers) moves from check to check
             alert = self.report_finding(trainer, finding, step=int(trainer.global_step), cooldown_key=key)
             if alert is not None:

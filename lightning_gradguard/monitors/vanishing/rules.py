@@ -5,7 +5,8 @@ Pure functions on host numbers (a handful of per-layer norms already brought to 
 :func:`opening_layers` tracks the layers behind zero-initialized weights. Each rule is one declaration,
 below: its kind, docs row, hint, the conditions that make it hold, and its check
 (:func:`exploding_finding`, :func:`vanishing_finding`), which puts a verdict that held on ``patience``
-checks into words (a :class:`~lightning_gradguard.alerts.Finding`: message, hint, ``where``). The rules:
+checks (a :class:`Held`) into words (a :class:`~lightning_gradguard.alerts.Finding`: message, hint,
+``where``). The rules:
 
 What the optimizer does with the gradient decides which rules apply (:class:`StepContext`): under an
 adaptive optimizer (Adam and its family: each entry's step is divided by its gradient's running RMS) the
@@ -295,39 +296,44 @@ def _exploding(
     return reasons, spike
 
 
-def exploding_finding(
-    verdict: GradientVerdict,
-    patience: int,
-    history: Sequence[float],
-    rules: VerdictRules,
-    context: StepContext | None = None,
-) -> Finding:
-    """``exploding_gradient`` in words, once it held on ``patience`` consecutive checks: message, hint,
-    ``where`` (the largest layer) and data.
+@dataclass(frozen=True, kw_only=True)
+class Held:
+    """A condition that held on ``patience`` consecutive checks: what its rule's check puts into words.
 
-    The hint suggests a ``gradient_clip_val``: about the 90th percentile of this run's earlier norms
-    (``history``, those under ``max_norm``) once there are ``warmup_checks`` of them, else 1.0; when the
-    run clips already (``context.clip``) it says so and suggests the learning rate instead.
-
-    Args:
-        verdict: the check's verdict (:func:`judge`); its exploding reasons may be empty when the
-            condition held on another rank.
+    Attributes:
+        verdict: the check's verdict (:func:`judge`); its reasons may be empty when the condition held on
+            another rank.
         patience: the consecutive checks it held.
         history: this run's recent finite total norms of checked steps.
         rules: the thresholds (``max_norm``, ``warmup_checks``).
         context: the check's :class:`StepContext` (``clip``: the Trainer clips the gradient).
     """
+
+    verdict: GradientVerdict
+    patience: int
+    history: Sequence[float] = ()
+    rules: VerdictRules = field(default_factory=VerdictRules)
+    context: StepContext = field(default_factory=StepContext)
+
+
+def exploding_finding(held: Held) -> Finding:
+    """``exploding_gradient`` in words: message, hint, ``where`` (the largest layer) and data.
+
+    The hint suggests a ``gradient_clip_val``: about the 90th percentile of this run's earlier norms
+    (``held.history``, those under ``max_norm``) once there are ``warmup_checks`` of them, else 1.0; when
+    the run clips already (``held.context.clip``) it says so and suggests the learning rate instead.
+    """
+    verdict, rules = held.verdict, held.rules
     data = dict(verdict.data)
     reasons = "; ".join(verdict.exploding) or "the condition held on another rank"
     message = (
-        f"Gradient norm {verdict.total:.3g} for {patience} consecutive checks: {reasons}. "
+        f"Gradient norm {verdict.total:.3g} for {held.patience} consecutive checks: {reasons}. "
         f"Largest layers: {named(verdict.top, verdict.top_values)}."
     )
-    clipped = context.clip if context is not None else None
-    if clipped is not None:
-        hint = CLIPPED_HINT.format(clip=clipped)
+    if held.context.clip is not None:
+        hint = CLIPPED_HINT.format(clip=held.context.clip)
     else:
-        hist = [h for h in history if rules.max_norm is None or h <= rules.max_norm]
+        hist = [h for h in held.history if rules.max_norm is None or h <= rules.max_norm]
         clip = suggest_clip_value(hist) if len(hist) >= rules.warmup_checks else None
         clip_why = "about the 90th percentile of this run's earlier norms"
         if clip is None:
@@ -487,31 +493,15 @@ def _vanishing(
     return reasons, low
 
 
-def vanishing_finding(
-    verdict: GradientVerdict,
-    patience: int,
-    history: Sequence[float] = (),
-    rules: VerdictRules | None = None,
-    context: StepContext | None = None,
-) -> Finding:
-    """``vanishing_gradient`` in words, once it held on ``patience`` consecutive checks: message, ``where``
-    (the low layers) and data; the hint is the rule's. It takes the arguments of :func:`exploding_finding`
-    (the callback runs both from :data:`RULES`) and reads only the first two.
-
-    Args:
-        verdict: the check's verdict (:func:`judge`); its vanishing reasons may be empty when the
-            condition held on another rank.
-        patience: the consecutive checks it held.
-        history: unused.
-        rules: unused.
-        context: unused.
-    """
-    reasons = "; ".join(verdict.vanishing) or "the condition held on another rank"
+def vanishing_finding(held: Held) -> Finding:
+    """``vanishing_gradient`` in words: message, ``where`` (the low layers) and data; the hint is the
+    rule's."""
+    reasons = "; ".join(held.verdict.vanishing) or "the condition held on another rank"
     return Finding(
         VANISHING_GRADIENT,
-        f"Gradients vanish ({patience} consecutive checks): {reasons}.",
-        dict(verdict.data),
-        where=_where(verdict.vanishing_layers),
+        f"Gradients vanish ({held.patience} consecutive checks): {reasons}.",
+        dict(held.verdict.data),
+        where=_where(held.verdict.vanishing_layers),
     )
 
 

@@ -25,6 +25,7 @@ from lightning_gradguard.functional.health import (
 from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 from lightning_gradguard.monitors.vanishing.order import ForwardOrder
 from lightning_gradguard.monitors.vanishing.rules import (
+    Held,
     VerdictRules,
     exploding_finding,
     judge,
@@ -498,11 +499,11 @@ def test_judge_on_host_numbers() -> None:
     big = judge(values=[100.0, 150.0], total=180.0, forward_order={"a": 0, "b": 1}, **kwargs)
     assert big.exploding == ["the total norm exceeds max_norm=100"] and big.vanishing == []
     assert (big.top, big.top_values) == (["b", "a"], [150.0, 100.0])
-    said = exploding_finding(big, 2, [], rules)
+    said = exploding_finding(Held(verdict=big, patience=2, rules=rules))
     assert said.where == "b" and said.data["suggested_clip_val"] == 1.0
     assert "gradient_clip_val=1)" in said.hint and said.message.startswith("Gradient norm 180 for 2")
     tiny = judge(values=[1e-12, 1.0], total=1.0, forward_order={"a": 0, "b": 1}, **kwargs)
-    assert tiny.vanishing_layers == ["a"] and vanishing_finding(tiny, 2, [], rules).where == "a"
+    assert tiny.vanishing_layers == ["a"] and vanishing_finding(Held(verdict=tiny, patience=2)).where == "a"
 
 
 def test_a_layer_is_not_called_vanishing_next_to_an_exploding_one() -> None:

@@ -32,10 +32,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# One pytest-xdist worker per core (at most 4), each on one torch thread (tests/conftest.py; an
-# OMP_NUM_THREADS of the caller's wins; nproc would count it as the cores); worksteal: an idle worker
-# takes the other's queued tests.
-WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+# One pytest-xdist worker per core (at most 4), each on one torch thread (tests/conftest.py). An
+# OMP_NUM_THREADS of the caller's wins, and then the workers share the cores: cores / threads of them,
+# at least one (two workers of two threads on 2 cores took 14 min against 5; nproc would count the
+# threads as the cores). worksteal: an idle worker takes the other's queued tests.
+WORKERS ?= $(shell n=$$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 2); \
+	t=$${OMP_NUM_THREADS:-1}; [ "$$t" -ge 1 ] 2>/dev/null || t=1; w=$$(( n / t )); \
+	echo $$(( w < 1 ? 1 : (w < 4 ? w : 4) )))
 unit: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) --dist worksteal
 

@@ -147,7 +147,7 @@ class RangeTest:
         of ``k`` sweeps has ``1 / sqrt(k)`` of one sweep's noise and the same descent. Every rank takes
         the same decisions (each point's loss is the mean over ranks).
         """
-        plan = self.plan(trainer, max(1, int(trainer.accumulate_grad_batches)))
+        plan = self.plan(trainer)
         batches = _batches(trainer.train_dataloader, plan.per_pass)
         runs = [self.sweep(trainer, pl_module, optimizer, base, plan, batches)]
         result = self.decide(runs, epoch, schedule)
@@ -233,7 +233,7 @@ class RangeTest:
             return False
         return self.standalone_bar or _tqdm_bar_of(trainer) is not None
 
-    def plan(self, trainer: pl.Trainer, accumulate: int) -> SweepPlan:
+    def plan(self, trainer: pl.Trainer) -> SweepPlan:
         """``num_training`` steps, or what Lightning's own finder takes under a batch limit.
 
         Under ``limit_train_batches`` (or ``overfit_batches``) each pass over the loader stops after the

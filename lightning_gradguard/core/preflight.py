@@ -6,8 +6,9 @@ message, hint, numbers) with the names concerned, the place of its alert. :class
 base of :class:`~lightning_gradguard.OverfitBatchSanity` and :class:`~lightning_gradguard.GradientCheck`.
 A check runs in ``on_train_start`` of a fit that starts a new run, where it applies
 (:meth:`PreflightCheck.applies`: not under ``fast_dev_run``, not on a fit that resumes from a checkpoint
-or continues the Trainer's run, automatic optimization only, not under a sharded strategy such as FSDP or
-DeepSpeed, where each check says why in ``sharded_reason``). It ends with :meth:`PreflightCheck.conclude`
+or continues the Trainer's run, automatic optimization only (:func:`manual_optimization_note` says so
+once), not under a sharded strategy such as FSDP or DeepSpeed, where each check says why in
+``sharded_reason``). It ends with :meth:`PreflightCheck.conclude`
 on every rank, even one that could not run it: the verdict is reduced across ranks (one collective), so
 when one rank fails every rank acts alike (the ranks that passed say "failed on another rank", with a
 closing finding of their own) and none is left waiting in a collective.
@@ -25,7 +26,7 @@ from lightning_gradguard.alerts import Alert, Finding, SanityCheckError
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.collective import reduce_any
 from lightning_gradguard.core.sharding import is_sharded
-from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
+from lightning_gradguard.core.state import info_once, skipped_for_fast_dev_run, warn_once
 
 log = logging.getLogger("lightning_gradguard")
 
@@ -59,6 +60,22 @@ class PreflightFinding(Finding):
             object.__setattr__(self, "where", listed)
 
 
+#: the one line that says what does not run under manual optimization, and what to run instead
+MANUAL_OPTIMIZATION = (
+    "OverfitBatchSanity, GradientCheck and LRFinderPlus need automatic optimization (training_step returning "
+    "the loss): this module steps its optimizers itself, so they do not run; the training monitors do. "
+    "Instead: lightning_gradguard.gradient_check(model, batch, loss_fn) checks its gradients, "
+    "Trainer(overfit_batches=1) shows whether it can memorise one batch, and lr_find() on a version with "
+    "automatic optimization suggests a learning rate."
+)
+
+
+def manual_optimization_note(trainer: pl.Trainer) -> None:
+    """Say once per Trainer, as INFO, that the pre-flight checks and the range test skip manual optimization
+    (a setup, not a fault: a GAN steps two optimizers by design) and what the user can run instead."""
+    info_once(trainer, "manual_optimization", MANUAL_OPTIMIZATION)
+
+
 class PreflightCheck(GradGuardCallback):
     """Base of the pre-flight checks: once per run where it applies, one verdict reduced across ranks.
 
@@ -79,8 +96,9 @@ class PreflightCheck(GradGuardCallback):
         """Whether the check runs in this fit: not under ``fast_dev_run`` (a smoke test); only when the fit
         starts a new run (:meth:`fresh_run`: no ``ckpt_path``, the Trainer at step 0), not when it resumes
         from a checkpoint or continues the Trainer's run (a second ``fit()`` after raising ``max_epochs``),
-        which says so in one INFO line; only under automatic optimization and not under a sharded strategy
-        (FSDP, DeepSpeed) (else a one-time warning naming the strategy; the run goes on)."""
+        which says so in one INFO line; only under automatic optimization (else one INFO line for every
+        check, :func:`manual_optimization_note`) and not under a sharded strategy (FSDP, DeepSpeed) (else a
+        one-time warning naming the strategy; the run goes on)."""
         name = type(self).__name__
         if skipped_for_fast_dev_run(trainer, name, "the pre-flight check"):
             return False
@@ -95,13 +113,7 @@ class PreflightCheck(GradGuardCallback):
                 )
             return False
         if not pl_module.automatic_optimization:
-            warn_once(
-                trainer,
-                f"{name}_manual",
-                f"{name} needs automatic optimization (training_step returning the loss); the check was "
-                "skipped. Under manual optimization, call lightning_gradguard.gradient_check(model, batch, "
-                "loss_fn) yourself.",
-            )
+            manual_optimization_note(trainer)
             return False
         if is_sharded(trainer):  # before the model is touched: nothing to restore, no collective to match
             warn_once(trainer, f"{name}_sharded", self._sharded_message(type(trainer.strategy).__name__))

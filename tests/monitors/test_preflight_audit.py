@@ -4,6 +4,7 @@ alert, no exception, and the check really ran (no "could not run the check" warn
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -660,13 +661,21 @@ class GAN(pl.LightningModule):
         return [torch.optim.Adam(self.gen.parameters()), torch.optim.Adam(self.disc.parameters())]
 
 
-def test_manual_optimization_with_two_optimizers_warns_once_and_skips() -> None:
+def test_manual_optimization_with_two_optimizers_is_one_info_line_and_skips(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A GAN's two optimizers are a design: no warning, one INFO line for both checks saying what to run
+    instead."""
     torch.manual_seed(0)
-    overfit, grads, trainer, ours = run_checks(GAN(), loader(*data()))
+    with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
+        overfit, grads, trainer, ours = run_checks(GAN(), loader(*data()))
     assert overfit.result is None and grads.result is None
     assert not overfit.alerts and not grads.alerts
-    assert len([m for m in ours if "OverfitBatchSanity needs automatic optimization" in m]) == 1
-    assert len([m for m in ours if "GradientCheck needs automatic optimization" in m]) == 1
+    assert not [m for m in ours if "automatic optimization" in m]  # no warning
+    said = [r.getMessage() for r in caplog.records if "need automatic optimization" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("OverfitBatchSanity, GradientCheck and LRFinderPlus")
+    assert all(r.levelno == logging.INFO for r in caplog.records if "need automatic" in r.getMessage())
+    assert "gradient_check(model, batch, loss_fn)" in said[0] and "overfit_batches=1" in said[0]
     assert trainer.global_step == 2  # two optimizer steps per batch count twice: the run went on
 
 

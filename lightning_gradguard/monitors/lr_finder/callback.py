@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core.base import GradGuardCallback
+from lightning_gradguard.core.preflight import manual_optimization_note
 from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_int_list
 from lightning_gradguard.functional.lr_suggest import SUGGESTION_METHODS
@@ -71,8 +72,9 @@ class LRFinderPlus(GradGuardCallback):
     otherwise the steepest descent (``steep``). When no suggestion is possible the LR is left alone and an
     ``lr_finder_failed`` alert says why. The sweep needs automatic optimization with one optimizer, on a
     single device, under DDP or under FSDP (``FSDPStrategy``, ``ModelParallelStrategy``): in any other
-    setup (manual optimization, for one) no sweep runs, and the alert says that the setup is not
-    supported and what to do instead.
+    setup no sweep runs, and the alert says that the setup is not supported and what to do instead;
+    under manual optimization (a design, not a fault) one INFO line, shared with the pre-flight checks,
+    says what to run instead.
 
     Output (rank 0): scalars ``lr_finder/loss``, ``lr_finder/smoothed_loss`` and ``lr_finder/lr``
     against the sweep step, ``lr_finder/suggested_lr`` at the trainer's step; a CSV
@@ -217,6 +219,10 @@ class LRFinderPlus(GradGuardCallback):
             max_sweeps=self.max_sweeps,
             standalone_bar=self._standalone_bar,
         )
+        if not pl_module.automatic_optimization:  # a setup, not a failure: one INFO line for every check
+            manual_optimization_note(trainer)
+            self.results.append(test.not_run(epoch, "manual optimization"))
+            return None
         problem = engine.unsupported_setup(trainer, pl_module)
         if problem is not None:
             warn_once(

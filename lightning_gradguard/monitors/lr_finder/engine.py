@@ -476,23 +476,12 @@ class _Sweep:
 
 def unsupported_setup(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:
     """Why the sweep cannot run in this setup, or ``None`` when it can."""
-    for check in (_optimization_problem, _optimizer_problem, _strategy_problem, _data_problem):
+    for check in (_optimizer_problem, _strategy_problem, _data_problem):
         problem = check(trainer, pl_module)
         if problem is not None:
             return problem
     _warn_about_persistent_workers(trainer)
     return None
-
-
-def _optimization_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:
-    if pl_module.automatic_optimization:
-        return None
-    return Unsupported(
-        message="LRFinderPlus needs automatic optimization (training_step returning the loss): the range "
-        "test drives the optimizer itself, and this module uses manual optimization",
-        hint="Set the learning rate by hand, or run lr_find() on an automatic-optimization version of "
-        "the model and use its suggestion.",
-    )
 
 
 def _optimizer_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Unsupported | None:

@@ -112,7 +112,7 @@ class OverfitBatchSanity(PreflightCheck):
     (the first batch is drawn by workers of the check's own). The real run is bit for bit the one it
     would have been without the check.
 
-    Limits: automatic optimization only (manual optimization: a one-time warning, nothing checked);
+    Limits: automatic optimization only (manual optimization: one INFO line, nothing checked);
     under DDP each rank trains its own first batch locally (``training_step`` is called directly, so
     DDP's gradient all-reduce is not involved); sharded strategies (FSDP, DeepSpeed) are not supported.
     A label mix-up that is the same every time the batch is drawn cannot be told apart from real labels

@@ -277,7 +277,7 @@ def test_exact_restore_the_real_run_is_bit_identical_to_one_without_the_check() 
         assert torch.equal(base[k], after[k]), k
 
 
-def test_manual_optimization_is_skipped_with_a_warning() -> None:
+def test_manual_optimization_is_skipped_with_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
     class Manual(Classifier):
         def __init__(self) -> None:
             super().__init__()
@@ -290,9 +290,11 @@ def test_manual_optimization_is_skipped_with_a_warning() -> None:
             opt.step()  # type: ignore[union-attr]
 
     check = OverfitBatchSanity()
-    with pytest.warns(UserWarning, match="automatic optimization"):
+    with caplog.at_level(logging.INFO, logger="lightning_gradguard"):
         fit(Manual(), check, max_steps=1)
     assert check.result is None and not check.alerts
+    said = [r for r in caplog.records if "automatic optimization" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]
 
 
 def test_ddp_two_processes_reach_the_same_verdict_without_hanging(tmp_path: Path) -> None:

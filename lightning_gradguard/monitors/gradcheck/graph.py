@@ -139,7 +139,8 @@ def has_backward_hooks(m: nn.Module) -> bool:
 
 #: casts of a tensor to a lower floating precision, kept in float64 under :class:`Float64Mode`
 _LOWER_CASTS = frozenset({Tensor.float, Tensor.half, Tensor.bfloat16})
-_DTYPE_CASTS = frozenset({Tensor.to, Tensor.type})
+#: ops whose dtype argument reinterprets the bits (``x.view(torch.int32)``): never rewritten
+_BIT_VIEWS = frozenset({Tensor.view})
 
 
 def _float64_dtype(value: Any) -> Any:
@@ -153,13 +154,16 @@ class Float64Mode(TorchFunctionMode):
     """Every floating-point tensor stays in float64; ``promoted`` says if the code asked for less.
 
     The model is copied to float64, but code in ``training_step`` often makes float32 tensors of its own
-    (``logits.float()`` for a loss in float32, ``torch.zeros(n)``, ``.to(torch.float32)``): a loss that
-    passes through one is rounded to float32, and finite differences at ``eps = 1e-6`` then measure
-    rounding noise, not the gradient (a healthy MLP whose loss takes ``logits.float()`` was a 1-88 %
-    mismatch). So a cast to a lower floating precision is not made (``.float()`` / ``.half()`` /
-    ``.bfloat16()`` of a float64 tensor return it as it is; ``.to()`` / ``.type()`` get float64 for a
-    lower floating dtype), and any other op's lower-precision output (a new ``torch.zeros(n)``) comes
-    back in float64.
+    (``logits.float()`` for a loss in float32, ``torch.zeros(n)``, ``.to(torch.float32)``), and models
+    compute parts in float32 on purpose (``softmax(x, dtype=torch.float32)`` in Bloom's attention, norms in
+    float32): a loss that passes through one is rounded to float32, and finite differences at
+    ``eps = 1e-6`` then measure rounding noise, not the gradient (a healthy MLP whose loss takes
+    ``logits.float()`` was a 1-88 % mismatch; a healthy Bloom 1e-3 to 9e-2 on a dozen tensors). So a cast
+    to a lower floating precision is not made (``.float()`` / ``.half()`` / ``.bfloat16()`` of a float64
+    tensor return it as it is), every op asked for a lower floating dtype (``.to()``, ``softmax(...,
+    dtype=...)``, ``torch.zeros(..., dtype=...)``) gets float64 instead (but ``Tensor.view``, which
+    reinterprets bits), and any other op's lower-precision output (a new ``torch.zeros(n)``) comes back in
+    float64.
     """
 
     def __init__(self) -> None:
@@ -173,7 +177,7 @@ class Float64Mode(TorchFunctionMode):
         if func in _LOWER_CASTS and args and isinstance(args[0], Tensor) and args[0].dtype == torch.float64:
             self.promoted = True
             return args[0]
-        if func in _DTYPE_CASTS:
+        if func not in _BIT_VIEWS:  # every op that is asked for a lower precision computes in float64
             kept = (tuple(_float64_dtype(a) for a in args), {k: _float64_dtype(v) for k, v in kwargs.items()})
             if kept != (tuple(args), kwargs):  # a lower precision was asked for: the mode must stay on
                 self.promoted = True

@@ -237,7 +237,9 @@ class ActivationRangeMonitor(SamplingMonitor):
             self._history = [*self._history, max(peaks.values(), key=_order)][-self.growth_window :]
         if entropies and self.min_attention_entropy is not None and attention:
             starts = self._entropy_starts
-            findings.append(entropy_verdict(entropies, peaks, self.min_attention_entropy, step, starts))
+            findings.append(
+                entropy_verdict(entropies, peaks, self.min_attention_entropy, step, starts, reading.qk_normed)
+            )
         for name, e in entropies.items():
             self._entropy_starts.setdefault(name, EntropyStart(step=step, entropy=e.entropy, ratio=e.ratio))
         for f in findings:

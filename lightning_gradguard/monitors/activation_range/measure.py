@@ -143,6 +143,22 @@ def _sdpa_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, 
     return named
 
 
+def normalizes_queries_and_keys(module: nn.Module) -> bool:
+    """Whether ``module`` holds its own normalization of the queries and of the keys (QK-norm: children
+    named ``q_norm`` / ``k_norm``, ``q_layernorm`` / ``k_layernorm``, ``query_norm`` / ``key_norm`` that are
+    norm layers, as Gemma 3/4, Qwen3, OLMo 2, Cohere and Persimmon hold them). Then the scale of the
+    attention logits is the norms' gain, which training sets, and not the projections' initialization."""
+    norms = [name for name, child in module.named_children() if _is_norm(child)]
+    queries = any(n.startswith(("q_", "q", "query")) and not n.startswith("qkv") for n in norms)
+    return queries and any(n.startswith(("k_", "k", "key")) for n in norms)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or type(module).__name__.endswith(
+        ("Norm", "Norm2d")
+    )
+
+
 class RangeCapture(ScopedHooks):
     """Block output moments, largest attention logits and attention entropies of the forward passes inside
     its scopes.
@@ -158,6 +174,8 @@ class RangeCapture(ScopedHooks):
         logits: attention owner name -> one 0-d tensor per call (on the device).
         entropy: attention owner name -> one ``(4, heads)`` tensor of entropy sums per call (on the device;
             :attr:`~lightning_gradguard.functional.activation_range.AttentionStats.entropy`).
+        qk_normed: the attention owners that normalize their queries and keys
+            (:func:`normalizes_queries_and_keys`).
         error: what stopped the recording (an output we could not measure); the records are partial.
         left_inert: another ``TorchFunctionMode`` entered after ours was still active when a scope ended.
     """
@@ -178,8 +196,10 @@ class RangeCapture(ScopedHooks):
         self.entropy: dict[str, list[Tensor]] = {}
         self.error: Exception | None = None
         self._blocks = {id(m): name for name, m in blocks.items()}
+        self.qk_normed: set[str] = set()
         self._names: dict[int, str] = {}
-        self._stack: list[str] = []
+        self._stack: list[tuple[str, nn.Module]] = []
+        self._judged: set[str] = set()  # owners whose QK-norm was looked at
 
     def __enter__(self) -> RangeCapture:
         if self._open:
@@ -199,7 +219,7 @@ class RangeCapture(ScopedHooks):
 
     # ------------------------------------------------------------------ during the forward pass
     def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        self._stack.append(self._names.get(id(module), f"<{type(module).__name__}>"))
+        self._stack.append((self._names.get(id(module), f"<{type(module).__name__}>"), module))
 
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.attention_on and self._stack:
@@ -217,9 +237,13 @@ class RangeCapture(ScopedHooks):
     def attention(self, measure: Callable[[], AttentionStats]) -> None:
         """Record the largest logit and the entropy sums of the attention call now running, under the module
         that made it."""
-        owner = self._stack[-1] if self._stack else OUTSIDE
+        owner, module = self._stack[-1] if self._stack else (OUTSIDE, None)
         if self.watch_attention is not None and not self.watch_attention(owner):
             return
+        if owner not in self._judged:  # once per owner and sample: a walk over its children
+            self._judged.add(owner)
+            if module is not None and normalizes_queries_and_keys(module):
+                self.qk_normed.add(owner)
         self._safely(lambda: self._record_attention(owner, measure()))
 
     def _record_attention(self, owner: str, stats: AttentionStats) -> None:
@@ -246,6 +270,7 @@ class CaptureReading:
     max_logits: dict[str, float] = field(default_factory=dict)
     entropies: dict[str, AttentionEntropy] = field(default_factory=dict)
     loss: float | None = None  # the step's mean loss over the ranks, when it was read
+    qk_normed: frozenset[str] = frozenset()  # attention owners that normalize their queries and keys
 
 
 def _summed_entropy(calls: list[Tensor]) -> Tensor:
@@ -300,7 +325,8 @@ def read_capture(
         transfer.add("loss", loss, reduce="mean")
     host = transfer.fetch(trainer, reduce_op="sum")  # the one device -> host transfer of the step
     reading = _pooled(host, moments, logits, entropy)
-    return replace(reading, loss=float(host["loss"]) if loss is not None else None)
+    loss_value = float(host["loss"]) if loss is not None else None
+    return replace(reading, loss=loss_value, qk_normed=frozenset(capture.qk_normed))
 
 
 def _pooled(

@@ -161,6 +161,7 @@ def entropy_verdict(
     min_ratio: float,
     step: int,
     starts: Mapping[str, EntropyStart],
+    qk_normed: frozenset[str] = frozenset(),
 ) -> Finding | None:
     """``attention_entropy_collapse``: the module whose mean attention entropy (over its heads and query
     rows) is the smallest fraction of ``ln(keys)``, when that fraction is below ``min_ratio`` and the
@@ -169,12 +170,17 @@ def entropy_verdict(
     ``starts`` holds each module's first sampled entropy of the run. At step 0, or later when the module
     was already below ``min_ratio`` at step 0, the cause named is the initialization; otherwise a collapse
     during training, from the module's first sampled entropy. A NaN entropy is no finding (NaNSentinel's); a
-    near-uniform attention is never one (normal at initialization; logged only).
+    near-uniform attention is never one (normal at initialization; logged only). A module in ``qk_normed``
+    (it normalizes its queries and keys) is judged only for a collapse during training: one-hot at step 0
+    and since is the scale its norms start at (Gemma 4's unscaled QK-normed logits), which training sets,
+    never an initialization too large.
     """
     low = [
         k
         for k, e in entropies.items()
-        if e.ratio < min_ratio and peaks.get(k, math.nan) >= COLLAPSE_MIN_LOGIT
+        if e.ratio < min_ratio
+        and peaks.get(k, math.nan) >= COLLAPSE_MIN_LOGIT
+        and not (k in qk_normed and _collapse_history(step, starts.get(k), min_ratio)[0])
     ]
     if not low:
         return None
@@ -221,7 +227,10 @@ ATTENTION_ENTROPY_COLLAPSE = Rule(
         " the logit condition). Judged at step 0 (the initialization) and while the run is not "
         "learning (the median of its last three sampled losses above half its start): attention "
         "that sharpens in a run that learns is what it learned (a BART copying its input: one-hot "
-        "cross-attention). See [activation range](activations.md#attention-entropy)."
+        "cross-attention). A module that normalizes its queries and keys (QK-norm) is judged only "
+        "for a collapse during training: one-hot from step 0 is the scale its norms start at (Gemma "
+        "4's unscaled logits), which training sets. See [activation "
+        "range](activations.md#attention-entropy)."
     ),
     hint=(
         "Attention entropy collapse (Zhai et al. 2023): the logits grew until each query attends to about "

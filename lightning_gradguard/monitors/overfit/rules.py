@@ -213,18 +213,69 @@ OVERFIT_FAILED = Rule(
 
 
 # ------------------------------------------------------------------ unused_parameter
+#: the share of the entries the optimizer holds from which parameters of modules that ran, yet got no
+#: gradient, are a cut graph (a `.detach()`, `torch.no_grad()`): below it they are parameters the forward
+#: does not read on this path, a design (a masked-image-modeling token in a classifier, a relative-attention
+#: table a block type does not use, a pooler a head ignores: 0.5-4 % of the models we swept)
+SIZEABLE = 0.1
+#: the share from which parameters without a gradient, whatever the reason, mean the model mostly never
+#: learns (modules that never run are otherwise a design: the cross-attention of an encoder-decoder run as
+#: a decoder, the vision tower of a multimodal model on text)
+MOST = 0.5
+
 #: the hint of ``unused_parameter`` (info): parameters of a module only another step uses
 _OTHER_STEPS_HINT = (
     "Nothing to do when that is the design (an auxiliary head read in validation). If they should learn, "
     "add their loss to training_step's; if not, freeze them (requires_grad=False: the optimizer then holds "
     "no state for them) or list them in `ignore_parameters` to drop this line."
 )
+#: the hint of ``unused_parameter`` (info): a minority of the model gets no gradient
+_UNREAD_HINT = (
+    "Nothing to do when the forward does not read them by design (a mask token in a classifier, a table a "
+    "block type does not use, an unused pooler). If they should learn, look for a `.detach()` or "
+    "`torch.no_grad()` on their way to the loss. Freezing them (requires_grad=False) saves their optimizer "
+    "state; under DDP, parameters without a gradient need find_unused_parameters=True, which walks the "
+    "graph after every forward: freezing them avoids that cost. `ignore_parameters` drops this line."
+)
+#: the DDP note of parameters that get no gradient at all (a zero gradient is no problem for DDP)
+_DDP_NOTE = " Under DDP they need find_unused_parameters=True (a walk over the graph after every forward)."
+
+
+def _entries(ev: ParameterEvidence, names: list[str], held: bool = False) -> tuple[int, float]:
+    """The entries of the kept parameters ``names``, and their share of every kept trainable entry (with
+    ``held``: of those an optimizer holds, the part of the model that is meant to learn)."""
+    in_optimizer = {id(p) for group in ev.optimizer.param_groups for p in group["params"]}
+    rows = zip(ev.record.names, ev.record.params, ev.kept, strict=True)
+    sizes = {n: p.numel() for n, p, keep in rows if keep and (not held or id(p) in in_optimizer)}
+    entries = sum(sizes.get(n, 0) for n in names)
+    return entries, entries / max(sum(sizes.values()), 1)
+
+
+def _unused(
+    ev: ParameterEvidence, names: list[str], what: str, *, most: bool, ddp: bool, severity: Severity = "error"
+) -> PreflightFinding:
+    """``unused_parameter`` for ``names`` (``what`` happened to them): ``severity`` when ``most`` (they
+    are too large a part of what the optimizer trains to be a design), else info with their share of the
+    model."""
+    entries, share = _entries(ev, names)
+    held = _entries(ev, names, held=True)[1]
+    said = (
+        f"{len(names)} trainable parameter(s) ({entries:,} entries, {share:.1%} of the trainable model) "
+        f"{what}: {listed(names)}."
+    )
+    data = {"count": float(len(names)), "entries": float(entries), "share": share}
+    if most:
+        said += f" That is {held:.0%} of what the optimizer trains: it never learns."
+        return PreflightFinding(UNUSED_PARAMETER, said, data, names=names, severity=severity)
+    said += " They never train." + (_DDP_NOTE if ddp else "")
+    return PreflightFinding(UNUSED_PARAMETER, said, data, hint=_UNREAD_HINT, severity="info", names=names)
 
 
 def _without_gradient(ev: ParameterEvidence) -> list[PreflightFinding]:
     """``unused_parameter``: info for those of a module that only another step uses (a validation-only
-    head), a warning for those left untrained on purpose (in no param group, or their module never
-    ran), an error for the rest."""
+    head) and for those in no param group (a teacher updated by hand); for those the optimizer holds, info
+    with their share of the model, an error for those of modules that ran when they are :data:`SIZEABLE`
+    of what it trains (a cut graph, not a token), and one error for all when they are :data:`MOST` of it."""
     record = ev.record
     in_optimizer = {id(p) for group in ev.optimizer.param_groups for p in group["params"]}
     no_grad, not_trained, outside = [], [], []
@@ -241,20 +292,23 @@ def _without_gradient(ev: ParameterEvidence) -> list[PreflightFinding]:
     idle = [n for n in not_trained + outside if "." in n and n.rsplit(".", 1)[0] not in record.called]
     by_step = used_elsewhere(record, idle)
     elsewhere = {name for names in by_step.values() for name in names}
-    not_trained = [name for name in not_trained if name not in elsewhere]
-    outside = [name for name in outside if name not in elsewhere]
+    not_trained = [n for n in not_trained if n not in elsewhere]
+    outside = [n for n in outside if n not in elsewhere]
     findings = [_other_steps(by_step)] if by_step else []
-    if not_trained or outside:
-        findings.append(_left_untrained(not_trained, outside))
-    if no_grad:
-        findings.append(
-            PreflightFinding(
-                UNUSED_PARAMETER,
-                f"{len(no_grad)} trainable parameter(s) never received a gradient: {listed(no_grad)}.",
-                {"count": float(len(no_grad))},
-                names=no_grad,
-            )
+    if _entries(ev, no_grad + outside, held=True)[1] >= MOST:  # one error for all of them
+        findings.append(_unused(ev, no_grad + outside, "never received a gradient", most=True, ddp=True))
+    else:
+        if no_grad:
+            cut = _entries(ev, no_grad, held=True)[1] >= SIZEABLE
+            findings.append(_unused(ev, no_grad, "never received a gradient", most=cut, ddp=True))
+        if outside:
+            what = "get no gradient: their module never runs in training_step"
+            findings.append(_unused(ev, outside, what, most=False, ddp=True))
+    if not_trained:
+        what = (
+            "get no gradient and are in no param group of the optimizer either (a teacher updated by hand?)"
         )
+        findings.append(_unused(ev, not_trained, what, most=False, ddp=True))
     return findings
 
 
@@ -267,7 +321,7 @@ def _other_steps(by_step: dict[str, list[str]]) -> PreflightFinding:
         f"{len(names)} trainable parameter(s) get no gradient in training_step; "
         + "; ".join(parts)
         + ". Expected for a head that only evaluates; nothing trains them, so they keep their initial "
-        "values unless you update them yourself. Under DDP they need find_unused_parameters=True.",
+        "values unless you update them yourself." + _DDP_NOTE,
         {"count": float(len(names))},
         hint=_OTHER_STEPS_HINT,
         severity="info",
@@ -275,24 +329,10 @@ def _other_steps(by_step: dict[str, list[str]]) -> PreflightFinding:
     )
 
 
-def _left_untrained(not_trained: list[str], outside: list[str]) -> PreflightFinding:
-    """``unused_parameter`` (warning): no gradient, in no param group, or in a module that never ran."""
-    parts = [f"in no param group of the optimizer either: {listed(not_trained)}"] if not_trained else []
-    if outside:
-        parts.append(f"their module never runs in training_step: {listed(outside)}")
-    return PreflightFinding(
-        UNUSED_PARAMETER,
-        f"{len(not_trained) + len(outside)} trainable parameter(s) get no gradient in "
-        "training_step; " + "; ".join(parts) + ". Fine if they are meant for another step "
-        "(validation, a teacher updated by hand); under DDP they need find_unused_parameters=True.",
-        {"count": float(len(not_trained) + len(outside))},
-        severity="warning",
-        names=not_trained + outside,
-    )
-
-
 def _zero_gradient(ev: ParameterEvidence) -> list[PreflightFinding]:
-    """``unused_parameter`` (warning): a gradient at some step, but exactly zero at every one."""
+    """``unused_parameter``: a gradient at some step, but exactly zero at every one (info with the share of
+    the model; a warning from :data:`SIZEABLE` of what the optimizer trains: dead units, a constant
+    branch)."""
     record = ev.record
     zero_grad = [
         n
@@ -301,16 +341,12 @@ def _zero_gradient(ev: ParameterEvidence) -> list[PreflightFinding]:
     ]
     if not zero_grad:
         return []
-    return [
-        PreflightFinding(
-            UNUSED_PARAMETER,
-            f"{len(zero_grad)} parameter(s) got a gradient that was exactly zero at every step: "
-            f"{listed(zero_grad)} (dead units, a multiplication by zero, or a constant branch).",
-            {"count": float(len(zero_grad))},
-            severity="warning",
-            names=zero_grad,
-        )
-    ]
+    what = (
+        "got a gradient that was exactly zero at every step (a token the batch never selects, dead units, a "
+        "multiplication by zero, or a constant branch)"
+    )
+    sizeable = _entries(ev, zero_grad, held=True)[1] >= SIZEABLE
+    return [_unused(ev, zero_grad, what, most=sizeable, ddp=False, severity="warning")]
 
 
 def unused_parameters(ev: ParameterEvidence) -> list[PreflightFinding]:
@@ -322,17 +358,17 @@ UNUSED_PARAMETER = Rule(
     kind="unused_parameter",
     severity="error",
     monitor="OverfitBatchSanity",
-    also=(
-        "warning",
-        "info",
-    ),
-    summary="a trainable parameter never received a gradient (or only exact zeros)",
+    also=("warning", "info"),
+    summary="trainable parameters got no gradient (or only zeros); an error for most of the model",
     when=(
-        "error: a trainable parameter in the optimizer, in a module that ran, never got a gradient "
-        "(a `.detach()`, a broken graph); warning: its gradient was exactly zero at every step, or "
-        "it is in no param group / its module never ran in `training_step` (a frozen teacher); "
-        "info: its module never ran in `training_step` and the code of `validation_step`, "
-        "`test_step` or `predict_step` uses it (a validation-only head, read from the source)."
+        "error: parameters of modules that ran got no gradient and are 10 % or more of the entries "
+        "the optimizer holds (a `.detach()`, a cut graph), or the parameters without a gradient are "
+        "half of them or more (the model mostly never learns); warning: a gradient of exact zeros on "
+        "10 % or more (dead units, a constant branch); info otherwise, with their entries, share of "
+        "the model and a DDP note (a mask token a classifier never reads, a table a block type does "
+        "not use, a pooler a head ignores, cross-attention without an encoder, a teacher in no param "
+        "group, a module that never runs), and for a module only `validation_step`, `test_step` or "
+        "`predict_step` uses (read from the source)."
     ),
     hint=(
         "These parameters are not in the graph that produced the loss: look for a `.detach()`, "

@@ -62,6 +62,7 @@ class Attention(nn.Module):
         self.k_norm = nn.LayerNorm(D // HEADS) if qk_norm else nn.Identity()
         self.truth: dict[int, tuple[float, float, float]] = {}  # step -> brute_entropy of its call
         self.step = -1
+        self.scale: float | None = None  # SDPA's scale (None: 1/sqrt(head dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -70,11 +71,12 @@ class Attention(nn.Module):
         position = torch.arange(t, dtype=torch.float32)
         bias = -self.slope * (position[:, None] - position[None, :]).abs() if self.slope else None
         if self.step not in self.truth:
-            scores = q.detach().double() @ k.detach().double().transpose(-2, -1) / math.sqrt(D // HEADS)
+            scale = self.scale if self.scale is not None else 1 / math.sqrt(D // HEADS)
+            scores = q.detach().double() @ k.detach().double().transpose(-2, -1) * scale
             if self.causal:
                 scores = scores.masked_fill(torch.ones(t, t).triu(1).bool(), -math.inf)
             self.truth[self.step] = brute_entropy(scores if bias is None else scores + bias)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=self.causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=self.causal, scale=self.scale)
         return self.out(y.transpose(1, 2).reshape(b, t, D))
 
 
@@ -189,6 +191,23 @@ def test_healthy_attention_stays_quiet(name: str, kwargs: dict[str, Any]) -> Non
     if kwargs.get("causal"):  # the first query's entropy (0) is left out: the mean ln(keys) of rows 2..8
         expected = sum(math.log(n) for n in range(2, 9)) / 7
         assert monitor.entropies["blocks.0.attn"].log_keys == pytest.approx(expected, rel=1e-6)
+
+
+def test_unscaled_qk_normed_attention_one_hot_at_init_is_the_architecture_not_a_fault() -> None:
+    """QK-norm without 1/sqrt(d) (Gemma 4's scaling 1.0): the logits' scale is the norms' gain, which
+    training sets, so attention one-hot from step 0 is no initialization fault; the same logits from
+    projections without QK-norm are still named (test_attention_initialized_near_one_hot_is_named_at_step_0)."""
+    model = DigitsTransformer(qk_norm=True)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.scale = 1.0
+            block.attn.q_norm.weight.fill_(3.0)
+            block.attn.k_norm.weight.fill_(3.0)
+    monitor, logger = fit(model, steps=20, cooldown_steps=0)
+    _, _, ratio = min((model.blocks[i].attn.truth[0] for i in range(2)), key=lambda t: t[2])
+    peak = max(logger.series(f"attention/max_logit/{m}")[0] for m in MODULES)
+    assert ratio < 0.2 and peak >= 25  # the premise: near one-hot by the scale of its logits at step 0
+    assert not [a.format() for a in monitor.alerts if a.kind == KIND]
 
 
 def test_a_trained_real_data_transformer_stays_quiet() -> None:

@@ -365,7 +365,10 @@ def test_both_checks_run_under_other_precisions(precision: str) -> None:
     assert grads.result is not None and grads.result.passed
 
 
-def test_an_identically_zero_gradient_is_a_warning_that_does_not_fail_the_check() -> None:
+def test_an_identically_zero_gradient_of_a_minority_is_an_info_line_with_its_share() -> None:
+    """A token the batch never selects (a gradient of exact zeros) is no fault of the run: one INFO line
+    with its share of the model, and the check passes."""
+
     class Gated(Classifier):
         def __init__(self) -> None:
             super().__init__()
@@ -379,8 +382,36 @@ def test_an_identically_zero_gradient_is_a_warning_that_does_not_fail_the_check(
     fit(Gated(), check, max_steps=1)
     assert check.result is not None and check.result.passed
     (finding,) = check.result.findings
-    assert (finding.kind, finding.severity, finding.names) == ("unused_parameter", "warning", ["gate"])
-    assert [(a.kind, a.severity, a.where) for a in check.alerts] == [("unused_parameter", "warning", "gate")]
+    assert (finding.kind, finding.severity, finding.names) == ("unused_parameter", "info", ["gate"])
+    total = sum(p.numel() for p in Gated().parameters())
+    assert finding.data["entries"] == 1 and finding.data["share"] == pytest.approx(1 / total)
+    assert f"{1 / total:.1%} of the trainable model" in finding.message
+    assert [(a.kind, a.severity, a.where) for a in check.alerts] == [("unused_parameter", "info", "gate")]
+
+
+def test_parameters_unused_by_design_are_info_and_most_of_the_model_is_an_error() -> None:
+    """A mask token and a relative-position table the forward never reads (as Hugging Face classifiers
+    hold them) are an INFO line with their share and a DDP note, and the check passes; a backbone whose
+    output is detached (most of the trainable entries without a gradient) fails it."""
+
+    class WithUnread(Classifier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mask_token = nn.Parameter(torch.zeros(8))
+            self.net[0].rel_table = nn.Parameter(torch.zeros(4, 4))  # in a module that runs, never read
+
+    torch.manual_seed(0)
+    check = OverfitBatchSanity()
+    fit(WithUnread(), check, max_steps=1)
+    assert check.result is not None and check.result.passed
+    (finding,) = check.result.findings
+    assert finding.severity == "info" and sorted(finding.names) == ["mask_token", "net.0.rel_table"]
+    assert finding.data["entries"] == 24 and "find_unused_parameters=True" in finding.message
+    torch.manual_seed(0)
+    broken = OverfitBatchSanity(action="warn")
+    fit(Classifier("detach"), broken, max_steps=1)
+    (error,) = [f for f in broken.result.findings if f.kind == "unused_parameter"]  # type: ignore[union-attr]
+    assert error.severity == "error" and error.data["share"] >= 0.5 and "never learns" in error.message
 
 
 class BatchNormClassifier(Classifier):

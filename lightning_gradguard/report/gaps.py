@@ -17,6 +17,7 @@ from typing import Any
 from lightning_gradguard.monitors.gradients.tags import GRAD_NORM, UPDATE_RATIO, WEIGHT_NORM
 from lightning_gradguard.monitors.optimizer.tags import OPTIMIZER
 from lightning_gradguard.monitors.stall.tags import STALL
+from lightning_gradguard.report.damage import whole_step
 from lightning_gradguard.report.read import LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS, RunData
 
 #: the families written on Lightning's logging steps (step 0, then ``(step + 1) % every == 0``)
@@ -136,15 +137,16 @@ def _nan_report_series(run: RunData) -> list[StandIn]:
             ("recent_losses", "loss", "loss", "loss"),
             ("recent_total_grad_norms", "total_grad_norm", "grad_norm", "total gradient norm"),
         ):
-            rows = [r for r in report.get(key) or [] if isinstance(r, dict) and value_key in r]
-            if rows:
+            rows = report.get(key) if isinstance(report.get(key), list) else []
+            points = [
+                (whole_step(r.get("step")), r[value_key])
+                for r in rows
+                if isinstance(r, dict) and isinstance(r.get(value_key), int | float)
+            ]
+            points = [(s, v) for s, v in points if s is not None]
+            if points:
                 out.append(
-                    StandIn(
-                        f"{what} ({where})",
-                        axis,
-                        [int(r["step"]) for r in rows],
-                        [float(r[value_key]) for r in rows],
-                    )
+                    StandIn(f"{what} ({where})", axis, [s for s, _ in points], [float(v) for _, v in points])
                 )
     return out
 

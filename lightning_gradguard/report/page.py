@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import lightning_gradguard.report.damage as damage
 import lightning_gradguard.report.figures as figures
 import lightning_gradguard.report.gaps as gaps
 from lightning_gradguard.registry import FAMILIES
@@ -110,6 +111,9 @@ def summary_lines(run: RunData, out_path: str | None = None) -> list[str]:
         lines.append(f"  training loss: {gap}")
     if out_path:
         lines.append(f"  HTML report: {out_path}")
+    skipped = damage.summary(run.skipped)
+    if skipped:
+        lines.append(skipped)
     return lines
 
 
@@ -190,6 +194,7 @@ def render_html(run: RunData) -> str:
         *_nan_reports(run),
         *_figures(run),
         *_records(run),
+        *_skipped(run),
         "</body></html>",
     ]
     return "\n".join(parts)
@@ -277,3 +282,22 @@ def _records(run: RunData) -> list[str]:
         parts.append("<h2>Alerts</h2>")
         parts.append(_table(_ALERT_KEYS, [[a.get(k) for k in _ALERT_KEYS] for a in run.alerts[:500]]))
     return parts
+
+
+#: the most skipped entries the page lists one by one
+_SKIPPED_ROWS = 200
+
+
+def _skipped(run: RunData) -> list[str]:
+    """What the readers could not read (a torn line, a corrupt record, a malformed row), and why."""
+    if not run.skipped:
+        return []
+    rows = [[s.file, s.where, s.reason] for s in run.skipped[:_SKIPPED_ROWS]]
+    more = len(run.skipped) - len(rows)
+    note = f"<p class='note'>and {more} more not listed</p>" if more > 0 else ""
+    return [
+        "<h2>Skipped: damaged input</h2>",
+        f"<p>{len(run.skipped)} entr{'y' if len(run.skipped) == 1 else 'ies'} of the run folder could not be "
+        "read and are left out of this page; everything else is shown.</p>",
+        _table(["file", "where", "why"], rows) + note,
+    ]

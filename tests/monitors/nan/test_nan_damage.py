@@ -45,9 +45,8 @@ def _under_a_file(tmp_path: Path) -> Path:
 def test_a_run_folder_under_a_regular_file_still_stops_at_the_nan(tmp_path: Path) -> None:
     root = _under_a_file(tmp_path)
     trainer = make_trainer([NaNSentinel()], default_root_dir=str(root), max_steps=8)
-    with pytest.warns(UserWarning, match="could not write") as caught:
-        with pytest.raises(NonFiniteError) as err:
-            trainer.fit(NaNAt(5), random_loader())
+    with pytest.warns(UserWarning, match="could not write") as caught, pytest.raises(NonFiniteError) as err:
+        trainer.fit(NaNAt(5), random_loader())
     assert err.value.report["step"] == 5 and err.value.report["kind"] == "nonfinite_loss"
     assert trainer.global_step == 5
     said = " ".join(str(w.message) for w in caught)
@@ -93,9 +92,8 @@ def test_a_full_disk_does_not_replace_the_stop(
         monkeypatch.setattr(builtins, "open", full_open)
         monkeypatch.setattr(os, "replace", full_replace)
     trainer = make_trainer([NaNSentinel()], default_root_dir=str(tmp_path), max_steps=8)
-    with pytest.warns(UserWarning, match="could not write"):
-        with pytest.raises(NonFiniteError) as err:
-            trainer.fit(NaNAt(4), random_loader())
+    with pytest.warns(UserWarning, match="could not write"), pytest.raises(NonFiniteError) as err:
+        trainer.fit(NaNAt(4), random_loader())
     assert err.value.report["step"] == 4
     report = tmp_path / "nan_report" / "step_4" / "report.json"
     if failing == "torch.save":  # report.json is written, and lists only the files that were

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -226,6 +227,20 @@ class Alert:
         d["data"] = {k: _json_number(v) for k, v in self.data.items()}
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Alert:
+        """The alert :meth:`to_dict` gave (``"nan"``/``"inf"`` numbers back to floats)."""
+        data = {k: float(v) if isinstance(v, str) else v for k, v in dict(d.get("data") or {}).items()}
+        fields = {
+            k: d[k] for k in ("kind", "severity", "step", "where", "message", "hint", "source") if k in d
+        }
+        return cls(**fields, data=data)
+
+    def key(self) -> tuple[Any, ...]:
+        """What tells this alert apart in a run's record: step, kind, place and source (a replayed step's
+        alert has the same key as the one written before the run was killed)."""
+        return alert_key(self.to_dict())
+
     def format(self) -> str:
         """One human line: severity, kind, place, step, message and hint."""
         where = f" at {self.where}" if self.where else ""
@@ -239,6 +254,11 @@ class Alert:
             f"**{self.severity.upper()}** {md(self.kind)}{where}, step {self.step} "
             f"({md(self.source)})  \n{md(self.message)}  \n*Hint:* {md(self.hint)}"
         )
+
+
+def alert_key(record: dict[str, Any]) -> tuple[Any, ...]:
+    """:meth:`Alert.key` of a record of ``gradguard_alerts.jsonl``."""
+    return tuple(str(record.get(k)) for k in ("step", "kind", "where", "source"))
 
 
 def _json_number(v: Any) -> Any:
@@ -304,6 +324,22 @@ class JsonlSink:
 
     def __call__(self, alert: Alert) -> None:
         append_line(self.path, json.dumps(alert.to_dict(), sort_keys=True))
+
+
+def recorded_alerts(path: str) -> Counter[tuple[Any, ...]]:
+    """The keys (:func:`alert_key`) of the alerts ``path`` holds, counted; a damaged line is passed over."""
+    found: Counter[tuple[Any, ...]] = Counter()
+    if not os.path.isfile(path):
+        return found
+    with open(path, "rb") as fh:
+        for raw in fh:
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError):  # a torn line, not UTF-8: not an alert
+                continue
+            if isinstance(record, dict):
+                found[alert_key(record)] += 1
+    return found
 
 
 def append_line(path: str, line: str) -> None:

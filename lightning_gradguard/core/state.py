@@ -35,6 +35,9 @@ class TrainerState:
     skipped_updates: dict[str, int] = field(default_factory=dict)
     #: the buffers as they were at the start of the step, when a callback keeps them (``core.buffers``)
     step_buffers: Any = None
+    #: on a resumed fit, the alerts the run's alerts file already holds (their keys, counted): the alerts of
+    #: the steps it replays are not written twice (``core.base``)
+    alerts_on_file: Any = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, TrainerState] = weakref.WeakKeyDictionary()

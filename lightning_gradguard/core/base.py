@@ -388,7 +388,7 @@ def _fan_out(trainer: pl.Trainer, alert: Alert) -> None:
     count = {ALERTS.tag(alert.kind): float(state.alert_counts[alert.kind])}
     sinks: tuple[tuple[str, Callable[[], None]], ...] = (
         ("Python logging", lambda: LoggingSink()(alert)),
-        ("the JSON-lines file", lambda: _write_line(trainer, alert)),
+        (_emit.alerts_path(trainer), lambda: _write_line(trainer, alert)),
         ("TensorBoard's text tab", lambda: _emit.log_text(trainer, ALERT_TEXT, alert.markdown(), at)),
         ("the loggers", lambda: _emit.log_scalars(trainer, count, at)),
     )

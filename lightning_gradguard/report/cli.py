@@ -55,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"gradguard report: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the page could not be written where asked (a folder there, no permission)
+        print(f"gradguard report: could not write the report: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     for line in summary_lines(run, path):
         print(line)
     print(f"  made in {time.perf_counter() - started:.1f} s")

@@ -22,7 +22,7 @@ from lightning_gradguard.report.read import RunData
 
 _Draw = TypeVar("_Draw", bound=Callable[..., Any])
 #: names are data: every text a picture draws is literal (``$...$`` is no formula, nothing goes to TeX)
-PLAIN_TEXT = {"text.parse_math": False, "text.usetex": False}
+PLAIN_TEXT: dict[Any, Any] = {"text.parse_math": False, "text.usetex": False}
 #: the longest label a picture shows (a layer's name, a tag, an alert's kind), and the most lines it draws
 _LABEL = 80
 _MAX_LINES = 100
@@ -399,7 +399,9 @@ def lr_range_test(run: RunData, name: str) -> bytes | None:
     plt = matplotlib_or_exit()
     fig, ax = plt.subplots(figsize=(10, 3.6))
     lrs = curve["lr"]
-    ax.plot(lrs, curve.get("loss", []), color="#bbbbbb", lw=1, label="loss")
+    raw = curve.get("loss") or []
+    if len(raw) == len(lrs):
+        ax.plot(lrs, raw, color="#bbbbbb", lw=1, label="loss")
     smooth = curve.get("curve") or curve.get("smoothed_loss") or []
     ax.plot(lrs[: len(smooth)], smooth, color="#333333", lw=1.8, label="smoothed")
     finite = [v for v in smooth if math.isfinite(v)]

@@ -137,13 +137,12 @@ def _nan_report_series(run: RunData) -> list[StandIn]:
             ("recent_losses", "loss", "loss", "loss"),
             ("recent_total_grad_norms", "total_grad_norm", "grad_norm", "total gradient norm"),
         ):
-            rows = report.get(key) if isinstance(report.get(key), list) else []
-            points = [
-                (whole_step(r.get("step")), r[value_key])
-                for r in rows
-                if isinstance(r, dict) and isinstance(r.get(value_key), int | float)
-            ]
-            points = [(s, v) for s, v in points if s is not None]
+            rows = report.get(key)
+            points: list[tuple[int, float]] = []
+            for r in rows if isinstance(rows, list) else []:
+                step = whole_step(r.get("step")) if isinstance(r, dict) else None
+                if step is not None and isinstance(r.get(value_key), int | float):
+                    points.append((step, float(r[value_key])))
             if points:
                 out.append(
                     StandIn(f"{what} ({where})", axis, [s for s, _ in points], [float(v) for _, v in points])

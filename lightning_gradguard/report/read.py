@@ -187,9 +187,16 @@ def _scalars_of(damage: Damage, path: str, number: int, data: bytes) -> Iterator
         if value.HasField("simple_value"):
             yield value.tag, int(event.step), float(value.simple_value)
         elif value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
-            array = tensor_util.make_ndarray(value.tensor)
-            if array.size == 1:
-                yield value.tag, int(event.step), float(array.reshape(()))
+            try:
+                array = tensor_util.make_ndarray(value.tensor)
+                point = float(array.reshape(())) if array.size == 1 else None
+            except (ValueError, TypeError):
+                damage.skip(
+                    path, f"record {number}", f"the scalar {_damage.clip(value.tag, 80)!r} is malformed"
+                )
+                continue
+            if point is not None:
+                yield value.tag, int(event.step), point
 
 
 def _read_event_file(damage: Damage, path: str, wanted: str | None) -> dict[str, Series]:

@@ -111,8 +111,13 @@ def _write_figure(trainer: pl.Trainer, folder: str, result: LRFinderResult, suff
         return
     path = os.path.join(folder, f"lr_finder{suffix}.png")
     _emit.write_file(trainer, path, lambda: fig.savefig(path, dpi=100))
+    tag, at = LR_FINDER_CURVE.tag(f"curve{suffix}"), log_step(trainer)
     for tb in _emit.tensorboard_writers(trainer):
-        tb.add_figure(LR_FINDER_CURVE.tag(f"curve{suffix}"), fig, global_step=log_step(trainer), close=False)
+        _emit.safely(
+            trainer,
+            "the range test's figure",
+            lambda w=tb: w.add_figure(tag, fig, global_step=at, close=False),
+        )
 
 
 def _log_hparams(trainer: pl.Trainer, params: dict[str, Any]) -> None:

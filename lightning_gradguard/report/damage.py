@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 from collections import Counter
 from collections.abc import Iterator
@@ -151,15 +152,27 @@ def event_records(damage: Damage, path: str) -> Iterator[bytes]:
             yield data
 
 
+#: the largest step the report takes (a float still holds it exactly; an axis can draw it)
+MAX_STEP = 2**53
+
+
 def whole_step(value: Any) -> int | None:
-    """``value`` as a step: a whole finite number (``None`` for anything else, ``True`` included)."""
-    if isinstance(value, bool):
+    """``value`` as a step: a whole number from 0 to :data:`MAX_STEP` (``None`` for anything else: NaN,
+    inf, a fraction, a string, ``True``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    return int(value) if 0 <= value <= MAX_STEP else None
+
+
+#: C0 and C1 control characters: a terminal would act on them (clear the screen, move the cursor)
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal(text: str) -> str:
+    """``text`` as a terminal shows it literally: every control character but tab and newline as ``\\xNN``."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def bounded(value: Any, depth: int = 0) -> Any:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import lightning_gradguard.report.gaps as gaps
-from lightning_gradguard.report.damage import clip
+from lightning_gradguard.report.damage import clip, terminal
 from lightning_gradguard.report.read import RunData
 
 _Draw = TypeVar("_Draw", bound=Callable[..., Any])
@@ -31,7 +31,8 @@ _MAX_ALERT_MARKS = 200
 
 
 def _label(name: Any) -> str:
-    return clip(str(name), _LABEL)
+    """A name as a picture shows it: control characters as text, at most :data:`_LABEL` characters."""
+    return clip(terminal(str(name)), _LABEL)
 
 
 def plain_text(draw: _Draw) -> _Draw:

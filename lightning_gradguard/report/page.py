@@ -114,7 +114,7 @@ def summary_lines(run: RunData, out_path: str | None = None) -> list[str]:
     skipped = damage.summary(run.skipped)
     if skipped:
         lines.append(skipped)
-    return lines
+    return [damage.terminal(line) for line in lines]  # names are data: no control character reaches it
 
 
 _CSS = """

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -319,28 +320,25 @@ def _entries_before_tear(text: str) -> list[Any]:
 
 
 def _lr_csv(damage: Damage, path: str) -> dict[str, list[float]] | None:
-    """A range test's CSV, row by row: a row with a missing or non-numeric field is skipped."""
-    rows = (line for _, line in _damage.text_lines(damage, path))
-    reader = csv.reader(rows)
-    try:
-        head = next(reader)
-    except (StopIteration, csv.Error):
-        damage.skip(path, "file", "no header row")
-        return None
-    keys = [k for k in head if k != "step"]
-    if "lr" not in keys:
-        damage.skip(path, "file", "no lr column")
-        return None
-    columns: dict[str, list[float]] = {k: [] for k in keys}
-    for number, row in enumerate(reader, 2):
+    """A range test's CSV, row by row: a row with a missing, extra or non-numeric field is skipped."""
+    columns: dict[str, list[float]] | None = None
+    head: list[str] = []
+    for number, line in _damage.text_lines(damage, path):
         try:
+            row = next(csv.reader([line]))
+            if columns is None:
+                head, columns = row, {k: [] for k in row if k != "step"}
+                continue
             values = dict(zip(head, row, strict=True))
-            parsed = {k: float(values[k]) if values[k] not in ("", "nan") else float("nan") for k in keys}
-        except (ValueError, csv.Error):
-            damage.skip(path, f"row {number}", "malformed (wrong number of fields, or not a number)")
+            parsed = {k: float(values[k]) if values[k] not in ("", "nan") else math.nan for k in columns}
+        except (ValueError, csv.Error, StopIteration):
+            damage.skip(path, f"row {number}", "malformed (a wrong number of fields, or not a number)")
             continue
-        for k in keys:
-            columns[k].append(parsed[k])
+        for k, v in parsed.items():
+            columns[k].append(v)
+    if columns is None or "lr" not in columns:
+        damage.skip(path, "file", "no header row with an lr column")
+        return None
     return columns
 
 
@@ -386,7 +384,7 @@ def _recorded_log_every_n_steps(damage: Damage, run: str, hparams: dict[str, str
                 f"not a positive whole number ({_damage.clip(repr(value), 40)})",
             )
     value = hparams.get("log_every_n_steps", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    return int(value) if re.fullmatch(r"[0-9]{1,9}", value) and int(value) > 0 else None
 
 
 def read_run(run: str, loss_tag: str | None = None) -> RunData:

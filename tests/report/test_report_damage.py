@@ -109,6 +109,12 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "a JSON array on a line": (lambda r: _append(r / ALERTS, b"[1, 2, 3]\n"), ALERTS),
     "a non-finite step": (lambda r: _append(r / ALERTS, b'{"kind": "x", "step": NaN}\n'), ALERTS),
     "an infinite step": (lambda r: _append(r / ALERTS, b'{"kind": "x", "step": Infinity}\n'), ALERTS),
+    "a step too large to draw": (
+        lambda r: _append(r / ALERTS, b'{"kind": "x", "step": ' + b"9" * 400 + b"}\n"),
+        ALERTS,
+    ),
+    "a fractional step": (lambda r: _append(r / ALERTS, b'{"kind": "x", "step": 2.5}\n'), ALERTS),
+    "a deeply nested line": (lambda r: _append(r / ALERTS, b"[" * 100_000 + b"\n"), ALERTS),
     "a half-written spikes.json": (
         lambda r: (r / "spikes.json").write_bytes((r / "spikes.json").read_bytes()[:-60]),
         "spikes.json",
@@ -121,6 +127,14 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "a non-integer log_every_n_steps": (
         lambda r: (r / "config.yaml").write_text("trainer:\n  log_every_n_steps: often\n", encoding="utf-8"),
         "config.yaml",
+    ),
+    "a NUL byte in a CSV row": (
+        lambda r: _append(r / "lr_finder.csv", b"21,0.1\x00,1,1,1\n"),
+        "lr_finder.csv",
+    ),
+    "a report.json that is a JSON array": (
+        lambda r: (r / "nan_report" / "step_5" / "report.json").write_text("[5]", encoding="utf-8"),
+        "nan_report",
     ),
     "a corrupt event record": (_corrupt_middle_record, "events.out.tfevents."),
     "a truncated event file": (
@@ -143,12 +157,12 @@ def test_the_report_reads_what_parses_and_says_what_it_skipped(
     skipped_line = [line for line in out.splitlines() if line.startswith("gradguard report: skipped")]
     assert len(skipped_line) == 1 and file in skipped_line[0]
     assert "Skipped: damaged input" in page
-    # what parses is kept: the NaN at step 5 (alert and report)
-    assert [(a["kind"], a["step"]) for a in data.alerts if a["source"] == "NaNSentinel"] == [
-        ("nonfinite_loss", 5)
-    ]
-    assert [r["step"] for r in data.nan_reports] == [5]
-    assert "<h2>NaN report</h2>" in page
+    # what parses is kept: the NaN at step 5 (alert, and report unless that is the damaged file)
+    kept = [(a["kind"], a["step"]) for a in data.alerts if a["source"] == "NaNSentinel"]
+    assert kept == [("nonfinite_loss", 5)]
+    if file != "nan_report":
+        assert [r["step"] for r in data.nan_reports] == [5]
+        assert "<h2>NaN report</h2>" in page
 
 
 def test_a_half_written_spikes_json_keeps_its_whole_entries(nan_run: Path, tmp_path: Path) -> None:
@@ -262,6 +276,16 @@ def test_names_reach_the_html_page_escaped(
     page, _ = _report(run, capsys)
     assert "<script>alert" not in page and "<img src=x>" not in page and "<b>h</b>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_names_reach_the_terminal_without_control_characters(
+    nan_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _copy(nan_run, tmp_path)
+    _rewrite_alert(run / ALERTS, kind="\x1b[2J\x1b]0;owned\x07nonfinite_loss")
+    _, out = _report(run, capsys)
+    assert "\x1b" not in out and "\x07" not in out
+    assert "\\x1b[2J" in out  # shown, as text
 
 
 # ------------------------------------------------------------------ the run folder is not trusted

@@ -109,23 +109,25 @@ _VERSION = re.compile(r"version_(\d+)")
 _EVENTS = "events.out.tfevents."
 
 
-def _event_files(folder: str) -> list[str]:
-    """The event files directly in ``folder`` (regular files, listed: a name is never a pattern)."""
+def _names(folder: str) -> list[str]:
+    """The names in ``folder``, sorted (none where it cannot be listed): listed, never globbed, so a name
+    with ``[``, ``*`` or ``?`` is a name, not a pattern."""
     try:
-        names = os.listdir(folder)
+        return sorted(os.listdir(folder))
     except OSError:
         return []
-    return [
-        os.path.join(folder, n)
-        for n in names
-        if n.startswith(_EVENTS) and os.path.isfile(os.path.join(folder, n))
-    ]
+
+
+def _event_files(folder: str) -> list[str]:
+    """The event files directly in ``folder`` (regular files)."""
+    paths = [os.path.join(folder, n) for n in _names(folder) if n.startswith(_EVENTS)]
+    return [p for p in paths if os.path.isfile(p)]
 
 
 def _versions(path: str) -> dict[str, int]:
     """The ``version_<n>`` directories of ``path`` (not a file named so, not a link out of it): name -> n."""
     found = {}
-    for name in os.listdir(path):
+    for name in _names(path):
         match = _VERSION.fullmatch(name)
         full = os.path.join(path, name)
         if match and os.path.isdir(full) and _damage.inside(path, full):
@@ -396,7 +398,7 @@ def read_run(run: str, loss_tag: str | None = None) -> RunData:
     data.alerts = _alerts(damage, os.path.join(run, "gradguard_alerts.jsonl"))
     data.nan_reports = _nan_reports(damage, run)
     data.spikes = _spikes(damage, os.path.join(run, "spikes.json"))
-    for name in sorted(os.listdir(run)):
+    for name in _names(run):
         path = os.path.join(run, name)
         if name.startswith("lr_finder") and name.endswith(".csv") and _damage.readable(damage, path):
             curve = _lr_csv(damage, path)

@@ -206,8 +206,12 @@ def write_report(
     files: dict[str, str] = {}
     save_batch = settings.save_batch and micro.batch is not None
     if trainer.global_rank == report.rank and save_batch:
-        batch = apply_to_collection(micro.batch, Tensor, lambda t: t.detach().cpu())
-        save_batch = _save(trainer, os.path.join(folder, "batch.pt"), lambda path: torch.save(batch, path))
+        batch = micro.batch
+        save_batch = _save(
+            trainer,
+            os.path.join(folder, "batch.pt"),
+            lambda path: torch.save(apply_to_collection(batch, Tensor, _to_cpu), path),
+        )
     if settings.save_checkpoint and _sharding.fsdp_checkpoint_on_cpu(trainer):
         warn_once(trainer, "nan:fsdp_cpu_checkpoint", _sharding.FSDP_CPU_CHECKPOINT)
     elif settings.save_checkpoint and report.rule is not NONFINITE_PARAMETER:
@@ -238,6 +242,10 @@ def _save(
         save(path)
 
     return _emit.write_file(trainer, path, write, environmental=environmental)
+
+
+def _to_cpu(t: Tensor) -> Tensor:
+    return t.detach().cpu()
 
 
 def _weights_note(rule: Rule, action: str) -> str:

@@ -203,7 +203,7 @@ def alert_timeline(run: RunData) -> bytes | None:
     """
     loss = run.scalars.get(run.loss_tag) if run.loss_tag else None
     loss = loss if loss is not None and loss.steps else None
-    found = gaps.stand_ins(run) if loss is None else []
+    found = gaps.stand_ins(run)[:_MAX_LINES] if loss is None else []
     if loss is None and not run.alerts and not found:
         return None
     plt = matplotlib_or_exit()

@@ -70,8 +70,8 @@ def write_file(
         warn_once(
             trainer,
             f"write:{path}",
-            f"lightning_gradguard could not write {path} ({type(err).__name__}: {err}); training goes on "
-            "as it would have.",
+            f"lightning_gradguard could not write {path} ({type(err).__name__}: {err}); nothing waits on it: "
+            "the stop, the skip or the alert happens as it would have.",
         )
         return False
     return True

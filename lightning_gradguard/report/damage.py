@@ -20,7 +20,6 @@ import math
 import os
 import re
 import struct
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,10 +67,15 @@ def summary(skipped: list[Skipped]) -> str | None:
     """The one terminal line: how many damaged entries were skipped, per file and reason."""
     if not skipped:
         return None
-    counts = Counter((s.file, s.reason) for s in skipped)
-    parts = [f"{file}: {n} x {reason}" for (file, reason), n in list(counts.items())[:5]]
-    more = f"; and {len(counts) - 5} more" if len(counts) > 5 else ""
-    return f"gradguard report: skipped {len(skipped)} damaged entries ({'; '.join(parts)}{more})"
+    groups: dict[tuple[str, str], list[str]] = {}
+    for s in skipped:
+        groups.setdefault((s.file, s.reason), []).append(s.where)
+    parts = []
+    for (file, reason), wheres in list(groups.items())[:5]:
+        more = f" and {len(wheres) - 3} more" if len(wheres) > 3 else ""
+        parts.append(f"{file} {', '.join(wheres[:3])}{more}: {reason}")
+    rest = f"; and {len(groups) - 5} more kinds of damage" if len(groups) > 5 else ""
+    return f"gradguard report: skipped {len(skipped)} damaged entries ({'; '.join(parts)}{rest})"
 
 
 def inside(run: str, path: str) -> bool:
@@ -129,8 +133,13 @@ def event_records(damage: Damage, path: str) -> Iterator[bytes]:
     with what was left unread."""
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-    size = os.path.getsize(path)
-    with open(path, "rb") as fh:
+    try:
+        size = os.path.getsize(path)
+        fh = open(path, "rb")  # noqa: SIM115 (closed by the with below)
+    except OSError as err:
+        damage.skip(path, "file", f"unreadable ({type(err).__name__}: {err.strerror or err})")
+        return
+    with fh:
         number = 0
         while header := fh.read(12):
             number += 1

@@ -216,7 +216,7 @@ def write_report(
         warn_once(trainer, "nan:fsdp_cpu_checkpoint", _sharding.FSDP_CPU_CHECKPOINT)
     elif settings.save_checkpoint and report.rule is not NONFINITE_PARAMETER:
         checkpoint = os.path.join(folder, "last_good.ckpt")  # every rank calls it (a barrier under DDP)
-        if _save(trainer, checkpoint, trainer.save_checkpoint):
+        if _save(trainer, checkpoint, lambda path: _checkpoint(trainer, path)):
             files["checkpoint"] = checkpoint
     if save_batch:
         files["batch"] = os.path.join(folder, "batch.pt")  # written by the culprit rank (unless it failed)
@@ -242,6 +242,18 @@ def _save(
         save(path)
 
     return _emit.write_file(trainer, path, write, environmental=environmental)
+
+
+def _checkpoint(trainer: pl.Trainer, path: str) -> None:
+    """``trainer.save_checkpoint(path)``. Under DDP rank 0 writes the file and every rank then meets the
+    others in a barrier: a rank whose write failed goes to that barrier before the failure is reported,
+    so the ranks whose part went well do not wait there for it."""
+    try:
+        trainer.save_checkpoint(path)
+    except Exception:
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("Trainer.save_checkpoint")
+        raise
 
 
 def _to_cpu(t: Tensor) -> Tensor:

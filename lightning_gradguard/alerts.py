@@ -10,11 +10,13 @@ and a JSON-lines file beside the run's logs. What happens next is the callback's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -225,18 +227,38 @@ class Alert:
         d["data"] = {k: _json_number(v) for k, v in self.data.items()}
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Alert:
+        """The alert :meth:`to_dict` gave (``"nan"``/``"inf"`` numbers back to floats)."""
+        data = {k: float(v) if isinstance(v, str) else v for k, v in dict(d.get("data") or {}).items()}
+        fields = {
+            k: d[k] for k in ("kind", "severity", "step", "where", "message", "hint", "source") if k in d
+        }
+        return cls(**fields, data=data)
+
+    def key(self) -> tuple[Any, ...]:
+        """What tells this alert apart in a run's record: step, kind, place and source (a replayed step's
+        alert has the same key as the one written before the run was killed)."""
+        return alert_key(self.to_dict())
+
     def format(self) -> str:
         """One human line: severity, kind, place, step, message and hint."""
         where = f" at {self.where}" if self.where else ""
         return f"[{self.severity}] {self.kind}{where} (step {self.step}): {self.message} Hint: {self.hint}"
 
     def markdown(self) -> str:
-        """A Markdown rendering for TensorBoard's text tab."""
-        where = f" at `{self.where}`" if self.where else ""
+        """A Markdown rendering for TensorBoard's text tab: every field escaped (:func:`markdown_text`)."""
+        md = markdown_text
+        where = f" at {md(self.where)}" if self.where else ""
         return (
-            f"**{self.severity.upper()}** `{self.kind}`{where}, step {self.step} "
-            f"({self.source})  \n{self.message}  \n*Hint:* {self.hint}"
+            f"**{self.severity.upper()}** {md(self.kind)}{where}, step {self.step} "
+            f"({md(self.source)})  \n{md(self.message)}  \n*Hint:* {md(self.hint)}"
         )
+
+
+def alert_key(record: dict[str, Any]) -> tuple[Any, ...]:
+    """:meth:`Alert.key` of a record of ``gradguard_alerts.jsonl``."""
+    return tuple(str(record.get(k)) for k in ("step", "kind", "where", "source"))
 
 
 def _json_number(v: Any) -> Any:
@@ -291,12 +313,76 @@ class LoggingSink:
 
 
 class JsonlSink:
-    """Appends one JSON object per alert to ``path`` (directories created on first write)."""
+    """Appends one JSON object per alert to ``path`` (directories created on first write).
+
+    A line is started on a line of its own when the file does not end with one (what a kill, a full disk
+    or a power loss leaves): a torn line never swallows the next alert (:func:`append_line`).
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
 
     def __call__(self, alert: Alert) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(alert.to_dict(), sort_keys=True) + "\n")
+        append_line(self.path, json.dumps(alert.to_dict(), sort_keys=True))
+
+
+def recorded_alerts(path: str) -> Counter[tuple[Any, ...]]:
+    """The keys (:func:`alert_key`) of the alerts ``path`` holds, counted; a damaged line is passed over."""
+    found: Counter[tuple[Any, ...]] = Counter()
+    if not os.path.isfile(path):
+        return found
+    with open(path, "rb") as fh:
+        for raw in fh:
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError):  # a torn line, not UTF-8: not an alert
+                continue
+            if isinstance(record, dict):
+                found[alert_key(record)] += 1
+    return found
+
+
+def append_line(path: str, line: str) -> None:
+    """Append ``line`` and a newline to ``path`` (directories created), on a line of its own: when the file
+    does not end with a newline (a torn last line), one is written first, so the damage stays in its line."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "ab+") as fh:
+        fh.seek(0, os.SEEK_END)
+        torn = False
+        if fh.tell() > 0:
+            fh.seek(-1, os.SEEK_END)
+            torn = fh.read(1) != b"\n"
+            fh.seek(0, os.SEEK_END)
+        fh.write((b"\n" if torn else b"") + line.encode("utf-8") + b"\n")
+
+
+def write_atomically(path: str, text: str | bytes) -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a new temporary file beside it, then renamed over
+    it. A reader never sees a half-written file, and a symlink planted at ``path`` is replaced, never written
+    through (the rename replaces the link itself; the temporary file is created exclusively)."""
+    import tempfile
+
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(text.encode("utf-8") if isinstance(text, str) else text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+#: the Markdown punctuation a name or a message could use to format itself (backslash-escaped)
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]()#+\-.!|~>])")
+
+
+def markdown_text(text: object) -> str:
+    """``text`` as literal Markdown: ``&``, ``<`` and ``>`` as entities (no HTML reaches the page), the
+    Markdown punctuation backslash-escaped (no emphasis, link, image, code or heading), newlines as
+    Markdown line breaks. A module name or a hint is data, never markup."""
+    out = str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    out = _MARKDOWN_SPECIALS.sub(r"\\\1", out)
+    return out.replace("\r", "").replace("\n", "  \n")

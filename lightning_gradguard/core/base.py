@@ -27,13 +27,14 @@ from lightning_gradguard.alerts import (
     JsonlSink,
     LoggingSink,
     Severity,
+    recorded_alerts,
     undeclared,
 )
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.buffers import restore_step_buffers
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.skips import skip_update
-from lightning_gradguard.core.state import info_once, strict_mode, trainer_state, warn_once
+from lightning_gradguard.core.state import info_once, raised_in_strict, strict_mode, trainer_state, warn_once
 from lightning_gradguard.core.stats import global_step, step_cache
 from lightning_gradguard.core.validate import check_choice, check_int
 from lightning_gradguard.tags import ALERT_CHARTS, ALERT_TEXT, ALERTS, charts_of
@@ -303,11 +304,15 @@ class GradGuardCallback(Callback):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"last_reported": dict(self._last_reported)}
+        return {"last_reported": dict(self._last_reported), "alerts": [a.to_dict() for a in self.alerts]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The cooldowns and the ``alerts`` of the run as it was at the checkpoint: the steps a resume
+        replays add their alerts once, as in a run that was never stopped."""
         self._last_reported = dict(state_dict.get("last_reported", {}))
+        if "alerts" in state_dict:
+            self.alerts = [Alert.from_dict(d) for d in state_dict["alerts"]]
 
 
 def _accepting_renamed(init: Callable[..., None], renamed: dict[str, str]) -> Callable[..., None]:
@@ -383,7 +388,7 @@ def _fan_out(trainer: pl.Trainer, alert: Alert) -> None:
     count = {ALERTS.tag(alert.kind): float(state.alert_counts[alert.kind])}
     sinks: tuple[tuple[str, Callable[[], None]], ...] = (
         ("Python logging", lambda: LoggingSink()(alert)),
-        ("the JSON-lines file", lambda: JsonlSink(_emit.alerts_path(trainer))(alert)),
+        (_emit.alerts_path(trainer), lambda: _write_line(trainer, alert)),
         ("TensorBoard's text tab", lambda: _emit.log_text(trainer, ALERT_TEXT, alert.markdown(), at)),
         ("the loggers", lambda: _emit.log_scalars(trainer, count, at)),
     )
@@ -391,7 +396,22 @@ def _fan_out(trainer: pl.Trainer, alert: Alert) -> None:
         try:
             sink()
         except Exception as err:
-            if strict_mode():
+            if raised_in_strict(err):  # a full disk loses this copy, in the tests too
                 raise
             message = f"lightning_gradguard could not write an alert to {name} ({type(err).__name__}: {err})."
             warn_once(trainer, f"alert_sink:{name}", message)
+
+
+def _write_line(trainer: pl.Trainer, alert: Alert) -> None:
+    """Append ``alert`` to the run's alerts file, unless a resumed fit replays a step whose alert the file
+    already holds (the file then reads as the run's would, had it never been killed)."""
+    path = _emit.alerts_path(trainer)
+    if getattr(trainer, "ckpt_path", None) is not None:
+        state = trainer_state(trainer)
+        if state.alerts_on_file is None:
+            state.alerts_on_file = recorded_alerts(path)
+        key = alert.key()
+        if state.alerts_on_file[key] > 0:
+            state.alerts_on_file[key] -= 1
+            return
+    JsonlSink(path)(alert)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.loggers.tensorboard import TensorBoardLogger as _FabricTensorBoardLogger
 from torch import Tensor
 
-from lightning_gradguard.core.state import strict_mode, trainer_state, warn_once
+from lightning_gradguard.core.state import raised_in_strict, trainer_state, warn_once
 
 log = logging.getLogger("lightning_gradguard")
 
@@ -34,13 +34,47 @@ def safely(trainer: pl.Trainer, what: str, write: Any) -> None:
     try:
         write()
     except Exception as err:
-        if strict_mode():
+        if raised_in_strict(err):
             raise
         warn_once(
             trainer,
             f"emit:{what}",
             f"lightning_gradguard could not write {what} ({type(err).__name__}: {err}); training goes on.",
         )
+
+
+#: what torch's serializer (``torch.save``, ``Trainer.save_checkpoint``) raises when a write fails
+TORCH_IO_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError)
+
+
+def write_file(
+    trainer: pl.Trainer,
+    path: str,
+    write: Callable[[], Any],
+    *,
+    environmental: tuple[type[BaseException], ...] = (OSError,),
+) -> bool:
+    """Run one forensic write to ``path`` (a report, a batch, a checkpoint, a record); ``True`` when it was
+    written.
+
+    A write is a courtesy; what follows it (a NaN's stop, a skip, the alert) is the promise. Its failure
+    becomes one warning naming the path, and the caller goes on. Under ``GRADGUARD_STRICT=1`` a failure of
+    our code is raised, one of the environment (``environmental``) is not: see
+    :func:`~lightning_gradguard.core.state.raised_in_strict`.
+    """
+    try:
+        write()
+    except Exception as err:
+        if raised_in_strict(err, environmental):
+            raise
+        warn_once(
+            trainer,
+            f"write:{path}",
+            f"lightning_gradguard could not write {path} ({type(err).__name__}: {err}); nothing waits on it: "
+            "the stop, the skip or the alert happens as it would have.",
+        )
+        return False
+    return True
 
 
 def is_rank_zero(trainer: pl.Trainer) -> bool:

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from lightning_gradguard.alerts import write_atomically
 from lightning_gradguard.report.figures import matplotlib_or_exit
 from lightning_gradguard.report.page import render_html, summary_lines
 from lightning_gradguard.report.read import RunData, find_run, read_run
@@ -35,9 +36,7 @@ def _write(
     matplotlib_or_exit()
     run = read_run(find_run(run_dir, version), loss_tag)
     path = output or os.path.join(run.path, "gradguard_report.html")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(render_html(run))
+    write_atomically(path, render_html(run))  # a link planted at the path is replaced, never written through
     return path, run
 
 
@@ -56,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"gradguard report: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the page could not be written where asked (a folder there, no permission)
+        print(f"gradguard report: could not write the report: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     for line in summary_lines(run, path):
         print(line)
     print(f"  made in {time.perf_counter() - started:.1f} s")

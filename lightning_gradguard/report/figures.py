@@ -9,13 +9,46 @@ severity.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import textwrap
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import lightning_gradguard.report.gaps as gaps
+from lightning_gradguard.report.damage import clip, terminal
 from lightning_gradguard.report.read import RunData
+
+_Draw = TypeVar("_Draw", bound=Callable[..., Any])
+#: names are data: every text a picture draws is literal (``$...$`` is no formula, nothing goes to TeX)
+PLAIN_TEXT: dict[Any, Any] = {"text.parse_math": False, "text.usetex": False}
+#: the longest label a picture shows (a layer's name, a tag, an alert's kind), and the most lines it draws
+_LABEL = 80
+_MAX_LINES = 100
+_MAX_ROWS = 300
+_MAX_ALERT_MARKS = 200
+
+
+def _label(name: Any) -> str:
+    """A name as a picture shows it: control characters as text, at most :data:`_LABEL` characters."""
+    return clip(terminal(str(name)), _LABEL)
+
+
+def plain_text(draw: _Draw) -> _Draw:
+    """``draw`` with every text it makes literal (:data:`PLAIN_TEXT`, for this picture only)."""
+
+    @functools.wraps(draw)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            import matplotlib
+        except ImportError:  # ``draw`` says which extra to install
+            return draw(*args, **kwargs)
+        with matplotlib.rc_context(PLAIN_TEXT):
+            return draw(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
 
 SEVERITY_COLORS = {"info": "#4c72b0", "warning": "#dd8452", "error": "#c44e52", "critical": "#8b0000"}
 
@@ -98,10 +131,10 @@ def _legend(fig: Any, ax: Any, **kwargs: Any) -> None:
 def _loss_line(ax: Any, tag: str, loss: Any) -> int:
     """The logged loss: log y when every finite value is positive, linear otherwise (a negative loss)."""
     log = all(v > 0 for v in loss.values if math.isfinite(v))
-    drawn = _series(ax, loss.steps, loss.values, log=log, color="#333333", lw=1.2, label=tag)
+    drawn = _series(ax, loss.steps, loss.values, log=log, color="#333333", lw=1.2, label=_label(tag))
     if drawn and log:
         ax.set_yscale("log")
-    ax.set_ylabel(tag)
+    ax.set_ylabel(_label(tag))
     return drawn
 
 
@@ -113,7 +146,7 @@ def _stand_in_lines(ax: Any, found: list[gaps.StandIn]) -> int:
     drawn = 0
     for i, s in enumerate(losses):
         style = {"ls": "none", "marker": "D", "ms": 5} if s.markers else {"lw": 1.2}
-        drawn += _series(ax, s.steps, s.values, log=log, color=f"C{i}", label=s.label, **style)
+        drawn += _series(ax, s.steps, s.values, log=log, color=f"C{i}", label=_label(s.label), **style)
     if drawn and log:
         ax.set_yscale("log")
     ax.set_ylabel("loss" if drawn else "total gradient norm")
@@ -121,7 +154,9 @@ def _stand_in_lines(ax: Any, found: list[gaps.StandIn]) -> int:
     if norms:
         other = ax.twinx() if drawn else ax
         shown = sum(
-            _series(other, s.steps, s.values, log=True, color="#777777", ls="--", lw=1.2, label=s.label)
+            _series(
+                other, s.steps, s.values, log=True, color="#777777", ls="--", lw=1.2, label=_label(s.label)
+            )
             for s in norms
         )
         if shown:
@@ -132,26 +167,34 @@ def _stand_in_lines(ax: Any, found: list[gaps.StandIn]) -> int:
 
 
 def _alert_lines(ax: Any, alerts: list[dict[str, Any]]) -> None:
-    """Every alert as a vertical line at its step, coloured by severity and labelled with its kind."""
+    """Every alert as a vertical line at its step, coloured by severity and labelled with its kind (one line
+    per step and severity, one label per step and kind, the first :data:`_MAX_ALERT_MARKS` of each)."""
     seen: set[str] = set()
+    lines: set[tuple[Any, Any]] = set()
+    marks: set[tuple[Any, Any]] = set()
     for alert in alerts:
-        sev = alert.get("severity", "info")
-        label = None if sev in seen else sev
-        seen.add(sev)
+        sev, step, kind = alert.get("severity", "info"), alert.get("step", 0), alert.get("kind", "")
         color = SEVERITY_COLORS.get(sev, "grey")
-        ax.axvline(alert.get("step", 0), color=color, lw=1.5, alpha=0.8, label=label)
-        ax.annotate(
-            alert.get("kind", ""),
-            (alert.get("step", 0), 1.0),
-            xycoords=("data", "axes fraction"),
-            rotation=90,
-            va="top",
-            ha="right",
-            fontsize=7,
-            color=color,
-        )
+        if (step, sev) not in lines and len(lines) < _MAX_ALERT_MARKS:
+            lines.add((step, sev))
+            label = None if sev in seen else _label(sev)
+            seen.add(sev)
+            ax.axvline(step, color=color, lw=1.5, alpha=0.8, label=label)
+        if (step, kind) not in marks and len(marks) < _MAX_ALERT_MARKS:
+            marks.add((step, kind))
+            ax.annotate(
+                _label(kind),
+                (step, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color=color,
+            )
 
 
+@plain_text
 def alert_timeline(run: RunData) -> bytes | None:
     """The training loss with every alert as a vertical line at its step, coloured by severity.
 
@@ -160,7 +203,7 @@ def alert_timeline(run: RunData) -> bytes | None:
     """
     loss = run.scalars.get(run.loss_tag) if run.loss_tag else None
     loss = loss if loss is not None and loss.steps else None
-    found = gaps.stand_ins(run) if loss is None else []
+    found = gaps.stand_ins(run)[:_MAX_LINES] if loss is None else []
     if loss is None and not run.alerts and not found:
         return None
     plt = matplotlib_or_exit()
@@ -199,11 +242,14 @@ def gradient_flow_matrix(run: RunData) -> tuple[list[str], list[int], list[list[
     return list(layers), steps, rows
 
 
+@plain_text
 def gradient_flow(run: RunData) -> bytes | None:
     """Heatmap: layers top to bottom in model order (input first) x logged steps; colour = log10 norm."""
     names, steps, rows = gradient_flow_matrix(run)
     if not names or not steps:
         return None
+    shown = f" (the first {_MAX_ROWS} of {len(names)} layers)" if len(names) > _MAX_ROWS else ""
+    names, rows = [_label(n) for n in names[:_MAX_ROWS]], rows[:_MAX_ROWS]
     plt = matplotlib_or_exit()
     import numpy as np
 
@@ -225,11 +271,12 @@ def gradient_flow(run: RunData) -> bytes | None:
         )
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set_xlabel("step")
-    ax.set_title("Gradient flow: log10 gradient norm per layer (first layer at the top)")
+    ax.set_title(f"Gradient flow: log10 gradient norm per layer (first layer at the top){shown}")
     fig.colorbar(image, ax=ax, label="log10 ||grad||")
     return _png(fig)
 
 
+@plain_text
 def _per_layer(
     run: RunData, prefix: str, title: str, ylabel: str, guide: float | None, log: bool
 ) -> bytes | None:
@@ -239,9 +286,12 @@ def _per_layer(
     plt = matplotlib_or_exit()
     fig, ax = plt.subplots(figsize=(10, 3.6))
     drawn = 0
+    if len(layers) > _MAX_LINES:
+        title += f" (the first {_MAX_LINES} of {len(layers)})"
+        layers = dict(list(layers.items())[:_MAX_LINES])
     for name, series in layers.items():  # a step the optimizer skipped logs 0: a gap on the log axis
         style = {"lw": 2.2, "color": "black"} if name == "total" else {"lw": 1.0}
-        drawn += _series(ax, series.steps, series.values, log=log, label=name, **style)
+        drawn += _series(ax, series.steps, series.values, log=log, label=_label(name), **style)
     if guide is not None:
         ax.axhline(guide, color="#2ca02c", ls="--", lw=1.2, label=f"guide {guide:g}")
     if log and drawn:
@@ -265,6 +315,7 @@ def update_ratios(run: RunData) -> bytes | None:
     return _per_layer(run, "update_ratio/", "Update / weight ratio per layer", "update ratio", 1e-3, True)
 
 
+@plain_text
 def unit_health(run: RunData) -> bytes | None:
     """Dead ReLU and saturated unit fractions per layer over the sampled steps."""
     dead, sat = run.family("dead_relu/", total=True), run.family("saturated/", total=True)
@@ -274,9 +325,9 @@ def unit_health(run: RunData) -> bytes | None:
     fig, ax = plt.subplots(figsize=(10, 3.6))
     drawn = 0
     for prefix, family in (("dead", dead), ("saturated", sat)):
-        for name, series in family.items():
+        for name, series in list(family.items())[:_MAX_LINES]:
             drawn += _series(
-                ax, series.steps, series.values, marker="o", ms=3, lw=1, label=f"{prefix}: {name}"
+                ax, series.steps, series.values, marker="o", ms=3, lw=1, label=_label(f"{prefix}: {name}")
             )
     if not drawn:
         _say_why(ax, "Nothing to draw: every sampled fraction is NaN/inf.")
@@ -289,6 +340,7 @@ def unit_health(run: RunData) -> bytes | None:
     return _png(fig)
 
 
+@plain_text
 def clipping(run: RunData) -> bytes | None:
     """The pre-clip norm percentiles and the suggested clip value over the run, with the fraction clipped."""
     clip = run.family("grad_clip/", total=True)
@@ -339,6 +391,7 @@ def range_test_suggestions(curve: dict[str, list[float]]) -> dict[str, float | N
     return suggest_all(lrs, smooth)
 
 
+@plain_text
 def lr_range_test(run: RunData, name: str) -> bytes | None:
     """One range test's loss against the LR (log x), every suggestion marked, the applied LR in green."""
     curve = run.lr_curves.get(name)
@@ -347,7 +400,9 @@ def lr_range_test(run: RunData, name: str) -> bytes | None:
     plt = matplotlib_or_exit()
     fig, ax = plt.subplots(figsize=(10, 3.6))
     lrs = curve["lr"]
-    ax.plot(lrs, curve.get("loss", []), color="#bbbbbb", lw=1, label="loss")
+    raw = curve.get("loss") or []
+    if len(raw) == len(lrs):
+        ax.plot(lrs, raw, color="#bbbbbb", lw=1, label="loss")
     smooth = curve.get("curve") or curve.get("smoothed_loss") or []
     ax.plot(lrs[: len(smooth)], smooth, color="#333333", lw=1.8, label="smoothed")
     finite = [v for v in smooth if math.isfinite(v)]
@@ -368,17 +423,18 @@ def lr_range_test(run: RunData, name: str) -> bytes | None:
             color="#c0392b",
         )
     suffix = name.removeprefix("lr_finder")
-    applied = run.hparams.get(f"lr_finder/applied_lr{suffix}")
-    if applied:
-        ax.axvline(float(applied), color="#2ca02c", lw=2.2, label=f"applied {float(applied):.2e}")
+    applied = _number(run.hparams.get(f"lr_finder/applied_lr{suffix}"))
+    if applied is not None:
+        ax.axvline(applied, color="#2ca02c", lw=2.2, label=f"applied {applied:.2e}")
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
     ax.set_ylabel("loss")
-    ax.set_title(f"LR range test ({name})")
+    ax.set_title(f"LR range test ({_label(name)})")
     ax.legend(fontsize=8, loc="upper left")
     return _png(fig)
 
 
+@plain_text
 def spikes(run: RunData) -> bytes | None:
     """LossSpikeGuard's z-scores over the run, with every spike it recorded."""
     zs = {k: v for k, v in run.family("spike/", total=True).items() if k.endswith("zscore")}
@@ -386,9 +442,9 @@ def spikes(run: RunData) -> bytes | None:
         return None
     plt = matplotlib_or_exit()
     fig, ax = plt.subplots(figsize=(10, 3.2))
-    drawn = sum(_series(ax, series.steps, series.values, lw=1, label=name) for name, series in zs.items())
-    for entry in run.spikes:
-        ax.axvline(entry.get("step", 0), color=SEVERITY_COLORS["warning"], lw=1, alpha=0.7)
+    drawn = sum(_series(ax, s.steps, s.values, lw=1, label=_label(name)) for name, s in zs.items())
+    for step in sorted({entry.get("step", 0) for entry in run.spikes})[: _MAX_ALERT_MARKS * 5]:
+        ax.axvline(step, color=SEVERITY_COLORS["warning"], lw=1, alpha=0.7)
     if not drawn:
         _say_why(
             ax, "No z-score logged: LossSpikeGuard logs them on Lightning's logging steps and at a spike."
@@ -399,3 +455,12 @@ def spikes(run: RunData) -> bytes | None:
     ax.set_title(f"Loss spikes: z-scores; {len(run.spikes)} spike(s) recorded (orange lines)")
     _legend(fig, ax, fontsize=8)
     return _png(fig)
+
+
+def _number(text: str | None) -> float | None:
+    """``text`` as a finite positive number, or ``None`` (a damaged hyperparameter is not drawn)."""
+    try:
+        value = float(text) if text else math.nan
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None

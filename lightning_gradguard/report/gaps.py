@@ -17,6 +17,7 @@ from typing import Any
 from lightning_gradguard.monitors.gradients.tags import GRAD_NORM, UPDATE_RATIO, WEIGHT_NORM
 from lightning_gradguard.monitors.optimizer.tags import OPTIMIZER
 from lightning_gradguard.monitors.stall.tags import STALL
+from lightning_gradguard.report.damage import whole_step
 from lightning_gradguard.report.read import LIGHTNING_DEFAULT_LOG_EVERY_N_STEPS, RunData
 
 #: the families written on Lightning's logging steps (step 0, then ``(step + 1) % every == 0``)
@@ -136,15 +137,15 @@ def _nan_report_series(run: RunData) -> list[StandIn]:
             ("recent_losses", "loss", "loss", "loss"),
             ("recent_total_grad_norms", "total_grad_norm", "grad_norm", "total gradient norm"),
         ):
-            rows = [r for r in report.get(key) or [] if isinstance(r, dict) and value_key in r]
-            if rows:
+            rows = report.get(key)
+            points: list[tuple[int, float]] = []
+            for r in rows if isinstance(rows, list) else []:
+                step = whole_step(r.get("step")) if isinstance(r, dict) else None
+                if step is not None and isinstance(r.get(value_key), int | float):
+                    points.append((step, float(r[value_key])))
+            if points:
                 out.append(
-                    StandIn(
-                        f"{what} ({where})",
-                        axis,
-                        [int(r["step"]) for r in rows],
-                        [float(r[value_key]) for r in rows],
-                    )
+                    StandIn(f"{what} ({where})", axis, [s for s, _ in points], [float(v) for _, v in points])
                 )
     return out
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import lightning_gradguard.report.damage as damage
 import lightning_gradguard.report.figures as figures
 import lightning_gradguard.report.gaps as gaps
 from lightning_gradguard.registry import FAMILIES
@@ -37,6 +38,8 @@ _ORDER = (
 #: monitor -> the tag prefixes that show it was attached to the run (the tag registry's families)
 MONITORS: dict[str, tuple[str, ...]] = {m: tuple(f.prefix for f in families_of(FAMILIES, m)) for m in _ORDER}
 _RANK = {"info": 0, "warning": 1, "error": 2, "critical": 3}
+#: the most NaN reports the terminal lists (the page: ten times as many)
+_NAN_REPORTS = 20
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,12 @@ def summary_lines(run: RunData, out_path: str | None = None) -> list[str]:
             else ""
         )
         lines.append(f"  {v.monitor:<28} {v.status:<8}{detail}")
-    for report in run.nan_reports:
+    for report in run.nan_reports[:_NAN_REPORTS]:
         lines.append(
             f"  NaN report: {report.get('kind')} at step {report.get('step')} ({report.get('folder')})"
         )
+    if len(run.nan_reports) > _NAN_REPORTS:
+        lines.append(f"  and {len(run.nan_reports) - _NAN_REPORTS} more NaN reports (on the page)")
     if run.spikes:
         lines.append(f"  loss spikes recorded: {len(run.spikes)}")
     gap = gaps.loss_gap(run)
@@ -110,7 +115,10 @@ def summary_lines(run: RunData, out_path: str | None = None) -> list[str]:
         lines.append(f"  training loss: {gap}")
     if out_path:
         lines.append(f"  HTML report: {out_path}")
-    return lines
+    skipped = damage.summary(run.skipped)
+    if skipped:
+        lines.append(skipped)
+    return [damage.terminal(line) for line in lines]  # names are data: no control character reaches it
 
 
 _CSS = """
@@ -177,6 +185,8 @@ _SECTIONS: list[tuple[str, Callable[[RunData], bytes | None], str]] = [
 ]
 
 
+#: the most range tests the page draws
+_RANGE_TESTS = 20
 #: the columns of the spike and alert tables (the first 200 spikes, the first 500 alerts)
 _SPIKE_KEYS = ["step", "epoch", "batch_idx", "loss", "loss_zscore", "grad_norm", "grad_norm_zscore", "action"]
 _ALERT_KEYS = ["step", "severity", "kind", "source", "where", "message", "hint"]
@@ -190,6 +200,7 @@ def render_html(run: RunData) -> str:
         *_nan_reports(run),
         *_figures(run),
         *_records(run),
+        *_skipped(run),
         "</body></html>",
     ]
     return "\n".join(parts)
@@ -235,7 +246,7 @@ def _verdict_table(run: RunData) -> str:
 def _nan_reports(run: RunData) -> list[str]:
     """A heading and a one-row table per NaN report."""
     parts = []
-    for report in run.nan_reports:
+    for report in run.nan_reports[: _NAN_REPORTS * 10]:
         origin = report.get("origin") or {}
         row = [
             report.get("kind"),
@@ -260,7 +271,7 @@ def _figures(run: RunData) -> list[str]:
             note = gaps.loss_note(run) if draw is figures.alert_timeline else None
             shown = f"<p class='note'>{html.escape(note)}</p>" if note else ""
             parts.append(f"<h2>{html.escape(title)}</h2>{shown}{_img(image, title, caption)}")
-    for name in run.lr_curves:
+    for name in list(run.lr_curves)[:_RANGE_TESTS]:  # one per milestone epoch: a few
         image = figures.lr_range_test(run, name)
         caption = "Dotted: every suggestion; green: the LR the run trained with."
         parts.append(f"<h2>LR range test</h2>{_img(image, name, caption)}")
@@ -277,3 +288,22 @@ def _records(run: RunData) -> list[str]:
         parts.append("<h2>Alerts</h2>")
         parts.append(_table(_ALERT_KEYS, [[a.get(k) for k in _ALERT_KEYS] for a in run.alerts[:500]]))
     return parts
+
+
+#: the most skipped entries the page lists one by one
+_SKIPPED_ROWS = 200
+
+
+def _skipped(run: RunData) -> list[str]:
+    """What the readers could not read (a torn line, a corrupt record, a malformed row), and why."""
+    if not run.skipped:
+        return []
+    rows = [[s.file, s.where, s.reason] for s in run.skipped[:_SKIPPED_ROWS]]
+    more = len(run.skipped) - len(rows)
+    note = f"<p class='note'>and {more} more not listed</p>" if more > 0 else ""
+    return [
+        "<h2>Skipped: damaged input</h2>",
+        f"<p>{len(run.skipped)} entr{'y' if len(run.skipped) == 1 else 'ies'} of the run folder could not be "
+        "read and are left out of this page; everything else is shown.</p>",
+        _table(["file", "where", "why"], rows) + note,
+    ]

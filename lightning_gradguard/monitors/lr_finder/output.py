@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import os
 from typing import Any
@@ -12,6 +13,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_gradguard.alerts import write_atomically
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
@@ -41,7 +43,7 @@ def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log
     if not trainer.loggers:  # no log directory: the curve stays in ``self.results``
         return
     folder = _emit.log_dir(trainer)
-    _write_csv(folder, result, suffix)
+    _write_csv(trainer, folder, result, suffix)
     if plot and result.lrs:
         _write_figure(trainer, folder, result, suffix)
 
@@ -89,19 +91,16 @@ def rule_in_words(result: LRFinderResult) -> str:
     return result.rule or result.method
 
 
-def _write_csv(folder: str, result: LRFinderResult, suffix: str) -> None:
-    """``lr_finder<suffix>.csv`` in ``folder`` (created if needed): one row per recorded point."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, f"lr_finder{suffix}.csv"), "w", newline="") as fh:
-            writer = csv.writer(fh)
-            writer.writerow(["step", "lr", "loss", "smoothed_loss", "curve"])
-            for i, row in enumerate(
-                zip(result.lrs, result.losses, result.smoothed, result.curve, strict=True)
-            ):
-                writer.writerow([i, *row])
-    except OSError as err:  # pragma: no cover - read-only log dirs
-        log.warning("LRFinderPlus: could not write the CSV to %s: %s", folder, err)
+def _write_csv(trainer: pl.Trainer, folder: str, result: LRFinderResult, suffix: str) -> None:
+    """``lr_finder<suffix>.csv`` in ``folder`` (created if needed): one row per recorded point, written
+    atomically (a reader never sees half a table); a failed write is one warning naming the path."""
+    buf = io.StringIO(newline="")
+    writer = csv.writer(buf)
+    writer.writerow(["step", "lr", "loss", "smoothed_loss", "curve"])
+    for i, row in enumerate(zip(result.lrs, result.losses, result.smoothed, result.curve, strict=True)):
+        writer.writerow([i, *row])
+    path = os.path.join(folder, f"lr_finder{suffix}.csv")
+    _emit.write_file(trainer, path, lambda: write_atomically(path, buf.getvalue()))
 
 
 def _write_figure(trainer: pl.Trainer, folder: str, result: LRFinderResult, suffix: str) -> None:
@@ -110,12 +109,15 @@ def _write_figure(trainer: pl.Trainer, folder: str, result: LRFinderResult, suff
         fig = result.plot()
     except ImportError:
         return
-    try:
-        fig.savefig(os.path.join(folder, f"lr_finder{suffix}.png"), dpi=100)
-    except OSError as err:  # pragma: no cover
-        log.warning("LRFinderPlus: could not save the figure: %s", err)
+    path = os.path.join(folder, f"lr_finder{suffix}.png")
+    _emit.write_file(trainer, path, lambda: fig.savefig(path, dpi=100))
+    tag, at = LR_FINDER_CURVE.tag(f"curve{suffix}"), log_step(trainer)
     for tb in _emit.tensorboard_writers(trainer):
-        tb.add_figure(LR_FINDER_CURVE.tag(f"curve{suffix}"), fig, global_step=log_step(trainer), close=False)
+        _emit.safely(
+            trainer,
+            "the range test's figure",
+            lambda w=tb: w.add_figure(tag, fig, global_step=at, close=False),
+        )
 
 
 def _log_hparams(trainer: pl.Trainer, params: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_gradguard.alerts import Rule
+from lightning_gradguard.alerts import Rule, write_atomically
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core import sharding as _sharding
 from lightning_gradguard.core.collective import gather
@@ -197,30 +197,67 @@ def write_report(
 
     ``batch.pt`` (the culprit rank), ``last_good.ckpt`` (every rank: ``trainer.save_checkpoint`` is a
     collective under DDP, and holds every callback's ``state_dict`` as it is now) and ``report.json``
-    (rank 0, with the file list). Sets ``report.files``.
+    (rank 0, with the file list, written atomically). Sets ``report.files`` to the files written. Each write
+    is guarded (``core.emit.write_file``): one that fails (a full disk, a path under a regular file) is one
+    warning naming its path and is left out of the list; the stop or the skip after it never depends on it.
     """
     root = settings.report_dir or os.path.join(_emit.log_dir(trainer), "nan_report")
     folder = os.path.join(root, f"step_{report.step}")
     files: dict[str, str] = {}
     save_batch = settings.save_batch and micro.batch is not None
     if trainer.global_rank == report.rank and save_batch:
-        os.makedirs(folder, exist_ok=True)
-        files["batch"] = os.path.join(folder, "batch.pt")
-        torch.save(apply_to_collection(micro.batch, Tensor, lambda t: t.detach().cpu()), files["batch"])
+        batch = micro.batch
+        save_batch = _save(
+            trainer,
+            os.path.join(folder, "batch.pt"),
+            lambda path: torch.save(apply_to_collection(batch, Tensor, _to_cpu), path),
+        )
     if settings.save_checkpoint and _sharding.fsdp_checkpoint_on_cpu(trainer):
         warn_once(trainer, "nan:fsdp_cpu_checkpoint", _sharding.FSDP_CPU_CHECKPOINT)
     elif settings.save_checkpoint and report.rule is not NONFINITE_PARAMETER:
-        files["checkpoint"] = os.path.join(folder, "last_good.ckpt")
-        trainer.save_checkpoint(files["checkpoint"])  # every rank calls it (a barrier under DDP)
+        checkpoint = os.path.join(folder, "last_good.ckpt")  # every rank calls it (a barrier under DDP)
+        if _save(trainer, checkpoint, lambda path: _checkpoint(trainer, path)):
+            files["checkpoint"] = checkpoint
     if save_batch:
-        files["batch"] = os.path.join(folder, "batch.pt")  # written by the culprit rank
+        files["batch"] = os.path.join(folder, "batch.pt")  # written by the culprit rank (unless it failed)
     if trainer.is_global_zero:
-        os.makedirs(folder, exist_ok=True)
-        files["report"] = os.path.join(folder, "report.json")
-        with open(files["report"], "w", encoding="utf-8") as fh:
-            json.dump({**report.to_dict(), "files": files}, fh, indent=2, default=str)
+        path = os.path.join(folder, "report.json")
+        text = json.dumps({**report.to_dict(), "files": {**files, "report": path}}, indent=2, default=str)
+        if _save(trainer, path, lambda p: write_atomically(p, text), environmental=(OSError,)):
+            files["report"] = path
     report.files = files
-    return Filed(report=report, folder=folder)
+    return Filed(report=report, folder=folder if files else None)
+
+
+def _save(
+    trainer: pl.Trainer,
+    path: str,
+    save: Any,
+    environmental: tuple[type[BaseException], ...] = _emit.TORCH_IO_ERRORS,
+) -> bool:
+    """One forensic file: its folder made, then ``save(path)``, guarded (one warning naming the path)."""
+
+    def write() -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save(path)
+
+    return _emit.write_file(trainer, path, write, environmental=environmental)
+
+
+def _checkpoint(trainer: pl.Trainer, path: str) -> None:
+    """``trainer.save_checkpoint(path)``. Under DDP rank 0 writes the file and every rank then meets the
+    others in a barrier: a rank whose write failed goes to that barrier before the failure is reported,
+    so the ranks whose part went well do not wait there for it."""
+    try:
+        trainer.save_checkpoint(path)
+    except Exception:
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("Trainer.save_checkpoint")
+        raise
+
+
+def _to_cpu(t: Tensor) -> Tensor:
+    return t.detach().cpu()
 
 
 def _weights_note(rule: Rule, action: str) -> str:

@@ -30,7 +30,9 @@ from lightning_gradguard.monitors.overfit.diagnosis import chance_loss, labels_o
 from lightning_gradguard.monitors.overfit.findings import OverfitResult, ParameterRecord
 from lightning_gradguard.monitors.overfit.modules import used_outside_training
 from lightning_gradguard.monitors.overfit.rules import (
+    OVERFIT_FAILED,
     batch_mixing,
+    failed_finding,
     initial_loss_finding,
     missed_target,
     not_shrinking,
@@ -135,8 +137,39 @@ def run_overfit_check(
         failed = missed_target(result, settings.fallback_lr)
         result.findings.append(failed)
         learned = failed.severity == "warning"  # the model learns after all: a slow LR or objective
-    result.passed = learned and not any(f.severity == "error" for f in result.findings)
+    result.passed = verdict(result, learned)
     return result
+
+
+#: what a non-finite loss adds to ``overfit_failed``'s words
+_NONFINITE = (
+    " The loss is not finite (NaN/inf), so no curve of it shows learning: the check fails whatever the "
+    "LR or its schedule."
+)
+_NONFINITE_HINT = (
+    "Find where the first forward overflows: unnormalised inputs (raw 16-bit audio, pixel values in "
+    "0-255), float16 (its largest value is 65504: normalise, or train in bf16-mixed or 32-bit), a log or a "
+    "division without eps. "
+)
+
+
+def verdict(result: OverfitResult, learned: bool) -> bool:
+    """Whether the check passed, from its findings: the batch was ``learned``, no finding is an error, and
+    the loss it judged is finite. A non-finite initial or final loss makes ``overfit_failed`` an error (a
+    warning about a slow or warmed-up LR cannot stand on NaN), so the verdict never contradicts it."""
+    if not (math.isfinite(result.initial_loss) and math.isfinite(result.final_loss)):
+        failed = [f for f in result.findings if f.rule is OVERFIT_FAILED]
+        if not failed:
+            failed = [failed_finding(result)]
+            result.findings.append(failed[0])
+        for f in failed:
+            if f.severity != "error":
+                error = replace(
+                    f, severity="error", message=f.message + _NONFINITE, hint=_NONFINITE_HINT + f.hint
+                )
+                result.findings[result.findings.index(f)] = error
+        return False
+    return learned and not any(f.severity == "error" for f in result.findings)
 
 
 def _prepare(

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import lightning.pytorch as pl
 
+from lightning_gradguard.alerts import write_atomically
 from lightning_gradguard.core import emit as _emit
-from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.functional.spikes import SpikeScore
 
 #: the ``format`` field of the file
@@ -69,10 +69,9 @@ class SpikeRecord:
 
 
 def write_spikes(path: str, records: list[SpikeRecord]) -> None:
-    """Write every record to ``path`` (the whole list: the file is always complete)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"format": FORMAT, "spikes": [r.to_dict() for r in records]}, fh, indent=2)
+    """Write every record to ``path`` (the whole list: the file is always complete), atomically: the file
+    is rewritten on every spike, and a reader (a resumed run, ``gradguard report``) never sees half of it."""
+    write_atomically(path, json.dumps({"format": FORMAT, "spikes": [r.to_dict() for r in records]}, indent=2))
 
 
 def read_skip_batches(path: str) -> set[tuple[int, int]]:
@@ -119,8 +118,6 @@ def record_spike(
             action=action,
         )
     )
-    if trainer.is_global_zero:
-        try:
-            write_spikes(os.path.join(_emit.log_dir(trainer), "spikes.json"), records)
-        except OSError as err:  # a read-only log dir loses the file, never the run
-            warn_once(trainer, "spikes_json", f"LossSpikeGuard could not write spikes.json: {err}")
+    if trainer.is_global_zero:  # a read-only log dir loses the file (one warning), never the run
+        path = os.path.join(_emit.log_dir(trainer), "spikes.json")
+        _emit.write_file(trainer, path, lambda: write_spikes(path, records))

@@ -335,12 +335,14 @@ def test_last_good_checkpoint_holds_the_sentinel_before_the_bad_step_and_the_liv
     trainer.fit(OverflowOnce(set(range(2, 100))), random_loader(n=128))
     assert [(a.kind, a.step) for a in sentinel.alerts] == [("loss_scale_collapse", 5)]
     assert trainer.global_step == (6 if action == "stop" else 16)
-    before = {"last_reported": {}, "skipped_steps": 3, "consecutive_skips": 3}
+    before = {"last_reported": {}, "skipped_steps": 3, "consecutive_skips": 3, "alerts": []}
     assert states.start[5] == before
     saved = torch.load(tmp_path / "nan_report" / "step_5" / "last_good.ckpt", weights_only=False)
     assert saved["callbacks"][sentinel.state_key] == before
     after = {"last_reported": {"loss_scale_collapse": 5}, "skipped_steps": 4, "consecutive_skips": 4}
-    assert states.end[5] == after  # the live sentinel counts the bad step, and has it in its cooldown
+    # the live sentinel counts the bad step, and has it in its cooldown and its alerts
+    assert {k: v for k, v in states.end[5].items() if k != "alerts"} == after
+    assert [(a["kind"], a["step"]) for a in states.end[5]["alerts"]] == [("loss_scale_collapse", 5)]
     report = json.loads((tmp_path / "nan_report" / "step_5" / "report.json").read_text())
     assert report["grad_scaler"]["skipped_steps"] == report["grad_scaler"]["consecutive"] == 4
 

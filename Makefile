@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup demo test lint typecheck unit unit-elsewhere docs bench bench-hooks bench-lr bench-lr-hard bench-dead-relu bench-spike bench-spike-healthy bench-big bench-stall-zoo bench-matrix bench-onset bench-real bench-buffers screenshots clean
+.PHONY: setup demo test lint typecheck unit unit-elsewhere docs bench bench-hooks bench-lr bench-lr-hard bench-dead-relu bench-spike bench-spike-healthy bench-big bench-stall-zoo bench-matrix bench-onset bench-real bench-buffers screenshots test-floor clean
 
 setup: $(STAMP)
 
@@ -57,6 +57,30 @@ unit-elsewhere: $(STAMP)
 	GRADGUARD_TEST_ROUNDING_SCALE=1e-5 TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) \
 	$$(grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo ATEN_CPU_CAPABILITY=avx2) \
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The dependency floor we claim (pyproject.toml), run for real: by hand or before a release, not in
+# `make test` or .ci/run. A venv of its own (.venv-floor-low; FLOOR=mid: .venv-floor-mid) with the lowest
+# torch, Lightning, torchmetrics and tensorboard we claim and whatever numpy and protobuf pip picks today
+# (mid: torch 2.6 + lightning 2.5, tensorboard 2.18 and our numpy floor), this package with its dev extra
+# on top (the pins held), then: the README's main job and every example (exit 0, no warning printed),
+# `gradguard report`, TensorBoard's GradGuard dashboard (tests/scripts/floor_check.py), and the unit
+# tests (a test that needs a newer release or torch 2.13's random draws is skipped with its reason:
+# tests/floor.py). The registry's torch wheels before 2.13 are CUDA builds: a few GB to download the
+# first time. transformers 5 turns its models off below torch 2.6: the low floor takes transformers 4.
+FLOOR ?= low
+FLOOR_PINS_low := torch==2.3.1 lightning==2.4.0 torchmetrics==1.3.2 tensorboard==2.17.1 "transformers<5"
+FLOOR_PINS_mid := torch==2.6.0 lightning==2.5.0 torchmetrics==1.3.2 tensorboard==2.18.0 numpy==1.26.4
+FLOOR_VENV := .venv-floor-$(FLOOR)
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+test-floor:
+	test -n '$(FLOOR_PINS_$(FLOOR))' || { echo "FLOOR=low or FLOOR=mid"; exit 2; }
+	test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
+	printf '%s\n' $(FLOOR_PINS_$(FLOOR)) > $(FLOOR_VENV)/pins.txt
+	$(FLOOR_PY) -m pip install --quiet --upgrade pip
+	$(FLOOR_PY) -m pip install --quiet -c $(FLOOR_VENV)/pins.txt $(FLOOR_PINS_$(FLOOR)) -e ".[dev]"
+	rm -rf $(FLOOR_VENV)/scratch
+	$(FLOOR_PY) tests/scripts/floor_check.py $(FLOOR_VENV)/scratch
+	$(FLOOR_PY) -m pytest -q -n $(WORKERS) --dist worksteal -p no:cacheprovider
 
 # The docs extra (mkdocs, material, mkdocstrings) has its own stamp: `make test` does not need it.
 $(DOCS_STAMP): $(STAMP) pyproject.toml
@@ -124,4 +148,4 @@ bench-big: $(STAMP)
 	$(PY) benchmarks/big_model.py
 
 clean:
-	rm -rf $(VENV) runs site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-floor-* runs site .pytest_cache .mypy_cache .ruff_cache

@@ -22,6 +22,7 @@ os.environ.setdefault("PL_DISABLE_FORK", "1")
 os.environ.setdefault("GRADGUARD_STRICT", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent / "machine"))
 import other_machine  # this machine rounding like another one, on request
+from floor import FSDP2
 
 other_machine.apply()
 #: ``make unit`` runs the suite in pytest-xdist workers, one per core: one torch thread each (and in the
@@ -42,7 +43,14 @@ warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
 #: the helpers of tests/testkit.py, imported on first use (``from conftest import make_trainer``)
-_TESTKIT = ("MemoryLogger", "RecordingMLP", "make_trainer", "public_callbacks", "random_loader")
+_TESTKIT = (
+    "MemoryLogger",
+    "RecordingMLP",
+    "make_trainer",
+    "public_callbacks",
+    "random_loader",
+    "reference_total_norm",
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -58,6 +66,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 
 
+#: the strategies the sharded scenarios run under: FSDP2 where this torch has it (tests/floor.py)
+SHARDED_KINDS = ("ddp", "fsdp1", "fsdp2") if FSDP2 else ("ddp", "fsdp1")
+
 #: the DDP scenarios that run together, in one 2-process launch (tests/scripts/ddp_suite.py)
 DDP_SUITE = (
     "ddp_grad_norm",
@@ -71,11 +82,7 @@ DDP_SUITE = (
     "ddp_lr_finder",
     "ddp_preflight",
     "ddp_all_callbacks",
-    *(
-        f"{script}/{kind}"
-        for script in ("sharded_norms", "sharded_callbacks")
-        for kind in ("ddp", "fsdp1", "fsdp2")
-    ),
+    *(f"{script}/{kind}" for script in ("sharded_norms", "sharded_callbacks") for kind in SHARDED_KINDS),
 )
 _SUITE: dict[str, Any] = {}
 #: the folder the suite's one launch writes into, shared by the xdist workers of one test session (made and

@@ -26,7 +26,13 @@ from lightning_gradguard.alerts import Alert, Finding, SanityCheckError
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.collective import reduce_any
 from lightning_gradguard.core.sharding import is_sharded
-from lightning_gradguard.core.state import info_once, skipped_for_fast_dev_run, warn_once
+from lightning_gradguard.core.state import (
+    info_once,
+    raised_by_us,
+    skipped_for_fast_dev_run,
+    strict_mode,
+    warn_once,
+)
 
 log = logging.getLogger("lightning_gradguard")
 
@@ -119,6 +125,24 @@ class PreflightCheck(GradGuardCallback):
             warn_once(trainer, f"{name}_sharded", self._sharded_message(type(trainer.strategy).__name__))
             return False
         return True
+
+    def could_not_run(self, trainer: pl.Trainer, err: Exception) -> None:
+        """Say once that the check was skipped because it raised ``err``. A model or loader the check
+        cannot drive is the user's: one warning, and training goes on. A failure of our own code
+        (:func:`~lightning_gradguard.core.state.raised_by_us`: an API the installed torch lacks, a wrong
+        call) says so and, under ``GRADGUARD_STRICT=1``, is raised: never a quiet "skipped"."""
+        name, error = type(self).__name__, f"{type(err).__name__}: {err}"
+        if not raised_by_us(err):
+            warn_once(trainer, f"{name}_error", f"{name} could not run the check ({error}); skipped.")
+            return
+        if strict_mode():
+            raise err
+        warn_once(
+            trainer,
+            f"{name}_internal",
+            f"{name} failed inside lightning_gradguard ({error}); the check was skipped and training goes "
+            "on. Please report this to lightning_gradguard with your torch and Lightning versions.",
+        )
 
     def _sharded_message(self, strategy: str) -> str:
         """The one-time warning of the check skipped under a sharded strategy."""

@@ -3,13 +3,15 @@
 One :class:`TrainerState` per Trainer (held weakly: it goes with the Trainer) keeps what was logged, the
 layout, alert counts, the updates callbacks dropped and the one-time messages. ``warn_once`` /
 ``info_once`` say a thing once per Trainer; ``strict_mode`` decides whether a monitor's own failure is
-raised (tests) or turned into one warning (users' runs).
+raised (tests) or turned into one warning (users' runs), and ``raised_by_us`` tells a failure of our own
+code from one of the user's model or data.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import traceback
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +71,38 @@ def raised_in_strict(err: BaseException, environmental: tuple[type[BaseException
     the promise that follows it (a NaN's stop, a skip, an alert) must hold in the tests as in users' runs.
     """
     return strict_mode() and not isinstance(err, environmental)
+
+
+#: the libraries our code drives: a frame of theirs belongs to whoever called into them
+_DRIVEN = frozenset(
+    {
+        "torch",
+        "lightning",
+        "lightning_fabric",
+        "pytorch_lightning",
+        "lightning_utilities",
+        "torchmetrics",
+        "numpy",
+    }
+)
+
+
+def raised_by_us(err: BaseException) -> bool:
+    """Whether ``err`` is a failure of lightning_gradguard's own code rather than of what the user gave it.
+
+    The innermost frame of its traceback that is not torch's, Lightning's, torchmetrics' or numpy's (the
+    libraries we call, which raise for their caller) decides: ours (an API missing from the installed
+    torch, a wrong call, a name that does not exist) or anyone else's (the user's model, loss or data,
+    another library inside their model, the standard library copying or pickling their objects).
+    """
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
+    for frame in reversed(frames):
+        package = str(frame.f_globals.get("__name__", "")).split(".", 1)[0]
+        if package == "lightning_gradguard":
+            return True
+        if package not in _DRIVEN:
+            return False
+    return False
 
 
 def warn_once(trainer: pl.Trainer, key: str, message: str) -> None:

@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from browser_support import TensorBoardServer, tensorboard
+from conftest import reference_total_norm
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing import event_accumulator as ea
 from tensorboard.backend.event_processing import event_file_loader
@@ -82,7 +83,7 @@ class _Probe(pl.LightningModule):
         step = self.trainer.global_step
         assert step == self.trainer.fit_loop.epoch_loop._batches_that_stepped  # automatic optimization
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.total_norm[step] = float(torch.nn.utils.get_total_norm(grads))
+        self.total_norm[step] = float(reference_total_norm(grads))
         named = dict(self.named_parameters())
         self.grads[step] = {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
         self.before[step] = {n: p.detach().clone() for n, p in named.items()}

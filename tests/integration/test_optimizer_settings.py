@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import ROOT, make_trainer
+from floor import needs_argument
 from torch import nn
 
 from lightning_gradguard import GradientNormLogger, OptimizerMonitor
@@ -145,7 +146,10 @@ def test_healthy_adam_family_runs_stay_quiet(name: str, tmp_path: Any) -> None:
     "make_opt",
     [
         lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=100.0),
-        lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=100.0, decoupled_weight_decay=True),
+        pytest.param(
+            lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=100.0, decoupled_weight_decay=True),
+            marks=needs_argument(torch.optim.Adam, "decoupled_weight_decay"),
+        ),
     ],
     ids=["adamw", "adam_decoupled"],
 )

@@ -18,13 +18,16 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import run_ddp_script
+from conftest import SHARDED_KINDS, run_ddp_script
+from floor import FSDP2_NEEDS, needs_torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
 from lightning_gradguard import GradientNormLogger, LossSpikeGuard, NaNSentinel
 
-KINDS = ("ddp", "fsdp1", "fsdp2")
+KINDS = SHARDED_KINDS  # FSDP2 where this torch has it (tests/floor.py)
+#: the sharded ones, each compared with DDP
+SHARDED = tuple(k for k in KINDS if k != "ddp")
 NAN_AT, STEPS = 3, 6
 REL = 1e-5
 
@@ -39,6 +42,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert proc.returncode == 0, f"{kind}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         out[kind] = root / kind
     return out
+
+
+@needs_torch((2, 7), FSDP2_NEEDS)
+def test_fsdp2_is_among_the_strategies_checked() -> None:
+    assert "fsdp2" in SHARDED  # below torch 2.7 every test here compares DDP with FSDP1 only
 
 
 def _read(folder: Path, name: str) -> list[dict[str, Any]]:
@@ -62,7 +70,7 @@ def test_every_logged_norm_is_the_whole_tensors_under_fsdp1_and_fsdp2(runs: dict
         "update_ratio/total",
         "grad_clip/pre_clip_norm_p50",
     } <= tags
-    for kind in ("fsdp1", "fsdp2"):
+    for kind in SHARDED:
         for rank, seen in enumerate(_read(runs[kind], "rank")):  # every rank reads the same whole norms
             assert seen["steps"] == STEPS and seen["warnings"] == [], (kind, seen["warnings"])
             for step in logged:
@@ -76,7 +84,7 @@ def test_every_logged_norm_is_the_whole_tensors_under_fsdp1_and_fsdp2(runs: dict
 
 def test_the_detector_and_the_spike_guard_judge_the_whole_norms(runs: dict[str, Path]) -> None:
     ddp = _read(runs["ddp"], "rank")[0]
-    for kind in ("fsdp1", "fsdp2"):
+    for kind in SHARDED:
         for seen in _read(runs[kind], "rank"):
             windows = seen["spike_windows"]
             assert len(windows["grad_norm"]) == STEPS
@@ -164,7 +172,7 @@ def test_dead_relu_monitor_counts_the_same_dead_units_as_ddp(callback_runs: Any)
     # the independent part: the first layer has 6 of 13 units with a bias of -50, which never fire
     assert ddp["dead"][str(CB_STEPS - 1)]["net.1"] == pytest.approx(6 / 13)
     assert ddp["sampled"] == CB_STEPS
-    for kind in ("fsdp1", "fsdp2"):
+    for kind in SHARDED:
         for rank, seen in enumerate(_fit(callback_runs, kind, "guard")):
             assert seen["sampled"] == CB_STEPS and seen["warnings"] == [], (kind, rank, seen["warnings"])
             for step, fractions in ddp["dead"].items():  # every check, every layer, from step 1 on
@@ -189,7 +197,7 @@ def test_loss_spike_guard_skips_and_rolls_back_on_every_rank_under_fsdp(callback
 def test_lr_finder_plus_sweeps_the_ddp_curve_under_fsdp(callback_runs: Any) -> None:
     ddp = _fit(callback_runs, "ddp", "lr")[0]
     assert ddp["suggestion"] is not None and len(ddp["lrs"]) >= 10
-    for kind in ("fsdp1", "fsdp2"):
+    for kind in SHARDED:
         for rank, seen in enumerate(_fit(callback_runs, kind, "lr")):
             assert seen["alerts"] == [] and seen["warnings"] == [], (kind, rank, seen["warnings"])
             assert seen["stop_reason"] == ddp["stop_reason"] and seen["lrs"] == ddp["lrs"], (kind, rank)
@@ -203,7 +211,7 @@ def test_lr_finder_plus_sweeps_the_ddp_curve_under_fsdp(callback_runs: Any) -> N
 def test_preflight_checks_refuse_under_fsdp_with_one_clear_warning(callback_runs: Any) -> None:
     ddp = _fit(callback_runs, "ddp", "preflight")
     assert all(seen["overfit"] is True and seen["gradcheck"] is True for seen in ddp)  # they do run there
-    for kind in ("fsdp1", "fsdp2"):
+    for kind in SHARDED:
         assert callback_runs[kind][1].returncode == 0, callback_runs[kind][1].stderr[-3000:]
         zero, one = _fit(callback_runs, kind, "preflight")
         assert one["warnings"] == [], one["warnings"]  # rank zero warns

@@ -33,6 +33,9 @@ from lightning_gradguard.monitors.nan.callback import NaNSentinel
 from lightning_gradguard.monitors.overfit.callback import OverfitBatchSanity
 from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: testkit's reference norm
+from testkit import reference_total_norm
+
 NAN_AT = 3
 N_SAMPLES, BATCH = 192, 8  # 12 optimizer steps per rank and epoch
 
@@ -58,7 +61,7 @@ class Model(pl.LightningModule):
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         self.steps.append(int(self.trainer.global_step))
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+        self.norms.append(float(reference_total_norm(grads)))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

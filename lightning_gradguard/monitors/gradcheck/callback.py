@@ -30,7 +30,7 @@ from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core.batch import first_train_batch, slice_batch
 from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck
 from lightning_gradguard.core.snapshot import RNGState, train_loader_generators
-from lightning_gradguard.core.state import info_once, warn_once
+from lightning_gradguard.core.state import info_once
 from lightning_gradguard.core.trial import loss_of, quiet_logging, seed_all, training_step_of
 from lightning_gradguard.core.validate import check_float, check_int, check_str_list
 from lightning_gradguard.monitors.gradcheck.engine import (
@@ -292,11 +292,7 @@ class GradientCheck(PreflightCheck):
                 max_seconds=self.max_seconds,
             )
         except Exception as err:  # a model or loader we cannot drive: warn, never crash
-            warn_once(
-                trainer,
-                "gradient_check_error",
-                f"GradientCheck could not run the check ({type(err).__name__}: {err}); skipped.",
-            )
+            self.could_not_run(trainer, err)  # our own failure: raised under GRADGUARD_STRICT=1
         finally:
             rng.restore()
         self._conclude(trainer, self.result)  # on every rank, even a skipped one: the verdict is collective

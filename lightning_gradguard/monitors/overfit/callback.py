@@ -28,7 +28,6 @@ from lightning_gradguard.core.batch import first_train_batch, redraw_first_sampl
 from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck, PreflightFinding
 from lightning_gradguard.core.snapshot import TrainingSnapshot
-from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
 from lightning_gradguard.monitors.overfit.check import OverfitSettings, run_overfit_check
 from lightning_gradguard.monitors.overfit.diagnosis import blow_up
@@ -212,11 +211,7 @@ class OverfitBatchSanity(PreflightCheck):
                 result.findings[:0] = label_stability(batch, slice_batch(again, self.max_samples))
                 result.passed = result.passed and not any(f.severity == "error" for f in result.findings)
         except Exception as err:  # a model or loader shape we cannot drive: warn, never crash
-            warn_once(
-                trainer,
-                "overfit_batch_error",
-                f"OverfitBatchSanity could not run the check ({type(err).__name__}: {err}); skipped.",
-            )
+            self.could_not_run(trainer, err)  # our own failure: raised under GRADGUARD_STRICT=1
         finally:
             snapshot.restore()
         if result is not None:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import trial_loss
+from lightning_gradguard.functional.stats import foreach_norms, total_norm
 from lightning_gradguard.monitors.overfit.modules import CalledModules, LeafOutputs
 
 #: the seed every step of the check is re-seeded with when ``training_step``'s randomness is frozen
@@ -188,7 +189,8 @@ class _Record:
         """Record the gradient norm after ``backward``, and (inspecting) which gradients there are."""
         grads = [p.grad for p in params]
         present = [g for g in grads if g is not None]
-        self.grad_norms.append(float(torch.nn.utils.get_total_norm(present)) if present else 0.0)
+        # functional's norms, not torch.nn.utils.get_total_norm: that one first appears in torch 2.6
+        self.grad_norms.append(float(total_norm(foreach_norms(present))) if present else 0.0)
         if not self.plan.inspect:
             return
         with torch.no_grad():  # flags stay on the device: one host read at the end, not one per tensor

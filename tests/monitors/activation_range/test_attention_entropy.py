@@ -196,7 +196,7 @@ def test_healthy_attention_stays_quiet(name: str, kwargs: dict[str, Any]) -> Non
 def test_unscaled_qk_normed_attention_one_hot_at_init_is_the_architecture_not_a_fault() -> None:
     """QK-norm without 1/sqrt(d) (Gemma 4's scaling 1.0): the logits' scale is the norms' gain, which
     training sets, so attention one-hot from step 0 is no initialization fault; the same logits from
-    projections without QK-norm are still named (test_attention_initialized_near_one_hot_is_named_at_step_0)."""
+    projections without QK-norm are still named (the test above)."""
     model = DigitsTransformer(qk_norm=True)
     with torch.no_grad():
         for block in model.blocks:

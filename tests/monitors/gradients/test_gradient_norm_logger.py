@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import MemoryLogger, RecordingMLP, make_trainer, random_loader
+from conftest import MemoryLogger, RecordingMLP, make_trainer, random_loader, reference_total_norm
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.amp.grad_scaler import OptState
@@ -124,7 +124,7 @@ class _TwoOptimizerGAN(pl.LightningModule):
 
     def _record(self, which: str, module: nn.Module) -> None:
         grads = [p.grad for p in module.parameters() if p.grad is not None]
-        self.true.append((self.trainer.global_step, which, float(torch.nn.utils.get_total_norm(grads))))
+        self.true.append((self.trainer.global_step, which, float(reference_total_norm(grads))))
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         x, _ = batch
@@ -218,7 +218,7 @@ def test_inf_norm(memory_logger: MemoryLogger) -> None:
     class Probe(pl.Callback):
         def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
             grads = [p.grad for p in pl_module.parameters()]
-            truth[trainer.global_step] = float(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))
+            truth[trainer.global_step] = float(reference_total_norm(grads, norm_type=math.inf))
 
     make_trainer([Probe(), GradientNormLogger(log_every_n_steps=1, norm_type="inf")], memory_logger).fit(
         model, random_loader()

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from conftest import MemoryLogger, make_trainer, random_loader, run_ddp_script
+from conftest import MemoryLogger, make_trainer, random_loader, reference_total_norm, run_ddp_script
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
@@ -63,7 +63,7 @@ class SpikeModel(pl.LightningModule):
 
     def on_after_backward(self) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.grad_norms[self.trainer.global_step] = float(torch.nn.utils.get_total_norm(grads))
+        self.grad_norms[self.trainer.global_step] = float(reference_total_norm(grads))
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_kind == "adam":
@@ -588,9 +588,7 @@ class TwoOptimizers(pl.LightningModule):
             loss = loss * (1000.0 if name == "b" and spiking else 1.0)
             opt.zero_grad()
             self.manual_backward(loss)
-            self.norms[name][batch_idx] = float(
-                torch.nn.utils.get_total_norm([p.grad for p in net.parameters()])
-            )
+            self.norms[name][batch_idx] = float(reference_total_norm([p.grad for p in net.parameters()]))
             opt.step()
         self.after[batch_idx] = copy.deepcopy(self.state_dict())
 

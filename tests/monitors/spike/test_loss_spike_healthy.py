@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, make_trainer
+from conftest import ROOT, make_trainer, reference_total_norm
 from torch import nn
 
 from lightning_gradguard import LossSpikeGuard
@@ -74,7 +74,7 @@ class Healthy(pl.LightningModule):
 
     def on_after_backward(self) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+        self.norms.append(float(reference_total_norm(grads)))
 
     def configure_optimizers(self) -> Any:
         if self.kind == "plateau":

@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from conftest import make_trainer
+from conftest import make_trainer, reference_total_norm
 from torch import nn
 
 from lightning_gradguard.monitors.stall.callback import StallDetector
@@ -71,9 +71,9 @@ class Digits(pl.LightningModule):
     ) -> None:
         if self.fault == "clip_1e-3":
             grads = [p.grad for p in self.parameters() if p.grad is not None]
-            raw = float(torch.nn.utils.get_total_norm(grads))
+            raw = float(reference_total_norm(grads))
             torch.nn.utils.clip_grad_norm_(self.parameters(), 1e-3)
-            self.clip_ratios[self.trainer.global_step] = float(torch.nn.utils.get_total_norm(grads)) / raw
+            self.clip_ratios[self.trainer.global_step] = float(reference_total_norm(grads)) / raw
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])

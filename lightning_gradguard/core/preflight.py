@@ -183,8 +183,8 @@ class PreflightCheck(GradGuardCallback):
                 (``None``: nothing more).
             passed_line: logged (INFO, global rank zero) when it passed on every rank: silence after
                 success reads as "did it run?" (``None``: nothing, e.g. the check did not run here).
-            on_success: the closing finding, reported as a warning when it passed on every rank with a
-                reservation.
+            on_success: the closing finding, reported when it passed on every rank with a reservation:
+                at its own severity when that is info (a note, not a reservation), else as a warning.
         """
         if reduce_any(trainer, failed_here):
             if on_failure is not None:
@@ -193,7 +193,8 @@ class PreflightCheck(GradGuardCallback):
                     alerts.append(alert)
         else:
             if on_success is not None:
-                self.report_finding(trainer, replace(on_success, severity="warning"))
+                severity = "info" if on_success.severity == "info" else "warning"
+                self.report_finding(trainer, replace(on_success, severity=severity))
             if passed_line is not None and trainer.is_global_zero:
                 log.info(passed_line)
         self.act(trainer, alerts)

@@ -894,7 +894,9 @@ class VAE(Model):
         return rec + kl
 
 
-def test_a_slowly_but_steadily_learning_vae_is_a_warning_not_an_error() -> None:
+def test_a_slowly_but_steadily_learning_vae_is_an_info_line_and_passes() -> None:
+    """A healthy objective that is slow to memorise one batch (a VAE's ELBO, Cohere's 1/16 logit scale)
+    is no fault of the pipeline: the check passes and says so in an INFO line, no warning."""
     torch.manual_seed(0)
     overfit, grads, trainer, ours = run_checks(VAE(), loader(*data()))
     assert_healthy(overfit, grads, ours)
@@ -902,8 +904,8 @@ def test_a_slowly_but_steadily_learning_vae_is_a_warning_not_an_error() -> None:
     assert r is not None and r.randomness == "inputs" and not r.reached_target and r.steps == 200
     assert r.final_loss <= 0.5 * r.initial_loss and r.fallback_reached is False  # Adam(1e-3) is the same
     (alert,) = overfit.alerts
-    assert (alert.kind, alert.severity) == ("overfit_failed", "warning") and "still falling" in alert.message
-    assert trainer.global_step == 2
+    assert (alert.kind, alert.severity) == ("overfit_failed", "info") and "still falling" in alert.message
+    assert r.passed and trainer.global_step == 2
 
 
 # --------------------------------------------------------------------------------------------- deliberate

@@ -181,9 +181,9 @@ def missed_target(result: OverfitResult, fallback_lr: float) -> PreflightFinding
             "(an LR range test tells how far) or max_steps.",
         )
     if not rose and still_learning(result.losses, result.chance_loss, result.num_classes):
-        return replace(
+        return replace(  # a healthy pipeline whose objective is slow to memorise: said, not warned
             failed,
-            severity="warning",
+            severity="info",
             message=failed.message + " The loss was still falling steadily and had at least halved: the "
             "model learns from its inputs, more slowly than the check's budget.",
             hint="Objectives such as a VAE's ELBO or a regression on unnormalised targets take longer "
@@ -196,13 +196,14 @@ OVERFIT_FAILED = Rule(
     kind="overfit_failed",
     severity="error",
     monitor="OverfitBatchSanity",
-    also=("warning",),
+    also=("warning", "info"),
     summary="OverfitBatchSanity: the model could not overfit one batch; findings and likely causes",
     when=(
         "the model could not drive the loss of one batch below the target within `max_steps`; the "
         "message lists the findings and likely causes. A warning when only `Adam(fallback_lr)` "
-        "reached the target (the configured LR is too slow for the check) or the curve fell "
-        "steadily and at least halved (a slow objective), unless the user's curve rose above its "
+        "reached the target (the configured LR is too slow for the check); info (the check passes) "
+        "when the curve fell steadily and at least halved (a slow objective: Cohere's logit scale of "
+        "1/16 took 4.2 -> 0.72 in 200 steps), unless the user's curve rose above its "
         "start: a curve that diverged, or blew up above 1.5x its start and stayed at chance or near"
         ' its start, is a too-high LR ("Lower the learning rate"), an error (a warning under a '
         "warm-up the check skipped). See [pre-flight "

@@ -145,14 +145,11 @@ _SUBCONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decod
 
 
 def _tokens(config: Any, family: str) -> dict[str, Any]:
-    if family == "seq2seq":
-        return dict(
-            vocab_size=S2S_VOCAB,
-            pad_token_id=rm.PAD,
-            bos_token_id=rm.S2S_BOS,
-            eos_token_id=rm.S2S_EOS,
-            decoder_start_token_id=rm.PAD,
-        )
+    if family == "seq2seq":  # the decoder starts with the token the config's defaults start it with
+        ours = {"pad_token_id": rm.PAD, "bos_token_id": rm.S2S_BOS, "eos_token_id": rm.S2S_EOS}
+        start = getattr(config, "decoder_start_token_id", None)
+        same = [k for k in ours if start is not None and getattr(config, k, None) == start]
+        return dict(vocab_size=S2S_VOCAB, **ours, decoder_start_token_id=ours[same[0]] if same else rm.PAD)
     if family in ("seq_cls", "masked_lm"):
         return dict(
             vocab_size=rm.VOCAB,

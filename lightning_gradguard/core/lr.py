@@ -18,7 +18,7 @@ same rescaling with the inverse function puts it back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +33,27 @@ from lightning_gradguard.functional.clipping import clipping_norm_type
 _GROUP_KEYS = ("initial_lr", "max_lr", "min_lr")
 
 
+def group_lr(group: Mapping[str, Any]) -> float | None:
+    """A param group's learning rate as a Python float, or ``None`` where the optimizer sets its own step
+    size and holds no number (Adafactor's relative step keeps ``lr=None``): every rule about the LR then
+    has nothing to judge. A tensor LR is read (a CPU scalar, as schedulers keep it: no device sync)."""
+    lr = group.get("lr")
+    if isinstance(lr, Tensor):
+        return float(lr.detach().reshape(()).cpu()) if lr.numel() == 1 else None
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        return float(lr)
+    return None
+
+
 def rescale_learning_rates(trainer: pl.Trainer, optimizer: Any, scaled: Callable[[float], float]) -> None:
     """Map every LR of ``optimizer`` (groups, their scheduler keys) and of the Trainer's schedulers
     (``base_lrs``, nested in SequentialLR / ChainedScheduler too) through ``scaled``."""
     opt = getattr(optimizer, "optimizer", optimizer)
     for group in opt.param_groups:
-        group["lr"] = scaled(float(group["lr"]))
+        lr = group_lr(group)
+        if lr is None:  # the optimizer sets its own step (Adafactor's relative step): nothing to scale
+            continue
+        group["lr"] = scaled(lr)
         for key in _GROUP_KEYS:
             if isinstance(group.get(key), (int, float)) and not isinstance(group.get(key), bool):
                 group[key] = scaled(float(group[key]))
@@ -53,7 +68,7 @@ def rescale_learning_rates(trainer: pl.Trainer, optimizer: Any, scaled: Callable
         if hasattr(scheduler, "base_lrs"):
             scheduler.base_lrs = [scaled(float(b)) for b in scheduler.base_lrs]
         if hasattr(scheduler, "_last_lr"):
-            scheduler._last_lr = [float(g["lr"]) for g in opt.param_groups]
+            scheduler._last_lr = [group_lr(g) or 0.0 for g in opt.param_groups]
 
 
 def decoupled_decay_groups(optimizer: Any) -> list[dict[str, Any]]:
@@ -99,10 +114,10 @@ def decay_factors(optimizer: Any, params: Sequence[Tensor]) -> DecayFactors | No
     by_id: dict[int, float] = {}
     groups: list[tuple[float, float]] = []
     for g in decoupled_decay_groups(optimizer):
-        lr, wd = g.get("lr"), float(g["weight_decay"])
-        if isinstance(lr, (int, float, Tensor)):
-            groups.append((float(lr), wd))
-            by_id.update(dict.fromkeys(map(id, g["params"]), float(lr) * wd))
+        lr, wd = group_lr(g), float(g["weight_decay"])
+        if lr is not None:
+            groups.append((lr, wd))
+            by_id.update(dict.fromkeys(map(id, g["params"]), lr * wd))
     if not by_id:
         return None
     return DecayFactors([by_id.get(id(p), 0.0) for p in params], groups)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_gradguard.alerts import Alert, Finding, SanityCheckError
+from lightning_gradguard.alerts import Alert, Finding, SanityCheckError, Severity
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.collective import reduce_any
 from lightning_gradguard.core.sharding import is_sharded
@@ -193,7 +193,7 @@ class PreflightCheck(GradGuardCallback):
                     alerts.append(alert)
         else:
             if on_success is not None:
-                severity = "info" if on_success.severity == "info" else "warning"
+                severity: Severity = "info" if on_success.severity == "info" else "warning"
                 self.report_finding(trainer, replace(on_success, severity=severity))
             if passed_line is not None and trainer.is_global_zero:
                 log.info(passed_line)

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_gradguard.core.lr import decay_factors
+from lightning_gradguard.core.lr import decay_factors, group_lr
 
 #: checks before this step are not judged (Adam's bias correction, fresh layers' first moves)
 SETTLE_STEPS = 20
@@ -92,7 +92,7 @@ def optimizer_setting(optimizer: Any) -> OptimizerSetting:
     decay, weight_decay = factors.largest if factors is not None else (0.0, 0.0)
     return OptimizerSetting(
         name=type(opt).__name__,
-        lrs=sorted({float(g["lr"]) for g in groups if "lr" in g}),
+        lrs=sorted({lr for g in groups if (lr := group_lr(g)) is not None}),
         betas=betas,
         momentum=float(first.get("momentum", 0.0) or 0.0),
         decay=decay,

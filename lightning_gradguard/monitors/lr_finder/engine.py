@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch import Tensor
 
 from lightning_gradguard.core.batch import prepare_batch
-from lightning_gradguard.core.lr import rescale_learning_rates
+from lightning_gradguard.core.lr import group_lr, rescale_learning_rates
 from lightning_gradguard.core.snapshot import RNGState, TrainingSnapshot, train_loader_generators
 from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.stats import active_scaler
@@ -492,6 +492,14 @@ def _optimizer_problem(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Un
             "optimizer and use its suggestion.",
         )
     optimizer = trainer.optimizers[0]
+    if any(group_lr(g) is None for g in optimizer.param_groups):
+        name, held = type(optimizer).__name__, optimizer.param_groups[0].get("lr")
+        return Unsupported(
+            message=f"{name} sets its own step size (a param group holds lr={held!r}, Adafactor's relative "
+            "step): there is no learning rate to sweep",
+            hint=f"Nothing to tune here; to search an LR, give {name} one (Adafactor: relative_step=False, "
+            "lr=1e-3 or so).",
+        )
     if active_scaler(trainer) is None or not needs_closure(optimizer):
         return None
     name = type(optimizer).__name__
@@ -614,7 +622,8 @@ def _configured(group: dict[str, Any]) -> float:
         value = group.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             return float(value)
-    return float(group["lr"])
+    lr = group_lr(group)
+    return math.nan if lr is None else lr
 
 
 def _apply_lr(trainer: pl.Trainer, optimizer: Any, base: list[float], suggestion: float) -> None:

@@ -30,6 +30,7 @@ from lightning_gradguard.alerts import Rule, write_atomically
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core import sharding as _sharding
 from lightning_gradguard.core.collective import gather
+from lightning_gradguard.core.lr import group_lr
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonfinite_counts
@@ -183,7 +184,7 @@ def _local_findings(
     return RankFindings(
         batch_idx=micro.batch_idx,
         loss=loss,
-        learning_rates=[[float(g["lr"]) for g in opt.param_groups] for opt in trainer.optimizers],
+        learning_rates=[[_lr(g) for g in opt.param_groups] for opt in trainer.optimizers],
         nonfinite_parameters=bad,
         origin=origin,
         history=history,
@@ -267,3 +268,9 @@ def _weights_note(rule: Rule, action: str) -> str:
     if action == "warn" and rule is not LOSS_SCALE_COLLAPSE:
         return "as after the last good step when written; action='warn' lets this step's update through"
     return "as after the last good step (the update was not applied)"
+
+
+def _lr(group: dict[str, Any]) -> float:
+    """A param group's LR for the report (NaN where the optimizer sets its own step: ``lr=None``)."""
+    lr = group_lr(group)
+    return math.nan if lr is None else lr

@@ -146,10 +146,11 @@ def reading_scalars(reading: OptimizerReading, layers: LayerSelection, suffix: s
 
 
 def _host_number(value: Any) -> float | Tensor:
-    """A Python float, or a device tensor to read with the transfer (never a sync here)."""
+    """A Python float, or a device tensor to read with the transfer (never a sync here); NaN for no number
+    (Adafactor's relative step keeps ``lr=None``: the rules that read the LR skip a NaN)."""
     if isinstance(value, Tensor):
         return float(value) if value.device.type == "cpu" else value.detach().float().reshape(1)
-    return float(value)
+    return float(value) if isinstance(value, (int, float)) else math.nan
 
 
 class OptimizerSample:
@@ -167,7 +168,7 @@ class OptimizerSample:
         self.labels, self.index = stats.groups(stats.names, None, False)
         group_of = {id(p): g for g in self.opt.param_groups for p in g["params"]}
         self.groups = [group_of.get(id(p), {}) for p in self.params]
-        self.lrs = [_host_number(g.get("lr", 0.0)) for g in self.groups]
+        self.lrs = [_host_number(g.get("lr", 0.0)) for g in self.groups]  # None: the optimizer's own step
         # the step's one update sample (shared with the other monitors), with the gradient at its entries
         sample = stats.take_update_sample(with_grads=True)
         assert sample is not None  # the monitor measures only a step with parameters

@@ -28,6 +28,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_gradguard.core.batch import batch_size_of, tensors_in
+from lightning_gradguard.core.lr import group_lr
 from lightning_gradguard.core.preflight import MAX_LISTED, PreflightFinding
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import quiet_logging, training_step_of
@@ -171,8 +172,8 @@ class ParameterEvidence:
         lr_of: dict[int, float] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                lr = group.get("lr", math.nan)
-                lr_of[id(p)] = float(lr.item() if isinstance(lr, Tensor) else lr)
+                lr = group_lr(group)
+                lr_of[id(p)] = math.nan if lr is None else lr
         record = self.record
         why: dict[str, list[str]] = {"missing": [], "zero_lr": [], "not_stepped": [], "unmeasured": []}
         other: list[int] = []

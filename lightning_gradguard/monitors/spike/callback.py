@@ -33,7 +33,7 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.buffers import keep_step_buffers, step_buffers
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
-from lightning_gradguard.core.lr import rescale_learning_rates
+from lightning_gradguard.core.lr import group_lr, rescale_learning_rates
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.snapshot import TrainingSnapshot, rollback_point
 from lightning_gradguard.core.validate import check_choice, check_float, check_int, check_path
@@ -377,13 +377,12 @@ class LossSpikeGuard(GradGuardCallback):
         """The loss has stayed far above the run's start: say so, with the learning rate; raise under
         ``action="raise"``. Nothing is dropped: before the warm-up ends no good state exists to return to."""
         groups = getattr(optimizer, "param_groups", None) or [{}]
-        lr = groups[0].get("lr")
         found = early_finding(
             step=int(trainer.global_step),
             first=self._early.first,
             loss=loss,
             factor=self.early_divergence_factor or 0.0,
-            lr=None if lr is None else float(lr),
+            lr=group_lr(groups[0]),
         )
         reported = self.report_finding(trainer, found)
         if self.action == "raise":

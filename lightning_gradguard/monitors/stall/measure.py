@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_gradguard.core.lr import decay_factors
+from lightning_gradguard.core.lr import decay_factors, group_lr
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.stats import foreach_norms
@@ -61,9 +61,9 @@ def lr_now(optimizers: Sequence[Any]) -> float:
     best = 0.0
     for opt in optimizers:
         for group in opt.param_groups:
-            lr = group.get("lr")
-            if isinstance(lr, (int, float, Tensor)):
-                best = max(best, float(lr))
+            lr = group_lr(group)
+            if lr is not None:
+                best = max(best, lr)
     return best
 
 
@@ -76,7 +76,7 @@ def lr_configured(trainer: pl.Trainer) -> float:
     for opt in trainer.optimizers:
         for g in opt.param_groups:
             bases = [float(g[k]) for k in ("initial_lr", "max_lr") if isinstance(g.get(k), (int, float))]
-            best = max(best, *bases) if bases else max(best, float(g["lr"]))
+            best = max(best, *bases) if bases else max(best, group_lr(g) or 0.0)
     for config in trainer.lr_scheduler_configs:
         for lr in getattr(config.scheduler, "max_lrs", None) or []:
             best = max(best, float(lr))
@@ -290,12 +290,7 @@ def _lr_zero(optimizer: Any) -> frozenset[int]:
     """The ids of the parameters in a param group of ``optimizer`` with LR 0 (a check step's loop over
     the groups, for a model with 16-bit weights only)."""
     opt = getattr(optimizer, "optimizer", optimizer)
-    return frozenset(
-        id(p)
-        for g in getattr(opt, "param_groups", [])
-        if isinstance(g.get("lr"), (int, float, Tensor)) and float(g["lr"]) == 0
-        for p in g["params"]
-    )
+    return frozenset(id(p) for g in getattr(opt, "param_groups", []) if group_lr(g) == 0 for p in g["params"])
 
 
 def _heads(tensors: list[Tensor]) -> list[Tensor]:

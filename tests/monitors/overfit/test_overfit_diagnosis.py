@@ -377,6 +377,10 @@ def test_a_curve_that_rose_above_its_start_is_never_called_slow() -> None:
         rose = max(losses) > 1.5 * losses[0]
         assert ("slow" in finding.message) == (not rose)
         assert ("too high" in finding.message or "Lower the" in finding.hint) == rose
+    halved = [1.0 * 0.95**k for k in range(24)]  # the user's own curve learns: 1.0 -> 0.31, steadily
+    for fallback in (True, False, None):  # whatever Adam(fallback_lr) did (Lion at its usual lr, a fine-tune)
+        finding = missed_target(_missed(halved, fallback_reached=fallback), fallback_lr=1e-3)
+        assert finding.severity == "info" and "still falling steadily" in finding.message
     warmed = missed_target(_missed(stuck, fallback_reached=True, warm_up=True), fallback_lr=1e-3)
     assert warmed.severity == "warning" and "warms up" in warmed.message
 

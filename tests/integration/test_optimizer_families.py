@@ -1,0 +1,61 @@
+"""Optimizers whose step is their own design, on real Trainers with every monitor and the pre-flight checks:
+Adafactor with relative steps keeps ``lr=None`` in its param groups (found by the sweep of every
+``transformers`` architecture: five monitors and two checks read ``float(group["lr"])`` and failed on it).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import ROOT, make_trainer
+from torch import nn
+
+from lightning_gradguard import GradientCheck, LRFinderPlus, OverfitBatchSanity
+
+sys.path.insert(0, str(ROOT / "examples"))
+from zoo import digits, monitors
+
+
+class RelativeStep(pl.LightningModule):
+    """A digits MLP under ``transformers``' Adafactor with its relative step: ``lr=None`` in every group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        from transformers.optimization import Adafactor
+
+        return Adafactor(self.parameters(), lr=None, relative_step=True, scale_parameter=True)
+
+
+def test_an_optimizer_without_a_numeric_lr_is_watched_not_crashed() -> None:
+    """Under GRADGUARD_STRICT=1 (the tests' setting) a monitor that fails raises: every monitor reads the
+    steps of an ``lr=None`` optimizer, the pre-flight checks pass, and the LR finder says there is no LR to
+    sweep instead of failing inside."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    watching = monitors()
+    overfit, gradcheck, finder = OverfitBatchSanity(), GradientCheck(), LRFinderPlus()
+    model = RelativeStep()
+    trainer = make_trainer([overfit, gradcheck, finder, *watching], max_steps=40)
+    trainer.fit(model, digits())
+    assert trainer.global_step == 40 and model.losses[-1] < 0.9 * model.losses[0]  # it learns (0.74 here)
+    assert overfit.result is not None and overfit.result.passed
+    assert gradcheck.result is not None and gradcheck.result.passed
+    assert finder.result is not None and finder.result.suggestion is None
+    (said,) = finder.alerts
+    assert "sets its own step size" in said.message and "relative_step=False" in said.hint
+    loud = [a.format() for m in watching for a in m.alerts if a.severity != "info"]
+    assert not loud, loud
+    assert trainer.optimizers[0].param_groups[0]["lr"] is None  # nothing of ours wrote an LR into it

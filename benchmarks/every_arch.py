@@ -433,21 +433,31 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
         return loss
 
 
-def _muon(module: nn.Module, lr: float) -> list[torch.optim.Optimizer]:
-    matrices = [
-        p
-        for n, p in module.named_parameters()
-        if p.requires_grad
-        and p.ndim == 2
-        and "embed" not in n
-        and "wte" not in n
-        and "wpe" not in n
-        and "head" not in n
-        and "classifier" not in n
-    ]
-    ids = {id(p) for p in matrices}
-    rest = [p for p in module.parameters() if p.requires_grad and id(p) not in ids]
-    return [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=lr)]
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch's ``Muon`` on the hidden matrices and ``AdamW`` on the rest (embeddings, heads, vectors), as
+    one optimizer: how Muon is used (it orthogonalizes 2-D updates only), and what Lightning's automatic
+    optimization steps."""
+
+    def __init__(self, module: nn.Module, lr: float) -> None:
+        outer = ("embed", "wte", "wpe", "head", "classifier", "patch", "pooler")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        matrices = [p for n, p in named if p.ndim == 2 and not any(k in n for k in outer)]
+        ids = {id(p) for p in matrices}
+        self.muon = torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01)
+        self.adamw = torch.optim.AdamW([p for _, p in named if id(p) not in ids], lr=lr, weight_decay=0.01)
+        super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
+        self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
+        self.state = self.muon.state  # type: ignore[assignment]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
 
 
 RECIPES = ("muon", "adafactor", "lion", "schedule_free", "manual")
@@ -466,8 +476,7 @@ class SweepTask(rm.HFTask):
         if self.variant == "family":
             return super().configure_optimizers()
         if self.variant == "muon":
-            muon, adamw = _muon(self, self.recipe.lr)
-            return [muon, adamw]  # Lightning steps both each batch: one combined update
+            return MuonWithAdamW(self, self.recipe.lr)
         if self.variant == "adafactor":
             from transformers.optimization import Adafactor
 
@@ -478,14 +487,16 @@ class SweepTask(rm.HFTask):
             return Lion(self.parameters(), lr=self.recipe.lr / 10, weight_decay=0.1)
         if self.variant == "schedule_free":
             return ScheduleFreeAdamW(self.parameters(), lr=self.recipe.lr)
-        # manual: two optimizers, body and head, stepped by hand
+        # manual: two optimizers, body and head, each with the family's warm-up and cosine, stepped by hand
         head = [p for n, p in self.named_parameters() if "lm_head" in n or "classifier" in n]
         ids = {id(p) for p in head}
         body = [p for p in self.parameters() if id(p) not in ids]
-        return [
+        opts = [
             torch.optim.AdamW(body, lr=self.recipe.lr),
             torch.optim.AdamW(head or body[:1], lr=self.recipe.lr),
         ]
+        factor = self.recipe.factor(self.total_steps)
+        return opts, [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in opts]
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         if self.variant != "manual":
@@ -499,6 +510,8 @@ class SweepTask(rm.HFTask):
         self.clip_gradients(opts[0], gradient_clip_val=1.0, gradient_clip_algorithm="norm")
         for opt in opts:
             opt.step()
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
         return loss
 
 

@@ -123,6 +123,22 @@ def decay_factors(optimizer: Any, params: Sequence[Tensor]) -> DecayFactors | No
     return DecayFactors([by_id.get(id(p), 0.0) for p in params], groups)
 
 
+def orthogonalized_share(optimizer: Any) -> float:
+    """The share of ``optimizer``'s entries whose update is orthogonalized (Muon: torch's ``Muon`` groups
+    hold its Newton-Schulz ``ns_steps``; the reference implementation's mixed groups say ``use_muon``).
+
+    Such an update has a norm set by the optimizer's design, ``lr * sqrt(min(m, n))`` per matrix (times
+    its shape adjustment), whatever the gradient's scale: every step rewrites a few percent of the weights
+    by construction (0.1 of a 64-wide matrix at lr 0.02, 0.04 of a 768-wide one), and a rule that reads a
+    large update/weight ratio as a too-high LR or a missing warm-up does not apply to it. A loop over the
+    param groups: read it once per fit."""
+    opt = getattr(optimizer, "optimizer", optimizer)
+    groups = list(getattr(opt, "param_groups", []))
+    sizes = [sum(p.numel() for p in g["params"]) for g in groups]
+    ortho = sum(n for g, n in zip(groups, sizes, strict=True) if "ns_steps" in g or g.get("use_muon") is True)
+    return ortho / max(sum(sizes), 1)
+
+
 #: optimizers that divide each entry's step by a running RMS of its gradient, without Adam's ``betas``
 _ADAPTIVE = (torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta)
 

@@ -59,3 +59,18 @@ def test_an_optimizer_without_a_numeric_lr_is_watched_not_crashed() -> None:
     loud = [a.format() for m in watching for a in m.alerts if a.severity != "info"]
     assert not loud, loud
     assert trainer.optimizers[0].param_groups[0]["lr"] is None  # nothing of ours wrote an LR into it
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="needs torch.optim.Muon (torch >= 2.9)")
+def test_muon_groups_are_told_by_their_newton_schulz_steps() -> None:
+    """torch's Muon keeps ``ns_steps`` in its groups (the reference implementation's mixed groups say
+    ``use_muon``): the share of the entries whose update is orthogonalized, read from the groups."""
+    from lightning_gradguard.core.lr import orthogonalized_share
+
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    matrices = [net[0].weight, net[2].weight]
+    rest = [net[0].bias, net[2].bias]
+    assert orthogonalized_share(torch.optim.Muon(matrices, lr=0.02)) == 1.0
+    assert orthogonalized_share(torch.optim.AdamW(net.parameters())) == 0.0
+    mixed = torch.optim.AdamW([{"params": matrices, "use_muon": True}, {"params": rest, "use_muon": False}])
+    assert orthogonalized_share(mixed) == pytest.approx((64 * 64 + 640) / (64 * 64 + 640 + 74))

@@ -26,9 +26,9 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.layers import LayerSelection
-from lightning_gradguard.core.lr import ClipSetting, adaptive_eps, clip_setting
+from lightning_gradguard.core.lr import ClipSetting, adaptive_eps, clip_setting, orthogonalized_share
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
-from lightning_gradguard.core.state import warn_once
+from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
@@ -49,6 +49,13 @@ from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``log_every_n_steps=0``), the clipping verdict is still reached this often
 _CLIP_CHECK_EVERY = 100
+
+
+#: said once when the update/weight ratio rule does not judge an optimizer
+_ORTHOGONALIZED = (
+    "GradientNormLogger: most of the update is orthogonalized (Muon): each step rewrites a few percent of "
+    "every matrix by the optimizer's design, so update_ratio_high does not judge it (the ratio is logged)."
+)
 
 
 @dataclass
@@ -170,6 +177,7 @@ class GradientNormLogger(GradGuardCallback):
             "max_update_ratio", max_update_ratio, 0.0, low_open=True, allow_none=True
         )
         self._ratio: dict[str, RatioWatch] = {}  # per optimizer (tag suffix)
+        self._designed: dict[str, bool] = {}  # per optimizer: its update's size is its design (Muon)
         self._pending: list[_Logged] = []
         self._clip_check_due = False
         self._clip_check_step = 0  # global_step of the latest step measured for the clipping verdict
@@ -209,6 +217,7 @@ class GradientNormLogger(GradGuardCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._designed = {}  # the optimizers of this fit
         """Fix what every step's cadence test reads (the Trainer's logging interval and clipping, and
         whether this rank measures: loggers are rank-zero only and DDP's gradients agree across ranks,
         while sharded norms need every rank), so a step that logs nothing costs one test."""
@@ -327,6 +336,12 @@ class GradientNormLogger(GradGuardCallback):
     def _judge_ratio(self, trainer: pl.Trainer, p: _Logged, reading: NormReading) -> None:
         """The update-ratio rule on a logging step's total ratio (``monitors.gradients.rules``)."""
         if self.max_update_ratio is None or reading.update_ratio_total is None:
+            return
+        if p.suffix not in self._designed:  # once per optimizer and fit: a loop over its param groups
+            self._designed[p.suffix] = orthogonalized_share(p.optimizer) >= 0.5
+            if self._designed[p.suffix]:
+                info_once(trainer, f"update_ratio:orthogonalized{p.suffix}", _ORTHOGONALIZED)
+        if self._designed[p.suffix]:  # Muon rewrites a few percent of each matrix a step by design
             return
         watch = self._ratio.setdefault(p.suffix, RatioWatch())
         step = p.sample.stats.step

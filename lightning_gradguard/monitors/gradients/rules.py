@@ -211,7 +211,8 @@ UPDATE_RATIO_HIGH = Rule(
         " learning rate and suggests one (the weight decay instead, when `lr · weight_decay` alone "
         "is half the ratio or more). Measured: healthy digits runs held at most 0.024 for 20 steps "
         "(0.020 without the fine-tuned head at Adam 1e-2: an LSTM at Adam 3e-3), SGD at 10x its lr "
-        "0.04-0.055. See [the learning-rate "
+        "0.04-0.055. Not for an optimizer that orthogonalizes most of the update (Muon: its step "
+        "rewrites a few percent of each matrix by design; one INFO line says so). See [the learning-rate "
         "rule](optimizer.md#the-learning-rate-rule-gradientnormlogger)."
     ),
     check=ratio_finding,

@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import DENSE_STEPS, check_due, log_step, optimizer_index
-from lightning_gradguard.core.lr import adaptive_eps
+from lightning_gradguard.core.lr import adaptive_eps, orthogonalized_share
 from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.validate import check_float, check_int
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds
@@ -163,6 +163,7 @@ class StallDetector(GradGuardCallback):
         self._optimizers, self._automatic = trainer.optimizers, pl_module.automatic_optimization
         self._low_precision = has_low_precision(pl_module)  # float32 models: no extra work, ever
         self._adaptive = any(adaptive_eps(o) is not None for o in trainer.optimizers)
+        self._orthogonalized = any(orthogonalized_share(o) >= 0.5 for o in trainer.optimizers)
         self._attention = any(_is_attention(m) for m in pl_module.modules())
 
     # Every step: the LR in use and the loss (a plain read, and one detach); the rest on check steps only.
@@ -238,6 +239,7 @@ class StallDetector(GradGuardCallback):
             rounding=reading.rounding,
             planned_steps=int(planned) if planned != float("inf") else None,
             adaptive=self._adaptive,
+            orthogonalized=self._orthogonalized,
             attention=self._attention,
         )
         self.last_check = check

@@ -163,6 +163,7 @@ class StallCheck:
     decay_groups: Sequence[tuple[float, float]] = ()
     rounding: Rounding | None = None
     adaptive: bool = False
+    orthogonalized: bool = False  # most of the update is orthogonalized (Muon): its size is the design
     attention: bool = False
 
     @property

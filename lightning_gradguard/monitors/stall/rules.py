@@ -452,8 +452,8 @@ def _no_warmup(s: StallState, c: StallCheck) -> Finding | None:
     """A transformer under an adaptive optimizer at its full LR from step 0, whose first updates rewrite
     ``warmup_ratio`` of the weights a step, on ``patience`` checks of the dense start."""
     r, ratio = s.thresholds, c.update_ratio_total
-    if not (c.adaptive and c.attention) or c.step >= r.warmup_min_steps:
-        return None
+    if not (c.adaptive and c.attention) or c.orthogonalized or c.step >= r.warmup_min_steps:
+        return None  # Muon's orthogonalized step rewrites a few percent a step by design, warm-up or not
     full = c.lr_configured > 0 and c.lr >= 0.5 * c.lr_configured and s.lr_history[0][1] >= 0.5 * c.lr
     holds = full and ratio is not None and ratio >= r.warmup_ratio
     if not s.streak(WARMUP_MISSING, holds) or ratio is None:
@@ -476,7 +476,8 @@ WARMUP_MISSING = Rule(
     when=(
         "a transformer (attention layers) trained by Adam or its family at its full LR from step 0,"
         " whose first updates rewrite 3 % or more of its weights a step, on 3 checks of the dense "
-        "start: no learning-rate warm-up (post-LN transformers do not recover from it). See "
+        "start: no learning-rate warm-up (post-LN transformers do not recover from it). Not under an "
+        "optimizer that orthogonalizes most of the update (Muon): its step's size is its design. See "
         "[StallDetector](stall.md)."
     ),
     where="lr_scheduler",

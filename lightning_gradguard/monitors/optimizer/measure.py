@@ -108,7 +108,7 @@ class OptimizerReading:
 
     ``keeps`` names the moment families found in the optimizer's state (``"exp_avg"``,
     ``"exp_avg_sq"``, ``"momentum_buffer"``); empty for an optimizer we do not read (LBFGS, Adagrad, ...).
-    ``graded`` lists the layers that had a gradient this step. ``adam_steps``: the Adam family only.
+    ``graded`` lists the layers that had a non-zero gradient this step. ``adam_steps``: the Adam family only.
     """
 
     step: int
@@ -264,7 +264,12 @@ class OptimizerSample:
             i: float(v[f"step:{i}"][0]) if isinstance(t, Tensor) else t
             for i, (t, _, _) in self._second.items()
         }
-        graded = frozenset(self.labels[self.index[i]] for i in self.sample.with_grad)
+        # a layer whose (sampled) gradient is exactly zero learns nothing this step: a query and key that see
+        # one token (MobileViT's last stage at 32 px), a layer scale after a dead branch; its update is the
+        # weight decay's alone, no LR's doing, so the layer comparisons leave it out
+        graded = frozenset(
+            self.labels[self.index[i]] for i, g in zip(self.sample.with_grad, grad_sq, strict=True) if g > 0
+        )
         adam = {}
         if "update_max" in v:
             update_max = v["update_max"].tolist()

@@ -357,6 +357,50 @@ def test_update_ratio_outlier_names_the_odd_layer(odd_lr: float, expected: set[s
         assert ("too high" if odd_lr > 0 else "lr 0") in a.hint
 
 
+class ZeroGradient(Deep):
+    """``idle`` is in the graph with a gradient of exact zeros (a query and key that see one token, a layer
+    scale after a dead branch); AdamW's weight decay alone moves it, under 1/1000 of what the others move."""
+
+    def __init__(self) -> None:
+        super().__init__(odd_lr=1e-4)
+        self.idle = nn.Linear(32, 32)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.net[:4](x)
+        return nn.functional.cross_entropy(self.net[4:](h), y) + 0.0 * self.idle(h).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=1e-3)
+
+
+def test_a_layer_with_a_gradient_of_exact_zeros_is_left_out_of_the_comparison() -> None:
+    """Found by the sweep of every transformers architecture (MobileViT, SwiftFormer, PoolFormer at 32 px):
+    a layer that learns nothing this step is no LR's doing; the layers that learn are still compared."""
+
+    class Ratios(pl.Callback):  # ||delta w|| / ||w|| of two layers, by brute force
+        def __init__(self) -> None:
+            self.before: dict[str, torch.Tensor] = {}
+            self.ratios: list[tuple[float, float]] = []
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            self.before = {
+                "idle": module.idle.weight.detach().clone(),
+                "net": module.net[2].weight.detach().clone(),
+            }
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            now = {"idle": module.idle.weight, "net": module.net[2].weight}
+            r = {k: float((now[k] - w).norm() / w.norm()) for k, w in self.before.items()}
+            self.ratios.append((r["idle"], r["net"]))
+
+    torch.manual_seed(0)
+    monitor, brute = OptimizerMonitor(log_every_n_steps=1), Ratios()
+    make_trainer([brute, monitor], MemoryLogger(), max_steps=8).fit(ZeroGradient(), random_loader())
+    assert all(idle < net / 1000 for idle, net in brute.ratios), brute.ratios  # the premise: far below
+    assert not [a.format() for a in monitor.alerts if a.kind == "update_ratio_outlier"]
+
+
 def test_include_exclude_and_a_cap_select_layers_but_not_the_totals() -> None:
     torch.manual_seed(0)
     full, cut, capped = MemoryLogger(), MemoryLogger(), MemoryLogger()

@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: setup demo test lint typecheck unit unit-elsewhere docs bench bench-hooks bench-lr bench-lr-hard bench-dead-relu bench-spike bench-spike-healthy bench-big bench-stall-zoo bench-matrix bench-onset bench-real bench-buffers screenshots test-floor clean
+.PHONY: setup demo test lint typecheck unit unit-elsewhere docs bench bench-hooks bench-lr bench-lr-hard bench-dead-relu bench-spike bench-spike-healthy bench-big bench-stall-zoo bench-matrix bench-onset bench-real bench-every-arch bench-buffers screenshots test-floor clean
 
 setup: $(STAMP)
 
@@ -130,6 +130,13 @@ bench-onset: $(STAMP)
 # Real transformers architectures (small configs, random init) trained with their families' recipes: healthy runs, faults against their twins, the pre-flight checks (about 13 minutes on 1 thread).
 bench-real: $(STAMP)
 	$(PY) benchmarks/real_models.py --preflight --markdown
+
+# Every model class transformers ships for six task families (causal LM, seq2seq, sequence classification,
+# masked LM, image and audio classification), each from a config shrunk automatically and trained 40 steps
+# at its family's recipe with every monitor and the pre-flight pair at their defaults, plus Muon, Adafactor,
+# Lion, schedule-free AdamW and manual optimization: the table of docs/benchmarks.md (about an hour on 1 thread).
+bench-every-arch: $(STAMP)
+	$(PY) benchmarks/every_arch.py --markdown --json every_arch.json
 
 # What keeping the buffers a step's forward writes costs per step, on a BatchNorm ResNet (about 1 minute).
 bench-buffers: $(STAMP)

@@ -746,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--no-preflight", action="store_true")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    parser.add_argument("--shard", default="", help="i/n: run every n-th entry from the i-th (0-based)")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--json", default="", help="write every result here (updated after each run)")
     args = parser.parse_args(argv)
@@ -758,6 +759,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         wanted = set(args.only.split(","))
         archs = [a for a in archs if a.name in wanted]
+    if args.shard:
+        i, n = (int(x) for x in args.shard.split("/"))
+        archs = archs[i::n]
     if args.family:
         fams = set(args.family.split(","))
         archs = [a for a in archs if a.family in fams]

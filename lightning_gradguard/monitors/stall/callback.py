@@ -218,8 +218,10 @@ class StallDetector(GradGuardCallback):
         reading = self._probe.read(trainer, pl_module.device)
         self.lr_configured = max(self.lr_configured, lr_configured(trainer))
         stats, self._check_stats = self._check_stats, None
-        if stats is not None and stats.dropped is not None:
-            reading = _without_update(reading)  # NaNSentinel or LossSpikeGuard dropped it: not the run's
+        if (stats is not None and stats.dropped is not None) or reading.scaler_skipped:
+            # NaNSentinel or LossSpikeGuard dropped it, or the GradScaler skipped it (its first steps while
+            # the scale backs off from 65536): no update of the run's to judge
+            reading = _without_update(reading)
         planned = trainer.estimated_stepping_batches
         check = StallCheck(
             step=self._checked_at,
@@ -287,9 +289,9 @@ class StallDetector(GradGuardCallback):
 
 
 def _without_update(reading: StallReading) -> StallReading:
-    """A check whose update another callback dropped (a skip or a rollback): its update measurements are
-    the drop's, not the run's (every weight unchanged: no update, nothing rounded away), so they are not
-    judged; the loss and the labels still are."""
+    """A check whose update another callback dropped (a skip or a rollback) or the GradScaler skipped: its
+    update measurements are the drop's, not the run's (every weight unchanged: no update, nothing rounded
+    away), so they are not judged; the loss and the labels still are."""
     return replace(reading, update_ratios={}, update_total=None, decay={}, clip_ratio=None, rounding=None)
 
 

@@ -160,6 +160,9 @@ class StallReading:
     labels: list[float] | None = None
     tokens: Tensor | None = None
     rounding: Rounding | None = None
+    scaler_skipped: bool = (
+        False  # the GradScaler skipped the check's step (inf/NaN while its scale backs off)
+    )
 
 
 class _StepSample:
@@ -183,6 +186,7 @@ class _StepSample:
         self, stats: StepStats, automatic: bool, optimizer: Any = None, rounding: bool = False
     ) -> None:
         self.stats = stats
+        stats.watch_scaler()  # whether the GradScaler skips this step (nothing without a scaler)
         stats.take_update_sample(with_grads=rounding)
         self.rounding = rounding
         self.still = _lr_zero(optimizer) if rounding else frozenset()
@@ -194,6 +198,9 @@ class _StepSample:
         self.decay = decay_factors(optimizer, stats.params) if optimizer is not None else None
 
     def queue(self, transfer: HostTransfer) -> None:
+        skipped = self.stats.scaler_skipped()
+        if skipped is not None:
+            transfer.add("scaler_skipped", skipped)
         transfer.add_norms("update_layers", self.stats.update_groups(2.0)[1])
         transfer.add_norms("weight_layers", self.stats.weight_groups(2.0)[1])
         transfer.add_norms("update_total", self.stats.update_total(2.0).reshape(1))
@@ -260,6 +267,7 @@ class _StepSample:
         transfer.add("rounding", torch.cat([counts, torch.stack(medians)]))
 
     def read(self, host: dict[Any, Tensor], reading: StallReading) -> None:
+        reading.scaler_skipped = "scaler_skipped" in host and float(host["scaler_skipped"][0]) > 0
         labels = self.stats.update_groups(2.0)[0]
         weights = host["weight_layers"].tolist()
         pairs = zip(labels, host["update_layers"].tolist(), weights, strict=True)

@@ -304,3 +304,38 @@ def test_spacing_is_the_gap_to_the_next_representable_value(dtype: torch.dtype, 
     up = (x.view(bits) + 1).view(dtype)  # the next value away from zero (positive x)
     assert spacing(float(x), dtype) == float(up.double() - x.double())
     assert math.isclose(spacing(-float(x), dtype), spacing(float(x), dtype))
+
+
+class _Digits(pl.LightningModule):
+    """A digits MLP under AdamW: the model of the GradScaler test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_grad_scaler_backing_off_is_not_a_run_without_updates() -> None:
+    """16-mixed with a real GradScaler (on the CPU, as on a GPU): the scaler skips its first steps while its
+    scale backs off (here from 1e8: nine skips), as it always does from its start; the dense start used to
+    read those steps as no_update at step 2. Issue 38: the early rules read the step's facts."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    torch.manual_seed(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1e8)
+    stall = StallDetector()
+    model = _Digits()
+    plugin = MixedPrecision("16-mixed", device="cpu", scaler=scaler)
+    make_trainer([stall], max_steps=20, plugins=[plugin]).fit(model, digits())
+    skipped = round(math.log2(1e8 / scaler.get_scale()))
+    assert 5 <= skipped < 20  # the premise: the dense start (steps 0-4) was skipped, then the run updated
+    assert model.losses[-1] < model.losses[skipped]  # and learned once the scaler let it
+    assert not [a.format() for a in stall.alerts], "a scaler's back-off is no stall"

@@ -44,8 +44,10 @@ data: small gradients are then its success, not a fault.
 
 Under an adaptive optimizer these three give way to one rule on what its step does: a layer vanishes
 when its RMS gradient is under a tenth of the optimizer's ``eps`` (its steps are then at most 1/11 of
-the learning rate, and shrink with the gradient); LayerScale's branches at 1e-8 with Adam's 1e-8 are
-healthy. None of the vanishing rules applies once the loss is at a tenth of its start or less.
+the learning rate, and shrink with the gradient), and such layers hold 5 % of the checked entries or
+more (a state-space layer's ``A_log`` and ``dt_bias``, a router's gate, a forget gate have tiny gradients
+by design and are a sliver of the model); LayerScale's branches at 1e-8 with Adam's 1e-8 are healthy.
+None of the vanishing rules applies once the loss is at a tenth of its start or less.
 
 Layers without a gradient this step (frozen, unused, or exactly zero behind a dead path) are never
 called vanishing. A layer whose gradient is exactly 0 the first time it is checked, while other layers
@@ -90,6 +92,10 @@ class VerdictRules:
 
 #: under an adaptive optimizer a layer vanishes below this fraction of its ``eps`` (steps <= 1/11 of lr)
 ADAPTIVE_FLOOR = 0.1
+#: ... when the layers under the floor hold at least this share of the checked entries: a few parameters
+#: whose gradient is tiny by design (a state-space layer's A_log and dt_bias, a router's gate, a linear
+#: attention's forget gate: 0.1-2 % of the models of the sweep) learn slowly while the model learns
+ADAPTIVE_SHARE = 0.05
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -452,14 +458,15 @@ def _depth_ratio(
 
 def _adaptive_floor(c: _Check, ctx: StepContext, embeddings: Collection[str]) -> tuple[list[str], set[int]]:
     """Under an adaptive optimizer: the layers whose RMS gradient is under :data:`ADAPTIVE_FLOOR` of its
-    ``eps`` (not an opening layer, not an embedding table)."""
+    ``eps`` (not an opening layer, not an embedding table), when they hold :data:`ADAPTIVE_SHARE` of the
+    checked entries or more."""
     assert ctx.eps is not None
     floor = ADAPTIVE_FLOOR * ctx.eps
     live = [i for i in c.groups[0] if c.labels[i] not in embeddings]
     rms = {i: c.values[i] / math.sqrt(max(c.numels[i], 1)) for i in live}
     under = [i for i in live if rms[i] < floor]
-    if not under:
-        return [], set()
+    if sum(c.numels[i] for i in under) < ADAPTIVE_SHARE * sum(c.numels[i] for i in live):
+        return [], set()  # none, or a few parameters small by design
     reason = (
         f"RMS gradient under {ADAPTIVE_FLOOR:g} x eps = {floor:.2g} of {ctx.optimizer}, whose steps on these "
         "layers are then at most 1/11 of the learning rate and shrink with the gradient, in "
@@ -514,7 +521,9 @@ VANISHING_GRADIENT = Rule(
         "the first/last layer norm ratio (by depth in the graph) below 1e-3 with a first-layer norm"
         " below 1e-4, a layer's RMS gradient below 1e-7, or a layer 1e5x below the largest; under "
         "an adaptive optimizer (Adam and its family) instead a layer's RMS gradient below a tenth "
-        "of its `eps` (where its steps shrink with the gradient). Never once the loss is at a tenth"
+        "of its `eps` (where its steps shrink with the gradient), when such layers hold 5 % of the "
+        "checked entries or more (a state-space layer's A_log, a router's gate are small by "
+        "design). Never once the loss is at a tenth"
         " of its start. Layers without a gradient this step are never counted."
     ),
     hint=(

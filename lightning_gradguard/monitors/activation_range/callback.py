@@ -229,12 +229,15 @@ class ActivationRangeMonitor(SamplingMonitor):
         findings = []
         if str(trainer.precision) in FP16_PRECISIONS:  # bf16 and float32 have float32's range
             findings.append(headroom_verdict(ranges, self.min_headroom_bits, str(trainer.precision)))
-        if peaks and attention:
+        # a module that normalizes its queries and keys holds its logits to its norms' gains (QK-norm is the
+        # remedy the logit rule names): its logits are logged, not judged (Gemma 4's unscaled ones reach 290)
+        grown = {k: v for k, v in peaks.items() if k not in reading.qk_normed}
+        if grown and attention:
             findings.append(
-                logit_verdict(self._history, peaks, self.max_attention_logit, self.logit_growth_factor)
+                logit_verdict(self._history, grown, self.max_attention_logit, self.logit_growth_factor)
             )
-        if peaks:
-            self._history = [*self._history, max(peaks.values(), key=_order)][-self.growth_window :]
+        if grown:
+            self._history = [*self._history, max(grown.values(), key=_order)][-self.growth_window :]
         if entropies and self.min_attention_entropy is not None and attention:
             starts = self._entropy_starts
             findings.append(

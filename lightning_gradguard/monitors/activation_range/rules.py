@@ -106,7 +106,9 @@ ATTENTION_LOGIT_GROWTH = Rule(
         "the largest attention logit (q·k/√d) passed `max_attention_logit` (100), or passed a "
         "quarter of it after growing `logit_growth_factor` (4) times within `growth_window` (10) "
         "sampled steps; judged at step 0 and while the run is not learning (as "
-        "`attention_entropy_collapse`). See [activation range](activations.md)."
+        "`attention_entropy_collapse`). Not for a module that normalizes its queries and keys "
+        "(QK-norm, the rule's own remedy: its norms' gains hold its logits; Gemma 4's unscaled ones "
+        "reach 290 in a healthy run). See [activation range](activations.md)."
     ),
     hint=(
         "Normalize queries and keys (QK-norm: a LayerNorm or RMSNorm on q and k before the dot product), "

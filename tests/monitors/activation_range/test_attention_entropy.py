@@ -210,6 +210,25 @@ def test_unscaled_qk_normed_attention_one_hot_at_init_is_the_architecture_not_a_
     assert not [a.format() for a in monitor.alerts if a.kind == KIND]
 
 
+def test_qk_normed_logits_above_the_ceiling_are_logged_not_judged() -> None:
+    """QK-norm is the logit rule's own remedy: a QK-normed module's logits are held by its norms' gains
+    (Gemma 4's unscaled logits reach 290 in a healthy run): logged, not judged; the same module without
+    QK-norm at the same logits is named."""
+    for qk_norm in (True, False):
+        model = DigitsTransformer(qk_norm=qk_norm, qk_scale=1.0 if qk_norm else 40.0)
+        with torch.no_grad():
+            for block in model.blocks:
+                if qk_norm:
+                    block.attn.scale = 1.0
+                    block.attn.q_norm.weight.fill_(6.0)
+                    block.attn.k_norm.weight.fill_(6.0)
+        monitor, logger = fit(model, steps=10, cooldown_steps=0)
+        peak = max(logger.series(f"attention/max_logit/{m}")[0] for m in MODULES)
+        assert peak > 100  # the premise: above the ceiling at step 0
+        growth = [a for a in monitor.alerts if a.kind == "attention_logit_growth"]
+        assert bool(growth) != qk_norm, (qk_norm, [a.format() for a in monitor.alerts])
+
+
 def test_a_trained_real_data_transformer_stays_quiet() -> None:
     """The zoo's 2-layer GELU transformer (nn.TransformerEncoderLayer, AdamW) learning the digits."""
     module, loader = gelu_transformer()

@@ -465,7 +465,7 @@ def _adaptive_floor(c: _Check, ctx: StepContext, embeddings: Collection[str]) ->
     live = [i for i in c.groups[0] if c.labels[i] not in embeddings]
     rms = {i: c.values[i] / math.sqrt(max(c.numels[i], 1)) for i in live}
     under = [i for i in live if rms[i] < floor]
-    if sum(c.numels[i] for i in under) < ADAPTIVE_SHARE * sum(c.numels[i] for i in live):
+    if not under or sum(c.numels[i] for i in under) < ADAPTIVE_SHARE * sum(c.numels[i] for i in live):
         return [], set()  # none, or a few parameters small by design
     reason = (
         f"RMS gradient under {ADAPTIVE_FLOOR:g} x eps = {floor:.2g} of {ctx.optimizer}, whose steps on these "

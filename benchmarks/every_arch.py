@@ -346,6 +346,14 @@ def first_that_runs(arch: Arch) -> tuple[frozenset[str], nn.Module | None, str, 
 
 
 # ---------------------------------------------------------------------------------------------- optimizers
+def _closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """What an optimizer's ``step(closure)`` returns: the closure's loss, computed with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023): the sign of an interpolated momentum, decoupled weight decay."""
 
@@ -360,10 +368,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
@@ -404,10 +409,7 @@ class ScheduleFreeAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             k = group["k"] = group["k"] + 1
@@ -447,14 +449,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.adamw = torch.optim.AdamW([p for _, p in named if id(p) not in ids], lr=lr, weight_decay=0.01)
         super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {})
         self.param_groups = [*self.muon.param_groups, *self.adamw.param_groups]
-        self.state = self.muon.state  # type: ignore[assignment]
+        self.muon.state = self.adamw.state = self.state  # one state for both (their parameters are disjoint)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         self.muon.step()
         self.adamw.step()
         return loss

@@ -222,7 +222,7 @@ OVERFIT_FAILED = Rule(
 #: the share of the entries the optimizer holds from which parameters of modules that ran, yet got no
 #: gradient, are a cut graph (a `.detach()`, `torch.no_grad()`): below it they are parameters the forward
 #: does not read on this path, a design (a masked-image-modeling token in a classifier, a relative-attention
-#: table a block type does not use, a pooler a head ignores: 0.5-4 % of the models we swept)
+#: table a block type does not use, a pooler a head ignores: BigBird's pooler is 4.7 % of its shrunk model)
 SIZEABLE = 0.1
 #: the share from which parameters without a gradient, whatever the reason, mean the model mostly never
 #: learns (modules that never run are otherwise a design: the cross-attention of an encoder-decoder run as

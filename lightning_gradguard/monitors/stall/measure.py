@@ -61,9 +61,9 @@ def lr_now(optimizers: Sequence[Any]) -> float:
     best = 0.0
     for opt in optimizers:
         for group in opt.param_groups:
-            lr = group_lr(group)
-            if lr is not None:
-                best = max(best, lr)
+            lr = group.get("lr")  # every step, a plain read (lr=None, a relative step, is no number)
+            if isinstance(lr, (int, float, Tensor)):
+                best = max(best, float(lr))
     return best
 
 

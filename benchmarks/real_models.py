@@ -50,6 +50,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -97,27 +98,39 @@ class Recipe:
     lr: float = 2e-3
     weight_decay: float = 0.01
     warmup: float = 0.1
-    schedule: Literal["cosine", "constant"] = "cosine"
+    schedule: Literal["cosine", "constant", "halving"] = "cosine"
     clip: float | None = 1.0
     eps: float | None = None  # AdamW's eps (None: 1e-8); RMSprop's (None: 1e-3, as TensorFlow's)
     momentum: float = 0.9
     precision: str | None = None
+    warmup_steps: int | None = None  # a warm-up in optimizer steps (None: ``warmup`` of the run)
+    layer_decay: float | None = None  # layer-wise LR decay: layer i of L at layer_decay ** (L - i)
+    decay_everything: bool = False  # weight decay on biases and norm weights too
+    grad_scaler: bool = False  # "16-mixed" with a real GradScaler (on the CPU, as on a GPU)
 
     def describe(self) -> str:
         name = {"adamw": "AdamW", "sgd": "SGD m0.9", "rmsprop": "RMSprop m0.9"}[self.optimizer]
         parts = [f"{name} lr {self.lr:g} wd {self.weight_decay:g}"]
         if self.eps is not None:
             parts[0] += f" eps {self.eps:g}"
-        warm = f"warm-up {self.warmup:.0%} + " if self.warmup else "no warm-up, "
-        parts.append(warm + self.schedule)
+        if self.decay_everything:
+            parts[0] += " on every parameter"
+        if self.layer_decay is not None:
+            parts.append(f"layer-wise LR decay {self.layer_decay:g}")
+        if self.schedule == "halving":
+            parts.append("StepLR(step_size=1, gamma=0.5) stepped per batch")
+        else:
+            warm = f"warm-up {self.warmup_steps} steps + " if self.warmup_steps else ""
+            warm = warm or (f"warm-up {self.warmup:.0%} + " if self.warmup else "no warm-up, ")
+            parts.append(warm + self.schedule)
         parts.append(f"clip {self.clip:g}" if self.clip is not None else "no clip")
         if self.precision:
-            parts.append(self.precision)
+            parts.append(self.precision + (" with a GradScaler" if self.grad_scaler else ""))
         return ", ".join(parts)
 
     def factor(self, total: int) -> Callable[[int], float]:
         """The LR multiplier of step ``s`` for a run of ``total`` optimizer steps."""
-        warm = max(1, round(self.warmup * total)) if self.warmup else 0
+        warm = self.warmup_steps or (max(1, round(self.warmup * total)) if self.warmup else 0)
 
         def f(s: int) -> float:
             if s < warm:
@@ -159,16 +172,7 @@ class HFTask(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         r = self.recipe
-        decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
-        other = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
-        groups = [
-            g
-            for g in (
-                {"params": decay, "weight_decay": r.weight_decay},
-                {"params": other, "weight_decay": 0.0},
-            )
-            if g["params"]
-        ]
+        groups = [{**g, "params": ps} for g, ps in _param_groups(self.model, r) if ps]
         opt: torch.optim.Optimizer
         if r.optimizer == "adamw":
             opt = torch.optim.AdamW(groups, lr=r.lr, eps=1e-8 if r.eps is None else r.eps)
@@ -177,8 +181,38 @@ class HFTask(pl.LightningModule):
         else:
             eps = 1e-3 if r.eps is None else r.eps
             opt = torch.optim.RMSprop(groups, lr=r.lr, alpha=0.9, eps=eps, momentum=r.momentum)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, r.factor(self.total_steps))
+        sched: Any
+        if r.schedule == "halving":  # the bug: a per-epoch StepLR stepped per batch
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        else:
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, r.factor(self.total_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _layer_of(name: str, layers: int) -> int:
+    """The depth of a parameter for a layer-wise LR decay: 0 for the embeddings, ``i + 1`` for encoder
+    layer ``i``, ``layers + 1`` for what comes after (pooler, head)."""
+    if "embeddings" in name:
+        return 0
+    found = re.search(r"\.layer\.(\d+)\.", name)
+    return int(found.group(1)) + 1 if found else layers + 1
+
+
+def _param_groups(model: nn.Module, r: Recipe) -> list[tuple[dict[str, Any], list[nn.Parameter]]]:
+    """The recipe's param groups: weight decay on matrices (on everything with ``decay_everything``),
+    and with ``layer_decay`` one pair of groups per depth, at ``lr * layer_decay ** (top - depth)``."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    depth = {n: _layer_of(n, layers) if r.layer_decay is not None else 0 for n, _ in named}
+    out: list[tuple[dict[str, Any], list[nn.Parameter]]] = []
+    for d in sorted(set(depth.values())):
+        scale = r.layer_decay ** (layers + 1 - d) if r.layer_decay is not None else 1.0
+        here = [(n, p) for n, p in named if depth[n] == d]
+        decayed = [p for _, p in here if p.ndim >= 2 or r.decay_everything]
+        other = [p for _, p in here if not (p.ndim >= 2 or r.decay_everything)]
+        out.append(({"weight_decay": r.weight_decay, "lr": r.lr * scale}, decayed))
+        out.append(({"weight_decay": 0.0, "lr": r.lr * scale}, other))
+    return out
 
 
 class LateHead(HFTask):
@@ -563,8 +597,11 @@ def vit_frozen_backbone() -> Built:
     return model, digit_images()
 
 
-def deit() -> Built:
-    return transformers.DeiTForImageClassification(transformers.DeiTConfig(**_VIT_SIZE)), digit_images()
+def deit(dropout: float = 0.0) -> Built:
+    config = transformers.DeiTConfig(
+        **_VIT_SIZE, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout
+    )
+    return transformers.DeiTForImageClassification(config), digit_images()
 
 
 def swin() -> Built:
@@ -816,7 +853,59 @@ ENTRIES: list[Entry] = [
         200,
         what="BERT at lr 7e-3 with the usual warm-up",
     ),
+    Entry(
+        "gpt2_16_mixed",
+        "decoder",
+        gpt2,
+        replace(_LM_RECIPE, precision="16-mixed", grad_scaler=True),
+        200,
+        what="GPT-2 under 16-mixed with a real GradScaler: its first steps skipped while the scale backs off",
+    ),
+    Entry(
+        "roberta_layer_decay",
+        "encoder",
+        roberta,
+        replace(ADAMW, layer_decay=0.8, warmup_steps=20),
+        200,
+        what="RoBERTa, layer-wise LR decay 0.8, warm-up 20 steps + cosine",
+    ),
     # faults
+    Entry(
+        "gpt2_steplr_per_batch",
+        "decoder",
+        gpt2,
+        replace(_LM_RECIPE, schedule="halving"),
+        200,
+        "fault",
+        what="a per-epoch StepLR(gamma=0.5) stepped per batch: the LR halves every step",
+        twin="gpt2",
+        expected=("lr_decayed", "no_update", "updates_collapsed"),
+        cause=("schedul", "per batch", "per epoch"),
+    ),
+    Entry(
+        "vit_weight_decay_typo",
+        "vision",
+        vit,
+        replace(ADAMW, weight_decay=50.0, decay_everything=True),
+        200,
+        "fault",
+        what="AdamW weight_decay=50 on every parameter: the decay alone shrinks each weight 10 % a step",
+        twin="vit",
+        expected=("weight_decay_collapse", "update_ratio_high", *_STALL),
+        cause=("weight decay", "weight_decay"),
+    ),
+    Entry(
+        "deit_dropout_typo",
+        "vision",
+        lambda: deit(dropout=0.9),
+        ADAMW,
+        200,
+        "fault",
+        what="dropout 0.9 on every hidden state and attention map (a keep probability given as the rate)",
+        twin="deit",
+        expected=("dropout_too_high", *_STALL),
+        cause=("dropout",),
+    ),
     Entry(
         "gpt2_adam_eps",
         "decoder",
@@ -1025,7 +1114,14 @@ def _trainer_kwargs(entry: Entry, steps: int, root: str) -> dict[str, Any]:
     )
     if entry.recipe.clip is not None:
         kwargs["gradient_clip_val"] = entry.recipe.clip
-    if entry.recipe.precision is not None:
+    # Lightning's "16-mixed" with a GradScaler that starts high enough to skip its first steps while it backs
+    # off, as a larger model's at 65536 does (this small GPT-2's gradients fit 65536 from step 0)
+    if entry.recipe.grad_scaler:
+        from lightning.pytorch.plugins import MixedPrecision
+
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+        kwargs["plugins"] = [MixedPrecision("16-mixed", device="cpu", scaler=scaler)]
+    elif entry.recipe.precision is not None:
         kwargs["precision"] = entry.recipe.precision
     return kwargs
 

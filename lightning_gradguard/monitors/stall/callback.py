@@ -29,6 +29,14 @@ from lightning_gradguard.core.cadence import DENSE_STEPS, check_due, log_step, o
 from lightning_gradguard.core.lr import adaptive_eps, orthogonalized_share
 from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.validate import check_float, check_int
+from lightning_gradguard.monitors.stall.ahead import (
+    AHEAD_UNTIL,
+    HORIZON,
+    Ahead,
+    decay_rates,
+    dropout_rates,
+    lr_ahead,
+)
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds
 from lightning_gradguard.monitors.stall.measure import (
     StallProbe,
@@ -62,7 +70,13 @@ class StallDetector(GradGuardCallback):
     Alerts (each at most once per run; see :mod:`~lightning_gradguard.monitors.stall.rules` for the rules):
     ``no_update``, ``clipped_updates``, ``lr_decayed`` / ``updates_collapsed``, ``weight_decay_collapse``,
     ``update_below_precision``, ``chance_level``, ``loss_plateau``, ``lr_jump``, ``warmup_never_ends``,
-    ``sorted_labels``, all of severity warning.
+    ``warmup_missing``, ``dropout_too_high``, ``sorted_labels``, all of severity warning.
+
+    At the start of a fresh run it also reads what the settings say before they act: the LR of every
+    step ahead (a copy of the schedulers stepped as Lightning steps them, over the planned run or 2,000
+    steps), the rate at which a decoupled weight decay will shrink the weights at that schedule's peak,
+    and every dropout rate; the first check (step 0) judges them (``lr_decayed``, ``warmup_never_ends``,
+    ``weight_decay_collapse``, ``dropout_too_high``).
 
     Args:
         action: what a finding does (every stall finding, although its severity is warning):
@@ -146,6 +160,8 @@ class StallDetector(GradGuardCallback):
         self._low_precision = False  # some trainable weights are 16-bit: the checks measure their rounding
         self._adaptive = False  # an optimizer divides its step by the gradient's running size
         self._attention = False  # the model has attention layers
+        self._ahead: Ahead | None = None  # what the settings say, read at the start; the first checks'
+
         self._checked_at = -1
         self._check_stats: StepStats | None = None  # the checked step's statistics, until it is read
         self.last_logged: dict[str, float] = {}
@@ -165,6 +181,27 @@ class StallDetector(GradGuardCallback):
         self._adaptive = any(adaptive_eps(o) is not None for o in trainer.optimizers)
         self._orthogonalized = any(orthogonalized_share(o) >= 0.5 for o in trainer.optimizers)
         self._attention = any(_is_attention(m) for m in pl_module.modules())
+        self._read_ahead(trainer, pl_module)
+
+    @guarded
+    def _read_ahead(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """What the settings say before the first step (a fresh run only): the schedule read ahead, the
+        weight decay's rate, the dropout rates; the first check judges them."""
+        self._ahead = None
+        if trainer.global_step > 0 or not trainer.optimizers:
+            return
+        estimated = trainer.estimated_stepping_batches
+        planned = int(estimated) if estimated != float("inf") else None
+        optimizer = trainer.optimizers[0]
+        steps = min(planned, HORIZON) if planned is not None else HORIZON
+        lrs = lr_ahead(trainer, pl_module, optimizer, steps) if self._automatic else []
+        self._ahead = Ahead(
+            lrs=lrs,
+            planned=planned,
+            decay=decay_rates(optimizer, lrs),
+            trainable=sum(p.numel() for g in optimizer.param_groups for p in g["params"] if p.requires_grad),
+            dropouts=dropout_rates(pl_module),
+        )
 
     # Every step: the LR in use and the loss (a plain read, and one detach); the rest on check steps only.
     @override
@@ -243,6 +280,7 @@ class StallDetector(GradGuardCallback):
             adaptive=self._adaptive,
             orthogonalized=self._orthogonalized,
             attention=self._attention,
+            ahead=self._ahead if self._checked_at <= AHEAD_UNTIL else None,
         )
         self.last_check = check
         found = observe(self.state, check)

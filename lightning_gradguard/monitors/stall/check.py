@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_gradguard.monitors.stall.ahead import Ahead
+
 #: the weight dtypes whose updates the rounding rule measures (16-bit floats: bfloat16 keeps 8 significant
 #: bits, float16 11)
 LOW_PRECISION = frozenset({torch.bfloat16, torch.float16})
@@ -66,6 +68,11 @@ class StallThresholds:
         rounding_share: ``update_below_precision`` when more than this share of the low-precision weight
             entries that had a non-zero gradient did not change (their update was rounded away), on
             ``patience`` checks in a row, while the loss is above half its first value.
+        decay_rate: read ahead, a decoupled weight decay that removes this share of every weight a step
+            (``lr * weight_decay`` at the schedule's highest LR) on most of the model shrinks the weights
+            away (a half-life of 69 steps at 1e-2; usual recipes sit at 1e-5 to 1e-3).
+        dropout_ceiling: a dropout rate at or above this keeps a fifth of its inputs or less: a keep
+            probability given as the drop rate (usual rates are 0 to 0.5).
     """
 
     patience: int = 3
@@ -94,6 +101,8 @@ class StallThresholds:
     decay_fall: float = 10.0
     decay_dominance: float = 1.0
     rounding_share: float = 0.5
+    decay_rate: float = 1e-2
+    dropout_ceiling: float = 0.8
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,9 @@ class StallCheck:
     that decays. ``rounding``: the updates of the 16-bit weights (only when the model has some).
     ``adaptive``: the optimizer divides each step by the gradient's running size (Adam and its family,
     ``core.lr.adaptive_eps``): the gradient's scale, and so a clip's, does not set its update.
-    ``attention``: the model has attention layers (a transformer).
+    ``attention``: the model has attention layers (a transformer). ``ahead``: what the settings said
+    at the start of training (the schedule read ahead, the weight decay's rate, the dropout rates), on the
+    run's first checks (up to ``ahead.AHEAD_UNTIL``).
     """
 
     step: int
@@ -165,6 +176,7 @@ class StallCheck:
     adaptive: bool = False
     orthogonalized: bool = False  # most of the update is orthogonalized (Muon): its size is the design
     attention: bool = False
+    ahead: Ahead | None = None  # what the settings said at the start of training (the first checks only)
 
     @property
     def update_ratio_total(self) -> float | None:

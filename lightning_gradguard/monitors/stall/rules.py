@@ -197,15 +197,49 @@ def _lr_finding(s: StallState, c: StallCheck, share: float, why: str) -> Finding
     return Finding(LR_DECAYED, message, data)
 
 
+#: a schedule read ahead is judged over at least this many steps
+_MIN_SPAN = 20
+
+
+def _schedule_collapse(s: StallState, c: StallCheck) -> Finding | None:
+    """Read ahead: the schedule keeps the LR ``collapse_factor`` times below its peak for all but the
+    first ``early_phase`` of the planned run (a per-epoch schedule stepped per batch)."""
+    r, a = s.thresholds, c.ahead
+    if a is None or a.span < _MIN_SPAN or not s.ahead_confirmed(c):
+        return None
+    lrs = list(a.lrs[: a.span])
+    peak = max(lrs)
+    floor = peak / r.collapse_factor
+    useful = sum(lr >= floor for lr in lrs)
+    if peak <= 0 or useful >= r.early_phase * len(lrs):
+        return None
+    top = lrs.index(peak)
+    fell = next(i for i in range(top, len(lrs)) if lrs[i] < floor)
+    over = f"of the {a.planned} planned" if a.planned == len(lrs) else f"read ahead (of {a.planned or '?'})"
+    history = ", ".join(f"{lr:.3g} at step {i}" for i, lr in spread(list(enumerate(lrs)), 6))
+    return Finding(
+        LR_DECAYED,
+        f"The LR schedule, read ahead at the start (and confirmed by the first steps), takes the LR "
+        f"from {peak:.3g} (step {top}) "
+        f"to {lrs[fell]:.3g} by step {fell}, {r.collapse_factor:g}x below its peak, and keeps it under "
+        f"{floor:.3g} for {len(lrs) - useful} of the {len(lrs)} steps {over}: most of the run would train "
+        f"at almost no LR. LR ahead: {history}.",
+        {"lr_max": peak, "lr": lrs[fell], "fell_at": float(fell), "useful_share": useful / len(lrs)},
+    )
+
+
 LR_DECAYED = Rule(
     kind="lr_decayed",
     severity="warning",
     monitor="StallDetector",
     summary="StallDetector: the LR fell ~100x early in the run and the updates collapsed with it",
     when=(
-        "most layers' update ratios collapsed 100x with the LR, within the first quarter of the "
-        "planned run, and the loss stopped improving: a per-epoch schedule stepping per batch; the "
-        "message lists the LR history."
+        "read ahead (the run's schedulers stepped on copies over the planned run, up to 2,000 steps; "
+        "judged once the first `patience` checked steps used the LRs read ahead): the LR stays "
+        "`collapse_factor` (100) times below its peak for all but "
+        "`early_phase` (a quarter) of those steps; or, seen, most layers' update ratios collapsed 100x"
+        " with the LR within the first quarter of the planned run, and the loss stopped improving: a "
+        "per-epoch schedule stepping per batch; the message lists the LR history."
     ),
     where="lr_scheduler",
     hint=(
@@ -219,6 +253,7 @@ LR_DECAYED = Rule(
         "early_phase",
         "patience",
     ),
+    check=_schedule_collapse,
 )
 
 
@@ -304,8 +339,31 @@ def _weight_decay(s: StallState, c: StallCheck) -> Finding | None:
     s.decay_since = (s.decay_since if s.decay_since is not None else c.step) if shrinking else None
     # shrinking on `patience` checks in a row, and the loss stopped improving far from done
     if not s.streak(WEIGHT_DECAY_COLLAPSE, shrinking) or not s.far_from_done() or s.improving():
-        return None
+        return _decay_ahead(s, c)
     return _decay_finding(s, c, shrunk, len(layers))
+
+
+def _decay_ahead(s: StallState, c: StallCheck) -> Finding | None:
+    """Read ahead: at the schedule's highest LR the decoupled decay alone removes ``decay_rate`` or more
+    of every weight a step, on more than ``collapse_layers`` of the trainable entries."""
+    r, a = s.thresholds, c.ahead
+    if a is None or not a.decay or a.trainable <= 0 or (a.lrs and not s.ahead_confirmed(c)):
+        return None
+    heavy = [(lr, wd, n) for lr, wd, n in a.decay if lr * wd >= r.decay_rate]
+    share = sum(n for *_, n in heavy) / a.trainable
+    if share <= r.collapse_layers:
+        return None
+    lr, wd, _ = max(heavy, key=lambda g: g[0] * g[1])
+    rate = lr * wd
+    return Finding(
+        WEIGHT_DECAY_COLLAPSE,
+        f"The weight decay, read at the start, removes {rate:.3g} of every weight a step at the "
+        f"schedule's highest LR (lr {lr:.3g} x weight_decay {wd:.3g}) on {share:.0%} of the trainable "
+        f"entries: on its own it halves those weights every {math.log(2) / rate:.3g} steps, faster than "
+        "a gradient step can hold them up (usual recipes remove 1e-5 to 1e-3 a step: a half-life of "
+        "hundreds to tens of thousands of steps).",
+        {"weight_decay": wd, "lr": lr, "decay_rate": rate, "share": share},
+    )
 
 
 def _decay_finding(s: StallState, c: StallCheck, shrunk: list[str], decayed: int) -> Finding:
@@ -336,7 +394,11 @@ WEIGHT_DECAY_COLLAPSE = Rule(
     monitor="StallDetector",
     summary="StallDetector: weight decay outweighed the gradient, shrank most layers 10x+",
     when=(
-        "with decoupled weight decay (AdamW; plain SGD), more than half of the decayed layers' "
+        "read ahead (once the first checked steps confirm the schedule): with decoupled weight "
+        "decay (AdamW; plain SGD), `lr * "
+        "weight_decay` at the schedule's highest LR is `decay_rate` (1e-2: a half-life of 69 steps; "
+        "usual recipes 1e-5 to 1e-3) or more on more than half of the trainable entries. Or, seen: "
+        "more than half of the decayed layers' "
         "weight norms fell `decay_fall` (10) times below their highest, lower at every check, while"
         " the decay's part of the update (`lr * weight_decay * ‖w‖`) was at least the rest of it, "
         "on `patience` checks, and the loss stopped improving far from done. Threshold: measured "
@@ -354,6 +416,7 @@ WEIGHT_DECAY_COLLAPSE = Rule(
     ),
     cause=True,
     thresholds=(
+        "decay_rate",
         "decay_fall",
         "decay_dominance",
         "collapse_layers",
@@ -399,7 +462,23 @@ LR_JUMP = Rule(
 
 # ------------------------------------------------------------------ warmup_never_ends
 def _warmup(s: StallState, c: StallCheck) -> Finding | None:
-    r = s.thresholds
+    r, a = s.thresholds, c.ahead
+    if (
+        a is not None
+        and a.planned is not None
+        and len(a.lrs) >= a.planned >= _MIN_SPAN
+        and s.ahead_confirmed(c)
+    ):
+        top = max(a.lrs[: a.planned])
+        if c.lr_configured > 0 and top <= r.warmup_lr_fraction * c.lr_configured:
+            return Finding(
+                WARMUP_NEVER_ENDS,
+                f"The LR schedule, read ahead at the start (and confirmed by the first steps), never "
+                f"takes the LR above {top:.3g} in "
+                f"the {a.planned} planned steps: {top / c.lr_configured:.2%} of the configured "
+                f"{c.lr_configured:.3g}.",
+                {"lr_max": top, "lr_configured": c.lr_configured, "share": top / c.lr_configured},
+            )
     low = c.lr_configured > 0 and c.lr_max <= r.warmup_lr_fraction * c.lr_configured
     if not low or c.step < r.warmup_min_steps:
         return None
@@ -428,8 +507,10 @@ WARMUP_NEVER_ENDS = Rule(
     monitor="StallDetector",
     summary="StallDetector: the LR never rose above a few percent of its configured value",
     when=(
-        "the LR stayed under 5 % of the configured LR and, at its pace, would reach it only after "
-        "the planned run: a warm-up length in the wrong unit."
+        "the LR stays under 5 % of the configured LR over the whole planned run (read ahead, for runs "
+        "of up to 2,000 steps, once the first checked steps confirm it), or stayed there and, at "
+        "its pace, would reach it "
+        "only after the planned run: a warm-up length in the wrong unit."
     ),
     where="lr_scheduler",
     hint=(
@@ -495,6 +576,44 @@ WARMUP_MISSING = Rule(
         "patience",
     ),
     check=_no_warmup,
+)
+
+
+# ------------------------------------------------------------------ dropout_too_high
+def _dropout(s: StallState, c: StallCheck) -> Finding | None:
+    r, a = s.thresholds, c.ahead
+    high = [(where, p) for where, p in a.dropouts if p >= r.dropout_ceiling] if a is not None else []
+    if not high:
+        return None
+    rate = max(p for _, p in high)
+    places = ", ".join(f"{where} {p:g}" for where, p in high[:6]) + (", ..." if len(high) > 6 else "")
+    return Finding(
+        DROPOUT_TOO_HIGH,
+        f"{len(high)} dropout rate{'s' if len(high) > 1 else ''} of {r.dropout_ceiling:g} or more, read "
+        f"before the first step ({places}): a dropout of {rate:g} zeroes {rate:.0%} of its inputs on every "
+        f"training step and scales the rest {1 / max(1 - rate, 1e-12):.3g}x, so each step trains a "
+        "different sliver of the network on mostly noise.",
+        {"rate": rate, "count": float(len(high))},
+        hint=f"PyTorch's `p` (and a Hugging Face config's `*_dropout*`) is the probability to DROP an "
+        f"element: a rate of {rate:g} is likely a keep probability (TensorFlow 1's `keep_prob`); use "
+        f"{1 - rate:.2g}. Usual rates are 0 to 0.3 in transformers, up to 0.5 in a classifier head.",
+    )
+
+
+DROPOUT_TOO_HIGH = Rule(
+    kind="dropout_too_high",
+    severity="warning",
+    monitor="StallDetector",
+    summary="StallDetector: a dropout rate of 0.8 or more (a keep probability given as the drop rate)",
+    when=(
+        "read at the first check: a dropout module (`nn.Dropout` and its family, a `*Drop*` module's "
+        "`p` / `drop_prob` / `drop_rate`: DropPath) or a Hugging Face config's `*drop*` rate is "
+        "`dropout_ceiling` (0.8) or more: it keeps a fifth of its inputs or less."
+    ),
+    where="dropout",
+    cause=True,
+    thresholds=("dropout_ceiling",),
+    check=_dropout,
 )
 
 
@@ -718,6 +837,7 @@ RULES = declare(
     LR_JUMP,
     WARMUP_NEVER_ENDS,
     WARMUP_MISSING,
+    DROPOUT_TOO_HIGH,
     SORTED_LABELS,
     CHANCE_LEVEL,
     LOSS_PLATEAU,

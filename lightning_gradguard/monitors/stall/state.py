@@ -134,6 +134,15 @@ class StallState:
             return self.lr_fell_at < self.thresholds.early_phase * c.planned_steps
         return self.far_from_done()
 
+    def ahead_confirmed(self, c: StallCheck) -> bool:
+        """The schedule read ahead is the run's: the LR of at least ``patience`` checked steps so far was
+        the one read ahead for that step (a scheduler that reads something else than its step count, the
+        Trainer's ``global_step`` say, would be read ahead wrongly: its verdicts are not given)."""
+        lrs = c.ahead.lrs if c.ahead is not None else ()
+        seen = [(step, lr) for step, lr in self.lr_history if step < len(lrs)]
+        close = all(math.isclose(lr, lrs[step], rel_tol=1e-6, abs_tol=1e-12) for step, lr in seen)
+        return len(seen) >= self.thresholds.patience and close
+
     def chance(self) -> float:
         """The chance-level loss: the entropy of the tokens seen (token targets), else of the labels, else
         ``log(num_classes)``; NaN if none is known."""

@@ -117,15 +117,13 @@ def test_a_healthy_cosine_run_to_zero_lr_is_quiet() -> None:
 
 
 def test_a_scheduler_stepping_per_batch_is_lr_decayed_early() -> None:
-    """Named within 70 steps of the LR's fall, by step 90. When the frozen model's loss counts as no longer
-    improving is a statistical call on its batch-to-batch noise: at step 79 or 89 as the CPU's
-    rounding moves the weights it froze with (measured under other roundings); a check later is no
-    regression, no alert by step 90 would be."""
+    """Named from the schedule read ahead, once steps 0-2 confirmed it (issue 38; by step 79 or 89 before,
+    from the updates' collapse and a loss that stopped improving)."""
     model = Digits("steplr_per_step")
     detector = fit(model, steps=100)
     assert model.lrs[20] < 1e-3 * model.lrs[0]  # the premise: the LR is ~0 after 20 steps
     (alert,) = detector.alerts
-    assert alert.kind == "lr_decayed" and alert.step <= 90 and '"interval": "step"' in alert.hint
+    assert alert.kind == "lr_decayed" and alert.step == 2 and '"interval": "step"' in alert.hint
     assert alert.data["lr_max"] == pytest.approx(0.1)
 
 
@@ -177,9 +175,12 @@ def test_a_warmup_counted_in_samples_never_ends() -> None:
     model = Digits("warmup_in_samples")
     detector = fit(model, steps=130)
     assert max(model.lrs) < 0.01 * 0.1
-    assert kinds(detector) == [("warmup_never_ends", 19)]  # the third check: the pace is known
-    reach = detector.alerts[0].data["reach_step"]  # LR k / 17970 at step k: it ends at step 17970
-    assert reach == pytest.approx(17970, rel=0.1) and "after the planned 130" in detector.alerts[0].message
+    # read ahead over the 130 planned steps, judged once steps 0-2 used the LRs read ahead (step 19
+    # before issue 38, when the pace of three checks had to show it)
+    assert kinds(detector) == [("warmup_never_ends", 2)]
+    alert = detector.alerts[0]
+    assert alert.data["lr_max"] == pytest.approx(max(model.lrs), rel=1e-6)  # the schedule's own highest
+    assert alert.data["share"] < 0.05 and "130 planned steps" in alert.message
 
 
 # ---------------------------------------------------------------------------------------------- the rules
@@ -338,3 +339,26 @@ def test_under_accumulation_the_check_loss_is_the_mean_of_the_micro_batch_losses
     since = [loss for step, loss in model.raw if 4 < step <= 9]
     assert len(since) == 15
     assert detector.last_logged["stall/loss"] == pytest.approx(sum(since) / len(since), rel=1e-5)
+
+
+def test_weight_decay_collapse_is_still_named_from_the_weight_norms_without_a_reading_ahead() -> None:
+    """The rule's second way in (a decay set after the start, a schedule that cannot be read ahead): the
+    decayed layers' norms falling 10x below their highest, lower at every check, the decay's part of the
+    update larger than the rest, on 3 checks in a row, the loss stuck far from done."""
+    state = StallState(StallThresholds(), num_classes=10)
+    fired = {}
+    for i in range(12):
+        w = 0.5**i
+        c = check(
+            10 * i,
+            lr=1e-3,
+            lr_max=1e-3,
+            lr_configured=1e-3,
+            loss=2.0,
+            weight_norms={"a": w, "b": 2 * w},
+            decay={"a": (0.1 * w, 0.01 * w), "b": (0.2 * w, 0.02 * w)},
+            decay_groups=[(1e-3, 100.0)],
+        )
+        fired.update({f.kind: c.step for f in observe(state, c)})
+    # the norms are 10x below their highest from the fifth check (step 40) on, 3 checks in a row at 60
+    assert fired == {"weight_decay_collapse": 60}

@@ -1,0 +1,150 @@
+"""What a run's settings say before its first step (read once, at the start of training).
+
+* :func:`lr_ahead`: the LR of every param group at each of the next optimizer steps, from a copy of the
+  run's schedulers stepped as Lightning steps them (``"interval": "step"`` every ``frequency`` optimizer
+  steps, ``"epoch"`` at each epoch's end), so a schedule in the wrong unit is seen before it acts. The
+  copy shares nothing the run changes: its optimizer is a stand-in holding copies of the param groups
+  without their parameters.
+* :func:`decay_rates`: what a decoupled weight decay will remove from the weights a step at the schedule's
+  highest LR (``lr * weight_decay``), per param group, with the group's size.
+* :func:`dropout_rates`: every dropout the model holds: its dropout modules' rates (``nn.Dropout`` and its
+  family, and modules named ``*Drop*`` with a ``p`` / ``drop_prob`` / ``drop_rate``, such as a DropPath)
+  and a Hugging Face config's ``*drop*`` rates (models that call ``F.dropout`` with them).
+
+:class:`Ahead` holds them for the rules (:mod:`~lightning_gradguard.monitors.stall.rules`).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import nn
+
+from lightning_gradguard.core.lr import decoupled_decay_groups, group_lr
+
+#: the most optimizer steps a schedule is read ahead (a few hundred microseconds per step: a copy of the
+#: schedulers is stepped once at the start of training)
+HORIZON = 2000
+#: the checks up to this step judge what was read ahead (the schedule's verdicts once the first checked steps
+#: used the LRs read ahead: steps 0-2 at the default cadence)
+AHEAD_UNTIL = 20
+#: attributes that hold a dropout module's rate, in the order they are read
+_RATE_NAMES = ("p", "drop_prob", "drop_rate")
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """What the settings say before the first step.
+
+    Attributes:
+        lrs: the largest LR over the param groups of the (first) optimizer at each optimizer step read
+            ahead, from step 0; empty when the schedule could not be read ahead (a ``ReduceLROnPlateau``,
+            which follows the loss; manual optimization; an optimizer that sets its own step).
+        planned: the run's planned optimizer steps (``None``: unknown).
+        decay: ``(the group's highest LR over the schedule, its weight_decay, its entries)`` of every
+            param group whose weight decay is decoupled from the gradient (AdamW, SGD).
+        trainable: the entries of every trainable parameter in the optimizer.
+        dropouts: ``(where, rate)`` of every dropout with a rate above 0: a module's name, or a config's
+            attribute (``config.hidden_dropout_prob``).
+    """
+
+    lrs: Sequence[float] = ()
+    planned: int | None = None
+    decay: Sequence[tuple[float, float, int]] = ()
+    trainable: int = 0
+    dropouts: Sequence[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def span(self) -> int:
+        """The steps the rules judge the schedule over: the planned run, or the steps read ahead when the
+        plan is longer or unknown."""
+        return min(self.planned, len(self.lrs)) if self.planned is not None else len(self.lrs)
+
+
+class _Stand:
+    """The stand-in optimizer of a scheduler's copy: copies of the param groups, without parameters."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.param_groups = groups
+        self.defaults: dict[str, Any] = {}
+
+    def step(self) -> None:  # a scheduler checks that it exists
+        return None
+
+
+def lr_ahead(trainer: pl.Trainer, module: nn.Module, optimizer: Any, steps: int) -> list[float]:
+    """The largest LR of ``optimizer``'s param groups at each of the next ``steps`` optimizer steps, its
+    schedulers stepped on copies (empty: not readable ahead, see :class:`Ahead`)."""
+    configs = [
+        c for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is optimizer
+    ]
+    if any(c.reduce_on_plateau for c in configs) or any(group_lr(g) is None for g in optimizer.param_groups):
+        return []
+    stand = _Stand([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    memo: dict[int, Any] = {id(optimizer): stand, id(trainer): trainer, id(module): module}
+    memo.update({id(p): p for g in optimizer.param_groups for p in g["params"]})
+    schedulers = copy.deepcopy([c.scheduler for c in configs], memo)
+    per_epoch = _steps_per_epoch(trainer)
+    lrs: list[float] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the copy's first step may say its optimizer did not step
+        for s in range(steps):
+            lrs.append(max(group_lr(g) or 0.0 for g in stand.param_groups))
+            for config, scheduler in zip(configs, schedulers, strict=True):
+                if config.interval == "step":
+                    due = (s + 1) % max(1, config.frequency) == 0
+                else:
+                    epoch = (s + 1) // per_epoch if per_epoch is not None and (s + 1) % per_epoch == 0 else 0
+                    due = epoch > 0 and epoch % max(1, config.frequency) == 0
+                if due:
+                    scheduler.step()
+    return lrs
+
+
+def _steps_per_epoch(trainer: pl.Trainer) -> int | None:
+    """Optimizer steps per epoch (``None``: an iterable of unknown length)."""
+    batches = trainer.num_training_batches
+    if not isinstance(batches, int) or batches <= 0:
+        return None
+    return max(1, -(-batches // max(1, trainer.accumulate_grad_batches)))
+
+
+def decay_rates(optimizer: Any, lrs: Sequence[float]) -> list[tuple[float, float, int]]:
+    """``(highest LR, weight_decay, entries)`` of each decoupled-decay group: each group's LR now, scaled
+    by the peak of ``lrs`` over their first value (a schedule scales every group alike: a layer-wise
+    decay keeps its ratios)."""
+    scale = max(lrs) / lrs[0] if lrs and lrs[0] > 0 else 1.0
+    out = []
+    for g in decoupled_decay_groups(optimizer):
+        lr = group_lr(g)
+        if lr is not None:
+            out.append((lr * scale, float(g["weight_decay"]), sum(p.numel() for p in g["params"])))
+    return out
+
+
+def dropout_rates(module: nn.Module) -> list[tuple[str, float]]:
+    """``(where, rate)`` of every dropout of ``module`` with a rate above 0 (see the module docstring)."""
+    found: list[tuple[str, float]] = []
+    configs: dict[int, tuple[str, Any]] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) or "drop" in type(m).__name__.lower():
+            rate = next((getattr(m, k) for k in _RATE_NAMES if _is_rate(getattr(m, k, None))), None)
+            if rate is not None and rate > 0:
+                found.append((name or type(m).__name__, float(rate)))
+        config = getattr(m, "config", None)
+        if config is not None and not isinstance(config, (dict, str)) and id(config) not in configs:
+            configs[id(config)] = (name, config)
+    for name, config in configs.values():
+        for key, value in sorted(getattr(config, "__dict__", {}).items()):
+            if "drop" in key.lower() and "keep" not in key.lower() and _is_rate(value) and value > 0:
+                found.append((f"{name + '.' if name else ''}config.{key}", float(value)))
+    return found
+
+
+def _is_rate(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1

@@ -71,8 +71,10 @@ class StallThresholds:
         decay_rate: read ahead, a decoupled weight decay that removes this share of every weight a step
             (``lr * weight_decay`` at the schedule's highest LR) on most of the model shrinks the weights
             away (a half-life of 69 steps at 1e-2; usual recipes sit at 1e-5 to 1e-3).
-        dropout_ceiling: a dropout rate at or above this keeps a fifth of its inputs or less: a keep
-            probability given as the drop rate (usual rates are 0 to 0.5).
+        dropout_ceiling: a dropout rate at or above this keeps a tenth of its inputs or less: a keep
+            probability given as the drop rate (usual rates are 0 to 0.5): a warning.
+        dropout_note: from this rate on (a fifth kept), an INFO line: still a keep probability most
+            likely, yet a classifier head learns behind it (``transformers``' MobileNetV2 default).
     """
 
     patience: int = 3
@@ -102,7 +104,8 @@ class StallThresholds:
     decay_dominance: float = 1.0
     rounding_share: float = 0.5
     decay_rate: float = 1e-2
-    dropout_ceiling: float = 0.8
+    dropout_ceiling: float = 0.9
+    dropout_note: float = 0.8
 
 
 @dataclass(frozen=True)

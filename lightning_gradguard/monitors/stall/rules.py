@@ -582,18 +582,21 @@ WARMUP_MISSING = Rule(
 # ------------------------------------------------------------------ dropout_too_high
 def _dropout(s: StallState, c: StallCheck) -> Finding | None:
     r, a = s.thresholds, c.ahead
-    high = [(where, p) for where, p in a.dropouts if p >= r.dropout_ceiling] if a is not None else []
+    high = [(where, p) for where, p in a.dropouts if p >= r.dropout_note] if a is not None else []
     if not high:
         return None
     rate = max(p for _, p in high)
+    # 0.8 keeps a fifth: a keep probability most likely (TF-slim MobileNets' 0.8, ported as a rate), yet a
+    # classifier head still learns behind it (an INFO line); 0.9 and up keep a tenth or less: a warning
     places = ", ".join(f"{where} {p:g}" for where, p in high[:6]) + (", ..." if len(high) > 6 else "")
     return Finding(
         DROPOUT_TOO_HIGH,
-        f"{len(high)} dropout rate{'s' if len(high) > 1 else ''} of {r.dropout_ceiling:g} or more, read "
+        f"{len(high)} dropout rate{'s' if len(high) > 1 else ''} of {r.dropout_note:g} or more, read "
         f"before the first step ({places}): a dropout of {rate:g} zeroes {rate:.0%} of its inputs on every "
         f"training step and scales the rest {1 / max(1 - rate, 1e-12):.3g}x, so each step trains a "
         "different sliver of the network on mostly noise.",
         {"rate": rate, "count": float(len(high))},
+        severity="warning" if rate >= r.dropout_ceiling else "info",
         hint=f"PyTorch's `p` (and a Hugging Face config's `*_dropout*`) is the probability to DROP an "
         f"element: a rate of {rate:g} is likely a keep probability (TensorFlow 1's `keep_prob`); use "
         f"{1 - rate:.2g}. Usual rates are 0 to 0.3 in transformers, up to 0.5 in a classifier head.",
@@ -604,15 +607,17 @@ DROPOUT_TOO_HIGH = Rule(
     kind="dropout_too_high",
     severity="warning",
     monitor="StallDetector",
-    summary="StallDetector: a dropout rate of 0.8 or more (a keep probability given as the drop rate)",
+    summary="StallDetector: a dropout rate of 0.9 or more (a keep probability given as the drop rate)",
     when=(
         "read at the first check: a dropout module (`nn.Dropout` and its family, a `*Drop*` module's "
         "`p` / `drop_prob` / `drop_rate`: DropPath) or a Hugging Face config's `*drop*` rate is "
-        "`dropout_ceiling` (0.8) or more: it keeps a fifth of its inputs or less."
+        "`dropout_ceiling` (0.9) or more: it keeps a tenth of its inputs or less. An INFO line from "
+        "`dropout_note` (0.8) on: `transformers`' MobileNetV2 default (0.8, TF-slim's keep probability)."
     ),
+    also=("info",),
     where="dropout",
     cause=True,
-    thresholds=("dropout_ceiling",),
+    thresholds=("dropout_ceiling", "dropout_note"),
     check=_dropout,
 )
 

@@ -116,6 +116,10 @@ def test_a_dropout_typo_is_named_at_step_0_and_its_twin_is_quiet() -> None:
     typo = run(Set(_adamw(0.01), dropout=0.9), 10)
     assert kinds(typo) == [("dropout_too_high", 0)]
     assert "net.2 0.9" in typo.alerts[0].message and "0.1" in typo.alerts[0].hint
+    assert typo.alerts[0].severity == "warning"
+    # 0.8 (a fifth kept: transformers' MobileNetV2 default, TF-slim's keep probability) is an INFO line
+    note = run(Set(_adamw(0.01), dropout=0.8), 10)
+    assert [(a.kind, a.severity, a.step) for a in note.alerts] == [("dropout_too_high", "info", 0)]
     assert run(Set(_adamw(0.01), dropout=0.1), 60).alerts == []
 
 

@@ -466,10 +466,9 @@ def bert(frozen: bool = False) -> Built:
     return model, topic_sequences()
 
 
-def roberta() -> Built:
-    return transformers.RobertaForSequenceClassification(
-        transformers.RobertaConfig(**_ENC_SIZE)
-    ), topic_sequences()
+def roberta(layers: int = 2, purity: float = 0.5) -> Built:
+    config = transformers.RobertaConfig(**{**_ENC_SIZE, "num_hidden_layers": layers})
+    return transformers.RobertaForSequenceClassification(config), topic_sequences(purity=purity)
 
 
 def distilbert() -> Built:
@@ -580,8 +579,9 @@ def pretrain(model: nn.Module, loader: DataLoader[Any], steps: int = 150, lr: fl
     return model
 
 
-def vit(corrupt_from: int | None = None, new_head: bool = False) -> Built:
-    model = transformers.ViTForImageClassification(transformers.ViTConfig(**_VIT_SIZE))
+def vit(corrupt_from: int | None = None, new_head: bool = False, layers: int = 2) -> Built:
+    config = transformers.ViTConfig(**{**_VIT_SIZE, "num_hidden_layers": layers})
+    model = transformers.ViTForImageClassification(config)
     if new_head:  # replaced before configure_optimizers: the new head is in the optimizer
         model.classifier = _new_head(model)
     return model, digit_images(corrupt_from=corrupt_from)
@@ -868,6 +868,24 @@ ENTRIES: list[Entry] = [
         replace(ADAMW, layer_decay=0.8, warmup_steps=20),
         200,
         what="RoBERTa, layer-wise LR decay 0.8, warm-up 20 steps + cosine",
+    ),
+    # plateaus at chance that learn later (issue 38's held-out symptoms, on our models): still
+    # chance_level at 59-69, the open item of issue 38 (a judge of learning that does not wait on the loss)
+    Entry(
+        "vit_deep_plateau",
+        "vision",
+        lambda: vit(layers=4),
+        replace(ADAMW, lr=1e-3, warmup_steps=20),
+        200,
+        what="ViT, 4 layers, AdamW 1e-3, warm-up 20 steps: near chance until about step 60",
+    ),
+    Entry(
+        "roberta_layer_decay_plateau",
+        "encoder",
+        lambda: roberta(layers=4, purity=0.3),
+        replace(ADAMW, lr=1e-3, layer_decay=0.8, warmup_steps=20),
+        200,
+        what="RoBERTa, 4 layers, harder topics, layer-wise LR decay 0.8, warm-up 20: at chance until step 70",
     ),
     # faults
     Entry(

@@ -102,7 +102,10 @@ def lr_ahead(trainer: pl.Trainer, module: nn.Module, optimizer: Any, steps: int)
                     epoch = (s + 1) // per_epoch if per_epoch is not None and (s + 1) % per_epoch == 0 else 0
                     due = epoch > 0 and epoch % max(1, config.frequency) == 0
                 if due:
-                    scheduler.step()
+                    try:
+                        scheduler.step()
+                    except Exception:  # stepped past its end (OneCycleLR's total_steps): what was read
+                        return lrs
     return lrs
 
 

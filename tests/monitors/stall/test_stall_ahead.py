@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from conftest import make_trainer
 from test_stall import Digits, kinds, loader
 from torch import nn
 
-from lightning_gradguard.monitors.stall.ahead import dropout_rates
+from lightning_gradguard.monitors.stall.ahead import dropout_rates, lr_ahead
 from lightning_gradguard.monitors.stall.callback import StallDetector
 
 Schedule = Callable[[Any, torch.optim.Optimizer], Any]
@@ -164,3 +165,23 @@ def test_healthy_schedules_are_not_judged_ahead(schedule: Schedule, interval: st
     model = Set(sgd, schedule, interval)
     assert run(model, 120).alerts == []
     assert len(set(model.lrs)) > 1 or schedule is _from_global_step  # each schedule did move the LR
+
+
+def test_a_schedule_read_past_its_end_gives_what_it_read_and_the_run_is_untouched() -> None:
+    """A OneCycleLR shorter than the steps asked for raises when stepped past its end: the reading stops
+    there. The real optimizer and scheduler are as they were (the copy's optimizer is a stand-in)."""
+    net = nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=30)
+    config = SimpleNamespace(scheduler=sched, interval="step", frequency=1, reduce_on_plateau=False)
+    trainer = SimpleNamespace(
+        lr_scheduler_configs=[config], num_training_batches=10, accumulate_grad_batches=1
+    )
+    before = (sched.state_dict(), [dict(g, params=None) for g in opt.param_groups])
+    lrs = lr_ahead(trainer, net, opt, 100)  # type: ignore[arg-type]
+    assert (
+        len(lrs) == 30
+        and max(lrs) == pytest.approx(0.1)
+        and lrs[0] == pytest.approx(opt.param_groups[0]["lr"])
+    )
+    assert sched.state_dict() == before[0] and [dict(g, params=None) for g in opt.param_groups] == before[1]

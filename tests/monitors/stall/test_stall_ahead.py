@@ -180,7 +180,7 @@ def test_a_schedule_read_past_its_end_gives_what_it_read_and_the_run_is_untouche
     before = (sched.state_dict(), [dict(g, params=None) for g in opt.param_groups])
     lrs = lr_ahead(trainer, net, opt, 100)  # type: ignore[arg-type]
     assert (
-        len(lrs) == 30
+        len(lrs) == 31
         and max(lrs) == pytest.approx(0.1)
         and lrs[0] == pytest.approx(opt.param_groups[0]["lr"])
     )

@@ -7,7 +7,8 @@ apart from the gradient (the monitors that judge a step's size must not read tha
 ratio rule and StallDetector's probe read it);
 :func:`adaptive_eps` says whether the step is normalised by the gradient's own running size (Adam and its
 family): then the gradient's scale does not set the update, down to ``eps``; :func:`clip_setting` how the
-Trainer clips the gradient before the step.
+Trainer clips the gradient before the step; :class:`ScheduleCopy` the run's schedulers copied onto a
+stand-in optimizer, to read the LRs they will give without touching the run.
 
 A PyTorch LR scheduler recomputes the LR on every step, either from its ``base_lrs`` (closed forms such as
 ``LambdaLR``) or from the group's current ``lr`` (chainable forms such as ``StepLR``), and keeps its
@@ -18,6 +19,8 @@ same rescaling with the inverse function puts it back.
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -180,3 +183,53 @@ def clip_setting(trainer: pl.Trainer) -> ClipSetting | None:
         return None
     algorithm = GradClipAlgorithmType(getattr(trainer, "gradient_clip_algorithm", None) or "norm")
     return ClipSetting(value=float(val), norm_type=clipping_norm_type(algorithm.value))
+
+
+class _Stand:
+    """The stand-in optimizer of a scheduler's copy: copies of the param groups, without parameters."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        self.param_groups = groups
+        self.defaults: dict[str, Any] = {}
+
+    def step(self) -> None:  # a scheduler checks that it exists
+        return None
+
+
+class ScheduleCopy:
+    """The Trainer's schedulers of ``optimizer``, deep-copied onto a stand-in optimizer (copies of its
+    param groups, without their parameters): stepped ahead, they give the LRs the run will get, and the
+    run's optimizer, schedulers, model and random state are never touched. ``readable`` is False for a
+    ``ReduceLROnPlateau`` (it follows a metric) or a group without a numeric LR (Adafactor's relative
+    step). What a scheduler reads besides its own count (a ``LambdaLR`` reading ``trainer.global_step``)
+    is read as it is now: the caller confirms against the LRs the run really used where it matters."""
+
+    def __init__(self, trainer: pl.Trainer, optimizer: Any, module: Any = None) -> None:
+        self.configs = [
+            c for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is optimizer
+        ]
+        groups = optimizer.param_groups
+        plateau = any(c.reduce_on_plateau for c in self.configs)
+        self.readable = not plateau and all(group_lr(g) is not None for g in groups)
+        self.stand = _Stand([{k: v for k, v in g.items() if k != "params"} for g in groups])
+        memo: dict[int, Any] = {id(optimizer): self.stand, id(trainer): trainer}
+        if module is not None:
+            memo[id(module)] = module
+        memo.update({id(p): p for g in groups for p in g["params"]})
+        self.schedulers = copy.deepcopy([c.scheduler for c in self.configs], memo) if self.readable else []
+
+    def lrs(self) -> list[float]:
+        """Every param group's LR now (0 for a group without a numeric one)."""
+        return [group_lr(g) or 0.0 for g in self.stand.param_groups]
+
+    def step(self, which: Sequence[int] | None = None) -> bool:
+        """Step the copies (those at the indices ``which`` of ``configs``, or all); False once one refuses
+        (a ``OneCycleLR`` stepped past its ``total_steps``): the LRs read so far are all there is."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a copy's first step may say its optimizer did not step
+            try:
+                for i in range(len(self.schedulers)) if which is None else which:
+                    self.schedulers[i].step()
+            except Exception:
+                return False
+        return True

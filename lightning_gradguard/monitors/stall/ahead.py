@@ -1,10 +1,9 @@
 """What a run's settings say before its first step (read once, at the start of training).
 
 * :func:`lr_ahead`: the LR of every param group at each of the next optimizer steps, from a copy of the
-  run's schedulers stepped as Lightning steps them (``"interval": "step"`` every ``frequency`` optimizer
-  steps, ``"epoch"`` at each epoch's end), so a schedule in the wrong unit is seen before it acts. The
-  copy shares nothing the run changes: its optimizer is a stand-in holding copies of the param groups
-  without their parameters.
+  run's schedulers (:class:`~lightning_gradguard.core.lr.ScheduleCopy`: nothing of the run is touched)
+  stepped as Lightning steps them (``"interval": "step"`` every ``frequency`` optimizer steps, ``"epoch"``
+  at each epoch's end), so a schedule in the wrong unit is seen before it acts.
 * :func:`decay_rates`: what a decoupled weight decay will remove from the weights a step at the schedule's
   highest LR (``lr * weight_decay``), per param group, with the group's size.
 * :func:`dropout_rates`: every dropout the model holds: its dropout modules' rates (``nn.Dropout`` and its
@@ -16,8 +15,6 @@
 
 from __future__ import annotations
 
-import copy
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
-from lightning_gradguard.core.lr import decoupled_decay_groups, group_lr
+from lightning_gradguard.core.lr import ScheduleCopy, decoupled_decay_groups, group_lr
 
 #: the most optimizer steps a schedule is read ahead (a few hundred microseconds per step: a copy of the
 #: schedulers is stepped once at the start of training)
@@ -66,47 +63,28 @@ class Ahead:
         return min(self.planned, len(self.lrs)) if self.planned is not None else len(self.lrs)
 
 
-class _Stand:
-    """The stand-in optimizer of a scheduler's copy: copies of the param groups, without parameters."""
-
-    def __init__(self, groups: list[dict[str, Any]]) -> None:
-        self.param_groups = groups
-        self.defaults: dict[str, Any] = {}
-
-    def step(self) -> None:  # a scheduler checks that it exists
-        return None
-
-
 def lr_ahead(trainer: pl.Trainer, module: nn.Module, optimizer: Any, steps: int) -> list[float]:
     """The largest LR of ``optimizer``'s param groups at each of the next ``steps`` optimizer steps, its
-    schedulers stepped on copies (empty: not readable ahead, see :class:`Ahead`)."""
-    configs = [
-        c for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is optimizer
-    ]
-    if any(c.reduce_on_plateau for c in configs) or any(group_lr(g) is None for g in optimizer.param_groups):
+    schedulers stepped on copies as Lightning steps them (empty: not readable ahead, see :class:`Ahead`)."""
+    schedule = ScheduleCopy(trainer, optimizer, module)
+    if not schedule.readable:
         return []
-    stand = _Stand([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
-    memo: dict[int, Any] = {id(optimizer): stand, id(trainer): trainer, id(module): module}
-    memo.update({id(p): p for g in optimizer.param_groups for p in g["params"]})
-    schedulers = copy.deepcopy([c.scheduler for c in configs], memo)
     per_epoch = _steps_per_epoch(trainer)
     lrs: list[float] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the copy's first step may say its optimizer did not step
-        for s in range(steps):
-            lrs.append(max(group_lr(g) or 0.0 for g in stand.param_groups))
-            for config, scheduler in zip(configs, schedulers, strict=True):
-                if config.interval == "step":
-                    due = (s + 1) % max(1, config.frequency) == 0
-                else:
-                    epoch = (s + 1) // per_epoch if per_epoch is not None and (s + 1) % per_epoch == 0 else 0
-                    due = epoch > 0 and epoch % max(1, config.frequency) == 0
-                if due:
-                    try:
-                        scheduler.step()
-                    except Exception:  # stepped past its end (OneCycleLR's total_steps): what was read
-                        return lrs
+    for s in range(steps):
+        lrs.append(max(schedule.lrs(), default=0.0))
+        due = [i for i, c in enumerate(schedule.configs) if _due(c, s + 1, per_epoch)]
+        if due and not schedule.step(due):
+            break  # stepped past its end (OneCycleLR's total_steps): what was read
     return lrs
+
+
+def _due(config: Any, done: int, per_epoch: int | None) -> bool:
+    """Whether Lightning steps ``config``'s scheduler after ``done`` optimizer steps."""
+    if config.interval == "step":
+        return done % max(1, config.frequency) == 0
+    epoch = done // per_epoch if per_epoch is not None and done % per_epoch == 0 else 0
+    return epoch > 0 and epoch % max(1, config.frequency) == 0
 
 
 def _steps_per_epoch(trainer: pl.Trainer) -> int | None:

@@ -27,9 +27,6 @@ from lightning_gradguard.core.lr import ScheduleCopy, decoupled_decay_groups, gr
 #: the most optimizer steps a schedule is read ahead (a few hundred microseconds per step: a copy of the
 #: schedulers is stepped once at the start of training)
 HORIZON = 2000
-#: the checks up to this step judge what was read ahead (the schedule's verdicts once the first checked steps
-#: used the LRs read ahead: steps 0-2 at the default cadence)
-AHEAD_UNTIL = 20
 #: attributes that hold a dropout module's rate, in the order they are read
 _RATE_NAMES = ("p", "drop_prob", "drop_rate")
 

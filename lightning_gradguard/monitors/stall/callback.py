@@ -30,7 +30,6 @@ from lightning_gradguard.core.lr import adaptive_eps, orthogonalized_share
 from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.validate import check_float, check_int
 from lightning_gradguard.monitors.stall.ahead import (
-    AHEAD_UNTIL,
     HORIZON,
     Ahead,
     decay_rates,
@@ -70,13 +69,15 @@ class StallDetector(GradGuardCallback):
     Alerts (each at most once per run; see :mod:`~lightning_gradguard.monitors.stall.rules` for the rules):
     ``no_update``, ``clipped_updates``, ``lr_decayed`` / ``updates_collapsed``, ``weight_decay_collapse``,
     ``update_below_precision``, ``chance_level``, ``loss_plateau``, ``lr_jump``, ``warmup_never_ends``,
-    ``warmup_missing``, ``dropout_too_high``, ``sorted_labels``, all of severity warning.
+    ``warmup_missing``, ``dropout_too_high``, ``sorted_labels``, all of severity warning (a dropout rate
+    of 0.8 to 0.9 is an INFO line).
 
     At the start of a fresh run it also reads what the settings say before they act: the LR of every
     step ahead (a copy of the schedulers stepped as Lightning steps them, over the planned run or 2,000
     steps), the rate at which a decoupled weight decay will shrink the weights at that schedule's peak,
-    and every dropout rate; the first check (step 0) judges them (``lr_decayed``, ``warmup_never_ends``,
-    ``weight_decay_collapse``, ``dropout_too_high``).
+    and every dropout rate. The first checks judge them: the dropout rates at step 0; the schedule
+    (``lr_decayed``, ``warmup_never_ends``, ``weight_decay_collapse``) once the first ``patience``
+    checked steps used the LRs read ahead (step 2 at the defaults).
 
     Args:
         action: what a finding does (every stall finding, although its severity is warning):
@@ -160,8 +161,7 @@ class StallDetector(GradGuardCallback):
         self._low_precision = False  # some trainable weights are 16-bit: the checks measure their rounding
         self._adaptive = False  # an optimizer divides its step by the gradient's running size
         self._attention = False  # the model has attention layers
-        self._ahead: Ahead | None = None  # what the settings say, read at the start; the first checks'
-
+        self._ahead: Ahead | None = None  # what the settings say, read at the start (see _read_ahead)
         self._checked_at = -1
         self._check_stats: StepStats | None = None  # the checked step's statistics, until it is read
         self.last_logged: dict[str, float] = {}
@@ -280,7 +280,7 @@ class StallDetector(GradGuardCallback):
             adaptive=self._adaptive,
             orthogonalized=self._orthogonalized,
             attention=self._attention,
-            ahead=self._ahead if self._checked_at <= AHEAD_UNTIL else None,
+            ahead=self._ahead,
         )
         self.last_check = check
         found = observe(self.state, check)

@@ -156,8 +156,8 @@ class StallCheck:
     ``adaptive``: the optimizer divides each step by the gradient's running size (Adam and its family,
     ``core.lr.adaptive_eps``): the gradient's scale, and so a clip's, does not set its update.
     ``attention``: the model has attention layers (a transformer). ``ahead``: what the settings said
-    at the start of training (the schedule read ahead, the weight decay's rate, the dropout rates), on the
-    run's first checks (up to ``ahead.AHEAD_UNTIL``).
+    at the start of training (the schedule read ahead, the weight decay's rate, the dropout rates), on
+    every check of a fresh run (``None`` after a resume: nothing is read ahead then).
     """
 
     step: int
@@ -179,7 +179,7 @@ class StallCheck:
     adaptive: bool = False
     orthogonalized: bool = False  # most of the update is orthogonalized (Muon): its size is the design
     attention: bool = False
-    ahead: Ahead | None = None  # what the settings said at the start of training (the first checks only)
+    ahead: Ahead | None = None  # what the settings said at the start of a fresh run
 
     @property
     def update_ratio_total(self) -> float | None:

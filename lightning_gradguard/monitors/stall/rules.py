@@ -214,7 +214,9 @@ def _schedule_collapse(s: StallState, c: StallCheck) -> Finding | None:
     if peak <= 0 or useful >= r.early_phase * len(lrs):
         return None
     top = lrs.index(peak)
-    fell = next(i for i in range(top, len(lrs)) if lrs[i] < floor)
+    fell = next((i for i in range(top, len(lrs)) if lrs[i] < floor), None)
+    if fell is None:  # low only before its peak: a long warm-up (warmup_never_ends judges that)
+        return None
     over = f"of the {a.planned} planned" if a.planned == len(lrs) else f"read ahead (of {a.planned or '?'})"
     history = ", ".join(f"{lr:.3g} at step {i}" for i, lr in spread(list(enumerate(lrs)), 6))
     return Finding(
@@ -468,17 +470,18 @@ def _warmup(s: StallState, c: StallCheck) -> Finding | None:
         and a.planned is not None
         and len(a.lrs) >= a.planned >= _MIN_SPAN
         and s.ahead_confirmed(c)
-    ):
+    ):  # the whole plan read ahead, and the run's LRs so far are those read: no pace to extrapolate
         top = max(a.lrs[: a.planned])
-        if c.lr_configured > 0 and top <= r.warmup_lr_fraction * c.lr_configured:
-            return Finding(
-                WARMUP_NEVER_ENDS,
-                f"The LR schedule, read ahead at the start (and confirmed by the first steps), never "
-                f"takes the LR above {top:.3g} in "
-                f"the {a.planned} planned steps: {top / c.lr_configured:.2%} of the configured "
-                f"{c.lr_configured:.3g}.",
-                {"lr_max": top, "lr_configured": c.lr_configured, "share": top / c.lr_configured},
-            )
+        if c.lr_configured <= 0 or top > r.warmup_lr_fraction * c.lr_configured:
+            return None
+        return Finding(
+            WARMUP_NEVER_ENDS,
+            f"The LR schedule, read ahead at the start (and confirmed by the first steps), never "
+            f"takes the LR above {top:.3g} in "
+            f"the {a.planned} planned steps: {top / c.lr_configured:.2%} of the configured "
+            f"{c.lr_configured:.3g}.",
+            {"lr_max": top, "lr_configured": c.lr_configured, "share": top / c.lr_configured},
+        )
     low = c.lr_configured > 0 and c.lr_max <= r.warmup_lr_fraction * c.lr_configured
     if not low or c.step < r.warmup_min_steps:
         return None

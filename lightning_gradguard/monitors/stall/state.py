@@ -59,6 +59,9 @@ class StallState:
         self.peak_weight: dict[str, float] = {}  # per decayed layer: the highest weight norm seen
         self.last_weight: dict[str, float] = {}  # per decayed layer: the previous check's weight norm
         self.decay_since: int | None = None  # the first check of the current weight-decay streak
+        # the schedule read ahead against the LRs the checked steps used (not saved: a resumed run is not
+        # read ahead): the last step compared, how many matched, whether one did not
+        self._ahead_upto, self._ahead_matched, self._ahead_wrong = -1, 0, False
 
     # ------------------------------------------------------------------ bookkeeping
     def state_dict(self) -> dict[str, Any]:
@@ -139,9 +142,12 @@ class StallState:
         the one read ahead for that step (a scheduler that reads something else than its step count, the
         Trainer's ``global_step`` say, would be read ahead wrongly: its verdicts are not given)."""
         lrs = c.ahead.lrs if c.ahead is not None else ()
-        seen = [(step, lr) for step, lr in self.lr_history if step < len(lrs)]
-        close = all(math.isclose(lr, lrs[step], rel_tol=1e-6, abs_tol=1e-12) for step, lr in seen)
-        return len(seen) >= self.thresholds.patience and close
+        for step, lr in self.lr_history:  # the checks since the last call (each LR is compared once)
+            if self._ahead_upto < step < len(lrs):
+                self._ahead_matched += 1
+                self._ahead_wrong |= not math.isclose(lr, lrs[step], rel_tol=1e-6, abs_tol=1e-12)
+                self._ahead_upto = step
+        return self._ahead_matched >= self.thresholds.patience and not self._ahead_wrong
 
     def chance(self) -> float:
         """The chance-level loss: the entropy of the tokens seen (token targets), else of the labels, else

@@ -158,8 +158,10 @@ def _from_global_step(model: Any, opt: torch.optim.Optimizer) -> Any:
         (lambda m, o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.5), "epoch"),  # per epoch, as meant
         (lambda m, o: torch.optim.lr_scheduler.OneCycleLR(o, 0.1, total_steps=120), "step"),
         (lambda m, o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=120), "step"),
+        # an exponential warm-up over the whole run: low for most of it, but only before its peak
+        (lambda m, o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1e-4 ** (1 - k / 119)), "step"),
     ],
-    ids=["global_step", "exponential_per_epoch", "one_cycle", "cosine"],
+    ids=["global_step", "exponential_per_epoch", "one_cycle", "cosine", "exponential_warmup"],
 )
 def test_healthy_schedules_are_not_judged_ahead(schedule: Schedule, interval: str) -> None:
     model = Set(sgd, schedule, interval)

@@ -102,6 +102,17 @@ class LRFinderPlus(GradGuardCallback):
     ``lightning_gradguard`` logger.
     Under ``fast_dev_run`` the test is skipped, like Lightning's tuner.
 
+    The range test brackets, short trainings decide (``search_steps > 0``, the default): after the sweep,
+    ``search_candidates`` LRs log-spaced from the curve's steep point to the last LR before its diverging
+    tail each train the same few optimizer steps from the restored start, with the run's optimizer,
+    clipping, precision, accumulation and LR schedule (compressed to the trial); they are scored by the
+    loss on held-out batches (the validation loader's when the run has one, else training batches the
+    trials skip); the best two and one refinement point train twice as long, and the lowest loss is the
+    suggestion (``result.search``; the curve's own in ``result.sweep_suggestion``). A sweep still falling
+    at ``max_lr`` is first extended, up to two decades. Everything is restored exactly afterwards, as
+    after the sweep. Candidates and their losses go to TensorBoard (``lr_finder/search_*``),
+    ``lr_search.csv`` and the summary line.
+
     Args:
         min_lr: first learning rate of the sweep.
         max_lr: last learning rate of the sweep.
@@ -121,6 +132,10 @@ class LRFinderPlus(GradGuardCallback):
         max_sweeps: the most sweeps averaged when one sweep's descent is lost in its noise (each repeat runs
             from the same state at the same LRs on the next batches; looks after 1, 2, 4, 8, ... sweeps);
             ``None``: as many as make 400 points, at least 4 and at most 16; ``1``: never repeat.
+        search_steps: the budget of the search after the sweep: an int, optimizer steps in all; a float in
+            (0, 1], that share of the first epoch's optimizer steps; ``0``: the range test alone, as
+            before the search existed (a sweep still falling at ``max_lr`` is then said, not extended).
+        search_candidates: candidate LRs of the search's first round, log-spaced across the bracket.
 
     Example::
 

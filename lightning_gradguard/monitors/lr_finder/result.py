@@ -21,6 +21,8 @@ class Trial:
         loss: the loss it reached: the mean over the evaluation batches after its last step (``inf``:
             its training loss became non-finite).
         train_loss: the mean training loss of its last quarter of steps (``inf`` as ``loss``).
+        batch_losses: the loss on each evaluation batch (empty when it diverged): the candidates of a
+            round are compared batch by batch.
     """
 
     lr: float
@@ -28,6 +30,7 @@ class Trial:
     steps: int
     loss: float
     train_loss: float
+    batch_losses: tuple[float, ...] = ()
 
 
 @dataclass(kw_only=True)
@@ -36,12 +39,16 @@ class SearchResult:
 
     Attributes:
         trials: every candidate's training, round by round.
-        chosen: the candidate whose loss was lowest in the last round (``None``: see ``reason``).
+        chosen: the lowest LR of the last round whose loss is within one standard error of that round's
+            lowest (its batch-by-batch difference to it), else the lowest loss's (``None``: see ``reason``).
         bracket: the lowest and highest candidate of the first round.
         evaluated_on: ``"validation batches"`` or ``"held-out training batches"``.
         steps: optimizer steps the search took in all.
         seconds: its wall time.
-        reason: why it chose nothing (empty when it chose).
+        reason: why it chose nothing (empty when it chose): every candidate diverged, or none got its
+            loss clearly below the loss before training (two standard errors of the batch-by-batch
+            difference) in its steps; the sweep's suggestion then stands.
+        start_loss: the loss on the evaluation batches before any training.
     """
 
     trials: list[Trial] = field(default_factory=list)
@@ -51,6 +58,7 @@ class SearchResult:
     steps: int = 0
     seconds: float = 0.0
     reason: str = ""
+    start_loss: float = math.nan
 
 
 @dataclass

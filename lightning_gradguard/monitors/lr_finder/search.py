@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,8 @@ class CandidateSearch:
         """Train every LR of ``grid`` for ``steps`` steps, then the best two and a refinement for twice as
         many; the lowest loss of the last round is chosen."""
         started = time.perf_counter()
+        self.snapshot.restore()
+        start = self.evaluate()  # the loss before any training: a winner must have learned something
         first = [self.trial(lr, steps, 0) for lr in grid]
         trials, last = list(first), first
         ranked = sorted(first, key=lambda t: t.loss)
@@ -140,8 +142,16 @@ class CandidateSearch:
                 second.append(extra)
             last = [self.trial(lr, 2 * steps, 1) for lr in second]
             trials += last
-        best = min(last, key=lambda t: t.loss)
-        chosen = best.lr if math.isfinite(best.loss) else None
+        best = choose(last)
+        chosen, reason = best.lr, ""
+        if not math.isfinite(best.loss):
+            chosen, reason = None, "every candidate's training loss became non-finite"
+        elif not _learned(best, start):
+            chosen = None
+            reason = (
+                f"no candidate's loss fell clearly below the loss before training ({_mean(start):.4g}) in "
+                f"{best.steps} steps: the trials are too short for this model (raise search_steps)"
+            )
         return SearchResult(
             trials=trials,
             chosen=chosen,
@@ -149,7 +159,8 @@ class CandidateSearch:
             evaluated_on=self.evaluated_on,
             steps=sum(t.steps for t in trials),
             seconds=time.perf_counter() - started,
-            reason="" if chosen is not None else "every candidate's training loss became non-finite",
+            reason=reason,
+            start_loss=_mean(start),
         )
 
     def trial(self, lr: float, steps: int, round_: int) -> Trial:
@@ -172,8 +183,15 @@ class CandidateSearch:
                     return Trial(lr=lr, round=round_, steps=len(losses), loss=math.inf, train_loss=math.inf)
         self.optimizer.zero_grad(set_to_none=True)
         tail = losses[-max(1, len(losses) // 4) :]
+        each = self.evaluate()
+        loss = sum(each) / len(each) if each else math.inf
         return Trial(
-            lr=lr, round=round_, steps=len(losses), loss=self.evaluate(), train_loss=sum(tail) / len(tail)
+            lr=lr,
+            round=round_,
+            steps=len(losses),
+            loss=loss if math.isfinite(loss) else math.inf,
+            train_loss=sum(tail) / len(tail),
+            batch_losses=tuple(each) if math.isfinite(loss) else (),
         )
 
     def _step(self, draw: Callable[[], tuple[Any, int]], accumulate: int) -> float:
@@ -192,20 +210,67 @@ class CandidateSearch:
             return self.trainer.strategy.reduce(loss, reduce_op="mean")
         return loss
 
-    def evaluate(self) -> float:
-        """Mean of ``training_step``'s loss over the held-out batches, in eval mode, without gradients
-        (mean over ranks); ``inf`` when it is not finite."""
-        total, count = torch.zeros(()), 0
+    def evaluate(self) -> list[float]:
+        """``training_step``'s loss on each held-out batch, in eval mode, without gradients (each the mean
+        over ranks, read in one transfer)."""
+        each: list[torch.Tensor] = []
         self.pl_module.eval()
         with torch.no_grad(), quiet_logging(self.pl_module):
             for batch, batch_idx in self.held_out:
                 out = self.trainer.strategy.training_step(prepare_batch(self.trainer, batch), batch_idx)
                 loss = out["loss"] if isinstance(out, dict) else out
                 if isinstance(loss, torch.Tensor):
-                    total, count = total + loss.detach().float().cpu(), count + 1
-        mean = self._mean((total / max(1, count)).to(self.pl_module.device))
-        value = float(mean) if count else math.inf
-        return value if math.isfinite(value) else math.inf
+                    each.append(loss.detach().float().reshape(()))
+        if not each:
+            return []
+        return [float(v) for v in self._mean(torch.stack(each)).cpu()]
+
+
+def choose(last: list[Trial]) -> Trial:
+    """The winner of the last round: its lowest loss, or the lowest LR whose loss is within one standard
+    error of it (the mean of their batch-by-batch differences against that mean's standard error).
+
+    The one-standard-error rule: a short trial favours large LRs (they make the most of a few steps,
+    and the noise they keep shows only over a long run), so between candidates the held-out batches cannot
+    tell apart, the smaller LR is the safer one."""
+    best = min(last, key=lambda t: t.loss)
+    for trial in sorted(last, key=lambda t: t.lr):
+        if trial.lr >= best.lr:
+            break
+        if _within_one_se(trial, best):
+            return trial
+    return best
+
+
+def _within_one_se(trial: Trial, best: Trial) -> bool:
+    """Whether ``trial``'s loss exceeds ``best``'s by at most one standard error of their paired
+    batch-by-batch differences."""
+    if not math.isfinite(trial.loss):
+        return False
+    diffs = _differences(trial.batch_losses, best.batch_losses)
+    return diffs is not None and diffs[0] <= diffs[1]
+
+
+def _learned(best: Trial, start: list[float]) -> bool:
+    """Whether the winner's loss lies clearly (two standard errors of the batch-by-batch differences)
+    below the loss before training; ``True`` when there is nothing to compare."""
+    diffs = _differences(list(start), best.batch_losses)
+    return diffs is None or diffs[0] > 2 * diffs[1]
+
+
+def _differences(a: Sequence[float], b: Sequence[float]) -> tuple[float, float] | None:
+    """The mean of ``a - b`` batch by batch and its standard error (``None``: fewer than two pairs)."""
+    n = len(a)
+    if n < 2 or n != len(b):
+        return None
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    mean = sum(diffs) / n
+    spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    return mean, spread / math.sqrt(n)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
 
 
 def _drawer(trainer: pl.Trainer, batches: Batches) -> Callable[[], tuple[Any, int]]:

@@ -22,8 +22,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_gradguard import LRFinderPlus, lr_find
+from lightning_gradguard.monitors.lr_finder.result import Trial
 from lightning_gradguard.monitors.lr_finder.schedule import compressed, schedule_factors
-from lightning_gradguard.monitors.lr_finder.search import log_spaced, refinement
+from lightning_gradguard.monitors.lr_finder.search import choose, log_spaced, refinement
 from lightning_gradguard.report.read import read_run
 from tests.monitors.lr_finder.test_lr_finder import Net, Probe, _equal_nested, _loader, _same_state
 from tests.testkit import make_trainer
@@ -243,6 +244,22 @@ def test_log_spaced_candidates_and_the_refinement() -> None:
     assert refinement(grid, [1.0, 2.0, 3.0, 4.0, math.inf]) == pytest.approx(grid[0] / 10**0.25)
     assert refinement(grid, [5.0, 4.0, 3.0, 2.0, 1.0]) == pytest.approx(grid[-1] * 10**0.25)
     assert refinement(grid, [math.inf] * 5) is None
+
+
+def _trial(lr: float, losses: list[float]) -> Trial:
+    return Trial(
+        lr=lr, round=1, steps=10, loss=sum(losses) / len(losses), train_loss=0.0, batch_losses=tuple(losses)
+    )
+
+
+def test_the_last_round_prefers_the_smaller_lr_the_batches_cannot_tell_apart() -> None:
+    best = _trial(1e-2, [1.0, 1.2, 0.8, 1.0])
+    tied = _trial(1e-3, [1.01, 1.19, 0.82, 1.0])  # 0.005 higher on average, the differences scatter 0.01
+    worse = _trial(1e-3, [1.1, 1.3, 0.9, 1.1])  # 0.1 higher on every batch
+    assert choose([best, tied]) is tied
+    assert choose([best, worse]) is best
+    assert choose([_trial(1e-1, [1.01, 1.19, 0.82, 1.0]), best]) is best  # a larger LR never takes a tie
+    assert choose([best, Trial(lr=1e-4, round=1, steps=3, loss=math.inf, train_loss=math.inf)]) is best
 
 
 def _configs(scheduler: Any) -> SimpleNamespace:

@@ -6,6 +6,9 @@
   change).
 * ``engine``: the range test itself: which setups it supports, the sweep, the decision, applying the LR.
 * ``divergence``: ``DivergenceMonitor``, the sweep's online smoothing and stop rule.
+* ``schedule``: the run's LR schedule, read by stepping its schedulers ahead; compressed to a trial.
+* ``search``: the search after the sweep: candidates in its bracket trained from the same start,
+  successive halving, scored on held-out batches.
 * ``result``: ``LRFinderResult``, the outcome of one test, and its figure.
 * ``output``: where a result goes on rank 0: scalars, the summary line, CSV, figure, hyperparameters.
 

@@ -377,12 +377,16 @@ class RangeTest:
         if span is None:
             return
         budget = self.search_budget(trainer)
-        steps = trial_steps(budget, self.search_candidates)
+        steps = trial_steps(budget or 0, self.search_candidates)
         if steps < MIN_TRIAL_STEPS:
             need = MIN_TRIAL_STEPS * (self.search_candidates + 2 * SECOND_ROUND)
-            result.search = SearchResult(
-                reason=f"a search budget of {budget} steps is too small ({need} at least)"
-            )
+            reason = f"a search budget of {budget} steps is too small ({need} at least)"
+            if budget is None:
+                reason = (
+                    f"search_steps={self.search_steps} is a share of the first epoch, whose length is "
+                    "unknown (an iterable dataset without a length): give search_steps as an int"
+                )
+            result.search = SearchResult(reason=reason)
             return
         snapshot.restore()
         factors = schedule_factors(trainer, optimizer, base[0], self.horizon(trainer, schedule))
@@ -437,22 +441,28 @@ class RangeTest:
             evaluated_on=where,
         )
 
-    def search_budget(self, trainer: pl.Trainer) -> int:
+    def search_budget(self, trainer: pl.Trainer) -> int | None:
         """``search_steps`` as optimizer steps: an int as it is, a float as that share of the first epoch's
-        optimizer steps (``trainer.num_training_batches`` over the accumulation)."""
+        optimizer steps (``trainer.num_training_batches`` over the accumulation; ``None``: unknown)."""
         if isinstance(self.search_steps, int):
             return self.search_steps
         per_epoch = trainer.num_training_batches / max(1, int(trainer.accumulate_grad_batches))
         if not math.isfinite(per_epoch):
-            return 0
+            return None
         return int(self.search_steps * per_epoch)
 
     def horizon(self, trainer: pl.Trainer, schedule: Schedule | None) -> int | None:
-        """The run's length in scheduler steps, when this Trainer's length is the run's (not in lr_find)."""
+        """The scheduler steps the run has left, when this Trainer's length is the run's (not in lr_find):
+        its optimizer steps (or epochs, for a per-epoch schedule) less those already taken."""
         if not self.run_length_known or schedule is None:
             return None
-        n = trainer.estimated_stepping_batches if schedule.interval == "step" else trainer.max_epochs
-        return int(n) if n is not None and math.isfinite(n) and n > 0 else None
+        total: float | None = trainer.max_epochs
+        done = trainer.current_epoch
+        if schedule.interval == "step":
+            total, done = trainer.estimated_stepping_batches, trainer.global_step
+        if total is None or not math.isfinite(total) or total - done <= 0:
+            return None
+        return int(total - done)
 
     def rule(self, schedule: Schedule | None) -> str:
         """The suggestion method that decides: ``method``, or for ``"auto"`` the one the schedule asks for."""

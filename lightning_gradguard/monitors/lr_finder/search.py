@@ -143,7 +143,8 @@ class CandidateSearch:
             last = [self.trial(lr, 2 * steps, 1) for lr in second]
             trials += last
         best = choose(last)
-        chosen, reason = best.lr, ""
+        chosen: float | None = best.lr
+        reason = ""
         if not math.isfinite(best.loss):
             chosen, reason = None, "every candidate's training loss became non-finite"
         elif not _learned(best, start):

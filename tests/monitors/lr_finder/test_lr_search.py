@@ -164,6 +164,35 @@ def test_the_search_restores_everything_bit_for_bit() -> None:
     _same_state(model_a, model_b)
 
 
+def test_the_search_runs_with_the_runs_setup_and_leaves_the_run_as_it_was() -> None:
+    """bf16-mixed precision, two micro-batches a step, gradient clipping, a per-epoch StepLR and a second
+    test at epoch 1: the trials run with all of them, and the run is still the run without the finder."""
+    kw: dict[str, Any] = dict(
+        max_epochs=2, precision="bf16-mixed", accumulate_grad_batches=2, gradient_clip_val=0.5
+    )
+    pl.seed_everything(5)
+    finder = LRFinderPlus(
+        min_lr=1e-4,
+        max_lr=10.0,
+        num_training=40,
+        apply=False,
+        progress=False,
+        plot=False,
+        search_steps=45,
+        search_candidates=3,
+        milestones=[0, 1],
+    )
+    model_a = Net()
+    make_trainer([finder], **kw).fit(model_a, _loader(shuffle=True))
+    first = finder.results[0].search
+    assert len(finder.results) == 2 and first is not None and len(first.trials) >= 4
+    pl.seed_everything(5)
+    model_b = Net()
+    make_trainer([], **kw).fit(model_b, _loader(shuffle=True))
+    assert model_a.step_losses == model_b.step_losses and len(model_a.step_losses) == 24
+    _same_state(model_a, model_b)
+
+
 class CannotFall(pl.LightningModule):
     """A loss that does not depend on the weights: no descent, no suggestion, nothing to search."""
 

@@ -397,7 +397,7 @@ class RangeTest:
         if bar is not None:
             search.on_step = lambda: bar.update(1)
         try:
-            result.search = search.run(grid, steps)
+            result.search = search.run(grid, steps, prior=result.suggestion)
         finally:
             if bar is not None:
                 bar.close()

@@ -39,8 +39,9 @@ class SearchResult:
 
     Attributes:
         trials: every candidate's training, round by round.
-        chosen: the lowest LR of the last round whose loss is within one standard error of that round's
-            lowest (its batch-by-batch difference to it), else the lowest loss's (``None``: see ``reason``).
+        chosen: of the last round's candidates whose loss is within one standard error of its lowest (their
+            batch-by-batch difference to it), the one nearest the sweep's suggestion (``None``: see
+            ``reason``).
         bracket: the lowest and highest candidate of the first round.
         evaluated_on: ``"validation batches"`` or ``"held-out training batches"``.
         steps: optimizer steps the search took in all.

@@ -126,9 +126,9 @@ class CandidateSearch:
     evaluated_on: str
     on_step: Callable[[], None] = lambda: None
 
-    def run(self, grid: list[float], steps: int) -> SearchResult:
+    def run(self, grid: list[float], steps: int, prior: float | None = None) -> SearchResult:
         """Train every LR of ``grid`` for ``steps`` steps, then the best two and a refinement for twice as
-        many; the lowest loss of the last round is chosen."""
+        many; the last round's winner is chosen (:func:`choose`; ``prior``: the sweep's suggestion)."""
         started = time.perf_counter()
         self.snapshot.restore()
         start = self.evaluate()  # the loss before any training: a winner must have learned something
@@ -142,7 +142,7 @@ class CandidateSearch:
                 second.append(extra)
             last = [self.trial(lr, 2 * steps, 1) for lr in second]
             trials += last
-        best = choose(last)
+        best = choose(last, prior)
         chosen: float | None = best.lr
         reason = ""
         if not math.isfinite(best.loss):
@@ -227,20 +227,20 @@ class CandidateSearch:
         return [float(v) for v in self._mean(torch.stack(each)).cpu()]
 
 
-def choose(last: list[Trial]) -> Trial:
-    """The winner of the last round: its lowest loss, or the lowest LR whose loss is within one standard
-    error of it (the mean of their batch-by-batch differences against that mean's standard error).
+def choose(last: list[Trial], prior: float | None = None) -> Trial:
+    """The winner of the last round: of the candidates whose loss is within one standard error of the
+    lowest (the mean of their batch-by-batch differences against that mean's standard error), the one
+    nearest in log-LR to ``prior`` (the sweep's own suggestion), or the smallest LR without one.
 
-    The one-standard-error rule: a short trial favours large LRs (they make the most of a few steps,
-    and the noise they keep shows only over a long run), so between candidates the held-out batches cannot
-    tell apart, the smaller LR is the safer one."""
+    The held-out batches overrule the curve only where they can tell candidates apart. Where they cannot,
+    the curve's suggestion decides; it is the bracket's bottom under a constant LR, so there the smallest
+    LR of the tie wins, the safer one: a short trial favours large LRs (they make the most of a few steps,
+    and the noise they keep shows only over a long run)."""
     best = min(last, key=lambda t: t.loss)
-    for trial in sorted(last, key=lambda t: t.lr):
-        if trial.lr >= best.lr:
-            break
-        if _within_one_se(trial, best):
-            return trial
-    return best
+    tied = [t for t in last if t is best or _within_one_se(t, best)]
+    if prior is None or prior <= 0 or not math.isfinite(best.loss):
+        return min(tied, key=lambda t: t.lr)
+    return min(tied, key=lambda t: (abs(math.log(t.lr / prior)), t.lr))
 
 
 def _within_one_se(trial: Trial, best: Trial) -> bool:

@@ -287,7 +287,11 @@ def test_the_last_round_prefers_the_smaller_lr_the_batches_cannot_tell_apart() -
     worse = _trial(1e-3, [1.1, 1.3, 0.9, 1.1])  # 0.1 higher on every batch
     assert choose([best, tied]) is tied
     assert choose([best, worse]) is best
-    assert choose([_trial(1e-1, [1.01, 1.19, 0.82, 1.0]), best]) is best  # a larger LR never takes a tie
+    high = _trial(1e-1, [1.01, 1.19, 0.82, 1.0])
+    assert choose([high, best]) is best  # without a prior, a larger LR never takes a tie
+    # the sweep's own suggestion decides among candidates the batches cannot tell apart
+    assert choose([best, tied, high], prior=0.05) is high and choose([best, tied], prior=0.02) is best
+    assert choose([best, worse], prior=1e-3) is best  # and nowhere else
     assert choose([best, Trial(lr=1e-4, round=1, steps=3, loss=math.inf, train_loss=math.inf)]) is best
 
 

@@ -104,8 +104,9 @@ bench-lr: $(STAMP)
 	$(PY) benchmarks/lr_finder.py
 	$(MAKE) bench-lr-hard
 
-# LRFinderPlus, Lightning's lr_find and torch-lr-finder on hard tasks, scored against a brute-force LR grid
-# (about 16 CPU-minutes with a cold grid cache, benchmarks/.lr_hard_grid.json; a rerun trains only at new suggestions).
+# LRFinderPlus (with and without its search), Lightning's lr_find and torch-lr-finder on hard tasks, scored against a
+# brute-force LR grid (about 25 minutes with a cold grid cache, benchmarks/.lr_hard_grid.json, on a busy 2-core machine;
+# a rerun trains only at new suggestions: about 2 minutes).
 # torch-lr-finder is installed with --no-deps: a benchmark-only comparison, never a dependency of ours.
 bench-lr-hard: $(STAMP)
 	$(PIP) install --quiet --no-deps torch-lr-finder==0.2.2

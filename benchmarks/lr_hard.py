@@ -1,15 +1,19 @@
 """LR range-test finders on hard tasks, each scored against a brute-force grid of learning rates.
 
-Three finders, side by side, each at its defaults as a user would run it:
+Four finders, side by side, each at its defaults as a user would run it:
 
-* ``ours``: ``lightning_gradguard.lr_find`` (LRFinderPlus in a throwaway Trainer; 1e-7..1, 100 points);
+* ``ours``: ``lightning_gradguard.lr_find`` (LRFinderPlus in a throwaway Trainer; 1e-7..1, 100 points, then
+  the search inside the sweep's bracket, ``search_steps=300``);
+* ``ours_sweep``: the same with ``search_steps=0``: the range test alone, as before the search;
 * ``lightning``: ``Tuner(trainer).lr_find`` and its ``suggestion()`` (1e-8..1, 100 points);
 * ``torch_lr_finder``: the plain-PyTorch package ``torch-lr-finder`` (``range_test`` 1e-7..10, 100
   points, then the steepest-gradient point of its plot).
 
 On ``regression_noisy_40`` every finder sweeps 40 points instead of 100. Where the task's
-LightningModule configures a warm-up + cosine schedule (``lm_warmup_cosine``), a suggestion is used as the
-schedule's peak learning rate.
+LightningModule configures a warm-up + cosine schedule (``lm_warmup_cosine``) or a ``OneCycleLR``
+(``vit_onecycle``), a suggestion is used as the schedule's peak learning rate. Where the task clips its
+gradients (``gru_lm_sgd_clip``), ours and Lightning's run on a Trainer with that ``gradient_clip_val``
+(torch-lr-finder has no clipping setting: it sweeps unclipped, as its users would).
 
 Scoring. Each task has a training budget (optimizer steps) and a held-out loss. A log grid of constant
 (or peak) learning rates, 4 points per decade, 3 seeds each, is trained; the best LR is the one with the
@@ -31,6 +35,10 @@ Tasks (offline data only):
   AdamW, linear warm-up then cosine decay (``LambdaLR``, per step);
 * ``deep_tanh``: a 10-layer tanh MLP on digits, plain SGD: the loss stays flat for the whole sweep and
   breaks away only after hundreds of steps at a good LR (a refusal is the expected answer here);
+* ``gru_lm_sgd_clip``: a GRU character LM under plain SGD with ``gradient_clip_val=1`` (large LRs are safe);
+* ``vit_onecycle``: a small ViT on digits (16 patches of 2x2) under AdamW and ``OneCycleLR(max_lr)``;
+* ``linreg_unscaled_sgd``: linear regression on features scaled 0.1..10 (not standardised), plain SGD;
+* ``mlp_adam_b4_cls``: a classification MLP under Adam at batch 4 (make_classification, 4 classes);
 * ``cnn_bn``, ``logreg``: the easy tasks of ``benchmarks/lr_finder.py``, as a check that nothing regresses.
 
 Optionally (``--real``, not scored) whether ``ours`` suggests anything on the ``mobilenet_v2`` and ``vit``
@@ -44,8 +52,11 @@ runs only ours. Every sweep's curve is written to ``--out`` (default ``benchmark
 ours: the raw losses, its smoothed curves, every method's suggestion and why it refused; the other two:
 the smoothed losses they keep), so that a decision rule can be re-run offline on the saved curves.
 
-Run: ``python benchmarks/lr_hard.py`` (one thread; cold cache: 492 trainings, about 16 CPU-minutes, 25
-minutes of wall time on a busy 2-core machine; warm cache: about 1 minute), ``--quick`` (2 points per
+The report also gives the search's cost per task: its optimizer steps, its seconds and the whole
+``lr_find`` call's seconds (mean over the seeds), and where a sweep still falling at ``max_lr`` was extended.
+
+Run: ``python benchmarks/lr_hard.py`` (one thread; cold cache: about 790 trainings, 24 minutes of wall
+time on a busy 2-core machine; warm cache: about 2 minutes), ``--quick`` (2 points per
 decade, 2 seeds), ``--tasks a,b``, ``--finders ours``, ``--no-cache``. Every training is deterministic
 (same numbers bit for bit on a rerun).
 """
@@ -78,7 +89,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.tuner import Tuner
-from sklearn.datasets import load_digits, make_friedman1, make_regression
+from sklearn.datasets import load_digits, make_classification, make_friedman1, make_regression
 from sklearn.model_selection import train_test_split
 from torch import nn
 
@@ -95,7 +106,7 @@ for _name in ("lightning.pytorch", "lightning.fabric", "lightning_gradguard"):
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE = os.path.join(HERE, ".lr_hard_grid.json")
-FINDERS = ("ours", "lightning", "torch_lr_finder")
+FINDERS = ("ours", "ours_sweep", "lightning", "torch_lr_finder")
 SEEDS = (0, 1, 2)
 PER_DECADE = 4  # grid points per decade (``--quick``: 2)
 
@@ -124,6 +135,8 @@ class Task:
     num_training: int = 100
     what: str = ""
     chance_what: str = ""
+    clip: float | None = None  # gradient clipping by norm (the Trainer's gradient_clip_val)
+    one_cycle: bool = False  # OneCycleLR(max_lr=lr, total_steps=steps), stepped per step
 
 
 def _standardise(xtr: np.ndarray, xva: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -304,9 +317,9 @@ def _lm_data() -> tuple[Data, int]:
 class _Block(nn.Module):
     """A pre-LN causal self-attention block (``scaled_dot_product_attention``) with a GELU MLP."""
 
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, causal: bool = True) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -316,7 +329,7 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.ln2(x))
 
@@ -393,6 +406,156 @@ def deep_tanh() -> Task:
     )
 
 
+# ----- g. gru_lm_sgd_clip: a GRU character LM under plain SGD with gradient clipping at 1
+GRU_CONTEXT = 32
+
+
+class GRULM(nn.Module):
+    """A one-layer GRU over characters: embedding, GRU, linear head."""
+
+    def __init__(self, vocab: int, d: int = 32, hidden: int = 96) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.gru = nn.GRU(d, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(self.embed(x))
+        return self.head(out)
+
+
+def gru_lm_sgd_clip() -> Task:
+    (xtr, ytr, xva, yva), vocab = _lm_data()
+    data = (xtr[:, :GRU_CONTEXT], ytr[:, :GRU_CONTEXT], xva[:, :GRU_CONTEXT], yva[:, :GRU_CONTEXT])
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr)
+
+    return Task(
+        "gru_lm_sgd_clip",
+        data,
+        lambda: GRULM(vocab),
+        opt,
+        _ce,
+        steps=200,
+        batch=16,
+        chance=_prior_chance(data, vocab),
+        grid=(-12, 8),
+        clip=1.0,
+        what=f"char LM ({vocab} chars, context {GRU_CONTEXT}) on the LM's text: GRU 96, plain SGD, "
+        "gradient_clip_val=1, batch 16, 200 steps",
+        chance_what="predict the training character frequencies",
+    )
+
+
+# ----- h. vit_onecycle: a small ViT on digits under AdamW and OneCycleLR(max_lr)
+class TinyViT(nn.Module):
+    """8x8 digits cut into 2x2 patches (16 tokens), a class token, 2 pre-LN blocks d32 h4, a linear head."""
+
+    def __init__(self, d: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.patch = nn.Linear(4, d)
+        self.cls = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos = nn.Parameter(0.02 * torch.randn(17, d))
+        self.blocks = nn.Sequential(*[_Block(d, heads, causal=False) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        patches = x.view(b, 4, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(b, 16, 4)
+        h = torch.cat([self.cls.expand(b, -1, -1), self.patch(patches)], dim=1) + self.pos
+        return self.head(self.norm(self.blocks(h))[:, 0])
+
+
+def vit_onecycle() -> Task:
+    data = _digits()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(p, lr=lr, weight_decay=0.05)
+
+    return Task(
+        "vit_onecycle",
+        data,
+        TinyViT,
+        opt,
+        _ce,
+        steps=300,
+        batch=32,
+        chance=_prior_chance(data, 10),
+        grid=(-16, -2),
+        one_cycle=True,
+        what="digits as 16 patches of 2x2: ViT 2 blocks d32 h4, AdamW wd 0.05, OneCycleLR(max_lr) per step, "
+        "batch 32, 300 steps; a suggestion is the max_lr",
+        chance_what="predict the training class frequencies",
+    )
+
+
+# ----- i. linreg_unscaled_sgd: linear regression on features of very different scales, plain SGD
+def linreg_unscaled_sgd() -> Task:
+    x, y = make_regression(n_samples=1200, n_features=20, n_informative=12, noise=20.0, random_state=1)
+    scales = np.logspace(-1, 1, 20)[np.random.default_rng(1).permutation(20)]  # 0.1 .. 10, shuffled
+    x = x * scales
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=1)
+    ymu, ysd = ytr.mean(), ytr.std()
+    f = np.float32
+    data = (
+        torch.tensor(xtr.astype(f)),
+        torch.tensor(((ytr - ymu) / ysd).astype(f)),
+        torch.tensor(xva.astype(f)),
+        torch.tensor(((yva - ymu) / ysd).astype(f)),
+    )
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr)
+
+    return Task(
+        "linreg_unscaled_sgd",
+        data,
+        lambda: nn.Linear(20, 1),
+        opt,
+        _mse,
+        steps=300,
+        batch=32,
+        chance=_mse_chance(data),
+        grid=(-20, 0),
+        what="make_regression 20 features scaled 0.1..10 (not standardised), nn.Linear, SGD, batch 32, "
+        "300 steps",
+        chance_what="predict the training mean",
+    )
+
+
+# ----- j. mlp_adam_b4_cls: a classification MLP under Adam at batch 4
+def mlp_adam_b4_cls() -> Task:
+    x, y = make_classification(
+        n_samples=1600, n_features=20, n_informative=10, n_classes=4, class_sep=1.0, random_state=3
+    )
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=3, stratify=y)
+    xtr, xva = _standardise(xtr, xva)
+    data = (torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva))
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr)
+
+    return Task(
+        "mlp_adam_b4_cls",
+        data,
+        mlp,
+        opt,
+        _ce,
+        steps=500,
+        batch=4,
+        chance=_prior_chance(data, 4),
+        grid=(-20, 0),
+        what="make_classification 20 features (10 informative), 4 classes, MLP 64-64, Adam, batch 4, "
+        "500 steps",
+        chance_what="predict the training class frequencies",
+    )
+
+
 # ----- f. the easy tasks of benchmarks/lr_finder.py
 def easy_tasks() -> list[Task]:
     from lr_finder import BATCH, tasks  # imported here: only these two tasks need that script
@@ -427,6 +590,10 @@ HARD = {
     "mlp_adam_b4": mlp_adam_b4,
     "lm_warmup_cosine": lm_warmup_cosine,
     "deep_tanh": deep_tanh,
+    "gru_lm_sgd_clip": gru_lm_sgd_clip,
+    "vit_onecycle": vit_onecycle,
+    "linreg_unscaled_sgd": linreg_unscaled_sgd,
+    "mlp_adam_b4_cls": mlp_adam_b4_cls,
 }
 EASY = ("cnn_bn", "logreg")
 TASK_NAMES = (*HARD, *EASY)
@@ -447,6 +614,11 @@ def fingerprint(task: Task) -> str:
     torch.manual_seed(0)
     model = task.make_model()
     sched = task.schedule(task.steps) if task.schedule is not None else None
+    extra = []  # only when set, so the older tasks keep their cached trainings
+    if task.clip is not None:
+        extra.append(f"clip={task.clip}")
+    if task.one_cycle:
+        extra.append("OneCycleLR")
     h.update(
         "|".join(
             [
@@ -456,6 +628,7 @@ def fingerprint(task: Task) -> str:
                 str(task.steps),
                 str(task.batch),
                 torch.__version__,
+                *extra,
             ]
         ).encode()
     )
@@ -477,7 +650,7 @@ def train(task: Task, lr: float, seed: int) -> float:
     torch.manual_seed(seed)
     model = task.make_model()
     opt = task.make_opt(model.parameters(), lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, task.schedule(task.steps)) if task.schedule else None
+    sched = make_scheduler(task, opt)
     data = loader(task, seed)
     model.train()
     step = 0
@@ -488,6 +661,8 @@ def train(task: Task, lr: float, seed: int) -> float:
                 return math.inf
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if task.clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), task.clip)
             opt.step()
             if sched is not None:
                 sched.step()
@@ -499,6 +674,17 @@ def train(task: Task, lr: float, seed: int) -> float:
         _, _, xva, yva = task.data
         val = float(task.loss_fn(model(xva), yva))
     return val if math.isfinite(val) else math.inf
+
+
+def make_scheduler(task: Task, opt: torch.optim.Optimizer) -> Any:
+    """The task's per-step scheduler (``None``: a constant LR): ``LambdaLR`` of ``task.schedule``, or
+    ``OneCycleLR`` peaking at the optimizer's LR."""
+    if task.one_cycle:
+        lr = opt.param_groups[0]["lr"]
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=task.steps)
+    if task.schedule is not None:
+        return torch.optim.lr_scheduler.LambdaLR(opt, task.schedule(task.steps))
+    return None
 
 
 class Module(pl.LightningModule):
@@ -516,9 +702,9 @@ class Module(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = self.task.make_opt(self.parameters(), self.lr)
-        if self.task.schedule is None:
+        sched = make_scheduler(self.task, opt)
+        if sched is None:
             return opt
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.task.schedule(self.task.steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -580,23 +766,37 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def run_ours(task: Task, seed: int) -> dict[str, Any]:
+def _clip(task: Task) -> dict[str, Any]:
+    """The Trainer's clipping setting of a task (none when it does not clip)."""
+    return {} if task.clip is None else {"gradient_clip_val": task.clip}
+
+
+def run_ours(task: Task, seed: int, search: bool = True) -> dict[str, Any]:
+    """``lr_find`` at its defaults (``search=False``: ``search_steps=0``, the range test alone)."""
     torch.manual_seed(seed)
     module = Module(task)
-    extra = {} if task.num_training == 100 else {"num_training": task.num_training}
+    extra: dict[str, Any] = {} if task.num_training == 100 else {"num_training": task.num_training}
+    if not search:
+        extra["search_steps"] = 0
     started = time.perf_counter()
     # a temporary root dir only so that the refusal alerts' JSONL does not land in the working directory
     with tempfile.TemporaryDirectory(prefix="lr-hard-") as root, _quiet():
         result = lr_find(
             module,
             loader(task, seed),
-            trainer_kwargs=dict(accelerator="cpu", default_root_dir=root),
+            trainer_kwargs=dict(accelerator="cpu", default_root_dir=root, **_clip(task)),
             progress=False,
             **extra,
         )
     seconds = time.perf_counter() - started
     assert result is not None
+    search_result = result.search
     return {
+        "sweep_suggestion": result.sweep_suggestion,
+        "search": _jsonable(search_result),
+        "search_seconds": search_result.seconds if search_result is not None else 0.0,
+        "search_steps": search_result.steps if search_result is not None else 0,
+        "extended_to": result.extended_to,
         "suggestion": result.suggestion,
         "reason": result.reason,
         "stop_reason": result.stop_reason,
@@ -626,6 +826,7 @@ def run_lightning(task: Task, seed: int) -> dict[str, Any]:
             enable_progress_bar=False,
             enable_model_summary=False,
             default_root_dir=root,
+            **_clip(task),
         )
         finder = Tuner(trainer).lr_find(
             module, train_dataloaders=loader(task, seed), num_training=task.num_training, update_attr=False
@@ -684,6 +885,7 @@ SKIP_START = {"lightning": 10, "torch_lr_finder": 10}
 
 RUNNERS: dict[str, Callable[[Task, int], dict[str, Any]]] = {
     "ours": run_ours,
+    "ours_sweep": lambda task, seed: run_ours(task, seed, search=False),
     "lightning": run_lightning,
     "torch_lr_finder": run_torch_lr_finder,
 }
@@ -841,6 +1043,28 @@ def _lr(v: float | None) -> str:
     return "none" if v is None else f"{v:.2g}"
 
 
+def search_cost(rows: list[dict[str, Any]]) -> None:
+    """What the search after the sweep cost (mean over the seeds), and what it chose against the sweep."""
+    print("\n## The search after the sweep (ours; mean over the seeds)\n")
+    print(
+        "| task | sweep suggestion | search chose | search steps | search s | lr_find s (with search) "
+        "| extended to |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        sweeps = r["finders"]["ours"]["sweeps"]
+        steps = np.mean([sw.get("search_steps", 0) for sw in sweeps])
+        secs = np.mean([sw.get("search_seconds", 0.0) for sw in sweeps])
+        total = np.mean([sw["seconds"] for sw in sweeps])
+        before = geomean([sw.get("sweep_suggestion") for sw in sweeps])
+        extended = [sw.get("extended_to") for sw in sweeps]
+        ext = ", ".join(_lr(v) for v in extended) if any(v is not None for v in extended) else "-"
+        print(
+            f"| {r['task']} | {_lr(before)} | {_lr(r['finders']['ours']['geomean'])} | {steps:.0f} | "
+            f"{secs:.1f} | {total:.1f} | {ext} |"
+        )
+
+
 def report(rows: list[dict[str, Any]], finders: list[str], real: list[dict[str, Any]], info: str) -> None:
     print(f"# LR finders on hard tasks\n\n{info}\n")
     print("| task | chance | grid best LR | best loss (sd) | " + " | ".join(finders) + " |")
@@ -869,6 +1093,8 @@ def report(rows: list[dict[str, Any]], finders: list[str], real: list[dict[str, 
             f"- {f}: mean ratio {np.mean(ratios):.3f}, worst {max(ratios):.2f}, within 10 % on "
             f"{within}/{len(rows)} tasks, {refusals} refusals (uncapped mean ratio {uncapped:.3f})"
         )
+    if "ours" in finders:
+        search_cost(rows)
     print("\n## Tasks\n")
     for r in rows:
         print(f"- {r['task']}: {r['what']}; chance {r['chance']:.3f} ({r['chance_what']})")

@@ -422,6 +422,7 @@ def lr_range_test(run: RunData, name: str) -> bytes | None:
             ha="center",
             color="#c0392b",
         )
+    _search_marks(ax, run.lr_searches.get(name))
     suffix = name.removeprefix("lr_finder")
     applied = _number(run.hparams.get(f"lr_finder/applied_lr{suffix}"))
     if applied is not None:
@@ -432,6 +433,36 @@ def lr_range_test(run: RunData, name: str) -> bytes | None:
     ax.set_title(f"LR range test ({_label(name)})")
     ax.legend(fontsize=8, loc="upper left")
     return _png(fig)
+
+
+def _search_marks(ax: Any, search: dict[str, list[float]] | None) -> None:
+    """The search after the range test: each candidate's loss against its LR on a right-hand axis
+    (triangles; the last round filled), the one chosen as a star."""
+    if not search or not search.get("lr") or not search.get("loss"):
+        return
+    lrs, losses = search["lr"], search["loss"]
+    rounds = search.get("round") or [0.0] * len(lrs)
+    chosen = search.get("chosen") or [0.0] * len(lrs)
+    points = [
+        (lr, v, r, c) for lr, v, r, c in zip(lrs, losses, rounds, chosen, strict=False) if math.isfinite(v)
+    ]
+    if not points:
+        return
+    right = ax.twinx()
+    last = max(p[2] for p in points)
+    for lr, loss, round_, was_chosen in points:
+        face = "#7b3294" if round_ == last else "none"
+        right.plot(
+            [lr],
+            [loss],
+            marker="*" if was_chosen else "^",
+            ms=11 if was_chosen else 6,
+            color="#7b3294",
+            mfc=face,
+            ls="none",
+        )
+    right.set_ylabel("loss reached by the search's trainings", color="#7b3294", fontsize=8)
+    right.tick_params(axis="y", labelsize=7, colors="#7b3294")
 
 
 @plain_text

@@ -274,6 +274,11 @@ def _figures(run: RunData) -> list[str]:
     for name in list(run.lr_curves)[:_RANGE_TESTS]:  # one per milestone epoch: a few
         image = figures.lr_range_test(run, name)
         caption = "Dotted: every suggestion; green: the LR the run trained with."
+        if name in run.lr_searches:
+            caption += (
+                " Purple (right axis): the loss each candidate of the search reached, filled in its last "
+                "round; the star: the one chosen."
+            )
         parts.append(f"<h2>LR range test</h2>{_img(image, name, caption)}")
     return parts
 

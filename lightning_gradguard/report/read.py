@@ -60,6 +60,9 @@ class RunData:
         nan_reports: the ``report.json`` of every NaN report folder, by step.
         spikes: the entries of ``spikes.json``.
         lr_curves: ``lr_finder*.csv`` name -> columns (``lr``, ``loss``, ``smoothed_loss``, ``curve``).
+        lr_searches: the search after a range test, ``lr_search*.csv``, under its range test's name
+            (``lr_search_epoch2.csv`` under ``lr_finder_epoch2``) -> columns (``round``, ``lr``, ``steps``,
+            ``loss``, ``train_loss``, ``chosen``); absent in runs from before the search.
         hparams: ``hparams.yaml`` as flat ``key: value`` strings.
         log_every_n_steps: the Trainer's ``log_every_n_steps`` where the run recorded it (LightningCLI's
             ``config.yaml``, or a ``log_every_n_steps`` hyperparameter), else ``None``.
@@ -73,6 +76,7 @@ class RunData:
     nan_reports: list[dict[str, Any]] = field(default_factory=list)
     spikes: list[dict[str, Any]] = field(default_factory=list)
     lr_curves: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    lr_searches: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     hparams: dict[str, str] = field(default_factory=dict)
     log_every_n_steps: int | None = None
     skipped: list[Skipped] = field(default_factory=list)
@@ -404,6 +408,10 @@ def read_run(run: str, loss_tag: str | None = None) -> RunData:
             curve = _lr_csv(damage, path)
             if curve is not None:
                 data.lr_curves[os.path.splitext(name)[0]] = curve
+        if name.startswith("lr_search") and name.endswith(".csv") and _damage.readable(damage, path):
+            search = _lr_csv(damage, path)
+            if search is not None:
+                data.lr_searches["lr_finder" + os.path.splitext(name)[0].removeprefix("lr_search")] = search
     data.hparams = _hparams(damage, os.path.join(run, "hparams.yaml"))
     data.log_every_n_steps = _recorded_log_every_n_steps(damage, run, data.hparams)
     return data

@@ -50,7 +50,15 @@ def main(out: Path) -> None:
     y = torch.tensor(digits.target[:256], dtype=torch.long)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
     model = Model()
-    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False, milestones=[0, 1])
+    finder = LRFinderPlus(
+        min_lr=1e-4,
+        max_lr=10.0,
+        num_training=40,
+        plot=False,
+        milestones=[0, 1],
+        search_steps=45,
+        search_candidates=3,
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -72,6 +80,8 @@ def main(out: Path) -> None:
                 "lrs": result.lrs,
                 "losses": result.losses,
                 "suggestions": result.suggestions,
+                "sweep_suggestion": result.sweep_suggestion,
+                "search": [[t.lr, t.steps, t.loss] for t in result.search.trials] if result.search else None,
                 "stop_reason": result.stop_reason,
                 "applied_lr": trainer.optimizers[0].param_groups[0]["lr"],
                 "first_applied": result.suggestion if result.applied else None,

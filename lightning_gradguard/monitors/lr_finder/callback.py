@@ -37,6 +37,21 @@ from lightning_gradguard.monitors.lr_finder.rules import range_test_failed
 from lightning_gradguard.monitors.lr_finder.tags import CHARTS
 from lightning_gradguard.tags import charts_of
 
+#: the search's default budget in optimizer steps (see docs/lr_finder.md for what it costs)
+DEFAULT_SEARCH_STEPS = 300
+
+
+def _check_search_steps(value: Any) -> int | float:
+    """``search_steps``: an int of at least 0 (steps), or a float in (0, 1] (a share of the first epoch)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"`search_steps` must be an int (optimizer steps) or a float (a share of the first epoch), "
+            f"got {type(value).__name__}"
+        )
+    if isinstance(value, int):
+        return check_int("search_steps", value, 0)
+    return check_float("search_steps", value, 0.0, 1.0, low_open=True)
+
 
 class LRFinderPlus(GradGuardCallback):
     r"""Learning-rate range test at fit start (and at milestone epochs) that applies its suggestion.
@@ -87,6 +102,17 @@ class LRFinderPlus(GradGuardCallback):
     ``lightning_gradguard`` logger.
     Under ``fast_dev_run`` the test is skipped, like Lightning's tuner.
 
+    The range test brackets, short trainings decide (``search_steps > 0``, the default): after the sweep,
+    ``search_candidates`` LRs log-spaced from the curve's steep point to the last LR before its diverging
+    tail each train the same few optimizer steps from the restored start, with the run's optimizer,
+    clipping, precision, accumulation and LR schedule (compressed to the trial); they are scored by the
+    loss on held-out batches (the validation loader's when the run has one, else training batches the
+    trials skip); the best two and one refinement point train twice as long, and the lowest loss is the
+    suggestion (``result.search``; the curve's own in ``result.sweep_suggestion``). A sweep still falling
+    at ``max_lr`` is first extended, up to two decades. Everything is restored exactly afterwards, as
+    after the sweep. Candidates and their losses go to TensorBoard (``lr_finder/search_*``),
+    ``lr_search.csv`` and the summary line.
+
     Args:
         min_lr: first learning rate of the sweep.
         max_lr: last learning rate of the sweep.
@@ -106,6 +132,10 @@ class LRFinderPlus(GradGuardCallback):
         max_sweeps: the most sweeps averaged when one sweep's descent is lost in its noise (each repeat runs
             from the same state at the same LRs on the next batches; looks after 1, 2, 4, 8, ... sweeps);
             ``None``: as many as make 400 points, at least 4 and at most 16; ``1``: never repeat.
+        search_steps: the budget of the search after the sweep: an int, optimizer steps in all; a float in
+            (0, 1], that share of the first epoch's optimizer steps; ``0``: the range test alone, as
+            before the search existed (a sweep still falling at ``max_lr`` is then said, not extended).
+        search_candidates: candidate LRs of the search's first round, log-spaced across the bracket.
 
     Example::
 
@@ -136,6 +166,8 @@ class LRFinderPlus(GradGuardCallback):
         progress: bool = True,
         min_points: int | None = None,
         max_sweeps: int | None = None,
+        search_steps: int | float = DEFAULT_SEARCH_STEPS,
+        search_candidates: int = 5,
     ) -> None:
         # every finding is a warning, and a failed test already leaves the LR alone: nothing to act on
         super().__init__(action="warn", cooldown_steps=0)
@@ -158,6 +190,8 @@ class LRFinderPlus(GradGuardCallback):
         self.plot = check_bool("plot", plot)
         self.progress = check_bool("progress", progress)
         self.max_sweeps: int | None = check_int("max_sweeps", max_sweeps, 1, allow_none=True)
+        self.search_steps: int | float = _check_search_steps(search_steps)
+        self.search_candidates: int = check_int("search_candidates", search_candidates, 3, maximum=9)
         self.min_points: int = min_points if min_points is not None else max(5, self.num_training // 10)
         self.results: list[LRFinderResult] = []
         self._done_epochs: set[int] = set()
@@ -218,6 +252,9 @@ class LRFinderPlus(GradGuardCallback):
             progress=self.progress,
             max_sweeps=self.max_sweeps,
             standalone_bar=self._standalone_bar,
+            search_steps=self.search_steps,
+            search_candidates=self.search_candidates,
+            run_length_known=not self._stop_after,
         )
         if not pl_module.automatic_optimization:  # a setup, not a failure: one INFO line for every check
             manual_optimization_note(trainer)

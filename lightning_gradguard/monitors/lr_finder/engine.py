@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +47,18 @@ from lightning_gradguard.functional.lr_suggest import (
     sweep_lrs,
 )
 from lightning_gradguard.monitors.lr_finder.divergence import DivergenceMonitor
-from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
-from lightning_gradguard.monitors.lr_finder.schedule import Schedule, read_schedule
+from lightning_gradguard.monitors.lr_finder.result import LRFinderResult, SearchResult
+from lightning_gradguard.monitors.lr_finder.schedule import Schedule, read_schedule, schedule_factors
+from lightning_gradguard.monitors.lr_finder.search import (
+    MIN_TRIAL_STEPS,
+    SECOND_ROUND,
+    CandidateSearch,
+    bracket,
+    eval_batch_count,
+    log_spaced,
+    take,
+    trial_steps,
+)
 
 #: another sweep is averaged in when the descent, with the noise of ``max_sweeps`` averaged sweeps, would
 #: reach this share of the required multiple (a faint real descent; a curve that never fell stays one sweep)
@@ -59,6 +69,12 @@ REPEAT_POINTS = 400
 
 #: ... and never more sweeps than this
 MAX_AUTO_SWEEPS = 16
+
+#: a sweep whose loss still falls at ``max_lr`` goes on, at the same pace, up to this many decades further
+EXTEND_DECADES = 2.0
+
+#: the extension's points per decade in a linear sweep (an exponential one keeps its own spacing)
+EXTEND_PER_DECADE = 20
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,7 @@ class SweepResult:
     stop_reason: str
     skipped: int
     plan: SweepPlan
+    extended_to: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +124,9 @@ class RangeTest:
     progress: bool
     max_sweeps: int | None = None
     standalone_bar: bool = False  # lr_find's throwaway Trainer: its bars are off by lr_find's choice
+    search_steps: int | float = 0  # 0: no search (and no extension of a sweep still falling at max_lr)
+    search_candidates: int = 5
+    run_length_known: bool = True  # False in lr_find: its Trainer's length is not the run's
 
     def run(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, epoch: int, apply: bool
@@ -119,6 +139,9 @@ class RangeTest:
         try:
             schedule = read_schedule(trainer, optimizer, base[0])  # steps the schedulers: restored below
             result = self.sweeps(trainer, pl_module, optimizer, base, snapshot, epoch, schedule)
+            result.sweep_suggestion = result.suggestion
+            if self.search_steps:
+                self.search(trainer, pl_module, optimizer, base, snapshot, result, schedule)
         finally:
             snapshot.restore()
         result.seconds = time.perf_counter() - started
@@ -193,6 +216,7 @@ class RangeTest:
         ``lrs``: a repeat at these learning rates, to their end (no stop rule but a non-finite loss).
         """
         planned = sweep_lrs(self.min_lr, self.max_lr, plan.steps, self.mode) if lrs is None else lrs
+        extension = self.extension(planned) if lrs is None and self.search_steps else []
         threshold = self.divergence_threshold if lrs is None else None
         sweep = _Sweep(
             trainer=trainer,
@@ -207,9 +231,10 @@ class RangeTest:
         # the sweep's losses are not the run's metrics (also what the batch hooks would log)
         with quiet_logging(pl_module):
             try:
-                stop_reason = sweep.through(planned)
+                stop_reason = sweep.through(planned, extension)
             finally:
                 sweep.close()
+        extended = bool(sweep.lrs) and bool(planned) and sweep.lrs[-1] > planned[-1]
         return SweepResult(
             lrs=sweep.lrs,
             losses=sweep.losses,
@@ -217,7 +242,19 @@ class RangeTest:
             stop_reason=stop_reason,
             skipped=sweep.skipped,
             plan=plan,
+            extended_to=sweep.lrs[-1] if extended else None,
         )
+
+    def extension(self, planned: list[float]) -> list[float]:
+        """The LRs past ``max_lr`` a sweep still falling there goes on to: :data:`EXTEND_DECADES` more, at
+        the sweep's own pace when it is exponential (else :data:`EXTEND_PER_DECADE` a decade)."""
+        if len(planned) < 2 or planned[-1] <= 0:
+            return []
+        step = math.log(10) / EXTEND_PER_DECADE
+        if self.mode == "exponential" and planned[0] > 0:
+            step = math.log(planned[-1] / planned[0]) / (len(planned) - 1)
+        count = math.ceil(EXTEND_DECADES * math.log(10) / step) if step > 0 else 0
+        return [planned[-1] * math.exp(step * i) for i in range(1, count + 1)]
 
     def shows_bar(self, trainer: pl.Trainer) -> bool:
         """Whether this rank shows the sweep's tqdm bar: the Trainer decides, ``progress=False`` vetoes.
@@ -316,7 +353,116 @@ class RangeTest:
             descent=reading.descent if lrs else None,
             skipped_steps=sweep.skipped,
             limited_to=sweep.plan.steps if sweep.plan.limit else None,
+            extended_to=sweep.extended_to,
+            still_falling=sweep.stop_reason == "completed" and still_falling(reading.curve),
         )
+
+    def search(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Any,
+        base: list[float],
+        snapshot: TrainingSnapshot,
+        result: LRFinderResult,
+        schedule: Schedule | None,
+    ) -> None:
+        """Train candidates inside the sweep's bracket (:mod:`.search`) and make the best the suggestion.
+
+        Nothing to search without a suggestion (a refusal stays one). The budget is ``search_steps``
+        optimizer steps (a float: that share of the first epoch's); too small a budget for
+        ``MIN_TRIAL_STEPS``-step trials is said in ``result.search.reason``. The caller restores
+        everything afterwards."""
+        span = bracket(result, schedule)
+        if span is None:
+            return
+        budget = self.search_budget(trainer)
+        steps = trial_steps(budget or 0, self.search_candidates)
+        if steps < MIN_TRIAL_STEPS:
+            need = MIN_TRIAL_STEPS * (self.search_candidates + 2 * SECOND_ROUND)
+            reason = f"a search budget of {budget} steps is too small ({need} at least)"
+            if budget is None:
+                reason = (
+                    f"search_steps={self.search_steps} is a share of the first epoch, whose length is "
+                    "unknown (an iterable dataset without a length): give search_steps as an int"
+                )
+            result.search = SearchResult(reason=reason)
+            return
+        snapshot.restore()
+        factors = schedule_factors(trainer, optimizer, base[0], self.horizon(trainer, schedule))
+        search = self.candidate_search(trainer, pl_module, optimizer, base, snapshot, factors, steps)
+        grid = log_spaced(*span, self.search_candidates)
+        total = len(grid) * steps + SECOND_ROUND * 2 * steps
+        bar = _progress_bar(trainer, total, "search") if self.shows_bar(trainer) else None
+        if bar is not None:
+            search.on_step = lambda: bar.update(1)
+        try:
+            result.search = search.run(grid, steps, prior=result.suggestion)
+        finally:
+            if bar is not None:
+                bar.close()
+        if result.search.chosen is not None:
+            result.suggestion = result.search.chosen
+
+    def candidate_search(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Any,
+        base: list[float],
+        snapshot: TrainingSnapshot,
+        factors: list[float],
+        steps: int,
+    ) -> CandidateSearch:
+        """The search's trainer of candidates: its training passes, and the batches it scores on (the
+        validation loader's first ones when the run has one, else the first ones of a training pass,
+        which the trials then skip)."""
+        per_pass = self.plan(trainer).per_pass
+
+        def training() -> Iterator[tuple[Any, int]]:
+            return _batches(trainer.train_dataloader, per_pass)
+
+        first = take(training(), 1)
+        count = eval_batch_count(first[0][0] if first else None, steps)
+        held_out, skip, where = take(_validation_batches(trainer), count), 0, "validation batches"
+        if not held_out:  # the first batches of a pass from the snapshot's state: each trial skips them
+            snapshot.restore()
+            held_out, skip, where = take(training(), count), count, "held-out training batches"
+        return CandidateSearch(
+            trainer=trainer,
+            pl_module=pl_module,
+            optimizer=optimizer,
+            snapshot=snapshot,
+            ratios=[b / base[0] for b in base] if base[0] > 0 else [1.0] * len(base),
+            factors=factors,
+            training=training,
+            held_out=held_out,
+            skip=skip,
+            evaluated_on=where,
+        )
+
+    def search_budget(self, trainer: pl.Trainer) -> int | None:
+        """``search_steps`` as optimizer steps: an int as it is, a float as that share of the first epoch's
+        optimizer steps (``trainer.num_training_batches`` over the accumulation; ``None``: unknown)."""
+        if isinstance(self.search_steps, int):
+            return self.search_steps
+        per_epoch = trainer.num_training_batches / max(1, int(trainer.accumulate_grad_batches))
+        if not math.isfinite(per_epoch):
+            return None
+        return int(self.search_steps * per_epoch)
+
+    def horizon(self, trainer: pl.Trainer, schedule: Schedule | None) -> int | None:
+        """The scheduler steps the run has left, when this Trainer's length is the run's (not in lr_find):
+        its optimizer steps (or epochs, for a per-epoch schedule) less those already taken."""
+        if not self.run_length_known or schedule is None:
+            return None
+        total: float | None = trainer.max_epochs
+        done = trainer.current_epoch
+        if schedule.interval == "step":
+            total, done = trainer.estimated_stepping_batches, trainer.global_step
+        if total is None or not math.isfinite(total) or total - done <= 0:
+            return None
+        return int(total - done)
 
     def rule(self, schedule: Schedule | None) -> str:
         """The suggestion method that decides: ``method``, or for ``"auto"`` the one the schedule asks for."""
@@ -379,8 +525,19 @@ def _average(runs: list[SweepResult], beta: float) -> tuple[SweepResult, list[li
         stop_reason=first.stop_reason,
         skipped=sum(r.skipped for r in runs),
         plan=first.plan,
+        extended_to=first.extended_to,
     )
     return mean, each
+
+
+def still_falling(curve: Sequence[float]) -> bool:
+    """Whether a smoothed loss curve is still falling at its end: its lowest point lies in its last tenth
+    (at least its last 3 points) and below its first."""
+    finite = [v if math.isfinite(v) else math.inf for v in curve]
+    if len(finite) < 5:
+        return False
+    low = min(range(len(finite)), key=finite.__getitem__)
+    return low >= len(finite) - max(3, len(finite) // 10) and finite[low] < finite[0]
 
 
 class _SweepStopped(Exception):
@@ -407,12 +564,19 @@ class _Sweep:
     losses: list[float] = field(default_factory=list)
     skipped: int = 0
 
-    def through(self, schedule: list[float]) -> str:
-        """A step per LR of ``schedule`` until the schedule ends or the sweep stops; returns why it ended."""
+    def through(self, schedule: Sequence[float], extension: Sequence[float] = ()) -> str:
+        """A step per LR of ``schedule`` until the schedule ends or the sweep stops, then of ``extension``
+        while the loss is still falling at the schedule's end; returns why it ended."""
         try:
             for lr in schedule:
                 if self.step(lr):
                     return self.monitor.reason
+            if extension and still_falling(self.monitor.smoothed):
+                if self.bar is not None:
+                    self.bar.total += len(extension)
+                for lr in extension:
+                    if self.step(lr):
+                        return self.monitor.reason
         except _SweepStopped as stopped:
             return stopped.reason
         return "completed"
@@ -597,7 +761,24 @@ def _tqdm_bar_of(trainer: pl.Trainer) -> TQDMProgressBar | None:
     return None
 
 
-def _progress_bar(trainer: pl.Trainer, total: int) -> Tqdm:
+def _validation_batches(trainer: pl.Trainer) -> Iterator[tuple[Any, int]]:
+    """The batches of the run's first validation dataloader, when the Trainer has one set up (after the
+    sanity check, as at fit start by default); none otherwise."""
+    if not trainer.limit_val_batches:
+        return
+    loaders = trainer.val_dataloaders
+    if isinstance(loaders, CombinedLoader):
+        loaders = loaders.flattened
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        loaders = loaders[0] if loaders else None
+    if loaders is None:
+        return
+    yield from ((batch, i) for i, batch in enumerate(loaders))
+
+
+def _progress_bar(trainer: pl.Trainer, total: int, what: str = "") -> Tqdm:
     """The sweep's own bar: placed like Lightning's validation bar, under the training bar when there is one.
 
     ``leave=False``: it disappears when the sweep ends and leaves Lightning's bars as they were. It writes
@@ -607,7 +788,7 @@ def _progress_bar(trainer: pl.Trainer, total: int) -> Tqdm:
     position = 0 if main is None else 2 * main.process_position + 1
     return Tqdm(
         total=total,
-        desc=f"LRFinderPlus [epoch {trainer.current_epoch}]",
+        desc=f"LRFinderPlus{' ' + what if what else ''} [epoch {trainer.current_epoch}]",
         position=position,
         leave=False,
         dynamic_ncols=True,

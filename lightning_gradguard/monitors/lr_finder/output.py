@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import math
 import os
 from typing import Any
 
@@ -33,6 +34,7 @@ def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log
     suffix = "" if result.epoch == 0 else f"_epoch{result.epoch}"
     if log_curve:
         _log_curve(trainer, result, suffix)
+        _log_search(trainer, result, suffix)
     if result.suggestion is not None and trainer.loggers:
         _emit.log_scalars(trainer, {LR_FINDER.tag("suggested_lr"): result.suggestion}, log_step(trainer))
     if result.applied_lr is not None:
@@ -44,6 +46,7 @@ def write_result(trainer: pl.Trainer, result: LRFinderResult, *, plot: bool, log
         return
     folder = _emit.log_dir(trainer)
     _write_csv(trainer, folder, result, suffix)
+    _write_search_csv(trainer, folder, result, suffix)
     if plot and result.lrs:
         _write_figure(trainer, folder, result, suffix)
 
@@ -62,6 +65,36 @@ def _log_curve(trainer: pl.Trainer, result: LRFinderResult, suffix: str) -> None
         )
 
 
+def _log_search(trainer: pl.Trainer, result: LRFinderResult, suffix: str) -> None:
+    """Every candidate of the search: its LR, the loss it reached and its round, against the trial's
+    index (``inf``, a candidate that diverged, is not logged as its loss)."""
+    if result.search is None:
+        return
+    for i, trial in enumerate(result.search.trials):
+        values = {
+            LR_FINDER.tag(f"search_lr{suffix}"): trial.lr,
+            LR_FINDER.tag(f"search_round{suffix}"): float(trial.round),
+        }
+        if math.isfinite(trial.loss):
+            values[LR_FINDER.tag(f"search_loss{suffix}")] = trial.loss
+        _emit.log_scalars(trainer, values, i)
+
+
+def search_in_words(result: LRFinderResult) -> str:
+    """What the search did, for the summary line (empty without one)."""
+    search = result.search
+    if search is None:
+        return ""
+    if not search.trials:
+        return f"; no search: {search.reason}"
+    tried = ", ".join(f"{t.lr:.2e}: {t.loss:.4g}" for t in search.trials)
+    chose = f"chose {search.chosen:.3e}" if search.chosen is not None else f"chose none ({search.reason})"
+    return (
+        f"; search in [{search.bracket[0]:.2e}, {search.bracket[1]:.2e}] by the loss on "
+        f"{search.evaluated_on} ({tried}) {chose}, {search.steps} steps, {search.seconds:.1f}s"
+    )
+
+
 def _log_summary(result: LRFinderResult) -> None:
     """The one INFO line on the ``lightning_gradguard`` logger."""
     chosen = f"{result.suggestion:.3e}" if result.suggestion is not None else "none"
@@ -69,16 +102,30 @@ def _log_summary(result: LRFinderResult) -> None:
         chosen += " applied"
     others = ", ".join(f"{k} {v:.2e}" for k, v in result.suggestions.items() if v is not None)
     log.info(
-        "LRFinderPlus [epoch %d]: suggestion (%s) %s; all: %s; %d points%s, stopped: %s; %.1fs",
+        "LRFinderPlus [epoch %d]: suggestion (%s) %s; all: %s; %d points%s, stopped: %s%s%s; %.1fs",
         result.epoch,
-        rule_in_words(result),
+        "search" if result.search is not None and result.search.chosen is not None else rule_in_words(result),
         chosen,
         others or "none",
         len(result.lrs),
         f" (mean of {result.sweeps} sweeps)" if result.sweeps > 1 else "",
         result.stop_reason,
+        _end_in_words(result),
+        search_in_words(result),
         result.seconds,
     )
+
+
+def _end_in_words(result: LRFinderResult) -> str:
+    """The sweep's end when it went past ``max_lr``, or when its loss was still falling there."""
+    if result.extended_to is not None:
+        return f" (extended to lr {result.extended_to:.2e}: the loss was still falling at max_lr)"
+    if result.still_falling and result.lrs:
+        return (
+            f" (the loss was still falling at lr {result.lrs[-1]:.2e}, the sweep's end: raise max_lr to see "
+            "where it turns up)"
+        )
+    return ""
 
 
 def rule_in_words(result: LRFinderResult) -> str:
@@ -100,6 +147,23 @@ def _write_csv(trainer: pl.Trainer, folder: str, result: LRFinderResult, suffix:
     for i, row in enumerate(zip(result.lrs, result.losses, result.smoothed, result.curve, strict=True)):
         writer.writerow([i, *row])
     path = os.path.join(folder, f"lr_finder{suffix}.csv")
+    _emit.write_file(trainer, path, lambda: write_atomically(path, buf.getvalue()))
+
+
+def _write_search_csv(trainer: pl.Trainer, folder: str, result: LRFinderResult, suffix: str) -> None:
+    """``lr_search<suffix>.csv`` in ``folder``: one row per candidate's training (round, lr, steps, the loss
+    it reached, its last quarter's training loss, whether it was chosen), written atomically."""
+    search = result.search
+    if search is None or not search.trials:
+        return
+    buf = io.StringIO(newline="")
+    writer = csv.writer(buf)
+    writer.writerow(["round", "lr", "steps", "loss", "train_loss", "chosen"])
+    last = max(t.round for t in search.trials)
+    for t in search.trials:
+        chosen = int(t.round == last and search.chosen is not None and t.lr == search.chosen)
+        writer.writerow([t.round, t.lr, t.steps, t.loss, t.train_loss, chosen])
+    path = os.path.join(folder, f"lr_search{suffix}.csv")
     _emit.write_file(trainer, path, lambda: write_atomically(path, buf.getvalue()))
 
 

@@ -3,11 +3,63 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_gradguard.functional.lr_suggest import DescentCheck
 from lightning_gradguard.monitors.lr_finder.schedule import Schedule
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trial:
+    """One candidate's short training in the search after the sweep.
+
+    Attributes:
+        lr: the candidate: the LR group 0 is configured with (under a schedule, the LR it scales).
+        round: the search round (0: every candidate; 1: the best two and one more point).
+        steps: optimizer steps it took (fewer than planned when its loss became non-finite).
+        loss: the loss it reached: the mean over the evaluation batches after its last step (``inf``:
+            its training loss became non-finite).
+        train_loss: the mean training loss of its last quarter of steps (``inf`` as ``loss``).
+        batch_losses: the loss on each evaluation batch (empty when it diverged): the candidates of a
+            round are compared batch by batch.
+    """
+
+    lr: float
+    round: int
+    steps: int
+    loss: float
+    train_loss: float
+    batch_losses: tuple[float, ...] = ()
+
+
+@dataclass(kw_only=True)
+class SearchResult:
+    """The search inside the sweep's bracket: candidates trained a short, equal number of steps each.
+
+    Attributes:
+        trials: every candidate's training, round by round.
+        chosen: of the last round's candidates whose loss is within one standard error of its lowest (their
+            batch-by-batch difference to it), the one nearest the sweep's suggestion (``None``: see
+            ``reason``).
+        bracket: the lowest and highest candidate of the first round.
+        evaluated_on: ``"validation batches"`` or ``"held-out training batches"``.
+        steps: optimizer steps the search took in all.
+        seconds: its wall time.
+        reason: why it chose nothing (empty when it chose): every candidate diverged, or none got its
+            loss clearly below the loss before training (two standard errors of the batch-by-batch
+            difference) in its steps; the sweep's suggestion then stands.
+        start_loss: the loss on the evaluation batches before any training.
+    """
+
+    trials: list[Trial] = field(default_factory=list)
+    chosen: float | None = None
+    bracket: tuple[float, float] = (math.nan, math.nan)
+    evaluated_on: str = ""
+    steps: int = 0
+    seconds: float = 0.0
+    reason: str = ""
+    start_loss: float = math.nan
 
 
 @dataclass
@@ -45,6 +97,11 @@ class LRFinderResult:
         applied_lr: the learning rate group 0 is configured with after applying, read back from the
             optimizer (the LR a scheduler scales from, e.g. OneCycleLR's peak): the suggestion. ``None``
             when nothing was applied. It is also written to the loggers' hyperparameters.
+        sweep_suggestion: the suggestion the curve alone gave (``suggestion`` before the search).
+        search: the search after the sweep (``None``: ``search_steps=0``, or no bracket to search).
+        extended_to: the LR the sweep was extended to past ``max_lr`` because its loss was still falling
+            there (``None``: not extended).
+        still_falling: the loss was still falling at the sweep's last LR (it never turned up).
     """
 
     lrs: list[float]
@@ -67,6 +124,10 @@ class LRFinderResult:
     seconds: float = 0.0
     applied: bool = False
     applied_lr: float | None = None
+    sweep_suggestion: float | None = None
+    search: SearchResult | None = None
+    extended_to: float | None = None
+    still_falling: bool = False
 
     def plot(self, ax: Any = None) -> Any:
         """Draw the raw and smoothed curves against log-LR, every suggestion marked; returns the figure."""
@@ -83,10 +144,13 @@ class LRFinderResult:
         for name, lr in self.suggestions.items():
             if lr is None:
                 continue
-            chosen = " (chosen)" if name == self.rule else ""
+            searched = self.search is not None and self.search.chosen is not None
+            chosen = " (chosen)" if name == self.rule and not searched else ""
             style = "-" if chosen else "--"
             label = "minimum/10" if name == "minimum" else name  # the rule is the lowest loss's LR / 10
             ax.axvline(lr, color=colors.get(name, "k"), ls=style, lw=1.5, label=f"{label} {lr:.2e}{chosen}")
+        if self.search is not None:
+            self._plot_search(ax)
         ax.set_xscale("log")
         ax.set_xlabel("learning rate")
         ax.set_ylabel("training loss")
@@ -98,3 +162,16 @@ class LRFinderResult:
             ax.set_ylim(lo - pad, max(finite[0], hi) + pad)
         ax.legend(fontsize=8)
         return fig
+
+    def _plot_search(self, ax: Any) -> None:
+        """The search's candidates as triangles on the top edge, the one it chose as a black line."""
+        search = self.search
+        if search is None:
+            return
+        tried = sorted({t.lr for t in search.trials})
+        if tried:
+            ax.plot(
+                tried, [1.0] * len(tried), "kv", ms=5, transform=ax.get_xaxis_transform(), label="searched"
+            )
+        if search.chosen is not None:
+            ax.axvline(search.chosen, color="k", lw=2, label=f"search {search.chosen:.2e} (chosen)")

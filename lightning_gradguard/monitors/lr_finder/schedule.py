@@ -102,3 +102,54 @@ def _shape(factors: list[float], interval: str) -> Schedule | None:
         interval=interval,
         decays=min(factors[at:]) < 0.9 * top,
     )
+
+
+def schedule_factors(
+    trainer: pl.Trainer, optimizer: Any, configured: float, horizon: int | None
+) -> list[float]:
+    """Group 0's LR factor (relative to ``configured``) at every scheduler step of the run's schedule.
+
+    ``[1.0]`` without a schedule (or with ``ReduceLROnPlateau``, which needs a metric). ``horizon``: the
+    run's length in scheduler steps when known (a fit inside its Trainer), read that far or to the
+    schedule's end (``OneCycleLR`` refuses to step past it). Unknown (``lr_find``'s throwaway Trainer), the
+    schedule is read until it has not changed for as long as it took to get there (at least
+    :data:`FLAT_STEPS`): a schedule that ends at zero ends there; one that stays at a level (a warm-up to a
+    constant LR) keeps that level for nine times its changing part (a warm-up a tenth of the run). The
+    schedulers are left stepped: the caller restores them.
+    """
+    configs = [
+        c for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is optimizer
+    ]
+    if not configs or configured <= 0 or any(c.reduce_on_plateau for c in configs):
+        return [1.0]
+    limit = min(horizon, MAX_SCHEDULE_STEPS) if horizon else MAX_SCHEDULE_STEPS
+    factors = [float(optimizer.param_groups[0]["lr"]) / configured]
+    changed = 0  # the last step whose factor differs from the one before
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
+        while len(factors) < limit:
+            try:
+                for c in configs:
+                    c.scheduler.step()  # type: ignore[call-arg]  # ReduceLROnPlateau is left out above
+            except Exception:  # stepped past its end (OneCycleLR): what was read
+                break
+            factors.append(float(optimizer.param_groups[0]["lr"]) / configured)
+            if factors[-1] != factors[-2]:
+                changed = len(factors) - 1
+            if not horizon and len(factors) - 1 - changed >= max(FLAT_STEPS, changed):
+                keep = changed + 1 if factors[-1] == 0 else 10 * (changed + 1)
+                factors = (factors + [factors[-1]] * keep)[:keep]
+                break
+    if not all(math.isfinite(f) and f >= 0 for f in factors) or max(factors) <= 0:
+        return [1.0]
+    return factors
+
+
+def compressed(factors: list[float], steps: int) -> list[float]:
+    """The schedule ``factors`` squeezed (or stretched) to ``steps`` steps: the factor at the same share of
+    the schedule as each step's share of the trial, first to last, so a trial warms up, peaks and anneals
+    as the run does."""
+    if steps <= 1:
+        return factors[:steps]
+    last = len(factors) - 1
+    return [factors[round(i * last / (steps - 1))] for i in range(steps)]

@@ -23,4 +23,14 @@ CHARTS: tuple[Chart, ...] = (
         (LR_FINDER.tag("lr.*"),),
         "LRFinderPlus",
     ),
+    Chart(
+        "LR finder: the search, loss each candidate reached (x: the candidate's index)",
+        (LR_FINDER.tag("search_loss.*"),),
+        "LRFinderPlus",
+    ),
+    Chart(
+        "LR finder: the search, each candidate's LR and round (use the log y axis)",
+        (LR_FINDER.tag("search_lr.*"), LR_FINDER.tag("search_round.*")),
+        "LRFinderPlus",
+    ),
 )

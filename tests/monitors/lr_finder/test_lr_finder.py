@@ -275,6 +275,7 @@ def _finder(**kw: Any) -> LRFinderPlus:
     kw.setdefault("max_lr", 10.0)
     kw.setdefault("num_training", 40)
     kw.setdefault("progress", False)
+    kw.setdefault("search_steps", 0)  # the range test alone (the search: test_lr_search.py)
     kw.setdefault("plot", False)
     return LRFinderPlus(**kw)
 
@@ -954,7 +955,13 @@ def test_the_sweep_bar_follows_a_tqdm_bar_subclass_and_lr_finds_own_choice(
     # lr_find turns its throwaway Trainer's bars off itself: the sweep's bar stays, unless the user says
     for trainer_kwargs, drawn in (({}, [0]), ({"enable_progress_bar": False}, [])):
         spy.bars.clear()
-        lr_find(Plain(), _loader(), num_training=10, trainer_kwargs={"accelerator": "cpu", **trainer_kwargs})
+        lr_find(
+            Plain(),
+            _loader(),
+            num_training=10,
+            search_steps=0,  # the search's own bar: the same place, after the sweep's
+            trainer_kwargs={"accelerator": "cpu", **trainer_kwargs},
+        )
         assert [b["position"] for b in spy.bars] == drawn
 
 
@@ -997,7 +1004,14 @@ def test_lr_find_ends_its_fit_cleanly_before_any_training_batch() -> None:
     recorder = _Recorder()
     kwargs = {"accelerator": "cpu", "callbacks": [recorder], "min_epochs": 3, "min_steps": 10}
     result = lr_find(
-        model, _loader(), min_lr=1e-4, max_lr=10.0, num_training=40, progress=False, trainer_kwargs=kwargs
+        model,
+        _loader(),
+        min_lr=1e-4,
+        max_lr=10.0,
+        num_training=40,
+        progress=False,
+        search_steps=0,
+        trainer_kwargs=kwargs,
     )
     assert result is not None and result.suggestion is not None
     # a finished fit: no exception, no epoch and no training batch (min_epochs/min_steps notwithstanding)
@@ -1050,11 +1064,13 @@ def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     keys = ["lrs", "losses", "suggestions", "stop_reason", "applied_lr", "applied_lrs", "global_step"]
-    keys += ["epochs", "later"]
+    keys += ["epochs", "later", "search"]
     for key in keys:
         assert ranks[0][key] == ranks[1][key], key
     assert ranks[0]["epochs"] == [0, 1] and ranks[0]["global_step"] == 8  # the sweeps did not count
-    assert ranks[0]["suggestions"]["steep"] == ranks[0]["first_applied"]
+    # the sweep's steep point bracketed the search (same on both ranks: every loss is the ranks' mean)
+    assert ranks[0]["suggestions"]["steep"] == ranks[0]["sweep_suggestion"] and len(ranks[0]["search"]) >= 4
+    assert ranks[0]["first_applied"] in [lr for lr, _, _ in ranks[0]["search"]]
     assert ranks[0]["later"][0][2] == ranks[0]["applied_lr"]  # the mid-training test's LR is in use
     assert len(ranks[0]["lrs"]) >= 10 and len(ranks[0]["later"][0][0]) >= 10
     # the curve is the mean over the ranks of their own shard's loss

@@ -168,7 +168,13 @@ def noisy_runs() -> dict[int, tuple[Any, Model]]:
             net, lambda out, y, n=net: nn.functional.cross_entropy(out, y) + n.jitter(), torch.optim.SGD
         )
         finder = LRFinderPlus(
-            min_lr=1e-3, max_lr=10.0, num_training=60, progress=False, plot=False, max_sweeps=max_sweeps
+            min_lr=1e-3,
+            max_lr=10.0,
+            num_training=60,
+            progress=False,
+            plot=False,
+            max_sweeps=max_sweeps,
+            search_steps=0,
         )
         _fit(model, finder, _loader(_digits(), 256))
         runs[max_sweeps] = (finder.result, model)
@@ -319,7 +325,7 @@ def test_a_warm_up_schedule_gets_its_peak_at_the_curves_low(
     name: str, schedule: Any, warmup: int | None, peak: float
 ) -> None:
     model = _scheduled(schedule)
-    finder = LRFinderPlus(progress=False, plot=False)
+    finder = LRFinderPlus(progress=False, plot=False, search_steps=0)  # the sweep's rule alone
     trainer = _fit(model, finder, _loader(_digits(), 32), max_steps=3)
     result = finder.result
     assert result is not None and result.suggestion is not None and result.applied
@@ -344,12 +350,12 @@ def test_a_warm_up_schedule_gets_its_peak_at_the_curves_low(
 
 def test_without_a_warm_up_the_constant_rule_decides() -> None:
     cosine = _scheduled(lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, 300))
-    finder = LRFinderPlus(progress=False, plot=False)
+    finder = LRFinderPlus(progress=False, plot=False, search_steps=0)  # the sweep's rule alone
     _fit(cosine, finder, _loader(_digits(), 32))
     result = finder.result
     assert result is not None and result.rule == "steep" and result.schedule is not None
     assert not result.schedule.warms_up and result.suggestion == result.suggestions["steep"]
-    forced = LRFinderPlus(progress=False, plot=False, method="steep")
+    forced = LRFinderPlus(progress=False, plot=False, method="steep", search_steps=0)
     _fit(
         _scheduled(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(30, 300))),
         forced,
@@ -361,7 +367,7 @@ def test_without_a_warm_up_the_constant_rule_decides() -> None:
 def test_lr_find_reads_the_modules_schedule_beyond_its_one_epoch() -> None:
     """lr_find's throwaway Trainer runs one epoch of 16 batches; the warm-up is 150 steps of the real run."""
     model = _scheduled(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(150, 1500)))
-    result = lr_find(model, _loader(_digits(), 32), progress=False)
+    result = lr_find(model, _loader(_digits(), 32), progress=False, search_steps=0)
     assert result is not None and result.rule == "peak" and result.schedule is not None
     assert result.schedule.warmup_steps == 149 and result.suggestion is not None
     assert model.lr == result.suggestion == pytest.approx(result.suggestions["peak"])

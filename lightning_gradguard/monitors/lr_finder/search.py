@@ -1,0 +1,302 @@
+"""The search after the sweep: the range test brackets the learning rate, short trainings decide.
+
+A range test's curve says where the loss starts to fall fast (its steep point) and where it blows up; it
+does not say which LR in between trains best, least of all under gradient clipping, a warm-up or a
+one-cycle schedule, or on a noisy curve. The search trains a few candidates, log-spaced across that
+bracket, each for the same short number of optimizer steps from the same start (the snapshot taken
+before the sweep: same parameters, optimizer state, random numbers and batches), with the run's own
+optimizer, clipping, precision and accumulation, and its LR schedule compressed to the trial's length. Each
+candidate is scored by the loss it reached: the mean of ``training_step``'s loss over a fixed set of
+held-out batches (the validation loader's when the run has one, else training batches the trials never
+train on), in eval mode and without gradients.
+
+Successive halving keeps the cost small: every candidate trains ``r`` steps; the best two, and one more
+point (between them where the losses' parabola in log-LR has its low, or half a grid step past the
+bracket's edge when the best sits on it), train ``2 r`` steps; the lowest loss of that round wins. The
+caller restores everything afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_gradguard.core.batch import batch_size_of, prepare_batch
+from lightning_gradguard.core.snapshot import TrainingSnapshot
+from lightning_gradguard.core.trial import NoTrialLoss, TrialClosure, quiet_logging, trial_optimizer_step
+from lightning_gradguard.monitors.lr_finder.result import LRFinderResult, SearchResult, Trial
+from lightning_gradguard.monitors.lr_finder.schedule import Schedule, compressed
+
+#: the evaluation batches aim at this many samples ...
+EVAL_SAMPLES = 512
+
+#: ... in at least 2 and at most this many batches (and never more than a first-round trial's steps)
+MAX_EVAL_BATCHES = 32
+
+#: a first-round trial shorter than this is no trial: the search is skipped (the budget is too small)
+MIN_TRIAL_STEPS = 5
+
+#: candidates of the second round: the best two of the first, and one more point
+SECOND_ROUND = 3
+
+#: two candidates closer than this factor are one (the extra point of the second round is dropped)
+SAME_LR = 1.1
+
+Batches = Iterator[tuple[Any, int]]
+
+
+def bracket(result: LRFinderResult, schedule: Schedule | None) -> tuple[float, float] | None:
+    """The configured-LR range to search: from the curve's steep point (or the sweep's suggestion, if
+    lower) to the last LR before its diverging tail (the sweep's last LR when it never diverged). Under a
+    warm-up both ends are divided by the schedule's peak factor, as the ``peak`` rule is. ``None``: the
+    sweep gave no suggestion (a refusal stays a refusal) or no range."""
+    if result.suggestion is None or not result.lrs:
+        return None
+    scale = schedule.peak if schedule is not None and schedule.warms_up and schedule.peak > 0 else 1.0
+    steep = result.suggestions.get("steep")
+    low = min(result.suggestion, steep / scale if steep else result.suggestion)
+    top_at = result.divergence_at - 1 if result.divergence_at else len(result.lrs) - 1
+    high = result.lrs[max(0, top_at)] / scale
+    if not (math.isfinite(low) and math.isfinite(high)) or low <= 0:
+        return None
+    return low, max(high, low)
+
+
+def log_spaced(low: float, high: float, count: int) -> list[float]:
+    """``count`` LRs from ``low`` to ``high``, evenly spaced in log (one when they coincide)."""
+    if high <= low * SAME_LR or count < 2:
+        return [math.sqrt(low * high)]
+    step = math.log(high / low) / (count - 1)
+    return [low * math.exp(i * step) for i in range(count)]
+
+
+def trial_steps(budget: int, candidates: int) -> int:
+    """Steps of a first-round trial: the budget over ``candidates`` trials of ``r`` steps and
+    :data:`SECOND_ROUND` of ``2 r``."""
+    return budget // (candidates + 2 * SECOND_ROUND)
+
+
+def refinement(grid: list[float], losses: list[float]) -> float | None:
+    """The extra point of the second round, from the first round's ``losses`` on the log-spaced ``grid``:
+    where a parabola through the best point and its two neighbours (in log-LR) has its low, kept between
+    the neighbours; half a grid step outward when the best is an end of the grid; ``None`` for a grid of
+    one point or when no loss is finite."""
+    finite = [v for v in losses if math.isfinite(v)]
+    if len(grid) < 2 or not finite:
+        return None
+    best = losses.index(min(finite))
+    ratio = grid[1] / grid[0]
+    if best == 0:
+        return grid[0] / math.sqrt(ratio)
+    if best == len(grid) - 1:
+        return grid[-1] * math.sqrt(ratio)
+    left, mid, right = losses[best - 1], losses[best], losses[best + 1]
+    curvature = left - 2 * mid + right
+    if not (math.isfinite(left) and math.isfinite(right)) or curvature <= 0:
+        return grid[best]
+    offset = 0.5 * (left - right) / curvature  # in grid steps, within (-0.5, 0.5) at a lowest middle point
+    return grid[best] * ratio ** max(-0.5, min(0.5, offset))
+
+
+@dataclass(kw_only=True)
+class CandidateSearch:
+    """The search of one range test: what it trains, on what, and how it scores.
+
+    ``training`` returns a fresh pass over the training batches (the same batches in the same order
+    after a restore of the snapshot); ``held_out``, the evaluation batches (raw, prepared on use);
+    ``skip``, how many of the training pass's first batches are ``held_out`` (0 with a validation loader).
+    ``factors`` is the run's LR schedule (group 0's factor per scheduler step; ``[1.0]``: constant).
+    """
+
+    trainer: pl.Trainer
+    pl_module: pl.LightningModule
+    optimizer: Any
+    snapshot: TrainingSnapshot
+    ratios: list[float]
+    factors: list[float]
+    training: Callable[[], Batches]
+    held_out: list[tuple[Any, int]]
+    skip: int
+    evaluated_on: str
+    on_step: Callable[[], None] = lambda: None
+
+    def run(self, grid: list[float], steps: int, prior: float | None = None) -> SearchResult:
+        """Train every LR of ``grid`` for ``steps`` steps, then the best two and a refinement for twice as
+        many; the last round's winner is chosen (:func:`choose`; ``prior``: the sweep's suggestion)."""
+        started = time.perf_counter()
+        self.snapshot.restore()
+        start = self.evaluate()  # the loss before any training: a winner must have learned something
+        first = [self.trial(lr, steps, 0) for lr in grid]
+        trials, last = list(first), first
+        ranked = sorted(first, key=lambda t: t.loss)
+        if len(first) > 1 and math.isfinite(ranked[0].loss):
+            second = [t.lr for t in ranked[:2] if math.isfinite(t.loss)]
+            extra = refinement(grid, [t.loss for t in first])
+            if extra is not None and all(max(extra / lr, lr / extra) > SAME_LR for lr in second):
+                second.append(extra)
+            last = [self.trial(lr, 2 * steps, 1) for lr in second]
+            trials += last
+        best = choose(last, prior)
+        chosen: float | None = best.lr
+        reason = ""
+        if not math.isfinite(best.loss):
+            chosen, reason = None, "every candidate's training loss became non-finite"
+        elif not _learned(best, start):
+            chosen = None
+            reason = (
+                f"no candidate's loss fell clearly below the loss before training ({_mean(start):.4g}) in "
+                f"{best.steps} steps: the trials are too short for this model (raise search_steps)"
+            )
+        return SearchResult(
+            trials=trials,
+            chosen=chosen,
+            bracket=(grid[0], grid[-1]),
+            evaluated_on=self.evaluated_on,
+            steps=sum(t.steps for t in trials),
+            seconds=time.perf_counter() - started,
+            reason=reason,
+            start_loss=_mean(start),
+        )
+
+    def trial(self, lr: float, steps: int, round_: int) -> Trial:
+        """``steps`` optimizer steps at ``lr`` (times the compressed schedule) from the snapshot; its loss."""
+        self.snapshot.restore()
+        batches = self.training()
+        for _ in range(self.skip):
+            next(batches, None)
+        draw = _drawer(self.trainer, batches)
+        accumulate = max(1, int(self.trainer.accumulate_grad_batches))
+        losses: list[float] = []
+        with quiet_logging(self.pl_module):
+            for factor in compressed(self.factors, steps):
+                for group, ratio in zip(self.optimizer.param_groups, self.ratios, strict=True):
+                    group["lr"] = lr * factor * ratio
+                loss = self._step(draw, accumulate)
+                self.on_step()
+                losses.append(loss)
+                if not math.isfinite(loss):
+                    return Trial(lr=lr, round=round_, steps=len(losses), loss=math.inf, train_loss=math.inf)
+        self.optimizer.zero_grad(set_to_none=True)
+        tail = losses[-max(1, len(losses) // 4) :]
+        each = self.evaluate()
+        loss = sum(each) / len(each) if each else math.inf
+        return Trial(
+            lr=lr,
+            round=round_,
+            steps=len(losses),
+            loss=loss if math.isfinite(loss) else math.inf,
+            train_loss=sum(tail) / len(tail),
+            batch_losses=tuple(each) if math.isfinite(loss) else (),
+        )
+
+    def _step(self, draw: Callable[[], tuple[Any, int]], accumulate: int) -> float:
+        """One optimizer step of a trial; its loss (mean over ranks), ``nan`` when there was none."""
+        closure = TrialClosure(
+            self.trainer, self.pl_module, self.optimizer, draw, accumulate, through_strategy=True
+        )
+        try:
+            done = trial_optimizer_step(self.trainer, self.optimizer, lambda: self._mean(closure()))
+        except (NoTrialLoss, StopIteration):
+            return math.nan
+        return float(done.loss)
+
+    def _mean(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.trainer.world_size > 1:
+            return self.trainer.strategy.reduce(loss, reduce_op="mean")
+        return loss
+
+    def evaluate(self) -> list[float]:
+        """``training_step``'s loss on each held-out batch, in eval mode, without gradients (each the mean
+        over ranks, read in one transfer)."""
+        each: list[torch.Tensor] = []
+        self.pl_module.eval()
+        with torch.no_grad(), quiet_logging(self.pl_module):
+            for batch, batch_idx in self.held_out:
+                out = self.trainer.strategy.training_step(prepare_batch(self.trainer, batch), batch_idx)
+                loss = out["loss"] if isinstance(out, dict) else out
+                if isinstance(loss, torch.Tensor):
+                    each.append(loss.detach().float().reshape(()))
+        if not each:
+            return []
+        return [float(v) for v in self._mean(torch.stack(each)).cpu()]
+
+
+def choose(last: list[Trial], prior: float | None = None) -> Trial:
+    """The winner of the last round: of the candidates whose loss is within one standard error of the
+    lowest (the mean of their batch-by-batch differences against that mean's standard error), the one
+    nearest in log-LR to ``prior`` (the sweep's own suggestion), or the smallest LR without one.
+
+    The held-out batches overrule the curve only where they can tell candidates apart. Where they cannot,
+    the curve's suggestion decides; it is the bracket's bottom under a constant LR, so there the smallest
+    LR of the tie wins, the safer one: a short trial favours large LRs (they make the most of a few steps,
+    and the noise they keep shows only over a long run)."""
+    best = min(last, key=lambda t: t.loss)
+    tied = [t for t in last if t is best or _within_one_se(t, best)]
+    if prior is None or prior <= 0 or not math.isfinite(best.loss):
+        return min(tied, key=lambda t: t.lr)
+    return min(tied, key=lambda t: (abs(math.log(t.lr / prior)), t.lr))
+
+
+def _within_one_se(trial: Trial, best: Trial) -> bool:
+    """Whether ``trial``'s loss exceeds ``best``'s by at most one standard error of their paired
+    batch-by-batch differences."""
+    if not math.isfinite(trial.loss):
+        return False
+    diffs = _differences(trial.batch_losses, best.batch_losses)
+    return diffs is not None and diffs[0] <= diffs[1]
+
+
+def _learned(best: Trial, start: list[float]) -> bool:
+    """Whether the winner's loss lies clearly (two standard errors of the batch-by-batch differences)
+    below the loss before training; ``True`` when there is nothing to compare."""
+    diffs = _differences(list(start), best.batch_losses)
+    return diffs is None or diffs[0] > 2 * diffs[1]
+
+
+def _differences(a: Sequence[float], b: Sequence[float]) -> tuple[float, float] | None:
+    """The mean of ``a - b`` batch by batch and its standard error (``None``: fewer than two pairs)."""
+    n = len(a)
+    if n < 2 or n != len(b):
+        return None
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    mean = sum(diffs) / n
+    spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    return mean, spread / math.sqrt(n)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _drawer(trainer: pl.Trainer, batches: Batches) -> Callable[[], tuple[Any, int]]:
+    """The next training micro-batch, prepared as the training loop prepares it (``StopIteration`` at the
+    end of the data)."""
+
+    def draw() -> tuple[Any, int]:
+        batch, batch_idx = next(batches)
+        return prepare_batch(trainer, batch, dataloader_idx=0), batch_idx
+
+    return draw
+
+
+def eval_batch_count(first_batch: Any, trial: int) -> int:
+    """How many batches to evaluate on: :data:`EVAL_SAMPLES` samples, between 2 and
+    :data:`MAX_EVAL_BATCHES` batches, never more than a first-round trial's steps."""
+    size = batch_size_of(first_batch) or 1
+    return max(2, min(MAX_EVAL_BATCHES, trial, math.ceil(EVAL_SAMPLES / size)))
+
+
+def take(batches: Batches, count: int) -> list[tuple[Any, int]]:
+    """The first ``count`` items of ``batches`` (fewer when it ends)."""
+    out: list[tuple[Any, int]] = []
+    for item in batches:
+        out.append(item)
+        if len(out) == count:
+            break
+    return out

@@ -1,0 +1,321 @@
+"""The search after the sweep: candidates inside the sweep's bracket, decided by short trainings.
+
+Real Trainers on real data (digits, a linear regression); small models and budgets, so the file runs in
+seconds. What the search chose is checked by what training at it does, never by an exact LR.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import itertools
+import logging
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+
+from lightning_gradguard import LRFinderPlus, lr_find
+from lightning_gradguard.monitors.lr_finder.result import Trial
+from lightning_gradguard.monitors.lr_finder.schedule import compressed, schedule_factors
+from lightning_gradguard.monitors.lr_finder.search import choose, log_spaced, refinement
+from lightning_gradguard.report.read import read_run
+from tests.monitors.lr_finder.test_lr_finder import Net, Probe, _equal_nested, _loader, _same_state
+from tests.testkit import make_trainer
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the alerts' JSONL of a trainer without a logger lands here
+
+
+# ---------------------------------------------------------------------------------------------- a regression
+@functools.lru_cache(maxsize=1)
+def _regression() -> tuple[torch.Tensor, torch.Tensor]:
+    """1024 samples, 16 standard-normal features, a linear target with a little noise (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 16, generator=g)
+    w = torch.randn(16, generator=g)
+    return x, x @ w + 0.1 * torch.randn(1024, generator=g)
+
+
+def _regression_loader(seed: int = 0) -> Any:
+    x, y = _regression()
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True, generator=g
+    )
+
+
+class LinReg(pl.LightningModule):
+    """``nn.Linear`` under plain SGD: its range test's steep point sits far below the LRs that train best."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.lr = lr
+        self.lin = nn.Linear(16, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.lin(x).squeeze(-1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _trained_loss(lr: float, steps: int = 15) -> float:
+    """Mean squared error on the whole data after ``steps`` SGD steps at ``lr`` from the same start."""
+    torch.manual_seed(0)
+    model = LinReg(lr)
+    opt = model.configure_optimizers()
+    loader = _regression_loader(1)
+    batches = (batch for _ in range(steps) for batch in loader)
+    for _ in range(steps):
+        x, y = next(batches)
+        opt.zero_grad()
+        model.training_step((x, y), 0).backward()
+        opt.step()
+    x, y = _regression()
+    with torch.no_grad():
+        loss = float(nn.functional.mse_loss(model.lin(x).squeeze(-1), y))
+    return loss if math.isfinite(loss) else math.inf
+
+
+def _lr_find(**kw: Any) -> Any:
+    torch.manual_seed(0)
+    kw.setdefault("progress", False)
+    return lr_find(LinReg(), _regression_loader(), trainer_kwargs={"accelerator": "cpu"}, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- the search
+def test_the_search_trains_better_than_the_curves_steep_point() -> None:
+    """The feature: without the search the suggestion is the curve's steep point, which trains this
+    regression far more slowly than the LRs just below divergence; the search finds one of those."""
+    result = _lr_find(search_steps=90, max_lr=10.0)
+    assert result is not None and result.search is not None and result.search.chosen is not None
+    assert result.suggestion == result.search.chosen
+    sweep_only = _lr_find(search_steps=0, max_lr=10.0)
+    assert sweep_only.search is None and sweep_only.suggestion == result.sweep_suggestion
+    assert result.suggestion > 3 * sweep_only.suggestion
+    # 15 steps at the search's LR end much lower than at the steep point's
+    assert _trained_loss(result.suggestion) < 0.3 * _trained_loss(sweep_only.suggestion)
+    # the search's steps: five candidates of r steps, then up to three of 2r (r = 90 // 11 = 8)
+    trials = result.search.trials
+    assert [t.steps for t in trials if t.round == 0] == [8] * 5
+    assert all(t.steps == 16 for t in trials if t.round == 1) and 2 <= sum(t.round for t in trials) <= 3
+    assert result.search.steps == sum(t.steps for t in trials) <= 90
+    assert result.search.evaluated_on == "held-out training batches"
+
+
+def test_a_sweep_still_falling_at_max_lr_is_extended_or_said(caplog: pytest.LogCaptureFixture) -> None:
+    """max_lr far below where this regression diverges: the loss still falls at the sweep's end."""
+    extended = _lr_find(search_steps=45, max_lr=1e-2, search_candidates=3)
+    assert extended.extended_to is not None and extended.extended_to > 1e-2
+    assert extended.lrs[-1] > 1e-2 and extended.suggestion is not None
+    assert extended.search is not None and extended.search.bracket[1] > 1e-2
+    caplog.set_level(logging.INFO, logger="lightning_gradguard")
+    plain = _lr_find(search_steps=0, max_lr=1e-2)
+    assert plain.extended_to is None and plain.still_falling and max(plain.lrs) <= 1e-2 * (1 + 1e-9)
+    said = [r.getMessage() for r in caplog.records if "LRFinderPlus [epoch 0]" in r.getMessage()]
+    assert said and "still falling" in said[-1] and "raise max_lr" in said[-1]
+
+
+class WithValidation(Net):
+    """Net with a validation loader's loss: the search scores its candidates on the validation batches."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+
+def test_the_search_restores_everything_bit_for_bit() -> None:
+    """With the search (and a validation loader to score on), everything comes back exactly: the run
+    after it is the run without the finder, step for step."""
+    pl.seed_everything(3)
+    before, after = Probe(), Probe()
+    finder = LRFinderPlus(
+        min_lr=1e-4,
+        max_lr=10.0,
+        num_training=30,
+        apply=False,
+        progress=False,
+        plot=False,
+        search_steps=45,
+        search_candidates=3,
+    )
+    model_a = WithValidation()
+    trainer_a = make_trainer([before, finder, after], max_epochs=2, limit_val_batches=3)
+    trainer_a.fit(model_a, _loader(shuffle=True), _loader())
+    result = finder.result
+    assert result is not None and result.search is not None and len(result.search.trials) >= 4
+    assert result.search.evaluated_on == "validation batches"
+    for key in ("model", "grads", "optimizer", "scheduler", "rng", "global_step", "loop", "training"):
+        _equal_nested(before.seen[0][key], after.seen[0][key])
+    pl.seed_everything(3)
+    model_b = WithValidation()
+    make_trainer([], max_epochs=2, limit_val_batches=3).fit(model_b, _loader(shuffle=True), _loader())
+    assert model_a.step_losses == model_b.step_losses
+    _same_state(model_a, model_b)
+
+
+def test_the_search_runs_with_the_runs_setup_and_leaves_the_run_as_it_was() -> None:
+    """bf16-mixed precision, two micro-batches a step, gradient clipping, a per-epoch StepLR and a second
+    test at epoch 1: the trials run with all of them, and the run is still the run without the finder."""
+    kw: dict[str, Any] = dict(
+        max_epochs=2, precision="bf16-mixed", accumulate_grad_batches=2, gradient_clip_val=0.5
+    )
+    pl.seed_everything(5)
+    finder = LRFinderPlus(
+        min_lr=1e-4,
+        max_lr=10.0,
+        num_training=40,
+        apply=False,
+        progress=False,
+        plot=False,
+        search_steps=45,
+        search_candidates=3,
+        milestones=[0, 1],
+    )
+    model_a = Net()
+    make_trainer([finder], **kw).fit(model_a, _loader(shuffle=True))
+    first = finder.results[0].search
+    assert len(finder.results) == 2 and first is not None and len(first.trials) >= 4
+    pl.seed_everything(5)
+    model_b = Net()
+    make_trainer([], **kw).fit(model_b, _loader(shuffle=True))
+    assert model_a.step_losses == model_b.step_losses and len(model_a.step_losses) == 24
+    _same_state(model_a, model_b)
+
+
+class CannotFall(pl.LightningModule):
+    """A loss that does not depend on the weights: no descent, no suggestion, nothing to search."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 10)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(torch.zeros(len(y), 10) + x[:, :10], y) + 0 * self.lin(x).sum()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_refusal_stays_a_refusal_and_no_search_runs() -> None:
+    result = lr_find(CannotFall(), _loader(shuffle=True), progress=False, search_steps=60, max_sweeps=1)
+    assert result is not None and result.suggestion is None and result.search is None
+    assert result.reason
+
+
+def test_a_budget_too_small_for_the_trials_is_said_and_the_sweep_decides() -> None:
+    # 0.5 of a 32-batch epoch: 16 steps, below 5 steps for each of 5 + 6 trial lengths
+    result = _lr_find(search_steps=0.5, max_lr=10.0)
+    assert result.search is not None and not result.search.trials and "too small" in result.search.reason
+    assert result.suggestion == result.sweep_suggestion is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"search_steps": -1}, ValueError),
+        ({"search_steps": 1.5}, ValueError),
+        ({"search_steps": 0.0}, ValueError),
+        ({"search_steps": "300"}, TypeError),
+        ({"search_steps": True}, TypeError),
+        ({"search_candidates": 2}, ValueError),
+        ({"search_candidates": 4.0}, TypeError),
+    ],
+)
+def test_search_arguments_are_checked(kwargs: dict[str, Any], error: type[Exception]) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(error, match=name):
+        LRFinderPlus(**kwargs)
+
+
+def test_candidates_and_their_losses_go_to_tensorboard_the_csv_and_the_report(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(str(tmp_path), name="run", version=0)
+    finder = LRFinderPlus(
+        min_lr=1e-4, max_lr=10.0, num_training=30, progress=False, search_steps=45, search_candidates=3
+    )
+    torch.manual_seed(0)
+    make_trainer([finder], logger=logger, max_steps=2).fit(LinReg(), _regression_loader())
+    search = finder.result.search if finder.result is not None else None
+    assert search is not None and search.trials
+    with open(Path(logger.log_dir) / "lr_search.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [float(r["lr"]) for r in rows] == [t.lr for t in search.trials]
+    assert sum(int(r["chosen"]) for r in rows) == 1
+    run = read_run(logger.log_dir)
+    assert run.lr_searches["lr_finder"]["lr"] == [t.lr for t in search.trials]
+    assert len(run.scalars["lr_finder/search_lr"].values) == len(search.trials)
+    assert "lr_finder/search_loss" in run.scalars
+
+
+# ---------------------------------------------------------------------------------------------- the pieces
+def test_log_spaced_candidates_and_the_refinement() -> None:
+    grid = log_spaced(1e-3, 1e-1, 5)
+    assert grid[0] == pytest.approx(1e-3) and grid[-1] == pytest.approx(1e-1)
+    assert all(b / a == pytest.approx(10**0.5) for a, b in itertools.pairwise(grid))
+    assert log_spaced(1e-2, 1.05e-2, 5) == [pytest.approx(math.sqrt(1e-2 * 1.05e-2))]
+    # a symmetric valley around the middle point: the refinement is that point
+    assert refinement(grid, [3.0, 2.0, 1.0, 2.0, 3.0]) == pytest.approx(grid[2])
+    # lower on the right: the refinement moves right, at most half a step
+    right = refinement(grid, [3.0, 2.0, 1.0, 1.5, 3.0])
+    assert right is not None and grid[2] < right <= grid[2] * 10**0.25 * (1 + 1e-9)
+    # the best at an end: half a step past it; a diverged candidate is no minimum
+    assert refinement(grid, [1.0, 2.0, 3.0, 4.0, math.inf]) == pytest.approx(grid[0] / 10**0.25)
+    assert refinement(grid, [5.0, 4.0, 3.0, 2.0, 1.0]) == pytest.approx(grid[-1] * 10**0.25)
+    assert refinement(grid, [math.inf] * 5) is None
+
+
+def _trial(lr: float, losses: list[float]) -> Trial:
+    return Trial(
+        lr=lr, round=1, steps=10, loss=sum(losses) / len(losses), train_loss=0.0, batch_losses=tuple(losses)
+    )
+
+
+def test_the_last_round_prefers_the_smaller_lr_the_batches_cannot_tell_apart() -> None:
+    best = _trial(1e-2, [1.0, 1.2, 0.8, 1.0])
+    tied = _trial(1e-3, [1.01, 1.19, 0.82, 1.0])  # 0.005 higher on average, the differences scatter 0.01
+    worse = _trial(1e-3, [1.1, 1.3, 0.9, 1.1])  # 0.1 higher on every batch
+    assert choose([best, tied]) is tied
+    assert choose([best, worse]) is best
+    high = _trial(1e-1, [1.01, 1.19, 0.82, 1.0])
+    assert choose([high, best]) is best  # without a prior, a larger LR never takes a tie
+    # the sweep's own suggestion decides among candidates the batches cannot tell apart
+    assert choose([best, tied, high], prior=0.05) is high and choose([best, tied], prior=0.02) is best
+    assert choose([best, worse], prior=1e-3) is best  # and nowhere else
+    assert choose([best, Trial(lr=1e-4, round=1, steps=3, loss=math.inf, train_loss=math.inf)]) is best
+
+
+def _configs(scheduler: Any) -> SimpleNamespace:
+    config = SimpleNamespace(scheduler=scheduler, interval="step", reduce_on_plateau=False)
+    return SimpleNamespace(lr_scheduler_configs=[config])
+
+
+def test_the_schedule_is_read_to_its_end_and_compressed_to_a_trial() -> None:
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=1e-3)
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=200)
+    factors = schedule_factors(_configs(one_cycle), opt, 1e-3, None)  # type: ignore[arg-type]
+    assert len(factors) in (200, 201) and max(factors) == pytest.approx(1.0)  # to the step it refuses
+    assert factors.index(max(factors)) == pytest.approx(0.3 * 200, abs=2)  # OneCycleLR's pct_start
+    trial = compressed(factors, 20)
+    assert len(trial) == 20 and trial.index(max(trial)) in (5, 6) and trial[-1] < 1e-3
+    # a warm-up to a constant LR: the constant part is kept nine times the warm-up's length
+    opt2 = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    warm = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: min(1.0, (s + 1) / 50))
+    factors2 = schedule_factors(_configs(warm), opt2, 0.1, None)  # type: ignore[arg-type]
+    assert len(factors2) == 500 and factors2[-1] == 1.0
+    # a known run length is read that far; no scheduler: a constant factor
+    opt3 = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    warm3 = torch.optim.lr_scheduler.LambdaLR(opt3, lambda s: min(1.0, (s + 1) / 50))
+    assert len(schedule_factors(_configs(warm3), opt3, 0.1, 120)) == 120  # type: ignore[arg-type]
+    assert schedule_factors(SimpleNamespace(lr_scheduler_configs=[]), opt3, 0.1, None) == [1.0]  # type: ignore[arg-type]
+    assert compressed([1.0], 4) == [1.0] * 4 and compressed([0.5, 1.0], 4) == [0.5, 0.5, 1.0, 1.0]

@@ -213,7 +213,8 @@ class ScheduleCopy:
         self.readable = not plateau and all(group_lr(g) is not None for g in groups)
         self.stand = _Stand([{k: v for k, v in g.items() if k != "params"} for g in groups])
         memo: dict[int, Any] = {id(optimizer): self.stand, id(trainer): trainer}
-        if module is not None:
+        module = module if module is not None else getattr(trainer, "lightning_module", None)
+        if module is not None:  # a LambdaLR on a bound method of the module: the module is not copied
             memo[id(module)] = module
         memo.update({id(p): p for g in groups for p in g["params"]})
         self.schedulers = copy.deepcopy([c.scheduler for c in self.configs], memo) if self.readable else []

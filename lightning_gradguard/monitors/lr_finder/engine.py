@@ -137,7 +137,7 @@ class RangeTest:
         snapshot = TrainingSnapshot(pl_module, trainer=trainer)
         base = [_configured(g) for g in optimizer.param_groups]
         try:
-            schedule = read_schedule(trainer, optimizer, base[0])  # steps the schedulers: restored below
+            schedule = read_schedule(trainer, optimizer, base[0])  # on copies of the schedulers
             result = self.sweeps(trainer, pl_module, optimizer, base, snapshot, epoch, schedule)
             result.sweep_suggestion = result.suggestion
             if self.search_steps:

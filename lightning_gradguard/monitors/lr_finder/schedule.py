@@ -3,19 +3,21 @@
 The finder fits its suggestion to the schedule: a run that warms up to a peak and decays needs that
 peak, not the constant LR a plain range test suggests. The schedule is read, not guessed from the
 scheduler's class: the run's own schedulers (``LambdaLR`` from ``transformers``' helpers, ``OneCycleLR``,
-``SequentialLR`` of ``LinearLR`` and ``CosineAnnealingLR``, any other) are stepped as the training loop
-would step them and group 0's LR is recorded. The caller restores them afterwards (the range test's
-snapshot keeps every scheduler's ``state_dict`` and the optimizer's LRs).
+``SequentialLR`` of ``LinearLR`` and ``CosineAnnealingLR``, any other) are stepped ahead on copies
+(:class:`~lightning_gradguard.core.lr.ScheduleCopy`, StallDetector's reader too: the run's schedulers and
+optimizer are not touched) and group 0's LR is recorded.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+
+from lightning_gradguard.core.lr import ScheduleCopy
 
 #: the most scheduler steps read ahead (a warm-up longer than this is read as far as it goes)
 MAX_SCHEDULE_STEPS = 100_000
@@ -55,39 +57,43 @@ class Schedule:
         return rise + (" then a decay" if self.decays else "")
 
 
+def _factors(trainer: pl.Trainer, optimizer: Any, configured: float) -> Iterator[float]:
+    """Group 0's LR over ``configured`` now and after each step of every scheduler of ``optimizer``, read on
+    copies (:class:`~lightning_gradguard.core.lr.ScheduleCopy`: the run's schedulers are not touched),
+    until one refuses to step (``OneCycleLR`` past its end); nothing for ``ReduceLROnPlateau``."""
+    schedule = ScheduleCopy(trainer, optimizer)
+    if not schedule.configs or not schedule.readable or configured <= 0:
+        return
+    yield schedule.lrs()[0] / configured
+    while schedule.step():
+        yield schedule.lrs()[0] / configured
+
+
 def read_schedule(trainer: pl.Trainer, optimizer: Any, configured: float) -> Schedule | None:
-    """Step the schedulers of ``optimizer`` ahead and record group 0's LR (``None``: no schedule read).
+    """Read the schedule of ``optimizer`` ahead: group 0's LR at each scheduler step (``None``: no
+    schedule read).
 
     ``configured`` is group 0's configured LR (the factors are relative to it). Read until the peak is
     known (the LR has fallen to half of it, or no higher LR came for a while), at most
     :data:`MAX_SCHEDULE_STEPS` steps, whatever the run's length (``lr_find``'s throwaway Trainer runs one
-    epoch; the schedule is the module's). The schedulers are left stepped: the caller restores them.
-    ``ReduceLROnPlateau`` (it needs a metric) is no schedule.
+    epoch; the schedule is the module's). ``ReduceLROnPlateau`` (it needs a metric) is no schedule.
     """
     configs = [
         c for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is optimizer
     ]
-    if not configs or configured <= 0 or any(c.reduce_on_plateau for c in configs):
-        return None
     interval = "step" if any(c.interval == "step" for c in configs) else "epoch"
-    factors = [float(optimizer.param_groups[0]["lr"]) / configured]
-    top, at = factors[0], 0  # the highest factor so far, and its step
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
-        while len(factors) <= MAX_SCHEDULE_STEPS:
-            try:
-                for c in configs:
-                    c.scheduler.step()  # type: ignore[call-arg]  # ReduceLROnPlateau is left out above
-            except Exception:  # stepped past its end (OneCycleLR) or cannot step ahead: what was read
-                break
-            factors.append(float(optimizer.param_groups[0]["lr"]) / configured)
-            if factors[-1] > top:
-                top, at = factors[-1], len(factors) - 1
-            # the peak is known once the LR has fallen to half of it, or no higher LR came for as many
-            # steps as it took to reach it (at least FLAT_STEPS)
-            if (at > 0 and factors[-1] < 0.5 * top) or len(factors) - 1 - at >= max(FLAT_STEPS, at):
-                break
-    return _shape(factors, interval)
+    factors: list[float] = []
+    top, at = 0.0, 0  # the highest factor so far, and its step
+    for factor in _factors(trainer, optimizer, configured):
+        factors.append(factor)
+        if factor > top or len(factors) == 1:
+            top, at = factor, len(factors) - 1
+        # the peak is known once the LR has fallen to half of it, or no higher LR came for as many
+        # steps as it took to reach it (at least FLAT_STEPS)
+        done = (at > 0 and factor < 0.5 * top) or len(factors) - 1 - at >= max(FLAT_STEPS, at)
+        if done or len(factors) > MAX_SCHEDULE_STEPS:
+            break
+    return _shape(factors, interval) if factors else None
 
 
 def _shape(factors: list[float], interval: str) -> Schedule | None:
@@ -114,33 +120,23 @@ def schedule_factors(
     schedule's end (``OneCycleLR`` refuses to step past it). Unknown (``lr_find``'s throwaway Trainer), the
     schedule is read until it has not changed for as long as it took to get there (at least
     :data:`FLAT_STEPS`): a schedule that ends at zero ends there; one that stays at a level (a warm-up to a
-    constant LR) keeps that level for nine times its changing part (a warm-up a tenth of the run). The
-    schedulers are left stepped: the caller restores them.
+    constant LR) keeps that level for nine times its changing part (a warm-up a tenth of the run). Read on
+    copies of the schedulers (:func:`_factors`).
     """
-    configs = [
-        c for c in trainer.lr_scheduler_configs if getattr(c.scheduler, "optimizer", None) is optimizer
-    ]
-    if not configs or configured <= 0 or any(c.reduce_on_plateau for c in configs):
-        return [1.0]
     limit = min(horizon, MAX_SCHEDULE_STEPS) if horizon else MAX_SCHEDULE_STEPS
-    factors = [float(optimizer.param_groups[0]["lr"]) / configured]
+    factors: list[float] = []
     changed = 0  # the last step whose factor differs from the one before
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
-        while len(factors) < limit:
-            try:
-                for c in configs:
-                    c.scheduler.step()  # type: ignore[call-arg]  # ReduceLROnPlateau is left out above
-            except Exception:  # stepped past its end (OneCycleLR): what was read
-                break
-            factors.append(float(optimizer.param_groups[0]["lr"]) / configured)
-            if factors[-1] != factors[-2]:
-                changed = len(factors) - 1
-            if not horizon and len(factors) - 1 - changed >= max(FLAT_STEPS, changed):
-                keep = changed + 1 if factors[-1] == 0 else 10 * (changed + 1)
-                factors = (factors + [factors[-1]] * keep)[:keep]
-                break
-    if not all(math.isfinite(f) and f >= 0 for f in factors) or max(factors) <= 0:
+    for factor in _factors(trainer, optimizer, configured):
+        factors.append(factor)
+        if len(factors) > 1 and factors[-1] != factors[-2]:
+            changed = len(factors) - 1
+        if not horizon and len(factors) - 1 - changed >= max(FLAT_STEPS, changed) and len(factors) > 1:
+            keep = changed + 1 if factors[-1] == 0 else 10 * (changed + 1)
+            factors = (factors + [factors[-1]] * keep)[:keep]
+            break
+        if len(factors) >= limit:
+            break
+    if not factors or not all(math.isfinite(f) and f >= 0 for f in factors) or max(factors) <= 0:
         return [1.0]
     return factors
 

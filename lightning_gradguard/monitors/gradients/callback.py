@@ -27,6 +27,7 @@ from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallb
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.lr import ClipSetting, adaptive_eps, clip_setting, orthogonalized_share
+from lightning_gradguard.core.progress import LossProgress
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.stats import StepStats, step_stats
@@ -177,6 +178,7 @@ class GradientNormLogger(GradGuardCallback):
             "max_update_ratio", max_update_ratio, 0.0, low_open=True, allow_none=True
         )
         self._ratio: dict[str, RatioWatch] = {}  # per optimizer (tag suffix)
+        self.progress = LossProgress()  # the logging steps' losses (reset_run starts it afresh)
         self._designed: dict[str, bool] = {}  # per optimizer: its update's size is its design (Muon)
         self._pending: list[_Logged] = []
         self._clip_check_due = False
@@ -214,6 +216,8 @@ class GradientNormLogger(GradGuardCallback):
         self._clip = ClipRing(self.clip_window)  # the clip window holds this run's steps only
         self._pending, self.last_logged, self._clip_check_due, self._ratio = [], {}, False, {}
         self._noise.ema.reset()  # a fresh run starts an empty average
+        #: the logging steps' losses: a high update ratio the loss follows down is no LR too high
+        self.progress = LossProgress()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -292,7 +296,7 @@ class GradientNormLogger(GradGuardCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._pending or self._clip_check_due or self._noise.due is not None:
-            self._flush(trainer)
+            self._flush(trainer, _step_loss(trainer, pl_module, outputs) if self._pending else None)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -300,7 +304,7 @@ class GradientNormLogger(GradGuardCallback):
 
     # ------------------------------------------------------------------ the one transfer
     @guarded
-    def _flush(self, trainer: pl.Trainer) -> None:
+    def _flush(self, trainer: pl.Trainer, loss: Tensor | None = None) -> None:
         if not (self._pending or self._clip_check_due or self._noise.due is not None):
             return
         pending, self._pending = self._pending, []
@@ -312,9 +316,13 @@ class GradientNormLogger(GradGuardCallback):
         if clip_due and clip is not None:
             self._clip.queue(transfer, (-1, "clip_window"))
         self._noise.queue(transfer)  # on its logging steps, on every rank: averaged in the collective
+        if loss is not None and self.max_update_ratio is not None:
+            transfer.add((-2, "loss"), loss)
         if not len(transfer):
             return
         host = transfer.fetch()  # the one device -> host transfer (and collective, if any) of this step
+        if (-2, "loss") in host:
+            self.progress.note(float(host[(-2, "loss")][0]))
         for i, p in enumerate(pending):  # written from rank zero only
             reading = p.sample.read(host, i)
             self._emit_step(trainer, p.at, p.suffix, reading)
@@ -345,7 +353,8 @@ class GradientNormLogger(GradGuardCallback):
             return
         watch = self._ratio.setdefault(p.suffix, RatioWatch())
         step = p.sample.stats.step
-        if watch.check(step, reading.update_ratio_total, self.max_update_ratio):
+        # a high ratio that the loss follows down is a fast learner, not an LR too high (RatioWatch)
+        if watch.check(step, reading.update_ratio_total, self.max_update_ratio, self.progress):
             f = ratio_finding(watch, step, self.max_update_ratio, p.optimizer)
             self.report_finding(trainer, f, step=step, cooldown_key=f"{f.kind}{p.suffix}")
 
@@ -382,6 +391,7 @@ class GradientNormLogger(GradGuardCallback):
             "clip_window": self._clip.state_dict(),
             "noise_scale": self._noise.state_dict(),
             "update_ratio": {k: w.state_dict() for k, w in self._ratio.items()},
+            "progress": self.progress.state_dict(),
         }
 
     @override
@@ -389,6 +399,7 @@ class GradientNormLogger(GradGuardCallback):
         super().load_state_dict(state_dict)
         self._clip.load_state_dict(state_dict.get("clip_window", {}))
         self._noise.load_state_dict(state_dict.get("noise_scale", {}))
+        self.progress.load_state_dict(state_dict.get("progress", {}))
         self._ratio = {}
         for key, state in state_dict.get("update_ratio", {}).items():
             self._ratio[key] = RatioWatch()
@@ -397,3 +408,13 @@ class GradientNormLogger(GradGuardCallback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._noise.detach()  # the noise scale's hooks go with the fit
+
+
+def _step_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any) -> Tensor | None:
+    """The step's training loss from what ``training_step`` returned (a tensor or a dict's ``"loss"``),
+    as one detached float on its device; Lightning divided it by ``accumulate_grad_batches``: undone."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        return None
+    scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+    return (loss.detach().float() * scale).reshape(1)

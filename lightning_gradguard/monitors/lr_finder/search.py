@@ -252,11 +252,18 @@ def _within_one_se(trial: Trial, best: Trial) -> bool:
     return diffs is not None and diffs[0] <= diffs[1]
 
 
+#: a winner must have lowered the held-out loss by this share of its level before training: a classifier
+#: whose trials only learned the class frequencies moves it by a few tenths of a percent on every batch
+#: (the digits MLP of examples/lr_find.py at chance: 2.302 -> 2.293), a sure but empty gain
+LEARNED_SHARE = 0.02
+
+
 def _learned(best: Trial, start: list[float]) -> bool:
-    """Whether the winner's loss lies clearly (two standard errors of the batch-by-batch differences)
-    below the loss before training; ``True`` when there is nothing to compare."""
+    """Whether the winner's loss lies clearly (two standard errors of the batch-by-batch differences) and
+    materially (:data:`LEARNED_SHARE` of the level) below the loss before training; ``True`` when there is
+    nothing to compare."""
     diffs = _differences(list(start), best.batch_losses)
-    return diffs is None or diffs[0] > 2 * diffs[1]
+    return diffs is None or (diffs[0] > 2 * diffs[1] and diffs[0] >= LEARNED_SHARE * abs(_mean(start)))
 
 
 def _differences(a: Sequence[float], b: Sequence[float]) -> tuple[float, float] | None:

@@ -319,3 +319,21 @@ def test_the_schedule_is_read_to_its_end_and_compressed_to_a_trial() -> None:
     assert len(schedule_factors(_configs(warm3), opt3, 0.1, 120)) == 120  # type: ignore[arg-type]
     assert schedule_factors(SimpleNamespace(lr_scheduler_configs=[]), opt3, 0.1, None) == [1.0]  # type: ignore[arg-type]
     assert compressed([1.0], 4) == [1.0] * 4 and compressed([0.5, 1.0], 4) == [0.5, 0.5, 1.0, 1.0]
+
+
+def test_a_winner_that_only_learned_the_class_frequencies_learned_nothing() -> None:
+    """Regression (examples/lr_find.py under another machine's rounding: the trials of a digits MLP sat at
+    chance, 2.302 -> 2.293 on every held-out batch, and the search applied 0.67, past its bracket; the run
+    then stayed at chance): a fall that is sure (every batch) but under 2 % of the level is no learning,
+    and the sweep's suggestion stands."""
+    from lightning_gradguard.monitors.lr_finder.search import _learned
+
+    start = [2.302 + 0.001 * (i % 3) for i in range(8)]
+
+    def trial(fall: float) -> Trial:
+        return Trial(
+            lr=0.5, round=1, steps=54, loss=2.3 - fall, train_loss=2.3, batch_losses=[x - fall for x in start]
+        )
+
+    assert not _learned(trial(0.009), start)  # sure: the same 0.009 on every batch, but 0.4 %
+    assert _learned(trial(0.2), start)  # 9 %: the trials learned

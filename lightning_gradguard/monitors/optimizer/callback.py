@@ -14,6 +14,7 @@ consecutive checks a finding must persist are here.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from lightning_gradguard.core.state import info_once, trainer_state, warn_once
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_float, check_int
+from lightning_gradguard.functional.health import sizeable_share
 from lightning_gradguard.functional.optimizer_state import epsilon_dominated, ratio_outliers
 from lightning_gradguard.monitors.optimizer.measure import (
     OptimizerReading,
@@ -303,6 +305,10 @@ class OptimizerMonitor(GradGuardCallback):
             # layer from step 0); a few layers whose gradient starts tiny (LayerScale's branches, ELECTRA's
             # first query and key) grow out of it within steps: they are judged on the logging steps
             dominated = set()
+        if not _sizeable(dominated, rms, reading.numels):
+            # a sliver whose gradient is tiny by design (Mamba's A_log, a router, a forget gate) learns
+            # slowly while the model learns: the same share as vanishing_gradient's under Adam
+            dominated = set()
         findings = [
             epsilon_finding(layer, rms[layer], m.eps[layer], n)
             for layer, n in self._strike("epsilon", suffix, dominated).items()
@@ -342,6 +348,13 @@ class OptimizerMonitor(GradGuardCallback):
         born = self._born_zero.setdefault(suffix, set())
         born |= {k for k in graded if k not in reading.geometry.update_ratio}  # weight norm 0 before the step
         outliers = {k: x for k, x in outliers.items() if x < 1.0 or k not in born}
+        slow = {k for k, x in outliers.items() if 0.0 < x < 1.0}
+        if not _sizeable(slow, ratios, reading.numels):
+            # layers that move, only far slower than the median, on a sliver of the model: a gradient tiny
+            # by design (a state-space layer's A_log, a router's gate) or weights large by design, not an
+            # lr to blame; a layer that does not move at all (lr 0) and one far above are named whatever
+            # their size
+            outliers = {k: x for k, x in outliers.items() if k not in slow}
         return [
             outlier_finding(layer, ratios[layer], median, self.outlier_factor, n)
             for layer, n in self._strike("outlier", suffix, set(outliers)).items()
@@ -364,3 +377,14 @@ class OptimizerMonitor(GradGuardCallback):
         self._strikes = {k: dict(v) for k, v in state_dict.get("strikes", {}).items()}
         self._born_zero = {k: set(v) for k, v in state_dict.get("born_zero", {}).items()}
         self._scale = ScaleWatch()
+
+
+def _sizeable(found: Collection[str], checked: Collection[str], numels: Mapping[str, int]) -> bool:
+    """Whether the layers ``found`` hold a sizeable share of the entries of the layers ``checked``
+    (:func:`~lightning_gradguard.functional.health.sizeable_share`); without their sizes, yes (the rule
+    judges as before)."""
+    if not found:
+        return False
+    if not numels:
+        return True
+    return sizeable_share(sum(numels.get(k, 0) for k in found), sum(numels.get(k, 0) for k in checked))

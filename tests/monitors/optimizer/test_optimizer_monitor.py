@@ -422,3 +422,41 @@ def test_include_exclude_and_a_cap_select_layers_but_not_the_totals() -> None:
     assert capped.series("optimizer/step_size/across_layers/max") == {
         s: max(full.series(f"optimizer/step_size/{n}")[s] for n in ("net.0", "net.2")) for s in (0, 1)
     }
+
+
+class Gated(Deep):
+    """``gate`` (``rows`` x 32 entries, weights 1) scales the hidden features by ``1 + 1e-8 * gate``: its
+    gradient is about 1e-10, far under Adam's eps, by design (a state-space layer's ``A_log``, a router's
+    gate). One row is a sliver of the model (1.2 % of its entries); 16 rows are 17 %."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(odd_lr=1e-4)
+        self.gate = nn.Parameter(torch.ones(rows, 32))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.net[:6](x) * (1.0 + 1e-8 * self.gate.sum(0))
+        return nn.functional.cross_entropy(self.net[6](h), y)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_sliver_of_tiny_gradients_by_design_is_not_named_and_a_sizeable_share_is(rows: int) -> None:
+    """Found by the sweep of every transformers architecture (Mamba's A_log in Bamba, Falcon-H1 and
+    GraniteMoeHybrid, DeepSeek-V4's routers, Bailing's forget gate, MobileBERT's bottleneck LayerNorm):
+    the share of vanishing_gradient's rule under Adam (functional.health.SLIVER_SHARE) holds for the eps
+    and the outlier rules too; the same gradient on a sizeable share is still named by both."""
+
+    class Gate(pl.Callback):  # the premise, by hand: the gate's RMS gradient and its share of the model
+        rms: list[float] = []
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            self.rms.append(float(module.gate.grad.double().square().mean().sqrt()))
+
+    torch.manual_seed(0)
+    model, gate, monitor = Gated(rows), Gate(), OptimizerMonitor(log_every_n_steps=1)
+    make_trainer([gate, monitor], MemoryLogger()).fit(model, random_loader())
+    share = model.gate.numel() / sum(p.numel() for p in model.parameters())
+    assert max(gate.rms) < 1e-9 and (share < 0.02 if rows == 1 else share > 0.1), (gate.rms, share)
+    named = {a.kind for a in monitor.alerts if a.where == "gate"}
+    assert named == (set() if rows == 1 else {"adam_epsilon_dominates", "update_ratio_outlier"})
+    assert not [a.format() for a in monitor.alerts if a.where != "gate"]

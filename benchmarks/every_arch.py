@@ -547,7 +547,53 @@ class Result:
 def _loader_for(arch: Arch, model: nn.Module) -> DataLoader[Any]:
     if arch.family == "audio":
         return _audio_batch(model)
-    return FAMILIES[arch.family].data()
+    loader = FAMILIES[arch.family].data()
+    swap = _padding_swap(model, arch.family)
+    if swap is None:
+        return loader
+    configs = [model.config] + [getattr(model.config, sub, None) for sub in _SUBCONFIGS]
+    for config in [c for c in configs if c is not None and hasattr(c, "to_dict")]:
+        for key, value in config.to_dict().items():
+            if key.endswith("_token_id") and value in swap:
+                setattr(config, key, swap[1 - swap.index(value)])
+    return _swapped(loader, swap, tokens_in_labels=arch.family != "seq_cls")
+
+
+#: the family's padding token in its batches (the language models' batches have none: an id past them)
+_FAMILY_PAD = {"causal_lm": rm.VOCAB, "seq2seq": rm.PAD, "seq_cls": rm.PAD, "masked_lm": rm.PAD}
+
+
+def _padding_swap(model: nn.Module, family: str) -> tuple[int, int] | None:
+    """``(row, pad)`` when the model's token embedding has a ``padding_idx`` (a row autograd never trains)
+    other than the family's padding token: MPNet's is 1 whatever its config says, the id of our
+    ``[CLS]``. Swapping the two ids in the batch and in the config's token ids leaves the batch the same
+    sentence, with the untrained row read only at padding. ``None``: nothing to swap."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    vocab, pad = getattr(text, "vocab_size", None), _FAMILY_PAD.get(family)
+    if not isinstance(vocab, int) or pad is None:
+        return None
+    rows = {
+        m.padding_idx
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and m.num_embeddings == vocab and m.padding_idx is not None
+    }
+    rows = {r % vocab for r in rows} - {pad}
+    return (min(rows), pad) if rows and pad < vocab else None
+
+
+def _swapped(loader: DataLoader[Any], swap: tuple[int, int], tokens_in_labels: bool) -> DataLoader[Any]:
+    """``loader``'s records with the token ids ``swap`` exchanged (in ``labels`` too where they are tokens):
+    see :func:`_padding_swap` (the caller exchanges them in the config's ``*_token_id`` too)."""
+    a, b = swap
+    records = loader.dataset.tensors  # type: ignore[attr-defined]
+    keys = ("input_ids", "decoder_input_ids") + (("labels",) if tokens_in_labels else ())
+    out = {}
+    for k, t in records.items():
+        out[k] = t.clone()
+        if k in keys:
+            out[k][t == a], out[k][t == b] = b, a
+    return rm._loader(rm.Records(**out), loader.batch_size or 16)
 
 
 def _probe(model: nn.Module, loader: DataLoader[Any]) -> None:

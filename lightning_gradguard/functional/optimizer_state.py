@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,8 @@ class LayerMoments:
         exp_avg_sq_rms: RMS of ``sqrt(v_hat)`` (bias-corrected second moment).
         momentum_norm: 2-norm of SGD's ``momentum_buffer``.
         eps: the ``eps`` of the param group holding most of the layer's entries (Adam family).
+        entries: the entries ``exp_avg_sq_rms`` averages over, per layer: those the Adam family holds (a
+            layer split between optimizers, Muon's matrix beside AdamW's bias, counts its bias only).
     """
 
     exp_avg_norm: dict[str, float]
@@ -115,6 +117,7 @@ class LayerMoments:
     momentum_norm: dict[str, float]
     eps: dict[str, float]
     totals: dict[str, float]
+    entries: dict[str, int] = field(default_factory=dict)
 
 
 def _norms(
@@ -166,6 +169,7 @@ def layer_moments(
         momentum_norm=momentum,
         eps={k: max(w, key=lambda e, w=w: w[e]) for k, w in eps_weight.items()},  # type: ignore[misc]
         totals=totals,
+        entries=count,
     )
 
 

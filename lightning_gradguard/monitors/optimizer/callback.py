@@ -305,9 +305,10 @@ class OptimizerMonitor(GradGuardCallback):
             # layer from step 0); a few layers whose gradient starts tiny (LayerScale's branches, ELECTRA's
             # first query and key) grow out of it within steps: they are judged on the logging steps
             dominated = set()
-        if not _sizeable(dominated, rms, reading.numels):
-            # a sliver whose gradient is tiny by design (Mamba's A_log, a router, a forget gate) learns
-            # slowly while the model learns: the same share as vanishing_gradient's under Adam
+        if not _sizeable(dominated, rms, m.entries):
+            # a sliver whose gradient is tiny by design (Mamba's A_log, a router, a forget gate, a key
+            # bias that softmax ignores) learns slowly while the model learns: the same share as
+            # vanishing_gradient's under Adam, of the entries Adam holds (Muon may hold the rest)
             dominated = set()
         findings = [
             epsilon_finding(layer, rms[layer], m.eps[layer], n)

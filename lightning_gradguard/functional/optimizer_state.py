@@ -22,9 +22,10 @@ the param group of parameter ``i``):
   entries, the typical size of Adam's denominator before ``eps`` is added (``max_exp_avg_sq`` under
   AMSGrad, which is what divides there).
 
-Sampling: a tensor above ``functional.updates.SAMPLE_ENTRIES`` (65 536) entries is measured on an
-odd-strided sample of its entries, the same entries for the weights, the gradient and the optimizer's
-moments; its sums are scaled by ``numel / sampled``. Below that size everything is exact.
+Sampling: a tensor above ``functional.updates.SAMPLE_ENTRIES`` (65 536) entries is measured on a strided
+sample of its entries (a stride coprime with its dimensions), the same entries for the weights, the
+gradient and the optimizer's moments; its sums are scaled by ``numel / sampled``. Below that size
+everything is exact.
 """
 
 from __future__ import annotations

@@ -460,3 +460,49 @@ def test_a_sliver_of_tiny_gradients_by_design_is_not_named_and_a_sizeable_share_
     named = {a.kind for a in monitor.alerts if a.where == "gate"}
     assert named == (set() if rows == 1 else {"adam_epsilon_dominates", "update_ratio_outlier"})
     assert not [a.format() for a in monitor.alerts if a.where != "gate"]
+
+
+class Downsample(pl.LightningModule):
+    """SwiftFormer's last downsampling at 32 px: a 3x3 convolution with stride 2 and padding 1 over 2x2
+    maps, 73 728 entries (over the 65 536-entry sample limit). Its kernel's left column and top row only
+    ever see the padding: a gradient of exact zeros on 5 of its 9 positions, by the geometry alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(64, 128, 3, stride=2, padding=1)
+        self.mid = nn.Linear(128, 32)
+        self.head = nn.Linear(32, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.conv(x.view(len(x), 64, 2, 2)).flatten(1)
+        return nn.functional.cross_entropy(self.head(torch.tanh(self.mid(h))), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_sampled_kernel_is_read_on_every_position_of_it() -> None:
+    """Found by the sweep of every transformers architecture (SwiftFormer): the sample's stride was only
+    odd, 3 here, and a stride of 3 over a 3x3 kernel keeps one column of it, the one that only sees the
+    padding: the layer read an RMS sqrt(v_hat) of 0 (adam_epsilon_dominates) and an update of 0
+    (update_ratio_outlier) while it learned. Now the stride shares no factor with a dimension."""
+
+    class Truth(pl.Callback):  # the conv's RMS of sqrt(v_hat), from Adam's whole state
+        rms: dict[int, float] = {}
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            state = trainer.optimizers[0].state[module.conv.weight]
+            v_hat = state["exp_avg_sq"] / (1 - 0.999 ** float(state["step"]))
+            self.rms[trainer.global_step - 1] = float(v_hat.mean().sqrt())
+
+    logger, truth, monitor = MemoryLogger(), Truth(), OptimizerMonitor(log_every_n_steps=1)
+    make_trainer([truth, monitor], logger).fit(Downsample(), random_loader(features=256))
+    measured = {
+        s: m["optimizer/exp_avg_sq_rms/conv"] for s, m in logger.calls if "optimizer/exp_avg_sq_rms/conv" in m
+    }
+    assert len(measured) == 8 and min(truth.rms.values()) > 1e-4, truth.rms
+    for step, rms in measured.items():  # the layer's bias (128 entries) moves its RMS by under 1 %
+        assert rms == pytest.approx(truth.rms[step], rel=0.05), (step, rms, truth.rms[step])
+    assert not [a.format() for a in monitor.alerts]

@@ -96,7 +96,10 @@ class OptimizerMonitor(GradGuardCallback):
     ``epsilon_ratio * eps``; ``update_ratio_outlier`` when a layer's :math:`\|\Delta w\|/\|w\|` stays more
     than ``outlier_factor`` times above or below the median layer's (above: not for a layer whose weights
     were exactly 0 at a check, e.g. a zero-initialised bias, which moves by about ``1/t`` of its norm at
-    step ``t`` whatever its lr). Each on ``patience`` consecutive checks. ``adam_step_too_large`` on the
+    step ``t`` whatever its lr). Each on ``patience`` consecutive checks; the first, and the second below
+    the median for a layer that still moves, only when such layers hold
+    :data:`~lightning_gradguard.functional.health.SLIVER_SHARE` of the entries the rule compared (a
+    state-space layer's ``A_log``, a router's gate are small by design). ``adam_step_too_large`` on the
     first check where an Adam-family optimizer (Adam, AdamW, NAdam, RAdam) moved an entry by more than
     ``max_adam_step`` times its lr and more than Adam can move one with its betas (``beta2 <= beta1**2``
     leaves the step unbounded); it names ``beta2`` and ``eps``. A step another callback dropped or rolled

@@ -547,7 +547,103 @@ class Result:
 def _loader_for(arch: Arch, model: nn.Module) -> DataLoader[Any]:
     if arch.family == "audio":
         return _audio_batch(model)
-    return FAMILIES[arch.family].data()
+    loader = FAMILIES[arch.family].data()
+    fed = _with_audio(model, loader)
+    if fed is not None:
+        return fed
+    swap = _padding_swap(model, arch.family)
+    if swap is None:
+        return loader
+    configs = [model.config] + [getattr(model.config, sub, None) for sub in _SUBCONFIGS]
+    for config in [c for c in configs if c is not None and hasattr(c, "to_dict")]:
+        for key, value in config.to_dict().items():
+            if key.endswith("_token_id") and value in swap:
+                setattr(config, key, swap[1 - swap.index(value)])
+    return _swapped(loader, swap, tokens_in_labels=arch.family != "seq_cls")
+
+
+#: the config attribute of a multimodal model's audio placeholder token, by the names models give it
+_AUDIO_TOKEN_KEYS = ("audio_token_id", "audio_token_index")
+
+
+def _with_audio(model: nn.Module, loader: DataLoader[Any]) -> DataLoader[Any] | None:
+    """The family's token batches with the model's audio tower fed, for a multimodal model whose
+    ``get_audio_features(input_features, input_features_mask)`` says how many placeholders a clip fills
+    (AudioFlamingo3, GLM-ASR): each sample gets a clip of ``rm.mel_bands`` and as many placeholder tokens
+    before its text; the last placeholder's label is a token naming the clip's band (so the tower has
+    something to learn: a clip the loss ignores leaves its attention without a gradient). The
+    placeholder id of the published model lies beyond the shrunk vocabulary: the embedding grows by one
+    row for it. ``None`` for every other model (the family's
+    batch as it is: a tower it never feeds is ``unused_parameter``'s)."""
+    config = model.config
+    audio, features = getattr(config, "audio_config", None), getattr(model, "get_audio_features", None)
+    key = next((k for k in _AUDIO_TOKEN_KEYS if isinstance(getattr(config, k, None), int)), None)
+    records = getattr(loader.dataset, "tensors", {})
+    if audio is None or features is None or key is None or "input_ids" not in records:
+        return None
+    bins, frames = audio.num_mel_bins, 2 * getattr(audio, "max_source_positions", 32)
+    try:
+        with torch.no_grad():
+            out = features(torch.zeros(1, bins, frames), torch.ones(1, frames, dtype=torch.long))
+    except (TypeError, ValueError, RuntimeError):  # another signature: not fed
+        return None
+    emitted = getattr(out, "pooler_output", None)
+    emitted = emitted if emitted is not None else getattr(out, "last_hidden_state", out)
+    per_clip = emitted.shape[0] if emitted.ndim == 2 else emitted.shape[1]
+    vocab = model.get_input_embeddings().num_embeddings
+    model.resize_token_embeddings(vocab + 1)
+    setattr(config, key, vocab)
+    n = len(records["input_ids"])
+    clips = rm.mel_bands(n=n, bins=bins, frames=frames).dataset.tensors  # type: ignore[attr-defined]
+    ones = torch.ones(n, per_clip, dtype=torch.long)
+    heard = ones * -100
+    heard[:, -1] = records["input_ids"].max() - clips["labels"]  # the clip's band: a content token
+    data = rm.Records(
+        input_ids=torch.cat([ones * vocab, records["input_ids"]], 1),
+        attention_mask=torch.cat([ones, records["attention_mask"]], 1),
+        labels=torch.cat([heard, records["labels"], ones[:, :1] * -100], 1),  # aligned with the ids
+        input_features=clips["input_features"],
+        input_features_mask=torch.ones(n, frames, dtype=torch.long),
+    )
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(data, batch_size=loader.batch_size or 16, shuffle=True, generator=g, drop_last=True)
+
+
+#: the family's padding token in its batches (the language models' batches have none: an id past them)
+_FAMILY_PAD = {"causal_lm": rm.VOCAB, "seq2seq": rm.PAD, "seq_cls": rm.PAD, "masked_lm": rm.PAD}
+
+
+def _padding_swap(model: nn.Module, family: str) -> tuple[int, int] | None:
+    """``(row, pad)`` when the model's token embedding has a ``padding_idx`` (a row autograd never trains)
+    other than the family's padding token: MPNet's is 1 whatever its config says, the id of our
+    ``[CLS]``. Swapping the two ids in the batch and in the config's token ids leaves the batch the same
+    sentence, with the untrained row read only at padding. ``None``: nothing to swap."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    vocab, pad = getattr(text, "vocab_size", None), _FAMILY_PAD.get(family)
+    if not isinstance(vocab, int) or pad is None:
+        return None
+    rows = {
+        m.padding_idx
+        for m in model.modules()
+        if isinstance(m, nn.Embedding) and m.num_embeddings == vocab and m.padding_idx is not None
+    }
+    rows = {r % vocab for r in rows} - {pad}
+    return (min(rows), pad) if rows and pad < vocab else None
+
+
+def _swapped(loader: DataLoader[Any], swap: tuple[int, int], tokens_in_labels: bool) -> DataLoader[Any]:
+    """``loader``'s records with the token ids ``swap`` exchanged (in ``labels`` too where they are tokens):
+    see :func:`_padding_swap` (the caller exchanges them in the config's ``*_token_id`` too)."""
+    a, b = swap
+    records = loader.dataset.tensors  # type: ignore[attr-defined]
+    keys = ("input_ids", "decoder_input_ids") + (("labels",) if tokens_in_labels else ())
+    out = {}
+    for k, t in records.items():
+        out[k] = t.clone()
+        if k in keys:
+            out[k][t == a], out[k][t == b] = b, a
+    return rm._loader(rm.Records(**out), loader.batch_size or 16)
 
 
 def _probe(model: nn.Module, loader: DataLoader[Any]) -> None:

@@ -190,7 +190,7 @@ class UpdateSample:
     """The update one optimizer step applies, sampled once for every monitor that asks.
 
     Made before ``optimizer.step()`` from this rank's weights (its pieces under sharding): a copy of every
-    parameter, or of an odd-strided sample of ``SAMPLE_ENTRIES`` of its entries when it is larger
+    parameter, or of a strided sample of ``SAMPLE_ENTRIES`` of its entries when it is larger
     (:func:`~lightning_gradguard.functional.updates.weight_snapshot`); :meth:`sample_grads` adds the
     gradient at the same entries. Read after the step: :meth:`norms` (``||delta w||`` per parameter, scaled
     up from the sample) and :meth:`grad_geometry`. The copies are dropped with the step's statistics.

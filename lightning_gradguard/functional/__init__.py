@@ -37,6 +37,7 @@ from lightning_gradguard.functional.gradcheck import (
 )
 from lightning_gradguard.functional.health import (
     SATURATION_BOUNDS,
+    SLIVER_SHARE,
     activity_counts,
     dead_units,
     depth_ratio,
@@ -46,6 +47,7 @@ from lightning_gradguard.functional.health import (
     log10_norms,
     robust_baseline,
     saturation_counts,
+    sizeable_share,
     spike_ratio,
     unit_dim,
 )
@@ -80,6 +82,7 @@ from lightning_gradguard.functional.stats import (
 
 __all__ = [
     "SATURATION_BOUNDS",
+    "SLIVER_SHARE",
     "SUGGESTION_METHODS",
     "DirectionalResult",
     "FiniteDifferenceResult",
@@ -114,6 +117,7 @@ __all__ = [
     "robust_baseline",
     "sample_coordinates",
     "saturation_counts",
+    "sizeable_share",
     "spike_ratio",
     "suggest_all",
     "suggest_clip_value",

@@ -178,8 +178,15 @@ def finite_difference_check(
     *,
     eps: float = 1e-6,
     tiny: float | None = None,
+    tolerance: float | None = None,
 ) -> FiniteDifferenceResult:
     """Compare ``grad`` with ``(L(θ + ε e_i) - L(θ - ε e_i)) / (2 ε)`` at the flat ``indices`` of ``param``.
+
+    With ``tolerance``, a coordinate whose error is above it is measured again with a step
+    :data:`RECHECK_SHRINK` times ``ε`` and keeps the smaller of its two errors: a loss curved on the scale
+    of ``ε`` (a LayerNorm over a row that starts at 0, a zero-initialized class token: its scale is
+    ``sqrt(eps_LN)``) puts the symmetric difference outside its linear regime, and the smaller step, with
+    a truncation error 100x smaller, agrees with a correct gradient; a wrong gradient disagrees at both.
 
     Args:
         loss_fn: recomputes the scalar loss from the current value of ``param``.
@@ -189,27 +196,24 @@ def finite_difference_check(
         eps: the step, relative: coordinate ``i`` moves by ``eps * max(1, |θ_i|)``.
         tiny: the denominator floor of the relative error. Default: the larger of ``1e-8`` and the
             rounding noise of the estimate (``1e4 * eps64 * |L| / ε``), so two gradients that are both
-            at rounding level do not count as a mismatch.
+            at rounding level do not count as a mismatch (at the smaller step: its own, 10x larger).
+        tolerance: the error above which a coordinate is measured again (``None``: never).
 
     Returns:
-        A :class:`FiniteDifferenceResult`.
+        A :class:`FiniteDifferenceResult` (``numeric``: the estimate of the step whose error was kept).
     """
     if eps <= 0:
         raise ValueError(f"`eps` must be > 0; got {eps!r}")
+    if tolerance is not None and not tolerance > 0:
+        raise ValueError(f"`tolerance` must be > 0 or None; got {tolerance!r}")
     if not param.is_contiguous():
         raise ValueError("`param` must be contiguous to be perturbed coordinate by coordinate")
     flat = param.detach().view(-1)
     g = grad.detach().reshape(-1) if grad is not None else None
     base = loss_value(loss_fn)
-    moves = [_coordinate_difference(loss_fn, flat, i, eps) for i in indices]
-    numeric = [(plus - minus) / (2 * step) for plus, minus, step in moves]
     analytic = [float(g[i]) if g is not None else 0.0 for i in indices]
-    if tiny is None:
-        tiny = _noise_floor(base, eps)
-    errors = [
-        slope_error(a, plus, minus, base, step, tiny)
-        for a, (plus, minus, step) in zip(analytic, moves, strict=True)
-    ]
+    used = tiny if tiny is not None else _noise_floor(base, eps)
+    numeric, errors, evaluations = _coordinate_errors(loss_fn, flat, indices, g, base, eps, used, tolerance)
     worst = max(range(len(errors)), key=errors.__getitem__) if errors else -1
     return FiniteDifferenceResult(
         indices=[int(i) for i in indices],
@@ -218,9 +222,47 @@ def finite_difference_check(
         errors=errors,
         max_error=errors[worst] if errors else 0.0,
         worst=worst,
-        tiny=tiny,
-        evaluations=1 + 2 * len(numeric),
+        tiny=used,
+        evaluations=1 + evaluations,
     )
+
+
+def _coordinate_errors(
+    loss_fn: LossFn,
+    flat: Tensor,
+    indices: Sequence[int],
+    grad: Tensor | None,
+    base: float,
+    eps: float,
+    tiny: float,
+    tolerance: float | None,
+) -> tuple[list[float], list[float], int]:
+    """:func:`finite_difference_check`'s estimates and errors at ``indices`` (each coordinate above
+    ``tolerance`` measured again with the smaller step), and the evaluations spent."""
+    measured = [_coordinate_error(loss_fn, flat, i, grad, base, eps, tiny) for i in indices]
+    numeric, errors = [n for n, _ in measured], [e for _, e in measured]
+    again = [j for j, e in enumerate(errors) if tolerance is not None and e > tolerance]
+    small = eps * RECHECK_SHRINK
+    floor = max(tiny, _noise_floor(base, small))  # the smaller step's own rounding noise
+    for j in again:  # outside the linear regime, or wrong
+        n, e = _coordinate_error(loss_fn, flat, indices[j], grad, base, small, floor)
+        if e < errors[j]:  # a wrong gradient disagrees at both steps
+            numeric[j], errors[j] = n, e
+    return numeric, errors, 2 * (len(indices) + len(again))
+
+
+#: the step, relative to ``eps``, at which :func:`finite_difference_check` measures a coordinate again
+RECHECK_SHRINK = 0.1
+
+
+def _coordinate_error(
+    loss_fn: LossFn, flat: Tensor, i: int, grad: Tensor | None, base: float, eps: float, tiny: float
+) -> tuple[float, float]:
+    """The symmetric difference at coordinate ``i`` with the relative step ``eps``, and its
+    :func:`slope_error` against the flat gradient ``grad`` there (``None``: zero)."""
+    plus, minus, step = _coordinate_difference(loss_fn, flat, i, eps)
+    analytic = float(grad[i]) if grad is not None else 0.0
+    return (plus - minus) / (2 * step), slope_error(analytic, plus, minus, base, step, tiny)
 
 
 def _coordinate_difference(loss_fn: LossFn, flat: Tensor, i: int, eps: float) -> tuple[float, float, float]:

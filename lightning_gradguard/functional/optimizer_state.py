@@ -22,9 +22,10 @@ the param group of parameter ``i``):
   entries, the typical size of Adam's denominator before ``eps`` is added (``max_exp_avg_sq`` under
   AMSGrad, which is what divides there).
 
-Sampling: a tensor above ``functional.updates.SAMPLE_ENTRIES`` (65 536) entries is measured on an
-odd-strided sample of its entries, the same entries for the weights, the gradient and the optimizer's
-moments; its sums are scaled by ``numel / sampled``. Below that size everything is exact.
+Sampling: a tensor above ``functional.updates.SAMPLE_ENTRIES`` (65 536) entries is measured on a strided
+sample of its entries (a stride coprime with its dimensions), the same entries for the weights, the
+gradient and the optimizer's moments; its sums are scaled by ``numel / sampled``. Below that size
+everything is exact.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ class LayerMoments:
         exp_avg_sq_rms: RMS of ``sqrt(v_hat)`` (bias-corrected second moment).
         momentum_norm: 2-norm of SGD's ``momentum_buffer``.
         eps: the ``eps`` of the param group holding most of the layer's entries (Adam family).
+        entries: the entries ``exp_avg_sq_rms`` averages over, per layer: those the Adam family holds (a
+            layer split between optimizers, Muon's matrix beside AdamW's bias, counts its bias only).
     """
 
     exp_avg_norm: dict[str, float]
@@ -115,6 +118,7 @@ class LayerMoments:
     momentum_norm: dict[str, float]
     eps: dict[str, float]
     totals: dict[str, float]
+    entries: dict[str, int] = field(default_factory=dict)
 
 
 def _norms(
@@ -166,6 +170,7 @@ def layer_moments(
         momentum_norm=momentum,
         eps={k: max(w, key=lambda e, w=w: w[e]) for k, w in eps_weight.items()},  # type: ignore[misc]
         totals=totals,
+        entries=count,
     )
 
 

@@ -6,7 +6,8 @@ divide with :func:`update_ratio`. About ``1e-3`` is the rule of thumb for a heal
 small models sit higher (2e-3 to 2e-2 on the digits models of ``docs/optimizer.md``).
 
 A tensor with more than ``max_entries`` entries is not copied whole: the snapshot keeps an evenly strided
-sample of it (an odd stride, so the sample does not fall on a few columns of a power-of-two-wide matrix), and
+sample of it (a stride coprime with each of its dimensions, so the sample does not fall on a few columns of a
+power-of-two-wide matrix or a few positions of a 3x3 kernel), and
 its update norm is the sample's scaled by ``(numel / sampled) ** (1 / p)``. With ``SAMPLE_ENTRIES`` = 65 536
 entries (256 KB per float32 tensor) the estimate's relative error is about ``1 / sqrt(2 * 65536)`` = 0.3 % for
 dense updates (a 1024 x 600 layer sampled with stride 11: 0.1-0.4 % in the tests); a sparse one (a few rows or
@@ -66,11 +67,19 @@ class WeightSnapshot:
     scales: list[float]
 
 
-def _stride(numel: int, max_entries: int | None) -> int:
+def _stride(shape: Sequence[int], max_entries: int | None) -> int:
+    """The smallest stride that keeps at most ``max_entries`` of a tensor of ``shape`` and shares no factor
+    with any of its dimensions: the flat indices ``0, k, 2k, ...`` then visit every position of every
+    trailing block alike. A stride that shares one aliases with the layout: stride 3 on a 3x3 kernel keeps
+    only its left column, which a 2x2 input under padding 1 never reaches (SwiftFormer's last downsampling
+    at 32 px: a gradient of exact zeros on the sample of a layer that learns)."""
+    numel = math.prod(shape)
     if max_entries is None or numel <= max_entries:
         return 1
     k = -(-numel // max_entries)
-    return k if k % 2 else k + 1
+    while any(math.gcd(k, d) != 1 for d in shape if d > 1):
+        k += 1
+    return k
 
 
 def sampled(tensors: Sequence[Tensor], strides: Sequence[int]) -> list[Tensor]:
@@ -90,7 +99,7 @@ def weight_snapshot(params: Sequence[Tensor], max_entries: int | None = SAMPLE_E
     """A copy of the parameters' values (one fused kernel), sampled above ``max_entries`` entries
     (``None``: every tensor whole)."""
     numels = [p.numel() for p in params]
-    strides = [1 if max_entries is None or n <= max_entries else _stride(n, max_entries) for n in numels]
+    strides = [_stride(p.shape, max_entries) for p in params]
     values = list(torch._foreach_mul(sampled(params, strides), 1.0))
     scales = [n / max(1, v.numel()) for n, v in zip(numels, values, strict=True)]
     return WeightSnapshot(values, strides, scales)

@@ -226,3 +226,16 @@ def test_sparse_gradients_have_the_norms_of_their_dense_form() -> None:
     assert nonfinite_counts([grad]).tolist() == [0]
     spec = device_histograms([grad], bins=4)
     assert spec.stats[0, 2] == 12  # the stored values of rows 1, 3 and 7 (row 3 coalesced), not the zeros
+
+
+def test_layer_moments_counts_the_entries_adam_holds_per_layer() -> None:
+    """A layer split between optimizers (Muon's matrix, AdamW's bias: one state for both in the sweep's
+    ViT + Muon) is averaged, and counted, over the entries with a second moment only: the eps rule weighs
+    a layer by those (a key bias that softmax ignores is 64 entries, not the 4160 of its layer)."""
+    from lightning_gradguard.functional.optimizer_state import layer_moments
+
+    labels, index = ["k_proj", "norm"], [0, 0, 1]  # k_proj.weight, k_proj.bias, norm.weight
+    second = {1: (64 * 1e-20, 64, 1.0, 1e-8), 2: (32 * 1e-6, 32, 1.0, 1e-8)}  # sum(v), numel, 1-b2^t, eps
+    m = layer_moments(labels, index, {}, {}, second)
+    assert m.entries == {"k_proj": 64, "norm": 32}
+    assert m.exp_avg_sq_rms == pytest.approx({"k_proj": 1e-10, "norm": 1e-3})

@@ -29,6 +29,12 @@ FAST: dict[str, str] = {
     "causal_lm:gpt2+adafactor": "an optimizer that sets its own step",
     # torch's Muon on the matrices: every step rewrites a few percent of them by design (warmup_missing)
     "causal_lm:gpt2+muon": "an orthogonalized update",
+    # the key biases (which softmax ignores: gradients of 1e-10) are AdamW's beside Muon's matrices: the eps
+    # rule weighed them by their whole layers (adam_epsilon_dominates), not by the entries Adam holds
+    "image:vit+muon": "a sliver of tiny gradients under Adam, in a layer split between optimizers",
+    # a zero-initialized class token under a LayerNorm with eps=1e-12: finite differences at 1e-6 sat
+    # outside their linear regime (gradient_mismatch on the class token until a second, smaller step)
+    "image:beit": "finite differences outside their linear regime",
 }
 
 

@@ -14,6 +14,7 @@ consecutive checks a finding must persist are here.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from lightning_gradguard.core.state import info_once, trainer_state, warn_once
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_float, check_int
+from lightning_gradguard.functional.health import sizeable_share
 from lightning_gradguard.functional.optimizer_state import epsilon_dominated, ratio_outliers
 from lightning_gradguard.monitors.optimizer.measure import (
     OptimizerReading,
@@ -94,7 +96,10 @@ class OptimizerMonitor(GradGuardCallback):
     ``epsilon_ratio * eps``; ``update_ratio_outlier`` when a layer's :math:`\|\Delta w\|/\|w\|` stays more
     than ``outlier_factor`` times above or below the median layer's (above: not for a layer whose weights
     were exactly 0 at a check, e.g. a zero-initialised bias, which moves by about ``1/t`` of its norm at
-    step ``t`` whatever its lr). Each on ``patience`` consecutive checks. ``adam_step_too_large`` on the
+    step ``t`` whatever its lr). Each on ``patience`` consecutive checks; the first, and the second below
+    the median for a layer that still moves, only when such layers hold
+    :data:`~lightning_gradguard.functional.health.SLIVER_SHARE` of the entries the rule compared (a
+    state-space layer's ``A_log``, a router's gate are small by design). ``adam_step_too_large`` on the
     first check where an Adam-family optimizer (Adam, AdamW, NAdam, RAdam) moved an entry by more than
     ``max_adam_step`` times its lr and more than Adam can move one with its betas (``beta2 <= beta1**2``
     leaves the step unbounded); it names ``beta2`` and ``eps``. A step another callback dropped or rolled
@@ -303,6 +308,11 @@ class OptimizerMonitor(GradGuardCallback):
             # layer from step 0); a few layers whose gradient starts tiny (LayerScale's branches, ELECTRA's
             # first query and key) grow out of it within steps: they are judged on the logging steps
             dominated = set()
+        if not _sizeable(dominated, rms, m.entries):
+            # a sliver whose gradient is tiny by design (Mamba's A_log, a router, a forget gate, a key
+            # bias that softmax ignores) learns slowly while the model learns: the same share as
+            # vanishing_gradient's under Adam, of the entries Adam holds (Muon may hold the rest)
+            dominated = set()
         findings = [
             epsilon_finding(layer, rms[layer], m.eps[layer], n)
             for layer, n in self._strike("epsilon", suffix, dominated).items()
@@ -342,6 +352,13 @@ class OptimizerMonitor(GradGuardCallback):
         born = self._born_zero.setdefault(suffix, set())
         born |= {k for k in graded if k not in reading.geometry.update_ratio}  # weight norm 0 before the step
         outliers = {k: x for k, x in outliers.items() if x < 1.0 or k not in born}
+        slow = {k for k, x in outliers.items() if 0.0 < x < 1.0}
+        if not _sizeable(slow, ratios, reading.numels):
+            # layers that move, only far slower than the median, on a sliver of the model: a gradient tiny
+            # by design (a state-space layer's A_log, a router's gate) or weights large by design, not an
+            # lr to blame; a layer that does not move at all (lr 0) and one far above are named whatever
+            # their size
+            outliers = {k: x for k, x in outliers.items() if k not in slow}
         return [
             outlier_finding(layer, ratios[layer], median, self.outlier_factor, n)
             for layer, n in self._strike("outlier", suffix, set(outliers)).items()
@@ -364,3 +381,14 @@ class OptimizerMonitor(GradGuardCallback):
         self._strikes = {k: dict(v) for k, v in state_dict.get("strikes", {}).items()}
         self._born_zero = {k: set(v) for k, v in state_dict.get("born_zero", {}).items()}
         self._scale = ScaleWatch()
+
+
+def _sizeable(found: Collection[str], checked: Collection[str], numels: Mapping[str, int]) -> bool:
+    """Whether the layers ``found`` hold a sizeable share of the entries of the layers ``checked``
+    (:func:`~lightning_gradguard.functional.health.sizeable_share`); without their sizes, yes (the rule
+    judges as before)."""
+    if not found:
+        return False
+    if not numels:
+        return True
+    return sizeable_share(sum(numels.get(k, 0) for k in found), sum(numels.get(k, 0) for k in checked))

@@ -109,6 +109,7 @@ class OptimizerReading:
     ``keeps`` names the moment families found in the optimizer's state (``"exp_avg"``,
     ``"exp_avg_sq"``, ``"momentum_buffer"``); empty for an optimizer we do not read (LBFGS, Adagrad, ...).
     ``graded`` lists the layers that had a non-zero gradient this step. ``adam_steps``: the Adam family only.
+    ``numels``: the entries of each layer (a rule weighs the layers it found against those it checked).
     """
 
     step: int
@@ -117,6 +118,7 @@ class OptimizerReading:
     keeps: frozenset[str]
     graded: frozenset[str]
     adam_steps: dict[str, AdamStep] = field(default_factory=dict)
+    numels: dict[str, int] = field(default_factory=dict)
 
 
 def reading_scalars(reading: OptimizerReading, layers: LayerSelection, suffix: str = "") -> dict[str, float]:
@@ -277,8 +279,11 @@ class OptimizerSample:
                 for (i, decay), w in zip(self._decay.items(), v["weight_max"].tolist(), strict=True):
                     update_max[i] = max(0.0, update_max[i] - lrs[i] * decay * w)
             adam = self._adam_steps(update_max, lrs, steps)
+        numels: dict[str, int] = {}
+        for p, j in zip(self.params, self.index, strict=True):  # sizes only: no device read
+            numels[self.labels[j]] = numels.get(self.labels[j], 0) + p.numel()
         return OptimizerReading(
-            self.stats.step, geometry, self._read_moments(v, steps), self.keeps, graded, adam
+            self.stats.step, geometry, self._read_moments(v, steps), self.keeps, graded, adam, numels
         )
 
     def _read_moments(self, v: dict[str, Tensor], steps: dict[int, float]) -> LayerMoments:

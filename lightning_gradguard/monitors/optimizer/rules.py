@@ -42,7 +42,9 @@ ADAM_EPSILON_DOMINATES = Rule(
     when=(
         "a layer's RMS of sqrt(v_hat) (Adam family) stayed below `epsilon_ratio` × `eps` on "  # noqa: RUF001
         "`patience` consecutive checks: `eps` dominates the denominator and the layer's steps "
-        "shrink. The hint: lower `eps` or fix the gradient's scale. See "
+        "shrink; when such layers hold 5 % of the checked entries or more (a state-space layer's "
+        "A_log, a router's gate are small by design). The hint: lower `eps` or fix the gradient's "
+        "scale. See "
         "[OptimizerMonitor](optimizer.md)."
     ),
     hint=(
@@ -85,7 +87,9 @@ UPDATE_RATIO_OUTLIER = Rule(
     summary="a layer's update/weight ratio is far from the median layer's (OptimizerMonitor)",
     when=(
         "a layer's update/weight ratio stayed more than `outlier_factor` (300) times above or below"
-        " the median layer's on `patience` consecutive checks; the hint names the likely cause (its"
+        " the median layer's on `patience` consecutive checks (below it: when such layers, still "
+        "moving, hold 5 % of the compared entries or more; a layer that does not move at all is "
+        "named whatever its size); the hint names the likely cause (its"
         " param group's lr, a frozen-by-mistake layer, weight decay, a sparse layer)."
     ),
     check=outlier_finding,

@@ -65,7 +65,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from lightning_gradguard.alerts import Finding, Rule, declare
-from lightning_gradguard.functional.health import depth_ratio, flow_values, growth_factor, spike_ratio
+from lightning_gradguard.functional.health import (
+    depth_ratio,
+    flow_values,
+    growth_factor,
+    sizeable_share,
+    spike_ratio,
+)
 from lightning_gradguard.functional.stats import suggest_clip_value
 
 _MAX_NAMED = 5
@@ -92,10 +98,9 @@ class VerdictRules:
 
 #: under an adaptive optimizer a layer vanishes below this fraction of its ``eps`` (steps <= 1/11 of lr)
 ADAPTIVE_FLOOR = 0.1
-#: ... when the layers under the floor hold at least this share of the checked entries: a few parameters
-#: whose gradient is tiny by design (a state-space layer's A_log and dt_bias, a router's gate, a linear
-#: attention's forget gate: 0.03-3.8 % of the shrunk models of the sweep) learn slowly while the model learns
-ADAPTIVE_SHARE = 0.05
+#: ... when the layers under the floor are a sizeable share of the checked entries
+#: (``functional.health.SLIVER_SHARE``): a sliver whose gradient is tiny by design learns slowly while the
+#: model learns
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -458,14 +463,14 @@ def _depth_ratio(
 
 def _adaptive_floor(c: _Check, ctx: StepContext, embeddings: Collection[str]) -> tuple[list[str], set[int]]:
     """Under an adaptive optimizer: the layers whose RMS gradient is under :data:`ADAPTIVE_FLOOR` of its
-    ``eps`` (not an opening layer, not an embedding table), when they hold :data:`ADAPTIVE_SHARE` of the
-    checked entries or more."""
+    ``eps`` (not an opening layer, not an embedding table), when they hold
+    :data:`~lightning_gradguard.functional.health.SLIVER_SHARE` of the checked entries or more."""
     assert ctx.eps is not None
     floor = ADAPTIVE_FLOOR * ctx.eps
     live = [i for i in c.groups[0] if c.labels[i] not in embeddings]
     rms = {i: c.values[i] / math.sqrt(max(c.numels[i], 1)) for i in live}
     under = [i for i in live if rms[i] < floor]
-    if not under or sum(c.numels[i] for i in under) < ADAPTIVE_SHARE * sum(c.numels[i] for i in live):
+    if not sizeable_share(sum(c.numels[i] for i in under), sum(c.numels[i] for i in live)):
         return [], set()  # none, or a few parameters small by design
     reason = (
         f"RMS gradient under {ADAPTIVE_FLOOR:g} x eps = {floor:.2g} of {ctx.optimizer}, whose steps on these "

@@ -422,3 +422,87 @@ def test_include_exclude_and_a_cap_select_layers_but_not_the_totals() -> None:
     assert capped.series("optimizer/step_size/across_layers/max") == {
         s: max(full.series(f"optimizer/step_size/{n}")[s] for n in ("net.0", "net.2")) for s in (0, 1)
     }
+
+
+class Gated(Deep):
+    """``gate`` (``rows`` x 32 entries, weights 1) scales the hidden features by ``1 + 1e-8 * gate``: its
+    gradient is about 1e-10, far under Adam's eps, by design (a state-space layer's ``A_log``, a router's
+    gate). One row is a sliver of the model (1.2 % of its entries); 16 rows are 17 %."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(odd_lr=1e-4)
+        self.gate = nn.Parameter(torch.ones(rows, 32))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.net[:6](x) * (1.0 + 1e-8 * self.gate.sum(0))
+        return nn.functional.cross_entropy(self.net[6](h), y)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_a_sliver_of_tiny_gradients_by_design_is_not_named_and_a_sizeable_share_is(rows: int) -> None:
+    """Found by the sweep of every transformers architecture (Mamba's A_log in Bamba, Falcon-H1 and
+    GraniteMoeHybrid, DeepSeek-V4's routers, Bailing's forget gate, MobileBERT's bottleneck LayerNorm):
+    the share of vanishing_gradient's rule under Adam (functional.health.SLIVER_SHARE) holds for the eps
+    and the outlier rules too; the same gradient on a sizeable share is still named by both."""
+
+    class Gate(pl.Callback):  # the premise, by hand: the gate's RMS gradient and its share of the model
+        rms: list[float] = []
+
+        def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+            self.rms.append(float(module.gate.grad.double().square().mean().sqrt()))
+
+    torch.manual_seed(0)
+    model, gate, monitor = Gated(rows), Gate(), OptimizerMonitor(log_every_n_steps=1)
+    make_trainer([gate, monitor], MemoryLogger()).fit(model, random_loader())
+    share = model.gate.numel() / sum(p.numel() for p in model.parameters())
+    assert max(gate.rms) < 1e-9 and (share < 0.02 if rows == 1 else share > 0.1), (gate.rms, share)
+    named = {a.kind for a in monitor.alerts if a.where == "gate"}
+    assert named == (set() if rows == 1 else {"adam_epsilon_dominates", "update_ratio_outlier"})
+    assert not [a.format() for a in monitor.alerts if a.where != "gate"]
+
+
+class Downsample(pl.LightningModule):
+    """SwiftFormer's last downsampling at 32 px: a 3x3 convolution with stride 2 and padding 1 over 2x2
+    maps, 73 728 entries (over the 65 536-entry sample limit). Its kernel's left column and top row only
+    ever see the padding: a gradient of exact zeros on 5 of its 9 positions, by the geometry alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(64, 128, 3, stride=2, padding=1)
+        self.mid = nn.Linear(128, 32)
+        self.head = nn.Linear(32, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.conv(x.view(len(x), 64, 2, 2)).flatten(1)
+        return nn.functional.cross_entropy(self.head(torch.tanh(self.mid(h))), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def test_a_sampled_kernel_is_read_on_every_position_of_it() -> None:
+    """Found by the sweep of every transformers architecture (SwiftFormer): the sample's stride was only
+    odd, 3 here, and a stride of 3 over a 3x3 kernel keeps one column of it, the one that only sees the
+    padding: the layer read an RMS sqrt(v_hat) of 0 (adam_epsilon_dominates) and an update of 0
+    (update_ratio_outlier) while it learned. Now the stride shares no factor with a dimension."""
+
+    class Truth(pl.Callback):  # the conv's RMS of sqrt(v_hat), from Adam's whole state
+        rms: dict[int, float] = {}
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            state = trainer.optimizers[0].state[module.conv.weight]
+            v_hat = state["exp_avg_sq"] / (1 - 0.999 ** float(state["step"]))
+            self.rms[trainer.global_step - 1] = float(v_hat.mean().sqrt())
+
+    logger, truth, monitor = MemoryLogger(), Truth(), OptimizerMonitor(log_every_n_steps=1)
+    make_trainer([truth, monitor], logger).fit(Downsample(), random_loader(features=256))
+    measured = {
+        s: m["optimizer/exp_avg_sq_rms/conv"] for s, m in logger.calls if "optimizer/exp_avg_sq_rms/conv" in m
+    }
+    assert len(measured) == 8 and min(truth.rms.values()) > 1e-4, truth.rms
+    for step, rms in measured.items():  # the layer's bias (128 entries) moves its RMS by under 1 %
+        assert rms == pytest.approx(truth.rms[step], rel=0.05), (step, rms, truth.rms[step])
+    assert not [a.format() for a in monitor.alerts]

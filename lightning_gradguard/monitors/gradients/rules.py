@@ -208,9 +208,9 @@ UPDATE_RATIO_HIGH = Rule(
     when=(
         "the total update/weight ratio stayed above `max_update_ratio` (0.03, 30x the ~1e-3 of "
         "CS231n) on 3 logging checks in a row spanning 20 steps or more, from step 20 on, while the "
-        "loss did not fall by a tenth over those checks to a tenth below its first (a high ratio the "
-        "loss follows down is a fast learner: a BatchNorm CNN at SGD 0.5, whose loss falls faster than"
-        " at 0.05; a pick of LRFinderPlus's search); names the"
+        "loss (the median of the last three logging steps') is not a tenth below the run's first: a "
+        "high ratio at which the run learns is a fast learner's (a BatchNorm CNN at SGD 0.5, whose "
+        "loss falls faster than at 0.05; a pick of LRFinderPlus's search); names the"
         " learning rate and suggests one (the weight decay instead, when `lr · weight_decay` alone "
         "is half the ratio or more). Measured: healthy digits runs held at most 0.024 for 20 steps "
         "(0.020 without the fine-tuned head at Adam 1e-2: an LSTM at Adam 3e-3), SGD at 10x its lr "

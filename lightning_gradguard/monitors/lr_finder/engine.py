@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch import Tensor
 
 from lightning_gradguard.core.batch import prepare_batch
-from lightning_gradguard.core.lr import group_lr, rescale_learning_rates
+from lightning_gradguard.core.lr import clip_setting, group_lr, rescale_learning_rates
 from lightning_gradguard.core.snapshot import RNGState, TrainingSnapshot, train_loader_generators
 from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.stats import active_scaler
@@ -373,7 +373,7 @@ class RangeTest:
         optimizer steps (a float: that share of the first epoch's); too small a budget for
         ``MIN_TRIAL_STEPS``-step trials is said in ``result.search.reason``. The caller restores
         everything afterwards."""
-        span = bracket(result, schedule)
+        span = bracket(result, schedule, clipped=clip_setting(trainer) is not None)
         if span is None:
             return
         budget = self.search_budget(trainer)

@@ -200,9 +200,10 @@ class ScheduleCopy:
     """The Trainer's schedulers of ``optimizer``, deep-copied onto a stand-in optimizer (copies of its
     param groups, without their parameters): stepped ahead, they give the LRs the run will get, and the
     run's optimizer, schedulers, model and random state are never touched. ``readable`` is False for a
-    ``ReduceLROnPlateau`` (it follows a metric) or a group without a numeric LR (Adafactor's relative
-    step). What a scheduler reads besides its own count (a ``LambdaLR`` reading ``trainer.global_step``)
-    is read as it is now: the caller confirms against the LRs the run really used where it matters."""
+    ``ReduceLROnPlateau`` (it follows a metric), a group without a numeric LR (Adafactor's relative
+    step) or a scheduler that cannot be copied (it holds a lock, say). What a scheduler reads besides its
+    own count (a ``LambdaLR`` reading ``trainer.global_step``) is read as it is now: the caller confirms
+    against the LRs the run really used where it matters."""
 
     def __init__(self, trainer: pl.Trainer, optimizer: Any, module: Any = None) -> None:
         self.configs = [
@@ -217,7 +218,12 @@ class ScheduleCopy:
         if module is not None:  # a LambdaLR on a bound method of the module: the module is not copied
             memo[id(module)] = module
         memo.update({id(p): p for g in groups for p in g["params"]})
-        self.schedulers = copy.deepcopy([c.scheduler for c in self.configs], memo) if self.readable else []
+        self.schedulers: list[Any] = []
+        if self.readable:
+            try:
+                self.schedulers = copy.deepcopy([c.scheduler for c in self.configs], memo)
+            except Exception:  # a scheduler holding what cannot be copied (a lock, a generator): unread
+                self.readable = False
 
     def lrs(self) -> list[float]:
         """Every param group's LR now (0 for a group without a numeric one)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -187,3 +188,18 @@ def test_a_schedule_read_past_its_end_gives_what_it_read_and_the_run_is_untouche
         and lrs[0] == pytest.approx(opt.param_groups[0]["lr"])
     )
     assert sched.state_dict() == before[0] and [dict(g, params=None) for g in opt.param_groups] == before[1]
+
+
+def test_a_scheduler_that_cannot_be_copied_is_not_read_ahead_and_the_rest_is() -> None:
+    """A scheduler holding a lock cannot be deep-copied: the schedule is not read ahead (no verdict on
+    it, no failure of the check), and the dropout rates are still read."""
+
+    def locked(model: Any, opt: torch.optim.Optimizer) -> Any:
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        scheduler.lock = threading.Lock()  # type: ignore[attr-defined]
+        return scheduler
+
+    detector = run(Set(sgd, locked, dropout=0.9), 10)
+    assert [a.kind for a in detector.alerts if a.step <= 2] == ["dropout_too_high"]
+    assert detector.last_check is not None and detector.last_check.ahead is not None
+    assert list(detector.last_check.ahead.lrs) == []

@@ -6,6 +6,8 @@ Every gradguard chart is written at the step Lightning logs its own training met
 A detection rule checks on the same rule after a dense start (:func:`check_due`): a fault visible at step 0
 is named within a few steps, not at the cadence's third check. A callback tests its cadence with these
 functions only (or ``GradGuardCallback`` methods built on them), never with its own ``step % n``.
+:func:`steps_per_epoch` is the optimizer steps an epoch holds (a schedule stepped per epoch, a share of
+an epoch as a budget).
 """
 
 from __future__ import annotations
@@ -87,3 +89,12 @@ def optimizer_index(trainer: pl.Trainer, optimizer: Any) -> int:
         if candidate is opt or getattr(candidate, "optimizer", None) is opt:
             return i
     return 0
+
+
+def steps_per_epoch(trainer: pl.Trainer) -> int | None:
+    """The optimizer steps of one epoch: its micro-batches over ``accumulate_grad_batches``, a last partial
+    accumulation counted as a step (Lightning steps it); ``None`` for an iterable of unknown length."""
+    batches = trainer.num_training_batches
+    if not isinstance(batches, int) or batches <= 0:
+        return None
+    return max(1, -(-batches // max(1, int(trainer.accumulate_grad_batches))))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import ROOT, make_trainer
@@ -17,26 +16,15 @@ from torch import nn
 from lightning_gradguard import GradientCheck, LRFinderPlus, OverfitBatchSanity
 
 sys.path.insert(0, str(ROOT / "examples"))
-from zoo import digits, monitors
+from zoo import ZooModule, digits, monitors
 
 
-class RelativeStep(pl.LightningModule):
-    """A digits MLP under ``transformers``' Adafactor with its relative step: ``lr=None`` in every group."""
+def _relative_step(params: Any) -> torch.optim.Optimizer:
+    """``transformers``' Adafactor with its relative step: ``lr=None`` in every group."""
+    from transformers.optimization import Adafactor
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-        self.losses: list[float] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        from transformers.optimization import Adafactor
-
-        return Adafactor(self.parameters(), lr=None, relative_step=True, scale_parameter=True)
+    optimizer: torch.optim.Optimizer = Adafactor(params, lr=None, relative_step=True, scale_parameter=True)
+    return optimizer
 
 
 def test_an_optimizer_without_a_numeric_lr_is_watched_not_crashed() -> None:
@@ -47,7 +35,7 @@ def test_an_optimizer_without_a_numeric_lr_is_watched_not_crashed() -> None:
     torch.manual_seed(0)
     watching = monitors()
     overfit, gradcheck, finder = OverfitBatchSanity(), GradientCheck(), LRFinderPlus()
-    model = RelativeStep()
+    model = ZooModule(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)), _relative_step)
     trainer = make_trainer([overfit, gradcheck, finder, *watching], max_steps=40)
     trainer.fit(model, digits())
     assert trainer.global_step == 40 and model.losses[-1] < 0.9 * model.losses[0]  # it learns (0.74 here)

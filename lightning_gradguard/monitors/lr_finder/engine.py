@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch import Tensor
 
 from lightning_gradguard.core.batch import prepare_batch
+from lightning_gradguard.core.cadence import steps_per_epoch
 from lightning_gradguard.core.lr import clip_setting, group_lr, rescale_learning_rates
 from lightning_gradguard.core.snapshot import RNGState, TrainingSnapshot, train_loader_generators
 from lightning_gradguard.core.state import info_once, warn_once
@@ -443,13 +444,11 @@ class RangeTest:
 
     def search_budget(self, trainer: pl.Trainer) -> int | None:
         """``search_steps`` as optimizer steps: an int as it is, a float as that share of the first epoch's
-        optimizer steps (``trainer.num_training_batches`` over the accumulation; ``None``: unknown)."""
+        optimizer steps (``core.cadence.steps_per_epoch``; ``None``: unknown)."""
         if isinstance(self.search_steps, int):
             return self.search_steps
-        per_epoch = trainer.num_training_batches / max(1, int(trainer.accumulate_grad_batches))
-        if not math.isfinite(per_epoch):
-            return None
-        return int(self.search_steps * per_epoch)
+        per_epoch = steps_per_epoch(trainer)
+        return None if per_epoch is None else int(self.search_steps * per_epoch)
 
     def horizon(self, trainer: pl.Trainer, schedule: Schedule | None) -> int | None:
         """The scheduler steps the run has left, when this Trainer's length is the run's (not in lr_find):

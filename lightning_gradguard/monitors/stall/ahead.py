@@ -22,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_gradguard.core.cadence import steps_per_epoch
 from lightning_gradguard.core.lr import ScheduleCopy, decoupled_decay_groups, group_lr
 
 #: the most optimizer steps a schedule is read ahead (a few hundred microseconds per step: a copy of the
@@ -66,7 +67,7 @@ def lr_ahead(trainer: pl.Trainer, module: nn.Module, optimizer: Any, steps: int)
     schedule = ScheduleCopy(trainer, optimizer, module)
     if not schedule.readable:
         return []
-    per_epoch = _steps_per_epoch(trainer)
+    per_epoch = steps_per_epoch(trainer)
     lrs: list[float] = []
     for s in range(steps):
         lrs.append(max(schedule.lrs(), default=0.0))
@@ -82,14 +83,6 @@ def _due(config: Any, done: int, per_epoch: int | None) -> bool:
         return done % max(1, config.frequency) == 0
     epoch = done // per_epoch if per_epoch is not None and done % per_epoch == 0 else 0
     return epoch > 0 and epoch % max(1, config.frequency) == 0
-
-
-def _steps_per_epoch(trainer: pl.Trainer) -> int | None:
-    """Optimizer steps per epoch (``None``: an iterable of unknown length)."""
-    batches = trainer.num_training_batches
-    if not isinstance(batches, int) or batches <= 0:
-        return None
-    return max(1, -(-batches // max(1, trainer.accumulate_grad_batches)))
 
 
 def decay_rates(optimizer: Any, lrs: Sequence[float]) -> list[tuple[float, float, int]]:

@@ -306,23 +306,6 @@ def test_spacing_is_the_gap_to_the_next_representable_value(dtype: torch.dtype, 
     assert math.isclose(spacing(-float(x), dtype), spacing(float(x), dtype))
 
 
-class _Digits(pl.LightningModule):
-    """A digits MLP under AdamW: the model of the GradScaler test."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-        self.losses: list[float] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
 def test_a_grad_scaler_backing_off_is_not_a_run_without_updates() -> None:
     """16-mixed with a real GradScaler (on the CPU, as on a GPU): the scaler skips its first steps while its
     scale backs off (here from 1e8: nine skips), as it always does from its start; the dense start used to
@@ -332,7 +315,8 @@ def test_a_grad_scaler_backing_off_is_not_a_run_without_updates() -> None:
     torch.manual_seed(0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1e8)
     stall = StallDetector()
-    model = _Digits()
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = ZooModule(net, lambda params: torch.optim.AdamW(params, lr=1e-3))
     plugin = MixedPrecision("16-mixed", device="cpu", scaler=scaler)
     make_trainer([stall], max_steps=20, plugins=[plugin]).fit(model, digits())
     skipped = round(math.log2(1e8 / scaler.get_scale()))

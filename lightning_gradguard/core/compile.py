@@ -85,6 +85,22 @@ def _is_compiling() -> bool:
     return bool(is_compiling()) if is_compiling is not None else False
 
 
+def holds_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or one of its modules runs compiled code (``torch.compile(net)``,
+    ``Module.compile()``, a compiled method set on an instance, Lightning's compiled ``forward`` /
+    ``training_step``): a hook of ours that fires on every step is not attached to such a model (dynamo
+    would trace it into the graph)."""
+    for module in model.modules():
+        own = vars(module)
+        if own.get("_compiled_call_impl") is not None:
+            return True
+        if any(getattr(v, "_torchdynamo_orig_callable", None) is not None for v in own.values()):
+            return True
+        if type(module).__name__ == "OptimizedModule":
+            return True
+    return False
+
+
 def _swap_compiled(model: nn.Module) -> None:
     """Replace every compiled call on ``model``'s modules by its original (undone when the scopes close)."""
     for module in model.modules():

@@ -239,3 +239,61 @@ def dead_units(active_counts: Sequence[Tensor] | Tensor) -> Tensor:
             raise ValueError("`active_counts` must hold at least one batch")
         stacked = torch.stack([torch.as_tensor(c) for c in active_counts])
     return ~(stacked != 0).any(dim=0)
+
+
+def class_profile(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """What each class's examples get from the model, summed: ``(S, N)`` with ``S[k, j]`` the sum over the
+    batch's examples of class ``k`` of their score for class ``j`` and ``N[k]`` their count (float32, on the
+    device; no host sync). Divided, ``S / N`` is the class-mean profile that :func:`label_lean` tests.
+
+    The scores are the logits centred over the batch (what every input gets alike goes: the class
+    frequencies a model at chance has learned), then each row over the classes (the shift a softmax
+    ignores: log-probabilities read as their logits), then scaled to a root mean square of 1 (every batch
+    weighs the same, whatever the logits' size). Targets outside ``[0, K)`` (an ``ignore_index``) count
+    for nothing.
+
+    Args:
+        logits: ``(batch, K)`` scores of ``K`` classes.
+        targets: ``(batch,)`` class indices.
+    """
+    z = logits.detach().float()
+    z = z - z.mean(0, keepdim=True)
+    z = z - z.mean(1, keepdim=True)
+    z = z / z.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    k = z.shape[1]
+    y = targets.detach().reshape(-1).long()
+    valid = ((y >= 0) & (y < k)).float()
+    rows = y.clamp(0, k - 1)
+    sums = z.new_zeros(k, k).index_add_(0, rows, z * valid[:, None])
+    return sums, z.new_zeros(k).index_add_(0, rows, valid)
+
+
+def label_lean(sums: Tensor, counts: Tensor, draws: int = 2000) -> tuple[float, float]:
+    """How far a model's outputs lean toward the labels, and whether that is more than chance: ``(lean,
+    p)`` from a :func:`class_profile` (summed over any number of batches; host tensors).
+
+    ``lean`` is the mean over the classes seen of their examples' own-class score (the diagonal of the
+    class-mean profile ``M = S / N``). ``p`` is the share of the relabelings of those classes (every
+    permutation for up to 7 classes, else ``draws`` random ones and the labels as given) whose diagonal
+    sum reaches the labels' own: a model that has not learned the labels cannot tell its classes' names
+    apart, so its labels' diagonal is one draw among the relabelings' (however much class structure a
+    random initialization, or training on wrong labels, gave its outputs); a model that learned them
+    puts the labels' diagonal first. ``(nan, 1.0)`` with fewer than 4 classes seen: among the 2 or 6
+    relabelings of 2 or 3 classes no diagonal is ever rare.
+    """
+    seen = torch.nonzero(counts > 0).reshape(-1)
+    k = int(seen.numel())
+    if k < 4:
+        return math.nan, 1.0
+    m = sums.double()[seen][:, seen] / counts.double()[seen][:, None]
+    own = float(m.diagonal().sum())
+    if k <= 7:
+        perms = torch.tensor(list(itertools.permutations(range(k))))
+        extra = 0
+    else:
+        g = torch.Generator().manual_seed(0)
+        perms = torch.stack([torch.randperm(k, generator=g) for _ in range(draws)])
+        extra = 1  # the labels' own diagonal counts as one draw
+    totals = m.gather(1, perms.T).sum(0)
+    reached = int((totals >= own - 1e-9 * max(abs(own), 1.0)).sum())
+    return own / k, (reached + extra) / (perms.shape[0] + extra)

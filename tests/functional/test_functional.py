@@ -239,3 +239,46 @@ def test_layer_moments_counts_the_entries_adam_holds_per_layer() -> None:
     m = layer_moments(labels, index, {}, {}, second)
     assert m.entries == {"k_proj": 64, "norm": 32}
     assert m.exp_avg_sq_rms == pytest.approx({"k_proj": 1e-10, "norm": 1e-3})
+
+
+
+def test_class_profile_sums_each_class_s_centred_scaled_scores_as_a_loop_does() -> None:
+    from lightning_gradguard.functional.health import class_profile
+
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(16, 5, generator=g) * 3, torch.randint(0, 5, (16,), generator=g)
+    targets[0] = -100  # an ignore_index counts for nothing
+    sums, counts = class_profile(logits, targets)
+    z = logits.double().numpy()
+    z = z - z.mean(axis=0, keepdims=True)
+    z = z - z.mean(axis=1, keepdims=True)
+    z = z / np.sqrt((z**2).mean())
+    want_sums, want_counts = np.zeros((5, 5)), np.zeros(5)
+    for i in range(16):
+        if int(targets[i]) >= 0:
+            want_sums[int(targets[i])] += z[i]
+            want_counts[int(targets[i])] += 1
+    np.testing.assert_allclose(sums.double().numpy(), want_sums, atol=1e-5)
+    np.testing.assert_allclose(counts.numpy(), want_counts)
+    # a shift per row (log-probabilities for logits), one shared by the batch and a scale change nothing
+    shifted = 7 * logits.log_softmax(1) + torch.randn(1, 5, generator=g)
+    torch.testing.assert_close(class_profile(shifted, targets)[0], sums, atol=1e-5, rtol=1e-5)
+
+
+def test_label_lean_is_rare_among_relabelings_only_for_outputs_that_learned_the_labels() -> None:
+    from lightning_gradguard.functional.health import label_lean
+
+    g = torch.Generator().manual_seed(0)
+    # a profile whose every class scores its own class highest: the labels beat every relabeling
+    for k, rarest in [(4, 1 / 24), (6, 1 / 720), (10, 1 / 2001)]:
+        lean, p = label_lean(torch.eye(k) * k - 1, torch.ones(k))
+        assert lean == pytest.approx(k - 1) and p == pytest.approx(rarest)
+    # a profile blind to the names of the classes (random structure, as an initialization gives): p is
+    # uniform, so about 5 % of them fall at 0.05 or under (binomial: 200 draws, within 4 standard errors)
+    ps = [label_lean(torch.randn(8, 8, generator=g) * 3, torch.ones(8))[1] for _ in range(200)]
+    assert 0.0 < sum(p <= 0.05 for p in ps) / 200 < 0.05 + 4 * math.sqrt(0.05 * 0.95 / 200)
+    # the profile's counts weigh its sums (a class mean), and classes never seen are left out
+    sums, counts = torch.eye(5) * 2 * 5, torch.tensor([2.0, 2, 2, 2, 0])
+    assert label_lean(sums, counts)[0] == pytest.approx(5.0)
+    # 2 or 3 classes: no relabeling is ever rare
+    assert label_lean(torch.eye(3), torch.ones(3)) == (pytest.approx(math.nan, nan_ok=True), 1.0)

@@ -37,6 +37,7 @@ from lightning_gradguard.monitors.stall.ahead import (
     lr_ahead,
 )
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds
+from lightning_gradguard.monitors.stall.evidence import LabelCorrelation
 from lightning_gradguard.monitors.stall.measure import (
     StallProbe,
     StallReading,
@@ -44,7 +45,7 @@ from lightning_gradguard.monitors.stall.measure import (
     lr_configured,
     lr_now,
 )
-from lightning_gradguard.monitors.stall.rules import observe
+from lightning_gradguard.monitors.stall.rules import evidence_wanted, observe
 from lightning_gradguard.monitors.stall.state import StallState
 from lightning_gradguard.monitors.stall.tags import CHARTS, STALL
 from lightning_gradguard.tags import charts_of
@@ -155,6 +156,13 @@ class StallDetector(GradGuardCallback):
         self._lr_used = 0.0  # the LR of the current step
         self.lr_configured = 0.0
         self._probe = StallProbe()
+        earlier: LabelCorrelation | None = getattr(self, "_lean", None)
+        if earlier is not None:
+            earlier.close()  # an earlier run's hook goes with it
+        #: the outputs' lean toward the labels, measured on every training batch while a chance rule may
+        #: still judge (``_leaning``): the evidence that a plateau at chance is learning
+        self._lean = LabelCorrelation()
+        self._leaning = True
         self._optimizers: list[Any] = []  # the Trainer's, and whether it optimizes automatically: per fit
         self._automatic = True
         self._checking = False  # the current optimizer step is a check
@@ -213,10 +221,16 @@ class StallDetector(GradGuardCallback):
         at = log_step(trainer)
         if check_due(at, self.check_every_n_steps, self.dense_steps) and at != self._checked_at:
             self._note_labels(trainer, batch)  # the labels of every micro-batch of the check's step
+        if self._leaning:
+            self._lean_batch(trainer, pl_module, batch)
 
     @guarded
     def _note_labels(self, trainer: pl.Trainer, batch: Any) -> None:
         self._probe.note_labels(batch, self.num_classes)
+
+    @guarded
+    def _lean_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        self._lean.batch_start(pl_module, batch)
 
     @override
     def on_before_optimizer_step(
@@ -241,6 +255,8 @@ class StallDetector(GradGuardCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._leaning:
+            self._lean.batch_end()
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             scale = trainer.accumulate_grad_batches if self._automatic else 1
@@ -252,7 +268,9 @@ class StallDetector(GradGuardCallback):
     def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The check: one transfer, the rules, the alerts and the action."""
         self._checking = False
-        reading = self._probe.read(trainer, pl_module.device)
+        reading = self._probe.read(trainer, pl_module.device, self._lean.queue if self._leaning else None)
+        if reading.labels:
+            self._lean.check_width(len(reading.labels))
         self.lr_configured = max(self.lr_configured, lr_configured(trainer))
         stats, self._check_stats = self._check_stats, None
         if (stats is not None and stats.dropped is not None) or reading.scaler_skipped:
@@ -281,9 +299,12 @@ class StallDetector(GradGuardCallback):
             orthogonalized=self._orthogonalized,
             attention=self._attention,
             ahead=self._ahead,
+            class_profile=reading.class_profile,
         )
         self.last_check = check
         found = observe(self.state, check)
+        self._leaning = evidence_wanted(self.state) and self._lean.off is None
+        self._lean.want(self._leaning)
         self._emit(trainer, check)
         alerts = []
         for f in found:
@@ -291,6 +312,17 @@ class StallDetector(GradGuardCallback):
             if alert is not None:
                 alerts.append(alert)
         self.act(trainer, alerts)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._lean.close()  # no hook of ours stays on the model after the fit
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._lean.close()
 
     def _emit(self, trainer: pl.Trainer, c: StallCheck) -> None:
         """The check's numbers on the dashboard (rank zero writes)."""
@@ -300,6 +332,8 @@ class StallDetector(GradGuardCallback):
             STALL.tag("chance_level"): self.state.chance(),
             STALL.tag("update_ratio_median"): statistics.median(ratios) if ratios else None,
             STALL.tag("clip_ratio"): c.clip_ratio,
+            STALL.tag("label_lean"): lean[0] if (lean := self.state.leaning()) is not None else None,
+            STALL.tag("label_lean_p"): lean[1] if lean is not None else None,
         }
         self.last_logged = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
         _emit.log_scalars(trainer, self.last_logged, c.step)

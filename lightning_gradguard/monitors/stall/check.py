@@ -75,6 +75,9 @@ class StallThresholds:
             probability given as the drop rate (usual rates are 0 to 0.5): a warning.
         dropout_note: from this rate on (a fifth kept), an INFO line: still a keep probability most
             likely, yet a classifier head learns behind it (``transformers``' MobileNetV2 default).
+        learning_p: a classifier whose outputs, over the loss window, lean toward the labels more than
+            all but this share of the relabelings of its classes would is learning, whatever its loss
+            says (:mod:`~lightning_gradguard.monitors.stall.evidence`): the chance rules hold their verdict.
     """
 
     patience: int = 3
@@ -106,6 +109,7 @@ class StallThresholds:
     decay_rate: float = 1e-2
     dropout_ceiling: float = 0.9
     dropout_note: float = 0.8
+    learning_p: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,9 @@ class StallCheck:
     adaptive: bool = False
     orthogonalized: bool = False  # most of the update is orthogonalized (Muon): its size is the design
     attention: bool = False
+    #: the outputs' class profile over the steps since the previous check (sums, counts: host tensors;
+    #: :mod:`~lightning_gradguard.monitors.stall.evidence`); ``None``: not measured
+    class_profile: tuple[Tensor, Tensor] | None = None
     ahead: Ahead | None = None  # what the settings said at the start of a fresh run
 
     @property

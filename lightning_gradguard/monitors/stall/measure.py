@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,8 @@ TOKEN_BINS = 1 << 16
 #: the clip ratio is read on the first this many entries of each gradient, before and after clipping
 CLIP_ENTRIES = 4096
 _TARGET_KEYS = ("y", "target", "targets", "label", "labels")
+#: the transfer's key of the outputs' class profile since the last check (``K x K`` sums, then ``K`` counts)
+LEAN_KEY = "class_profile"
 #: the typical update and weight of the rounding measure are medians of at most this many sampled entries
 MEDIAN_ENTRIES = 1 << 16
 
@@ -160,6 +162,8 @@ class StallReading:
     labels: list[float] | None = None
     tokens: Tensor | None = None
     rounding: Rounding | None = None
+    #: the outputs' class profile since the last check (``functional.health.class_profile``, summed)
+    class_profile: tuple[Tensor, Tensor] | None = None
     scaler_skipped: bool = (
         False  # the GradScaler skipped the check's step (inf/NaN while its scale backs off)
     )
@@ -305,6 +309,22 @@ def _heads(tensors: list[Tensor]) -> list[Tensor]:
     return [t.detach().reshape(-1)[:CLIP_ENTRIES] for t in tensors]
 
 
+def _read_targets(host: dict[Any, Tensor], reading: StallReading) -> None:
+    """The label and token counts, and the outputs' class profile, from the check's transfer."""
+    if "labels" in host:
+        counts = host["labels"].tolist()
+        last = max((i for i, c in enumerate(counts) if c > 0), default=-1)
+        reading.labels = counts[: last + 1] if last >= 0 else None
+    if "tokens" in host:
+        reading.tokens = host["tokens"]
+    if LEAN_KEY in host:
+        flat = host[LEAN_KEY]
+        k = math.isqrt(flat.numel())  # k * k + k entries: k is the integer root, less a fraction
+        seen = flat[k * k :]
+        if seen.numel() == k and float(seen.sum()) > 0:
+            reading.class_profile = (flat[: k * k].reshape(k, k), seen)
+
+
 class StallProbe:
     """The device side of one check: started in ``on_before_optimizer_step``, read at the batch's end."""
 
@@ -342,7 +362,12 @@ class StallProbe:
         if stats.unsupported is None and stats.params:
             self.sample = _StepSample(stats, automatic, optimizer, rounding)
 
-    def read(self, trainer: pl.Trainer, device: torch.device) -> StallReading:
+    def read(
+        self,
+        trainer: pl.Trainer,
+        device: torch.device,
+        also: Callable[[HostTransfer, bool, torch.device], None] | None = None,
+    ) -> StallReading:
         """After the update: everything in one transfer (one collective under DDP).
 
         The gradient the optimizer used is still in ``.grad`` here under automatic optimization (Lightning
@@ -360,6 +385,8 @@ class StallProbe:
         for key, queued in (("labels", self.labels), ("tokens", self.tokens)):
             if queued is not None:
                 transfer.add(key, queued, reduce="sum" if world else None)
+        if also is not None:  # the outputs' class profile (monitors.stall.evidence), under LEAN_KEY
+            also(transfer, world, device)
         host = transfer.fetch(trainer, device=device) if len(transfer) or world else {}
         self.losses, self.labels, self.tokens = [], None, None
         reading = StallReading()
@@ -367,12 +394,7 @@ class StallProbe:
             sample.read(host, reading)
         if "loss" in host and float(host["loss"][2]) > 0:
             self._read_loss([float(v) for v in host["loss"]], reading)
-        if "labels" in host:
-            counts = host["labels"].tolist()
-            last = max((i for i, c in enumerate(counts) if c > 0), default=-1)
-            reading.labels = counts[: last + 1] if last >= 0 else None
-        if "tokens" in host:
-            reading.tokens = host["tokens"]
+        _read_targets(host, reading)
         return reading
 
     def _read_loss(self, sums: list[float], reading: StallReading) -> None:

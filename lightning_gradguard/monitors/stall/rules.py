@@ -709,11 +709,13 @@ def _chance(s: StallState, c: StallCheck) -> Finding | None:
         and len(s.window) > r.patience
     )
     trend = loss_trend(s.window) if judged else None
-    # a slow learner still falls, by more than its noise: a stuck one does not
+    # a slow learner still falls, by more than its noise: a stuck one does not; and a plateau that is
+    # learning already leans its outputs toward the labels (monitors.stall.evidence)
     stuck = (
         trend is not None
         and low <= trend.level <= high
         and (trend.fall < r.trend_floor * trend.level or trend.fall < r.trend_sigmas * trend.noise)
+        and not s.learning()
     )
     if s.count(CHANCE_LEVEL, stuck) < r.chance_checks or trend is None:
         return None
@@ -734,12 +736,22 @@ def _chance_finding(s: StallState, c: StallCheck, level: float, fall: float, noi
     else:
         what = f"{chance:.4g}: the loss of predicting only the class frequencies"
         inputs = "check that each target belongs to its input (a shifted or shuffled label pipeline)"
+    lean = s.leaning()
+    data = {"loss": level, "chance": chance, "uniform": uniform, "fall": fall, "lr": c.lr}
+    leaned = ""
+    if lean is not None:
+        data["label_lean"], data["label_lean_p"] = lean[0], lean[1]
+        leaned = (
+            f" Nor do its outputs lean toward the labels: over those steps' {lean[2]} examples, "
+            f"{lean[1]:.0%} of the relabelings of the classes lean as far (own-class score {lean[0]:.3g})."
+        )
     return Finding(
         CHANCE_LEVEL,
         f"From step {since} to step {c.step} the training loss ({level:.4g}) stayed at the chance level "
         f"({what}); over those steps it fell {fall:.3g} ({fall / level:.1%}; noise {noise:.2g})."
+        + leaned
         + _decay_note(s, c),
-        {"loss": level, "chance": chance, "uniform": uniform, "fall": fall, "lr": c.lr},
+        data,
         hint=f"Nothing about the inputs is being learned: {inputs}; that the model's parameters are in the "
         f"optimizer and not frozen; and the LR (now {c.lr:.3g}).",
     )
@@ -773,7 +785,10 @@ CHANCE_LEVEL = Rule(
     when=(
         "after the warm-up the loss stayed at the chance level (the labels' entropy, ln C for "
         "balanced classes; for token targets the tokens' entropy up to ln V) on two checks in a row"
-        " without falling by more than its noise over the last `patience` check intervals: labels "
+        " without falling by more than its noise over the last `patience` check intervals, while the "
+        "outputs did not lean toward the labels (a classifier of 4 to 128 classes: its examples' "
+        "own-class scores, over those intervals, not above all but `learning_p` (5 %) of the "
+        "relabelings of its classes): labels "
         "that do not match their inputs, a model whose output ignores its input, a frozen model, a "
         "far too small LR."
     ),
@@ -787,6 +802,7 @@ CHANCE_LEVEL = Rule(
         "chance_checks",
         "warmup_lr_fraction",
         "patience",
+        "learning_p",
     ),
     check=_chance,
 )
@@ -798,7 +814,7 @@ def _plateau(s: StallState, c: StallCheck) -> Finding | None:
     if s.smoothed is None or s.first_loss is None or c.step < r.warmup_steps:
         return None
     regressed = s.smoothed > r.plateau_factor * s.best
-    never = s.smoothed >= 0.9 * s.first_loss
+    never = s.smoothed >= 0.9 * s.first_loss and not s.learning()  # still at its start, learning nothing
     if s.checks_since_best < r.plateau_checks or not (regressed or never) or s.fired:
         return None
     return Finding(
@@ -816,7 +832,8 @@ LOSS_PLATEAU = Rule(
     summary="StallDetector: the smoothed loss stopped improving far above its best or initial level",
     when=(
         "the smoothed loss set no new best for `plateau_checks` (30) checks while far above its "
-        "best or still at its first level, with no cause found."
+        "best or still at its first level (and the outputs not leaning toward the labels, as for "
+        "`chance_level`), with no cause found."
     ),
     where="training loss",
     hint=(
@@ -829,6 +846,7 @@ LOSS_PLATEAU = Rule(
         "plateau_checks",
         "plateau_factor",
         "improvement",
+        "learning_p",
     ),
     check=_plateau,
 )
@@ -852,6 +870,16 @@ RULES = declare(
 )
 #: findings that name a cause; a loss at chance or on a plateau after one of them is its symptom
 CAUSES = frozenset(r.kind for r in RULES if r.cause)
+
+
+def evidence_wanted(s: StallState) -> bool:
+    """Whether the outputs' label correlation may still decide something: class targets (or none seen
+    yet), no cause and no ``chance_level`` named, and the last check's loss not below the chance band."""
+    if s.token_counts is not None or s.fired & (CAUSES | {CHANCE_LEVEL.kind}):
+        return False
+    if not s.window:
+        return True
+    return len(s.label_counts) >= 2 and s.window[-1][1] >= s.chance_band()[0]
 
 
 def observe(state: StallState, c: StallCheck) -> list[Finding]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from lightning_gradguard.alerts import Rule
+from lightning_gradguard.functional.health import label_lean
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds, label_entropy, token_entropy
 
 #: what :meth:`StallState.state_dict` saves
@@ -31,6 +32,7 @@ _SAVED = (
     "peak_weight",
     "last_weight",
     "decay_since",
+    "profiles",
 )
 
 
@@ -59,6 +61,9 @@ class StallState:
         self.peak_weight: dict[str, float] = {}  # per decayed layer: the highest weight norm seen
         self.last_weight: dict[str, float] = {}  # per decayed layer: the previous check's weight norm
         self.decay_since: int | None = None  # the first check of the current weight-decay streak
+        #: (step, sums, counts) of the outputs' class profile since the check before, for the last
+        #: ``patience + 1`` checks that measured it (:mod:`~lightning_gradguard.monitors.stall.evidence`)
+        self.profiles: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         # the schedule read ahead against the LRs the checked steps used (not saved: a resumed run is not
         # read ahead): the last step compared, how many matched, whether one did not
         self._ahead_upto, self._ahead_matched, self._ahead_wrong = -1, 0, False
@@ -70,6 +75,7 @@ class StallState:
         out["fired"] = sorted(self.fired)
         out["lr_history"] = [list(x) for x in self.lr_history]
         out["window"] = [list(x) for x in self.window]
+        out["profiles"] = [[s, a.tolist(), n.tolist()] for s, a, n in self.profiles]
         if self.token_counts is not None:  # trailing zeros dropped: a large vocabulary's tail is unseen
             seen = torch.nonzero(self.token_counts).reshape(-1)
             end = int(seen[-1]) + 1 if seen.numel() else 0
@@ -84,6 +90,7 @@ class StallState:
         self.fired = set(self.fired)
         self.lr_history = [(int(s), float(lr)) for s, lr in self.lr_history]
         self.window = [(int(s), float(v), None if e is None else float(e)) for s, v, e in self.window]
+        self.profiles = [(int(s), torch.as_tensor(a), torch.as_tensor(n)) for s, a, n in self.profiles]
         counts = state.get("token_counts")
         self.token_counts = None if counts is None else torch.as_tensor(counts, dtype=torch.float64).clone()
 
@@ -149,6 +156,27 @@ class StallState:
                 self._ahead_upto = step
         return self._ahead_matched >= self.thresholds.patience and not self._ahead_wrong
 
+    def leaning(self) -> tuple[float, float, int] | None:
+        """How far the outputs leaned toward the labels over the steps of the loss window
+        (:func:`~lightning_gradguard.functional.health.label_lean` of their summed class profile): the
+        mean own-class score, the share of the relabelings that lean as far, the examples measured;
+        ``None`` when not measured."""
+        since = self.window[0][0] if self.window else -1
+        parts = [p for p in self.profiles if p[0] > since]
+        if not parts:
+            return None
+        sums, counts = sum(p[1] for p in parts), sum(p[2] for p in parts)
+        assert isinstance(sums, torch.Tensor) and isinstance(counts, torch.Tensor)
+        lean, p = label_lean(sums, counts)
+        return (lean, p, int(counts.sum())) if math.isfinite(lean) else None
+
+    def learning(self) -> bool:
+        """The outputs leaned toward the labels more than all but ``learning_p`` of the relabelings of the
+        classes would: the model is learning something that carries over to new inputs, whatever its loss
+        says."""
+        lean = self.leaning()
+        return lean is not None and lean[1] <= self.thresholds.learning_p
+
     def chance(self) -> float:
         """The chance-level loss: the entropy of the tokens seen (token targets), else of the labels, else
         ``log(num_classes)``; NaN if none is known."""
@@ -209,3 +237,7 @@ class StallState:
         if c.loss is not None and math.isfinite(c.loss):
             self.window = [*self.window, (c.step, c.loss, c.loss_stderr)][-(self.thresholds.patience + 1) :]
         self._count(c)
+        if c.class_profile is not None:
+            entry = (c.step, *c.class_profile)
+            self.profiles = [*(p for p in self.profiles if p[1].shape == entry[1].shape), entry]
+            self.profiles = self.profiles[-(self.thresholds.patience + 1) :]

@@ -19,4 +19,9 @@ CHARTS: tuple[Chart, ...] = (
         (STALL.tag("update_ratio_median"), STALL.tag("clip_ratio")),
         "StallDetector",
     ),
+    Chart(
+        "Stalled learning: the outputs' lean toward the labels while the loss is at chance, and its p",
+        (STALL.tag("label_lean"), STALL.tag("label_lean_p")),
+        "StallDetector",
+    ),
 )

@@ -249,17 +249,20 @@ def class_profile(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     The scores are the logits centred over the batch (what every input gets alike goes: the class
     frequencies a model at chance has learned), then each row over the classes (the shift a softmax
     ignores: log-probabilities read as their logits), then scaled to a root mean square of 1 (every batch
-    weighs the same, whatever the logits' size). Targets outside ``[0, K)`` (an ``ignore_index``) count
-    for nothing.
+    weighs the same, whatever the logits' size; outputs that barely depend on the input, 1e-4 of the
+    logits' size or less, keep their size: rounding is not a profile). Targets outside ``[0, K)`` (an
+    ``ignore_index``) count for nothing.
 
     Args:
         logits: ``(batch, K)`` scores of ``K`` classes.
         targets: ``(batch,)`` class indices.
     """
-    z = logits.detach().float()
-    z = z - z.mean(0, keepdim=True)
+    raw = logits.detach().float()
+    z = raw - raw.mean(0, keepdim=True)
     z = z - z.mean(1, keepdim=True)
-    z = z / z.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    # outputs the same for every input differ by rounding only: a floor keeps that residue near 0
+    floor = 1e-4 * raw.square().mean().sqrt() + torch.finfo(torch.float32).tiny
+    z = z / torch.maximum(z.square().mean().sqrt(), floor)
     k = z.shape[1]
     y = targets.detach().reshape(-1).long()
     valid = ((y >= 0) & (y < k)).float()

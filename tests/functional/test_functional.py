@@ -241,7 +241,6 @@ def test_layer_moments_counts_the_entries_adam_holds_per_layer() -> None:
     assert m.exp_avg_sq_rms == pytest.approx({"k_proj": 1e-10, "norm": 1e-3})
 
 
-
 def test_class_profile_sums_each_class_s_centred_scaled_scores_as_a_loop_does() -> None:
     from lightning_gradguard.functional.health import class_profile
 

@@ -37,7 +37,7 @@ from lightning_gradguard.monitors.stall.ahead import (
     lr_ahead,
 )
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds
-from lightning_gradguard.monitors.stall.evidence import LabelCorrelation
+from lightning_gradguard.monitors.stall.evidence import LabelLean
 from lightning_gradguard.monitors.stall.measure import (
     StallProbe,
     StallReading,
@@ -156,12 +156,12 @@ class StallDetector(GradGuardCallback):
         self._lr_used = 0.0  # the LR of the current step
         self.lr_configured = 0.0
         self._probe = StallProbe()
-        earlier: LabelCorrelation | None = getattr(self, "_lean", None)
+        earlier: LabelLean | None = getattr(self, "_lean", None)
         if earlier is not None:
             earlier.close()  # an earlier run's hook goes with it
         #: the outputs' lean toward the labels, measured on every training batch while a chance rule may
         #: still judge (``_leaning``): the evidence that a plateau at chance is learning
-        self._lean = LabelCorrelation()
+        self._lean = LabelLean()
         self._leaning = True
         self._optimizers: list[Any] = []  # the Trainer's, and whether it optimizes automatically: per fit
         self._automatic = True

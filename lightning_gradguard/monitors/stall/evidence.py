@@ -47,7 +47,7 @@ def _logits(output: Any) -> Tensor | None:
     return None
 
 
-class LabelCorrelation:
+class LabelLean:
     """The outputs' class profile (``class_profile``), summed on the device over the steps between two
     checks.
 

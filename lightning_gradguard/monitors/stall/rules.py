@@ -873,8 +873,8 @@ CAUSES = frozenset(r.kind for r in RULES if r.cause)
 
 
 def evidence_wanted(s: StallState) -> bool:
-    """Whether the outputs' label correlation may still decide something: class targets (or none seen
-    yet), no cause and no ``chance_level`` named, and the last check's loss not below the chance band."""
+    """Whether the outputs' lean toward the labels may still decide something: class targets (or none
+    seen yet), no cause and no ``chance_level`` named, and the last check's loss not below the chance band."""
     if s.token_counts is not None or s.fired & (CAUSES | {CHANCE_LEVEL.kind}):
         return False
     if not s.window:

@@ -64,6 +64,7 @@ class StallState:
         #: (step, sums, counts) of the outputs' class profile since the check before, for the last
         #: ``patience + 1`` checks that measured it (:mod:`~lightning_gradguard.monitors.stall.evidence`)
         self.profiles: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._leaning: tuple[tuple[int, ...], tuple[float, float, int] | None] = ((), None)  # (steps, lean)
         # the schedule read ahead against the LRs the checked steps used (not saved: a resumed run is not
         # read ahead): the last step compared, how many matched, whether one did not
         self._ahead_upto, self._ahead_matched, self._ahead_wrong = -1, 0, False
@@ -91,6 +92,7 @@ class StallState:
         self.lr_history = [(int(s), float(lr)) for s, lr in self.lr_history]
         self.window = [(int(s), float(v), None if e is None else float(e)) for s, v, e in self.window]
         self.profiles = [(int(s), torch.as_tensor(a), torch.as_tensor(n)) for s, a, n in self.profiles]
+        self._leaning = ((), None)
         counts = state.get("token_counts")
         self.token_counts = None if counts is None else torch.as_tensor(counts, dtype=torch.float64).clone()
 
@@ -163,6 +165,13 @@ class StallState:
         ``None`` when not measured."""
         since = self.window[0][0] if self.window else -1
         parts = [p for p in self.profiles if p[0] > since]
+        key = tuple(p[0] for p in parts)
+        if self._leaning[0] != key:  # once per check: the rules, the message and the chart read it
+            self._leaning = (key, self._lean_of(parts))
+        return self._leaning[1]
+
+    @staticmethod
+    def _lean_of(parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[float, float, int] | None:
         if not parts:
             return None
         sums, counts = sum(p[1] for p in parts), sum(p[2] for p in parts)

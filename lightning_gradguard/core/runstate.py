@@ -91,6 +91,11 @@ class RunField(Generic[T]):
 
         def __set__(self, obj: object, value: T) -> None: ...
 
+    @property
+    def custom_load(self) -> bool:
+        """Whether the field reads its saved form with its own ``load``."""
+        return self._load is not None
+
     def fresh_value(self, owner: Any) -> T:
         """The field's value at the start of a run."""
         if self._from_settings is not None:
@@ -139,10 +144,13 @@ class Stateful:
         cls.run_fields = tuple(fields.values())
 
     def reset_run(self) -> None:
-        """Forget the run: every field of the run back to its fresh value (``per_run=False`` ones stay)."""
+        """Forget the run: every field of the run back to its fresh value; a ``per_run=False`` field stays,
+        and when it holds a state object, that object forgets its own fields of the run."""
         for f in self.run_fields:
             if f.per_run:
                 vars(self)[f.name] = f.fresh_value(self)
+            elif isinstance(held := vars(self).get(f.name), Stateful):
+                held.reset_run()
         self.state_changed()
 
     def state_dict(self) -> dict[str, Any]:
@@ -158,8 +166,12 @@ class Stateful:
         does not hold (not saved, or an older checkpoint's) starts fresh, so nothing of an earlier run of
         this instance leaks into the loaded one; ``per_run=False`` fields it lacks are kept."""
         for f in self.run_fields:
+            saved: Any = None
             found, saved = f.read(self, state_dict) if f.key is not None else (False, None)
-            if found:
+            held = vars(self).get(f.name)
+            if found and isinstance(held, Stateful) and not f.custom_load:
+                held.load_state_dict(saved)  # a state object loads in place: it keeps its settings
+            elif found:
                 vars(self)[f.name] = f.loaded(self, saved)
             elif f.per_run:
                 vars(self)[f.name] = f.fresh_value(self)
@@ -214,6 +226,13 @@ class Streaks(Mapping[str, int]):
 
     def __repr__(self) -> str:
         return f"Streaks({self._counts!r})"
+
+
+def restored(obj: T, saved: Any) -> T:
+    """``obj`` (a fresh state object) after ``obj.load_state_dict(saved)``: a custom ``load`` of a
+    container of state objects reads each with it."""
+    obj.load_state_dict(saved)  # type: ignore[attr-defined]
+    return obj
 
 
 def plain(value: Any) -> Any:

@@ -54,7 +54,7 @@ class StepInputs(Stateful):
     measured against it. It is in the checkpoint (its one declared field).
     """
 
-    full: RunField[int] = RunField(int)
+    full: RunField[int] = RunField(int, per_run=False)
 
     def __init__(self) -> None:
         self.clear()

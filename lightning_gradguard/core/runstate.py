@@ -39,8 +39,10 @@ class RunField(Generic[T]):
     Args:
         fresh: makes its value at the start of a run (``dict``, ``list``, ``int``, a class).
         from_settings: instead of ``fresh``, makes it from the instance (its settings: a window's size).
-        key: its key in the state dict (default: the attribute's name without leading underscores; a dotted
-            key nests, ``"counters.rollbacks"``); ``None``: not checkpointed (reset with the run only).
+        key: its key in the state dict (default: the attribute's name without leading underscores); a
+            dotted key nests (``"counters.rollbacks"``); ``""`` is inline (``save`` gives a dict whose keys
+            join the state dict's, ``load`` reads the whole state dict); ``None``: not checkpointed (reset
+            with the run only).
         per_run: ``False`` for a field kept across the runs of one instance (``alerts``): ``reset_run`` and a
             checkpoint without its key leave it as it is.
         old_keys: keys an older checkpoint saved it under, tried after ``key``.
@@ -268,6 +270,8 @@ def _like(fresh: Any, saved: Any) -> Any:
 
 
 def _lookup(state: Mapping[str, Any], key: str) -> tuple[bool, Any]:
+    if key == "":  # inline: the whole state dict
+        return True, state
     node: Any = state
     for part in key.split("."):
         if not isinstance(node, Mapping) or part not in node:
@@ -277,6 +281,9 @@ def _lookup(state: Mapping[str, Any], key: str) -> tuple[bool, Any]:
 
 
 def _place(out: dict[str, Any], key: str, value: Any) -> None:
+    if key == "":  # inline: its keys join the state dict's
+        out.update(value)
+        return
     *parents, last = key.split(".")
     node = out
     for part in parents:

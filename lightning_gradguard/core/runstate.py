@@ -31,6 +31,8 @@ T = TypeVar("T")
 
 #: ``key``'s default: the attribute's name without its leading underscores
 _NAME = "<name>"
+#: what a field's ``save`` returns to leave its key out of the state dict (a result not there yet)
+LEFT_OUT: Any = object()
 
 
 class RunField(Generic[T]):
@@ -47,7 +49,7 @@ class RunField(Generic[T]):
             checkpoint without its key leave it as it is.
         old_keys: keys an older checkpoint saved it under, tried after ``key``.
         save: ``save(owner, value)``: the picklable form (default: plain containers, a state object's
-            ``state_dict``, a tensor detached and copied).
+            ``state_dict``, a tensor detached and copied); :data:`LEFT_OUT` leaves the key out.
         load: ``load(owner, saved)``: the value from its saved form (default: by the fresh value's type: a
             ``deque`` keeps its ``maxlen``, a set, a state object's ``load_state_dict``, an int, ...).
         if_missing: ``if_missing(owner)``: what a checkpoint without the key is read as (default: the field
@@ -159,8 +161,8 @@ class Stateful:
         """The saved fields, under their keys: a plain dict of picklable values."""
         out: dict[str, Any] = {}
         for f in self.run_fields:
-            if f.key is not None:
-                _place(out, f.key, f.saved(self, getattr(self, f.name)))
+            if f.key is not None and (saved := f.saved(self, getattr(self, f.name))) is not LEFT_OUT:
+                _place(out, f.key, saved)
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from lightning_gradguard.alerts import Alert
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
-from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.layers import LayerSelection, user_name
 from lightning_gradguard.core.lr import adaptive_eps, clip_setting
 from lightning_gradguard.core.progress import LossProgress
 from lightning_gradguard.core.runstate import RunField, Streaks, nothing
@@ -29,7 +29,6 @@ from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.layers import log_distance_scores
-from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.monitors.vanishing.measure import LayerNorms, read_layer_norms, watched_norms
 from lightning_gradguard.monitors.vanishing.order import ForwardOrder
 from lightning_gradguard.monitors.vanishing.rules import (
@@ -299,7 +298,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         if self._embedding_layers is None:
             tables = (nn.Embedding, nn.EmbeddingBag)
             self._embedding_layers = {
-                clean_name(name) for name, m in pl_module.named_modules() if isinstance(m, tables)
+                user_name(name) for name, m in pl_module.named_modules() if isinstance(m, tables)
             }
         opening = opening_layers(norms.labels, norms.values, self.opening, self._seen_layers)  # from all-0
         finite = math.isfinite(norms.total)

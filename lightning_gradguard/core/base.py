@@ -3,8 +3,11 @@
 :class:`GradGuardCallback` is what the monitors, the pre-flight checks and the LR finder stand on: it
 records an :class:`~lightning_gradguard.alerts.Alert`, de-duplicates it within a cooldown, fans it out to
 the sinks (Python logging, the JSON-lines file, TensorBoard's text tab, the loggers) and applies the
-callback's ``action``. It also gives every callback a ``state_key`` and writes the "GradGuard" custom
-scalars layout. :func:`guarded` keeps a monitor's own failure from crashing the run it watches.
+callback's ``action``. It also gives every callback a ``state_key``, its run state's lifecycle (``reset_run``,
+``state_dict``, ``load_state_dict``, derived from the fields the callback declares:
+:mod:`lightning_gradguard.core.runstate`), the cadence of its checks (:meth:`GradGuardCallback.due`), and
+writes the "GradGuard" custom scalars layout. :func:`guarded` keeps a monitor's own failure from crashing
+the run it watches.
 """
 
 from __future__ import annotations

@@ -3,8 +3,11 @@
 :class:`GradGuardCallback` is what the monitors, the pre-flight checks and the LR finder stand on: it
 records an :class:`~lightning_gradguard.alerts.Alert`, de-duplicates it within a cooldown, fans it out to
 the sinks (Python logging, the JSON-lines file, TensorBoard's text tab, the loggers) and applies the
-callback's ``action``. It also gives every callback a ``state_key`` and writes the "GradGuard" custom
-scalars layout. :func:`guarded` keeps a monitor's own failure from crashing the run it watches.
+callback's ``action``. It also gives every callback a ``state_key``, its run state's lifecycle (``reset_run``,
+``state_dict``, ``load_state_dict``, derived from the fields the callback declares:
+:mod:`lightning_gradguard.core.runstate`), the cadence of its checks (:meth:`GradGuardCallback.due`), and
+writes the "GradGuard" custom scalars layout. :func:`guarded` keeps a monitor's own failure from crashing
+the run it watches.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from lightning_gradguard.alerts import (
 )
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.buffers import restore_step_buffers
-from lightning_gradguard.core.cadence import log_step
+from lightning_gradguard.core.cadence import log_step, next_due
+from lightning_gradguard.core.runstate import RunField, Stateful
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.state import info_once, raised_in_strict, strict_mode, trainer_state, warn_once
 from lightning_gradguard.core.stats import global_step, step_cache
@@ -79,8 +83,21 @@ def guarded(hook: _Hook) -> _Hook:
     return wrapper  # type: ignore[return-value]
 
 
-class GradGuardCallback(Callback):
+def _alerts_saved(_: Any, alerts: list[Alert]) -> list[dict[str, Any]]:
+    return [a.to_dict() for a in alerts]
+
+
+def _alerts_loaded(_: Any, saved: list[dict[str, Any]]) -> list[Alert]:
+    return [Alert.from_dict(d) for d in saved]
+
+
+class GradGuardCallback(Stateful, Callback):
     """Base class: keeps ``alerts``, de-duplicates them within a cooldown and fans them out to the sinks.
+
+    Run state is declared once per field (:class:`~lightning_gradguard.core.runstate.RunField`):
+    :meth:`reset_run`, :meth:`state_dict` and :meth:`load_state_dict` follow from the declarations. The
+    cadence of a detection rule is read by :meth:`due` from the attributes the class names in
+    ``cadence_every`` and ``cadence_dense``.
 
     Args:
         action: what a finding does (the same in every callback): ``"warn"`` reports it, ``"stop"`` sets
@@ -105,6 +122,15 @@ class GradGuardCallback(Callback):
     renamed_args: ClassVar[dict[str, str]] = {}
     #: the cause a dropped update is counted under (``core.skips``), for the callbacks that drop updates
     skip_cause: ClassVar[str] = ""
+    #: the attributes :meth:`due` reads: the period of the checks and the dense start
+    cadence_every: ClassVar[str] = "check_every_n_steps"
+    cadence_dense: ClassVar[str] = "dense_steps"
+
+    #: the findings of every run of this instance (kept across runs; the checkpoint's on a resume)
+    alerts: RunField[list[Alert]] = RunField(list, per_run=False, save=_alerts_saved, load=_alerts_loaded)
+    #: the cooldowns: "<kind>@<where>" -> the step it was last reported at (an earlier run's cooldowns do
+    #: not silence this one's alerts)
+    _last_reported: RunField[dict[str, int]] = RunField(dict, key="last_reported")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -114,8 +140,6 @@ class GradGuardCallback(Callback):
     def __init__(self, *, action: str = "warn", cooldown_steps: int = DEFAULT_COOLDOWN_STEPS) -> None:
         self.action: str = check_choice("action", action, self.allowed_actions)
         self.cooldown_steps: int = check_int("cooldown_steps", cooldown_steps, 0)
-        self.alerts: list[Alert] = []
-        self._last_reported: dict[str, int] = {}
         self._step_cache: dict[Any, Any] = {}  # the Trainer's cached step statistics (core.stats)
 
     @property
@@ -148,12 +172,19 @@ class GradGuardCallback(Callback):
         """
         return getattr(trainer, "ckpt_path", None) is None and global_step(trainer) == 0
 
-    def reset_run(self) -> None:
-        """Forget what belongs to one run: called by :meth:`on_fit_start` when the fit starts a new run
-        (:meth:`fresh_run`), never on a resume. A subclass that keeps per-run state (windows, histories,
-        counters) extends it and calls ``super().reset_run()``; what lives within one fit only (a step
-        being gathered, a snapshot) is forgotten in ``on_fit_start`` instead."""
-        self._last_reported.clear()  # an earlier run's cooldowns do not silence this one's alerts
+    def due(self, step: int) -> bool:
+        """Whether logging step ``step`` (:func:`~lightning_gradguard.core.cadence.log_step`) is checked:
+        every step below the dense start (the attribute ``cadence_dense`` names), then Lightning's logging
+        rule on the period ``cadence_every`` names, plus step 0
+        (:func:`~lightning_gradguard.core.cadence.check_due`, written out: one call on a hook's hot path)."""
+        every, dense = getattr(self, self.cadence_every), getattr(self, self.cadence_dense)
+        return step < dense or (every > 0 and (step == 0 or (step + 1) % every == 0))
+
+    def next_due(self, step: int) -> int:
+        """The first step from ``step`` on that :meth:`due` accepts
+        (:func:`~lightning_gradguard.core.cadence.next_due`): a hook that runs every step tests one
+        comparison between checks."""
+        return next_due(step, getattr(self, self.cadence_every), getattr(self, self.cadence_dense))
 
     @staticmethod
     def _layout(trainer: pl.Trainer) -> dict[str, list[str]]:
@@ -300,19 +331,6 @@ class GradGuardCallback(Callback):
     def roll_back(self, trainer: pl.Trainer, optimizer: Any) -> None:
         """``action="rollback"``: bring back the last rollback point (the callbacks that allow it say how)."""
         raise NotImplementedError(f"{type(self).__name__} has no rollback point")
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_reported": dict(self._last_reported), "alerts": [a.to_dict() for a in self.alerts]}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The cooldowns and the ``alerts`` of the run as it was at the checkpoint: the steps a resume
-        replays add their alerts once, as in a run that was never stopped."""
-        self._last_reported = dict(state_dict.get("last_reported", {}))
-        if "alerts" in state_dict:
-            self.alerts = [Alert.from_dict(d) for d in state_dict["alerts"]]
 
 
 def _accepting_renamed(init: Callable[..., None], renamed: dict[str, str]) -> Callable[..., None]:

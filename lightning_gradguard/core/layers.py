@@ -1,4 +1,12 @@
-"""The ``include`` / ``exclude`` / ``max_layers`` arguments every monitor takes, in one place.
+"""How the monitors name a model's modules and layers, and the ``include`` / ``exclude`` / ``max_layers``
+arguments every monitor takes, in one place.
+
+:func:`user_name` is the one entry point for a module's or a parameter's name (the wrapper parts
+``torch.compile``, FSDP and activation checkpointing insert left out; the root module, given ``root``, named
+by its class): a monitor that hooks modules names them through it, never by its own rule.
+:func:`parameter_layers` is each parameter's layer, labeled as :mod:`lightning_gradguard.core.stats` labels
+the norms (:func:`~lightning_gradguard.functional.stats.layer_names`: a parameter on the root module or on
+a container is its own layer), for a monitor that must key what it sees of a module by those labels.
 
 A :class:`LayerSelection` is built from the three arguments (checked: ``TypeError`` / ``ValueError``
 naming the argument). The monitors ask it which layers to watch (:meth:`LayerSelection.watches`: the
@@ -14,9 +22,28 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torch import nn
+
 from lightning_gradguard.core.validate import check_int
 from lightning_gradguard.functional.layers import LayerPatterns, choose_layers, spread
+from lightning_gradguard.functional.stats import clean_name, layer_names, module_label
 from lightning_gradguard.tags import ACROSS_LAYERS
+
+
+def user_name(name: str, root: object | None = None) -> str:
+    """A module's or a parameter's qualified name as users read it: the wrapper parts left out
+    (``net._orig_mod.0.weight`` -> ``net.0.weight``); with ``root`` (the model), the root module, whose
+    qualified name is ``""``, named by its class (``"MyModel"``) instead of by nothing."""
+    return clean_name(name) if root is None else module_label(name, root)
+
+
+def parameter_layers(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> its layer`` for the trainable parameters of ``module``, labeled as the step's
+    norms are (``"encoder.blocks.0.attn"``; ``"cls_token"`` for a parameter on the root, ``"encoder.pos"``
+    for one on a container module)."""
+    named = [(user_name(n), p) for n, p in module.named_parameters() if p.requires_grad]
+    labels = layer_names([n for n, _ in named])
+    return {id(p): label for (_, p), label in zip(named, labels, strict=True)}
 
 
 def check_patterns(name: str, value: Any) -> tuple[re.Pattern[str], ...]:

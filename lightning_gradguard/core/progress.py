@@ -19,6 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor
 
+from lightning_gradguard.core.runstate import RunField, Stateful, nothing
 from lightning_gradguard.core.stats import active_scaler
 
 #: the loss at this fraction of its start or below: the model has fitted its data
@@ -31,14 +32,24 @@ LEARNED = 0.5
 RECENT = 3
 
 
-class LossProgress:
+def _first(_: Any, saved: Any) -> float | None:
+    return None if saved is None else float(saved)
+
+
+def _recent(_: Any, saved: Any) -> deque[float]:
+    return deque((float(v) for v in saved), maxlen=RECENT)
+
+
+class LossProgress(Stateful):
     """The step's mean loss (on the device) and the run's first and recent losses (host numbers)."""
 
+    first: RunField[float | None] = RunField(nothing, load=_first)
+    recent: RunField[deque[float]] = RunField(lambda: deque(maxlen=RECENT), load=_recent)
+    _sum: RunField[Tensor | None] = RunField(nothing, key=None)
+    _micro: RunField[int] = RunField(int, key=None)
+
     def __init__(self) -> None:
-        self.first: float | None = None
-        self.recent: deque[float] = deque(maxlen=RECENT)
-        self._sum: Tensor | None = None
-        self._micro = 0
+        self.reset_run()
 
     def add(self, loss: Tensor) -> None:
         """``on_before_backward``: one more micro-batch's loss (a scalar add on the device)."""
@@ -89,11 +100,3 @@ class LossProgress:
     def _below(self, fraction: float) -> bool:
         first, level = self.first, self.level
         return first is not None and level is not None and 0 < level <= fraction * first
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"first": self.first, "recent": list(self.recent)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        first = state.get("first")
-        self.first = None if first is None else float(first)
-        self.recent = deque((float(v) for v in state.get("recent", [])), maxlen=RECENT)

@@ -24,6 +24,7 @@ from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallb
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.core.progress import LossProgress
+from lightning_gradguard.core.runstate import RunField
 
 
 class ScopedHooks(AbstractContextManager[Any]):
@@ -142,10 +143,11 @@ class SamplingMonitor(GradGuardCallback):
     :func:`~lightning_gradguard.core.base.guarded`.
     """
 
+    #: the sampled steps' losses (the monitor reads them in its transfer): is the run learning?
+    progress: RunField[LossProgress] = RunField(LossProgress)
+
     def __init__(self, action: str = "warn", cooldown_steps: int = DEFAULT_COOLDOWN_STEPS) -> None:
         super().__init__(action=action, cooldown_steps=cooldown_steps)
-        #: the sampled steps' losses (the monitor reads them in its transfer): is the run learning?
-        self.progress = LossProgress()
         self._forget_sample()
 
     # ------------------------------------------------------------------ what a monitor defines
@@ -199,11 +201,6 @@ class SamplingMonitor(GradGuardCallback):
         self._forget_sample()
 
     @override
-    def reset_run(self) -> None:
-        super().reset_run()
-        self.progress = LossProgress()
-
-    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -252,12 +249,3 @@ class SamplingMonitor(GradGuardCallback):
     ) -> None:
         self._close_scope(trainer)
         self._forget_sample()
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "progress": self.progress.state_dict()}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.progress.load_state_dict(state_dict.get("progress", {}))

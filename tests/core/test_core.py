@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gradguard import DeadReLUMonitor, OptimizerMonitor, VanishingExplodingDetector
 from lightning_gradguard.core.batch import batch_size_of, slice_batch, tensors_in
-from lightning_gradguard.core.cadence import on_logging_step, optimizer_index
+from lightning_gradguard.core.cadence import check_due, next_due, on_logging_step, optimizer_index
 from lightning_gradguard.core.collective import gather, reduce_any
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.trial import (
@@ -266,3 +267,16 @@ def test_trial_step_refuses_a_closure_optimizer_under_a_gradscaler_and_a_missing
         trial_optimizer_step(trainer, opt, _closure(trainer, quiet, opt, _batches(1)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="micro_batches"):
         TrialClosure(trainer, quiet, opt, lambda: _batches(1)[0], 0)  # type: ignore[arg-type]
+
+
+def test_one_due_in_the_base_reads_the_cadence_each_class_names() -> None:
+    """``GradGuardCallback.due`` / ``next_due`` read the attributes ``cadence_every`` / ``cadence_dense``
+    name: the detector's check interval, the dead-unit monitor's sampling interval and its dense start
+    (window + patience - 1), the optimizer monitor's check interval (100 until a fit fixes its logging)."""
+    det = VanishingExplodingDetector(check_every_n_steps=5, dense_steps=3)
+    relu = DeadReLUMonitor(sample_every_n_steps=10, window_samples=2, patience=2)
+    opt = OptimizerMonitor(dense_steps=2)
+    for cb, every, dense in ((det, 5, 3), (relu, 10, 3), (opt, 100, 2)):
+        assert [s for s in range(250) if cb.due(s)] == [s for s in range(250) if check_due(s, every, dense)]
+        assert [cb.next_due(s) for s in range(250)] == [next_due(s, every, dense) for s in range(250)]
+    assert [s for s in range(12) if relu.due(s)] == [0, 1, 2, 9]

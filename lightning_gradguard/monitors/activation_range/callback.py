@@ -24,6 +24,7 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS
 from lightning_gradguard.core.cadence import logging_interval, on_logging_step
 from lightning_gradguard.core.layers import LayerSelection, cap_scalars
+from lightning_gradguard.core.runstate import RunField
 from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
@@ -48,6 +49,17 @@ _DETECT_EVERY = 50
 #: ``trainer.precision`` values whose activations are float16
 FP16_PRECISIONS = frozenset({"16-mixed", "16-true", "16"})
 _STATS = ("max_abs", "rms", "kurtosis", "fp16_headroom")
+
+
+def _entropy_starts_saved(_: Any, starts: dict[str, EntropyStart]) -> dict[str, dict[str, float]]:
+    return {k: {"step": s.step, "entropy": s.entropy, "ratio": s.ratio} for k, s in starts.items()}
+
+
+def _entropy_starts_loaded(_: Any, saved: dict[str, dict[str, float]]) -> dict[str, EntropyStart]:
+    return {
+        k: EntropyStart(step=int(v["step"]), entropy=float(v["entropy"]), ratio=float(v["ratio"]))
+        for k, v in saved.items()
+    }
 
 
 class ActivationRangeMonitor(SamplingMonitor):
@@ -114,6 +126,21 @@ class ActivationRangeMonitor(SamplingMonitor):
 
     state_key_args = ("sample_every_n_steps",)
 
+    #: the latest sampled step's numbers: per block, and the largest attention logit and the attention
+    #: entropy per module
+    ranges: RunField[dict[str, BlockRange]] = RunField(dict, key=None)
+    max_logits: RunField[dict[str, float]] = RunField(dict, key=None)
+    entropies: RunField[dict[str, AttentionEntropy]] = RunField(dict, key=None)
+    sampled_steps: RunField[int] = RunField(int)
+    #: the largest logit of recent sampled steps
+    _history: RunField[list[float]] = RunField(
+        list, key="logit_history", load=lambda _, s: [float(v) for v in s]
+    )
+    #: each attention module's first sampled entropy
+    _entropy_starts: RunField[dict[str, EntropyStart]] = RunField(
+        dict, save=_entropy_starts_saved, load=_entropy_starts_loaded
+    )
+
     def __init__(
         self,
         *,
@@ -146,14 +173,6 @@ class ActivationRangeMonitor(SamplingMonitor):
             "min_attention_entropy", min_attention_entropy, 0.0, 1.0, low_open=True, allow_none=True
         )
         self.layers = LayerSelection(include, exclude, max_layers)
-        #: the latest sampled step's numbers: per block, and the largest attention logit and the attention
-        #: entropy per module
-        self.ranges: dict[str, BlockRange] = {}
-        self.max_logits: dict[str, float] = {}
-        self.entropies: dict[str, AttentionEntropy] = {}
-        self.sampled_steps = 0
-        self._history: list[float] = []  # the largest logit of recent sampled steps
-        self._entropy_starts: dict[str, EntropyStart] = {}  # each module's first sampled entropy
         self._blocks: dict[str, nn.Module] | None = None
         self._every = _DETECT_EVERY  # sample every this many steps (set at fit start)
 
@@ -173,12 +192,6 @@ class ActivationRangeMonitor(SamplingMonitor):
         super().on_fit_start(trainer, pl_module)
         self._blocks = None
         self._every = self._cadence(trainer)[0]  # the Trainer's logging interval is fixed for the fit
-
-    @override
-    def reset_run(self) -> None:
-        super().reset_run()
-        self._history, self.ranges, self.max_logits, self.sampled_steps = [], {}, {}, 0
-        self.entropies, self._entropy_starts = {}, {}
 
     # ------------------------------------------------------------------ the sampled step
     @override
@@ -287,27 +300,6 @@ class ActivationRangeMonitor(SamplingMonitor):
             out.update({ATTENTION.tag(stat, n): v for n, v in values.items() if n in shown})
             out.update(self.layers.aggregates(ATTENTION.tag(stat), values))
         return out
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state.update(logit_history=list(self._history), sampled_steps=self.sampled_steps)
-        state["entropy_starts"] = {
-            k: {"step": s.step, "entropy": s.entropy, "ratio": s.ratio}
-            for k, s in self._entropy_starts.items()
-        }
-        return state
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._history = [float(v) for v in state_dict.get("logit_history", [])]
-        self.sampled_steps = int(state_dict.get("sampled_steps", 0))
-        self._entropy_starts = {
-            k: EntropyStart(step=int(v["step"]), entropy=float(v["entropy"]), ratio=float(v["ratio"]))
-            for k, v in state_dict.get("entropy_starts", {}).items()
-        }
 
 
 def _order(value: float) -> float:

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
+from lightning_gradguard.core.layers import user_name
 from lightning_gradguard.core.sampling import ScopedHooks
 from lightning_gradguard.core.state import strict_mode
 from lightning_gradguard.core.transfer import HostTransfer
@@ -54,7 +55,6 @@ from lightning_gradguard.functional.activation_range import (
     pool_entropy,
     pool_moments,
 )
-from lightning_gradguard.functional.stats import clean_name, module_label
 from lightning_gradguard.functional.tree import tensors_in
 
 F = nn.functional
@@ -78,7 +78,7 @@ def find_blocks(model: nn.Module) -> dict[str, nn.Module]:
       transformer's layers: ``encoder.layers.0``, ...); containers inside such an element (a block's MLP)
       are not looked into, so a transformer gets one row per layer.
 
-    Names are the user's (:func:`~lightning_gradguard.functional.stats.clean_name`); where a wrapper
+    Names are the user's (:func:`~lightning_gradguard.core.layers.user_name`); where a wrapper
     (``torch.compile``'s) and the module it wraps share a name, the inner one is kept.
     """
     chosen: set[int] = set()
@@ -104,7 +104,7 @@ def find_blocks(model: nn.Module) -> dict[str, nn.Module]:
     found: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if id(module) in chosen and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-            found[clean_name(name)] = module  # model order; an inner module overwrites its wrapper
+            found[user_name(name)] = module  # model order; an inner module overwrites its wrapper
     return found
 
 
@@ -206,7 +206,7 @@ class RangeCapture(ScopedHooks):
             return self
         self._open = True
         if self.attention_on and not self._names:
-            self._names = {id(m): module_label(n, self.model) for n, m in self.model.named_modules()}
+            self._names = {id(m): user_name(n, self.model) for n, m in self.model.named_modules()}
         self._stack = []
         self._eager.open()
         self._handles = [register_module_forward_hook(self._post_hook, always_call=True)]

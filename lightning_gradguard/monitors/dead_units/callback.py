@@ -8,7 +8,7 @@ steps; nothing is attached on the other steps or during validation.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -16,8 +16,9 @@ from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS
-from lightning_gradguard.core.cadence import check_due, log_step, logging_interval
+from lightning_gradguard.core.cadence import log_step, logging_interval
 from lightning_gradguard.core.layers import LayerSelection, cap_scalars
+from lightning_gradguard.core.runstate import RunField
 from lightning_gradguard.core.sampling import SamplingMonitor, ScopedHooks
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
@@ -91,6 +92,20 @@ class DeadReLUMonitor(SamplingMonitor):
     #: 0.x name: ``window`` was a count of sampled steps here and of optimizer steps in LossSpikeGuard
     renamed_args = {"window": "window_samples"}
     state_key_args = ("sample_every_n_steps",)
+    #: sampled on Lightning's logging rule every ``sample_every_n_steps``, and on every step below ``_dense``
+    #: (so ``dead_relu/*`` points share the x of the loss and of the gradient histograms); under
+    #: ``accumulate_grad_batches`` all micro-batches of a due optimizer step are watched, as one sample
+    cadence_every, cadence_dense = "sample_every_n_steps", "_dense"
+
+    #: dead fraction per ReLU layer / saturated fraction per sigmoid/tanh layer, at the last check
+    dead_fractions: RunField[dict[str, float]] = RunField(dict, key=None)
+    saturated_fractions: RunField[dict[str, float]] = RunField(dict, key=None)
+    #: how many optimizer steps were sampled (batches, in manual optimization); micro-batches pooled
+    sampled_batches: RunField[int] = RunField(int)
+    #: the windows of sampled steps, and the strikes of each finding (a new run: its own sampled steps)
+    _windows: RunField[UnitWindows] = RunField(from_settings=lambda m: UnitWindows(m.window_samples))
+    #: sampled steps still to take at once: a layer looked dead on a sample
+    _follow_left: RunField[int] = RunField(int)
 
     def __init__(
         self,
@@ -119,33 +134,16 @@ class DeadReLUMonitor(SamplingMonitor):
         self.log_histograms = check_bool("log_histograms", log_histograms)
         self.histogram_bins: int = check_int("histogram_bins", histogram_bins, 2)
         self.layers = LayerSelection(include, exclude, max_layers)
-        #: dead fraction per ReLU layer / saturated fraction per sigmoid/tanh layer, at the last check
-        self.dead_fractions: dict[str, float] = {}
-        self.saturated_fractions: dict[str, float] = {}
-        #: how many optimizer steps were sampled (batches, in manual optimization); micro-batches pooled
-        self.sampled_batches = 0
-        self._windows = UnitWindows(self.window_samples)  # and the strikes of each finding
         self._dense = self.window_samples + self.patience - 1  # every step is sampled below this one
-        self._follow_left = 0  # sampled steps still to take at once: a layer looked dead on a sample
         self._following = False  # the open sample is a follow-up
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
         return charts_of(CHARTS, saturation=self.check_saturation)
 
-    def due(self, step: int) -> bool:
-        """Whether logging step ``step`` (see :func:`~lightning_gradguard.core.cadence.log_step`) is sampled
-        on the regular cadence.
-
-        Lightning's logging rule, ``(step + 1) % sample_every_n_steps == 0``, so ``dead_relu/*`` points share
-        the x of the loss and of the gradient histograms; every step at the start. Under
-        ``accumulate_grad_batches`` all micro-batches of a due optimizer step are watched, as one sample.
-        """
-        return check_due(step, self.sample_every_n_steps, self._dense)
-
     @override
     def sample_due(self, trainer: pl.Trainer, at: int) -> bool:
-        return self._follow_left > 0 or check_due(at, self.sample_every_n_steps, self._dense)
+        return self._follow_left > 0 or self.due(at)
 
     @override
     def new_capture(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ActivationCapture:
@@ -158,13 +156,6 @@ class DeadReLUMonitor(SamplingMonitor):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self._following = False
-
-    @override
-    def reset_run(self) -> None:
-        super().reset_run()
-        self._windows = UnitWindows(self.window_samples)  # a new run is judged on its own sampled steps
-        self.dead_fractions, self.saturated_fractions = {}, {}
-        self.sampled_batches, self._follow_left = 0, 0
 
     # ------------------------------------------------------------------ after the sampled step
     @override
@@ -243,20 +234,3 @@ class DeadReLUMonitor(SamplingMonitor):
         if verdict.suspicious and not self._following and step >= self.window_samples + self.patience - 1:
             self._follow_left = self.window_samples + self.patience - 1
         self.act(trainer, [a for a in alerts if a is not None])
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "windows": self._windows.state_dict(),
-            "sampled_batches": self.sampled_batches,
-            "follow_left": self._follow_left,
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._windows.load_state_dict(state_dict.get("windows", {}))
-        self.sampled_batches = int(state_dict.get("sampled_batches", 0))
-        self._follow_left = int(state_dict.get("follow_left", 0))

@@ -40,10 +40,10 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 
+from lightning_gradguard.core.layers import user_name
 from lightning_gradguard.core.sampling import ScopedHooks
 from lightning_gradguard.core.state import strict_mode
 from lightning_gradguard.functional.health import activity_counts, saturation_counts, unit_dim
-from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.monitors.dead_units.rules import UnitCounts, pool
 
 #: what :class:`ActivationCapture` says (through its ``warn``) when it cannot see everything
@@ -170,7 +170,7 @@ class ActivationCapture(ScopedHooks):
         if self._open:
             return self
         self._open = True
-        self._names = {id(m): clean_name(name) for name, m in self.model.named_modules()}
+        self._names = {id(m): user_name(name) for name, m in self.model.named_modules()}
         self._stack, self._calls, self._channel_first = [], {}, False  # names (``#2``) restart each pass
         self._eager.open()  # torch.compile'd code runs eagerly in the scope: dynamo never sees our hooks
         self._handles = [

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.alerts import Finding, Rule, declare
+from lightning_gradguard.core.runstate import RunField, Stateful, Streaks
 from lightning_gradguard.functional.health import dead_units
 from lightning_gradguard.monitors.dead_units.tags import ACTIVATION_RATE, DEAD_RELU, SATURATED
 
@@ -136,17 +137,33 @@ class StepVerdict:
     suspicious: bool
 
 
-class UnitWindows:
+_Window = deque[tuple[Tensor, float]]
+
+
+def _windows_saved(_: Any, windows: dict[str, _Window]) -> dict[str, list[dict[str, Any]]]:
+    return {k: [{"counts": c.clone(), "samples": n} for c, n in w] for k, w in windows.items()}
+
+
+def _windows_loaded(owner: UnitWindows, saved: Mapping[str, Any]) -> dict[str, _Window]:
+    return {
+        k: deque([(torch.as_tensor(s["counts"]), float(s["samples"])) for s in w], maxlen=owner.size)
+        for k, w in saved.items()
+    }
+
+
+class UnitWindows(Stateful):
     """Per layer, its last ``size`` sampled steps (``(per-unit counts, values per unit)``, oldest first), and
     per finding (``"<kind>@<layer>"``) how many full windows in a row were over the limit.
 
     A layer whose width changed (a resized model) starts a fresh window.
     """
 
+    strikes: RunField[Streaks] = RunField(Streaks)
+    windows: RunField[dict[str, _Window]] = RunField(dict, save=_windows_saved, load=_windows_loaded)
+
     def __init__(self, size: int) -> None:
         self.size = size
-        self.windows: dict[str, deque[tuple[Tensor, float]]] = {}
-        self.strikes: dict[str, int] = {}
+        self.reset_run()
 
     def __getitem__(self, key: str) -> deque[tuple[Tensor, float]]:
         return self.windows[key]
@@ -177,7 +194,7 @@ class UnitWindows:
             rule = SATURATED_RULE if record.saturation else DEAD_RELU_RULE
             strike = f"{rule.kind}@{key}"
             if full:
-                self.strikes[strike] = self.strikes.get(strike, 0) + 1 if summary.fraction > limit else 0
+                self.strikes.update(strike, summary.fraction > limit)
             silent = 0.0 if record.saturation else silent_fraction(record.counts)
             fires = full and self.strikes[strike] >= patience
             checks.append(
@@ -203,21 +220,6 @@ class UnitWindows:
             findings=[explain(c) for c in checks if c.fires],
             suspicious=any(c.silent > threshold for c in relu),
         )
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "strikes": dict(self.strikes),
-            "windows": {
-                k: [{"counts": c.clone(), "samples": n} for c, n in w] for k, w in self.windows.items()
-            },
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.strikes = dict(state.get("strikes", {}))
-        self.windows = {
-            k: deque([(torch.as_tensor(s["counts"]), float(s["samples"])) for s in w], maxlen=self.size)
-            for k, w in state.get("windows", {}).items()
-        }
 
 
 def explain(check: LayerCheck) -> Finding:

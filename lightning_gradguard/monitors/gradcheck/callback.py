@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core.batch import first_train_batch, slice_batch
+from lightning_gradguard.core.layers import user_name
 from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck
 from lightning_gradguard.core.snapshot import RNGState, train_loader_generators
 from lightning_gradguard.core.state import info_once
@@ -40,7 +41,6 @@ from lightning_gradguard.monitors.gradcheck.engine import (
     gradcheck_module,
 )
 from lightning_gradguard.monitors.gradcheck.findings import passed_line
-from lightning_gradguard.monitors.gradcheck.graph import unwrapped_name
 from lightning_gradguard.monitors.gradcheck.rules import GRADIENT_MISMATCH, mismatch_findings
 
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -269,8 +269,8 @@ class GradientCheck(PreflightCheck):
             return
         rng = RNGState(train_loader_generators(trainer))  # the samplers' generators included
         if self.modules is not None:
-            known = {part for n, _ in pl_module.named_modules() for part in (n, unwrapped_name(n))}
-            unknown = [m for m in self.modules if m not in known]
+            known = {part for n, _ in pl_module.named_modules() for part in (n, user_name(n))}
+            unknown = [m for m in self.modules if m not in known and user_name(m) not in known]
             if unknown:
                 raise ValueError(f"`modules` names modules that {type(pl_module).__name__} lacks: {unknown}")
         self.result = None

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from lightning_gradguard.core.layers import user_name
 from lightning_gradguard.functional.gradcheck import (
     KINK_RETRIES,
     finite_difference_check,
@@ -79,7 +80,6 @@ from lightning_gradguard.monitors.gradcheck.graph import (
     GraphOwners,
     copy64,
     has_backward_hooks,
-    unwrapped_name,
 )
 
 #: ``loss_fn(model)``: the scalar loss of ``model`` (the float64 copy) on a fixed float64 batch, or
@@ -254,7 +254,8 @@ def gradcheck_module(
     model = copy64(module)
     names = dict(model.named_modules())
     if modules is not None:  # the copy is uncompiled: ``net._orig_mod.0`` is ``net.0`` there
-        modules = [m if m in names else unwrapped_name(m) for m in modules]
+        by_user = {user_name(n): n for n in names}  # a module as users name it -> its name in the copy
+        modules = [m if m in names else by_user.get(user_name(m), m) for m in modules]
         unknown = [m for m in modules if m not in names]
         if unknown:
             raise ValueError(f"`modules` names unknown modules {unknown}; known: {sorted(names)[:20]}")

@@ -238,11 +238,6 @@ def uncompiled(module: nn.Module) -> nn.Module:
     return module
 
 
-def unwrapped_name(name: str) -> str:
-    """A module's name in :func:`uncompiled`'s result: without ``_orig_mod`` parts."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
-
-
 def _compiled_wrapper(module: nn.Module) -> bool:
     """``torch.compile(net)``'s ``OptimizedModule`` (not imported: importing dynamo is slow)."""
     return type(module).__name__ == "OptimizedModule" and isinstance(

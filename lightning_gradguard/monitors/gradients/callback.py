@@ -28,6 +28,7 @@ from lightning_gradguard.core.cadence import log_step, logging_interval, on_logg
 from lightning_gradguard.core.layers import LayerSelection
 from lightning_gradguard.core.lr import ClipSetting, adaptive_eps, clip_setting, orthogonalized_share
 from lightning_gradguard.core.progress import LossProgress
+from lightning_gradguard.core.runstate import RunField, restored
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.stats import StepStats, step_stats
@@ -136,6 +137,24 @@ class GradientNormLogger(GradGuardCallback):
 
     state_key_args = ("log_every_n_steps", "norm_type", "group_depth", "per_parameter")
 
+    #: the pre-clip norms of recent steps, on the device (the clip window holds this run's steps only)
+    _clip: RunField[ClipRing] = RunField(from_settings=lambda g: ClipRing(g.clip_window), key="clip_window")
+    #: the gradient noise scale: its hooks and settings outlive the runs, its average does not
+    _noise: RunField[NoiseScaleTracker] = RunField(
+        from_settings=lambda g: NoiseScaleTracker(g.noise_scale_beta, on=g.log_noise_scale),
+        key="noise_scale",
+        per_run=False,
+    )
+    #: per optimizer (tag suffix): the run of checks whose update ratio stayed high
+    _ratio: RunField[dict[str, RatioWatch]] = RunField(
+        dict, key="update_ratio", load=lambda _, s: {k: restored(RatioWatch(), v) for k, v in s.items()}
+    )
+    #: the logging steps' losses: a high update ratio the loss follows down is no LR too high
+    progress: RunField[LossProgress] = RunField(LossProgress)
+    _pending: RunField[list[_Logged]] = RunField(list, key=None)
+    _clip_check_due: RunField[bool] = RunField(bool, key=None)
+    last_logged: RunField[dict[str, float]] = RunField(dict, key=None)
+
     def __init__(
         self,
         *,
@@ -173,18 +192,11 @@ class GradientNormLogger(GradGuardCallback):
         self.layers = LayerSelection(include, exclude, max_layers)
         self.log_noise_scale = check_bool("log_noise_scale", log_noise_scale)
         self.noise_scale_beta: float = check_float("noise_scale_beta", noise_scale_beta, 0, 1, high_open=True)
-        self._noise = NoiseScaleTracker(self.noise_scale_beta, on=self.log_noise_scale)
         self.max_update_ratio: float | None = check_float(
             "max_update_ratio", max_update_ratio, 0.0, low_open=True, allow_none=True
         )
-        self._ratio: dict[str, RatioWatch] = {}  # per optimizer (tag suffix)
-        self.progress = LossProgress()  # the logging steps' losses (reset_run starts it afresh)
         self._designed: dict[str, bool] = {}  # per optimizer: its update's size is its design (Muon)
-        self._pending: list[_Logged] = []
-        self._clip_check_due = False
         self._clip_check_step = 0  # global_step of the latest step measured for the clipping verdict
-        self._clip = ClipRing(self.clip_window)  # the pre-clip norms of recent steps, on the device
-        self.last_logged: dict[str, float] = {}
         # what a step's cadence test reads, fixed for a fit (set in on_train_start): the logging interval,
         # the Trainer's clipping, and whether this rank measures at all
         self._every = 0
@@ -209,15 +221,6 @@ class GradientNormLogger(GradGuardCallback):
         self._noise.start(fresh=False)  # a fresh run emptied its average in reset_run
         if (reason := unsupported_reason(trainer)) is not None:  # DeepSpeed: no number, not a wrong one
             warn_once(trainer, "sharding:unsupported", reason)
-
-    @override
-    def reset_run(self) -> None:
-        super().reset_run()
-        self._clip = ClipRing(self.clip_window)  # the clip window holds this run's steps only
-        self._pending, self.last_logged, self._clip_check_due, self._ratio = [], {}, False, {}
-        self._noise.ema.reset()  # a fresh run starts an empty average
-        #: the logging steps' losses: a high update ratio the loss follows down is no LR too high
-        self.progress = LossProgress()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -383,27 +386,6 @@ class GradientNormLogger(GradGuardCallback):
     # ------------------------------------------------------------------ state
     _clip_norms = property(lambda self: self._clip.values)  # the ring as it is on the device
     _clip_seen = property(lambda self: self._clip.seen)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "clip_window": self._clip.state_dict(),
-            "noise_scale": self._noise.state_dict(),
-            "update_ratio": {k: w.state_dict() for k, w in self._ratio.items()},
-            "progress": self.progress.state_dict(),
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._clip.load_state_dict(state_dict.get("clip_window", {}))
-        self._noise.load_state_dict(state_dict.get("noise_scale", {}))
-        self.progress.load_state_dict(state_dict.get("progress", {}))
-        self._ratio = {}
-        for key, state in state_dict.get("update_ratio", {}).items():
-            self._ratio[key] = RatioWatch()
-            self._ratio[key].load_state_dict(state)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

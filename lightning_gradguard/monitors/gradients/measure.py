@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.runstate import RunField, Stateful, nothing
 from lightning_gradguard.core.sharding import PendingNorms, world_size
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
@@ -59,22 +60,40 @@ def parse_norm_type(norm_type: Any) -> float:
     return value
 
 
-class ClipRing:
+def _norms_loaded(ring: ClipRing, saved: Tensor | None) -> Tensor | None:
+    return saved.clone() if saved is not None and saved.numel() == ring.size else None
+
+
+class ClipRing(Stateful):
     """The pre-clip norms of the last ``size`` steps, on the device: a ring written every step, no sync.
 
     Under sharding a slot holds this rank's share of the step's norm (see
     :class:`~lightning_gradguard.core.sharding.PendingNorms`), combined across the ranks when the window
     is read (:meth:`queue`, in the reader's one transfer); the last window read is kept on the host for
-    :meth:`state` (the steps since then are left out of a checkpoint). NaN marks an empty slot.
+    the checkpoint (the steps since then are left out of it). NaN marks an empty slot.
+
+    Checkpointed: ``norms``, the window as whole norms on the CPU (under sharding, as last read; ``None``
+    before any; a window of another size is not restored), and ``seen``, how many steps were written.
     """
+
+    values: RunField[Tensor | None] = RunField(
+        nothing, key="norms", save=lambda r, v: r.whole_norms(v), load=_norms_loaded
+    )
+    seen: RunField[int] = RunField(int)
+    norm_type: RunField[float] = RunField(lambda: 2.0, key=None)
+    shares: RunField[bool] = RunField(bool, key=None)
+    #: under sharding: the whole norms of the last window read
+    _read: RunField[Tensor | None] = RunField(nothing, key=None)
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.values: Tensor | None = None
-        self.seen = 0
-        self.norm_type = 2.0
-        self.shares = False
-        self._read: Tensor | None = None  # under sharding: the whole norms of the last window read
+        self.reset_run()
+
+    def whole_norms(self, values: Tensor | None) -> Tensor | None:
+        """The window as the checkpoint holds it: whole norms on the CPU (``None`` before any)."""
+        if self.shares:
+            return None if self._read is None else self._read.clone()
+        return None if values is None else values.detach().cpu()
 
     def push(self, total: PendingNorms) -> None:
         """Write one step's (pending) pre-clip norm."""
@@ -101,21 +120,6 @@ class ClipRing:
             self._read = torch.full((self.size,), float("nan"))
             self._read[: window.numel()] = window
         return window
-
-    def state_dict(self) -> dict[str, Any]:
-        """The window for a checkpoint: whole norms on the CPU (under sharding, as last read; ``None``
-        before any), and how many steps were written."""
-        if self.shares:
-            norms = None if self._read is None else self._read.clone()
-        else:
-            norms = None if self.values is None else self.values.detach().cpu()
-        return {"norms": norms, "seen": self.seen}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        norms = state.get("norms")
-        if norms is not None and norms.numel() == self.size:
-            self.values = norms.clone()
-        self.seen, self.shares, self._read = int(state.get("seen", 0)), False, None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.batch import batch_size_of
 from lightning_gradguard.core.cadence import log_step, on_logging_step
+from lightning_gradguard.core.runstate import RunField, Stateful
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.state import info_once, strict_mode, warn_once
 from lightning_gradguard.core.stats import active_scaler, step_stats
@@ -53,7 +54,11 @@ def _trainable(trainer: pl.Trainer) -> list[Tensor]:
     return list(params.values())
 
 
-class NoiseScaleTracker:
+def _ema_loaded(tracker: NoiseScaleTracker, saved: Tensor | None) -> NoiseScaleEMA:
+    return NoiseScaleEMA(tracker.beta, None if saved is None else saved.detach().clone().float())
+
+
+class NoiseScaleTracker(Stateful):
     """Hooks, device accumulation and the EMA behind the ``noise_scale/*`` tags (see the module docstring).
 
     Call :meth:`on_batch` from ``on_train_batch_start`` and :meth:`on_step` from
@@ -66,9 +71,13 @@ class NoiseScaleTracker:
         on: ``False``: every method does nothing (the logger's noise scale is off).
     """
 
+    #: the EMA (on the CPU in a checkpoint; under DDP this rank's, equal on every rank at each read)
+    ema: RunField[NoiseScaleEMA] = RunField(
+        from_settings=lambda n: NoiseScaleEMA(n.beta), save=lambda _, e: e.saved(), load=_ema_loaded
+    )
+
     def __init__(self, beta: float, on: bool = True) -> None:
-        self.on = on
-        self.ema = NoiseScaleEMA(beta)
+        self.on, self.beta = on, beta
         self.due: int | None = None  # the log step whose EMA is to be read
         self.batch_size = 0  # the samples of the latest measured step, over every rank
         self._enabled: bool | None = None if on else False  # None: decided at the first batch of a fit
@@ -109,7 +118,7 @@ class NoiseScaleTracker:
         """A fit starts: decide again at its first batch; a fresh run starts an empty average."""
         self._enabled, self.due = (None if self.on else False), None
         if fresh:
-            self.ema.reset()
+            self.reset_run()
 
     def _supported(self, trainer: pl.Trainer, every: int) -> bool:
         why = None
@@ -210,15 +219,6 @@ class NoiseScaleTracker:
         _emit.log_scalars(trainer, metrics, at)
         return metrics
 
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """The EMA for a checkpoint (on the CPU; under DDP this rank's, equal on every rank at each read)."""
-        return {"ema": None if self.ema.state is None else self.ema.state.detach().cpu()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        ema = state.get("ema")
-        self.ema.state = None if ema is None else ema.detach().clone().float()
-
 
 @dataclass
 class NoiseScaleEMA:
@@ -247,8 +247,9 @@ class NoiseScaleEMA:
         new = old * self.beta + sample * (1.0 - self.beta)
         self.state = torch.where(torch.isfinite(sample).all(), new, old)
 
-    def reset(self) -> None:
-        self.state = None
+    def saved(self) -> Tensor | None:
+        """The state as a checkpoint holds it (on the CPU)."""
+        return None if self.state is None else self.state.detach().cpu()
 
     @staticmethod
     def read(state: Tensor) -> NoiseScaleEstimate:

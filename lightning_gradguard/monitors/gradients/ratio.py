@@ -20,6 +20,7 @@ from typing import Any
 
 from lightning_gradguard.core.lr import decay_factors, group_lr
 from lightning_gradguard.core.progress import LossProgress
+from lightning_gradguard.core.runstate import RunField, Stateful, nothing
 
 #: checks before this step are not judged (Adam's bias correction, fresh layers' first moves)
 SETTLE_STEPS = 20
@@ -32,14 +33,16 @@ SUSTAIN_STEPS = 20
 PRODUCTIVE_FALL = 0.1
 
 
-class RatioWatch:
+class RatioWatch(Stateful):
     """The current run of consecutive checks whose total update ratio stayed above the ceiling."""
 
+    first: RunField[int | None] = RunField(nothing)  # the step of the run's first check
+    count: RunField[int] = RunField(int)
+    lowest: RunField[float] = RunField(lambda: math.inf)
+    last: RunField[float] = RunField(float)
+
     def __init__(self) -> None:
-        self.first: int | None = None  # the step of the run's first check
-        self.count = 0
-        self.lowest = math.inf
-        self.last = 0.0
+        self.reset_run()
 
     def check(
         self, step: int, ratio: float | None, ceiling: float, progress: LossProgress | None = None
@@ -70,19 +73,6 @@ class RatioWatch:
         if loss is None or first is None or not loss > 0:
             return False
         return loss <= (1 - PRODUCTIVE_FALL) * first
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "first": self.first,
-            "count": self.count,
-            "lowest": self.lowest,
-            "last": self.last,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.first = state.get("first")
-        self.count = int(state.get("count", 0))
-        self.lowest, self.last = float(state.get("lowest", math.inf)), float(state.get("last", 0.0))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.preflight import manual_optimization_note
+from lightning_gradguard.core.runstate import RunField
 from lightning_gradguard.core.state import skipped_for_fast_dev_run, warn_once
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_int_list
 from lightning_gradguard.functional.lr_suggest import SUGGESTION_METHODS
@@ -150,6 +151,18 @@ class LRFinderPlus(GradGuardCallback):
 
     state_key_args = ("milestones", "method")
 
+    #: the epochs whose range test ran (the same callback reused for a new run tests that run again)
+    _done_epochs: RunField[set[int]] = RunField(set)
+    #: every range test of this instance, kept across runs; a checkpoint holds each one's
+    #: ``(epoch, suggestion)`` for people to read, not loaded back (a result's curves are not in it)
+    results: RunField[list[LRFinderResult]] = RunField(
+        list,
+        key="suggestions",
+        per_run=False,
+        save=lambda _, rs: [(r.epoch, r.suggestion) for r in rs],
+        load=lambda f, _: f.results,
+    )
+
     def __init__(
         self,
         *,
@@ -193,8 +206,6 @@ class LRFinderPlus(GradGuardCallback):
         self.search_steps: int | float = _check_search_steps(search_steps)
         self.search_candidates: int = check_int("search_candidates", search_candidates, 3, maximum=9)
         self.min_points: int = min_points if min_points is not None else max(5, self.num_training // 10)
-        self.results: list[LRFinderResult] = []
-        self._done_epochs: set[int] = set()
         self._stop_after = False  # set by lr_find: end the fit once the sweep is done
         self._standalone_bar = False  # set by lr_find: its Trainer's bars are off by lr_find's choice
 
@@ -212,11 +223,6 @@ class LRFinderPlus(GradGuardCallback):
         return charts_of(CHARTS)
 
     # ------------------------------------------------------------------ hooks
-    @override
-    def reset_run(self) -> None:
-        super().reset_run()
-        self._done_epochs.clear()  # the same callback reused for a new run tests that run again
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._stop_after:  # lr_find's throwaway fit: sweep now, then end it before any epoch starts
@@ -282,19 +288,6 @@ class LRFinderPlus(GradGuardCallback):
         setup, or no suggestion)."""
         if finding is not None:
             self.report_finding(trainer, finding)
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["done_epochs"] = sorted(self._done_epochs)
-        state["suggestions"] = [(r.epoch, r.suggestion) for r in self.results]
-        return state
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._done_epochs = set(state_dict.get("done_epochs", []))
 
 
 def lr_find(

@@ -24,6 +24,7 @@ from lightning_gradguard.alerts import NonFiniteError
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback
 from lightning_gradguard.core.buffers import keep_step_buffers, restore_step_buffers
 from lightning_gradguard.core.cadence import every_nth
+from lightning_gradguard.core.runstate import RunField
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
@@ -32,6 +33,17 @@ from lightning_gradguard.monitors.nan import measure as _nan
 from lightning_gradguard.monitors.nan.measure import Flags, MicroBatch, NaNReport, SkipCounters
 from lightning_gradguard.monitors.nan.report import Filed, ReportSettings, build_report, write_report
 from lightning_gradguard.monitors.nan.rules import NONFINITE_PARAMETER, Detection, decide, finding_of
+
+
+def _skips_saved(_: Any, skips: SkipCounters) -> dict[str, int]:
+    return {"skipped_steps": skips.skipped_steps, "consecutive_skips": skips.consecutive_skips}
+
+
+def _skips_loaded(_: Any, state: dict[str, Any]) -> SkipCounters:
+    return SkipCounters(
+        skipped_steps=int(state.get("skipped_steps", 0)),
+        consecutive_skips=int(state.get("consecutive_skips", 0)),
+    )
 
 
 class NaNSentinel(GradGuardCallback):
@@ -122,6 +134,14 @@ class NaNSentinel(GradGuardCallback):
     allowed_actions = ("warn", "stop", "raise", "skip")
     skip_cause = "nan_sentinel"
 
+    #: the GradScaler's skipped steps, in all and in a row (saved as ``skipped_steps``,
+    #: ``consecutive_skips``): the report of this run lists this run's steps only
+    _skips: RunField[SkipCounters] = RunField(SkipCounters, key="", save=_skips_saved, load=_skips_loaded)
+    #: the recent total gradient norms a report lists (on the device until a report reads them)
+    norm_history: RunField[_nan.NormRing] = RunField(
+        from_settings=lambda s: _nan.NormRing(s.history_size), key=None
+    )
+
     def __init__(
         self,
         *,
@@ -153,12 +173,8 @@ class NaNSentinel(GradGuardCallback):
         self.loss_scale_floor: float = check_float("loss_scale_floor", loss_scale_floor, 0.0, low_open=True)
         self.max_consecutive_skips: int = check_int("max_consecutive_skips", max_consecutive_skips, 1)
         self.check_micro_batches = check_bool("check_micro_batches", check_micro_batches)
-        # the GradScaler's skipped steps, in all and in a row (``skipped_steps``, ``consecutive_skips``)
-        self._skips = SkipCounters()
         self.last_report_dir: str | None = None
         self._step = _nan.StepTrack()
-        #: the recent total gradient norms a report lists (on the device until a report reads them)
-        self.norm_history = _nan.NormRing(self.history_size)
         #: one process, automatic optimization, no GradScaler, no sharding: a step without accumulation
         #: is judged by one read of its loss and total gradient norm (see :meth:`on_train_start`)
         self._one_read = False
@@ -180,12 +196,6 @@ class NaNSentinel(GradGuardCallback):
         super().on_fit_start(trainer, pl_module)
         # a fit never starts inside an optimizer step (one stopped mid-accumulation leaves this behind)
         self._step = _nan.StepTrack()
-
-    @override
-    def reset_run(self) -> None:
-        super().reset_run()
-        self._skips = SkipCounters()  # the report of this run lists this run's steps only
-        self.norm_history = _nan.NormRing(self.history_size)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -370,17 +380,3 @@ class NaNSentinel(GradGuardCallback):
         """Record the alert of ``report`` (its rule's words): one finding of a kind per cooldown, wherever
         the origin moves."""
         self.report_finding(trainer, finding_of(report), step=report.step, cooldown_key=report.kind)
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        return {**state, "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._skips = SkipCounters(
-            skipped_steps=int(state_dict.get("skipped_steps", 0)),
-            consecutive_skips=int(state_dict.get("consecutive_skips", 0)),
-        )

@@ -22,9 +22,9 @@ from torch import Tensor, nn
 
 from lightning_gradguard.core.batch import tensors_in
 from lightning_gradguard.core.compile import Uncompiled
+from lightning_gradguard.core.layers import user_name
 from lightning_gradguard.core.snapshot import RNGState
 from lightning_gradguard.core.trial import loss_of, quiet_logging, training_step_of
-from lightning_gradguard.functional.stats import module_label
 
 
 def _nonfinite(obj: Any) -> int:
@@ -122,7 +122,7 @@ class _FirstNonFinite:
 
     def __init__(self, root: nn.Module, inputs_finite: bool | None) -> None:
         self.root = root
-        self.names = {m: module_label(n, root) for n, m in root.named_modules()}
+        self.names = {m: user_name(n, root) for n, m in root.named_modules()}
         self.inputs_finite = inputs_finite
         self.running: list[nn.Module] = []
         self.found: ForwardOrigin | None = None

@@ -26,9 +26,10 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.alerts import Rule
+from lightning_gradguard.core.layers import user_name
 from lightning_gradguard.core.sharding import PendingNorms, local_tensor
 from lightning_gradguard.core.transfer import HostTransfer
-from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonfinite_counts
+from lightning_gradguard.functional.stats import foreach_norms, nonfinite_counts
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ def add_up_pieces(ranks: list[list[NonFiniteTensor]], pl_module: pl.LightningMod
         whole[t.name] = (
             t if seen is None else NonFiniteTensor(t.name, seen.nonfinite + t.nonfinite, seen.numel)
         )
-    order = {clean_name(name): i for i, (name, _) in enumerate(pl_module.named_parameters())}
+    order = {user_name(name): i for i, (name, _) in enumerate(pl_module.named_parameters())}
     return sorted(whole.values(), key=lambda t: order.get(t.name, len(order)))
 
 
@@ -327,7 +328,7 @@ def named_grads(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tupl
     """The gradients the optimizers hold now, by parameter name in model order (trainable ones only)."""
     wanted = {id(p) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]}
     return [
-        (clean_name(name), local_tensor(p.grad))
+        (user_name(name), local_tensor(p.grad))
         for name, p in pl_module.named_parameters()
         if id(p) in wanted and p.requires_grad and p.grad is not None
     ]

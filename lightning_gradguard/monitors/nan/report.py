@@ -30,10 +30,11 @@ from lightning_gradguard.alerts import Rule, write_atomically
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core import sharding as _sharding
 from lightning_gradguard.core.collective import gather
+from lightning_gradguard.core.layers import user_name
 from lightning_gradguard.core.lr import group_lr
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import step_stats
-from lightning_gradguard.functional.stats import clean_name, foreach_norms, nonfinite_counts
+from lightning_gradguard.functional.stats import foreach_norms, nonfinite_counts
 from lightning_gradguard.monitors.nan.forensics import ForwardOrigin, replay_origin
 from lightning_gradguard.monitors.nan.measure import (
     NOT_REPLAYED,
@@ -153,7 +154,7 @@ def _local_findings(
     loss = None if micro.loss is None else float(micro.loss.float().mean())
     numels: list[int] | None = None
     if rule is NONFINITE_PARAMETER:
-        named = [(clean_name(n), _sharding.local_tensor(p.detach())) for n, p in pl_module.named_parameters()]
+        named = [(user_name(n), _sharding.local_tensor(p.detach())) for n, p in pl_module.named_parameters()]
     elif optimizer is not None:  # sizes of the whole tensors: under sharding a rank holds pieces
         stats = step_stats(trainer, pl_module, optimizer)
         named, numels = list(zip(stats.grad_names, stats.grads, strict=True)), stats.grad_numels()

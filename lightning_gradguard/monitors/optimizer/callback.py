@@ -27,13 +27,13 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import (
     DENSE_STEPS,
-    check_due,
     log_step,
     logging_interval,
     on_logging_step,
     optimizer_index,
 )
 from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.runstate import RunField, Streaks, nothing
 from lightning_gradguard.core.sharding import is_sharded, unsupported_reason
 from lightning_gradguard.core.skips import SKIP_CAUSES
 from lightning_gradguard.core.state import info_once, trainer_state, warn_once
@@ -73,6 +73,22 @@ class _Pending:
     suffix: str  # "_opt<i>" with several optimizers
     sample: OptimizerSample
     logged: bool  # a logging step (else a check only, with logging off)
+
+
+def _strikes_saved(_: Any, strikes: dict[str, Streaks]) -> dict[str, dict[str, int]]:
+    return {k: dict(v) for k, v in strikes.items()}
+
+
+def _strikes_loaded(_: Any, saved: dict[str, dict[str, int]]) -> dict[str, Streaks]:
+    return {k: Streaks(v) for k, v in saved.items()}
+
+
+def _born_zero(_: Any, saved: dict[str, list[str]]) -> dict[str, set[str]]:
+    return {k: set(v) for k, v in saved.items()}
+
+
+def _skips_base(_: Any, saved: dict[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in saved.items()}
 
 
 class OptimizerMonitor(GradGuardCallback):
@@ -135,6 +151,23 @@ class OptimizerMonitor(GradGuardCallback):
     """
 
     state_key_args = ("log_every_n_steps",)
+    #: checked on the logging steps (every 100 steps with logging off), and every step below ``dense_steps``
+    cadence_every = "_check_every"
+
+    #: "<rule><suffix>" -> layer -> consecutive checks (a layer not found again starts over)
+    _strikes: RunField[dict[str, Streaks]] = RunField(
+        dict, key="strikes", save=_strikes_saved, load=_strikes_loaded
+    )
+    #: suffix -> layers seen with weights exactly 0
+    _born_zero: RunField[dict[str, set[str]]] = RunField(dict, load=_born_zero)
+    #: the skipped-update counts of earlier fits of this run (saved as the run's counts so far)
+    _skips_base: RunField[dict[str, float]] = RunField(
+        dict, key="skipped_updates", save=lambda m, _: m.skip_counts_now(), load=_skips_base
+    )
+    _pending: RunField[list[_Pending]] = RunField(list, key=None)
+    _counters_at: RunField[int | None] = RunField(nothing, key=None)  # the log step the counters are due at
+    _scale: RunField[ScaleWatch] = RunField(ScaleWatch, key=None)
+    last_logged: RunField[dict[str, float]] = RunField(dict, key=None)
 
     def __init__(
         self,
@@ -160,16 +193,10 @@ class OptimizerMonitor(GradGuardCallback):
         self.max_adam_step: float = check_float("max_adam_step", max_adam_step, 1.0, low_open=True)
         self.patience: int = check_int("patience", patience, 1)
         self.layers = LayerSelection(include, exclude, max_layers)
-        self._pending: list[_Pending] = []
-        self._counters_at: int | None = None  # the log step the skip counters are due at
-        self._scale = ScaleWatch()
-        self._strikes: dict[str, dict[str, int]] = {}  # "<rule><suffix>" -> layer -> consecutive checks
-        self._born_zero: dict[str, set[str]] = {}  # suffix -> layers seen with weights exactly 0
-        self._skips_base: dict[str, float] = {}  # counts of earlier fits of this run (a checkpoint)
         self._skips_start: dict[str, int] = {}  # the Trainer's shared counts when this fit started
         self._shared: dict[str, int] = {}  # the Trainer's shared counts (``core.state``), live
-        self.last_logged: dict[str, float] = {}
         self._rank_zero, self._every, self._scaler_on = True, 0, False  # fixed per fit (on_train_start)
+        self._check_every = _CHECK_EVERY  # the logging interval, or _CHECK_EVERY with logging off
         self._held_checked = False  # the parameters an optimizer holds were checked in this fit
 
     @override
@@ -184,19 +211,13 @@ class OptimizerMonitor(GradGuardCallback):
         self._skips_start = dict(self._shared)
 
     @override
-    def reset_run(self) -> None:
-        super().reset_run()
-        self._pending, self._strikes, self._skips_base, self.last_logged = [], {}, {}, {}
-        self._born_zero = {}
-        self._scale, self._counters_at = ScaleWatch(), None
-
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Fix what every step's cadence test reads: whether this rank measures (loggers are rank-zero only;
         DDP's gradients agree across ranks), the logging interval, whether a GradScaler can skip steps."""
         self._rank_zero = trainer.is_global_zero
         self._held_checked = False
         self._every = logging_interval(trainer, self.log_every_n_steps)
+        self._check_every = self._every or _CHECK_EVERY  # logging off: the checks go on
         self._scaler_on = active_scaler(trainer) is not None
 
     @override
@@ -207,9 +228,9 @@ class OptimizerMonitor(GradGuardCallback):
             return
         if self._scaler_on:
             self._scale.before_step(step_stats(trainer, pl_module, optimizer))
-        at, every = log_step(trainer), self._every
-        if check_due(at, every or _CHECK_EVERY, self.dense_steps):  # every=0: the checks go on
-            logged = on_logging_step(at, every)  # Lightning's rule, plus step 0
+        at = log_step(trainer)
+        if self.due(at):
+            logged = on_logging_step(at, self._every)  # Lightning's rule, plus step 0
             if logged:
                 self._counters_at = at
             self._measure(trainer, pl_module, optimizer, at, logged)
@@ -275,6 +296,11 @@ class OptimizerMonitor(GradGuardCallback):
             self.last_logged = dict(metrics)
             _emit.log_scalars(trainer, metrics, counters_at)
 
+    def skip_counts_now(self) -> dict[str, float]:
+        """The updates skipped in this run so far, per cause (a checkpoint's sync reads the GradScaler's)."""
+        scaler = self._scale.count
+        return self._skip_counts(float(scaler.sum()) if scaler is not None else 0.0)
+
     def _skip_counts(self, grad_scaler: float) -> dict[str, float]:
         """Updates skipped in this run so far, per cause (earlier fits of a resumed run included)."""
         counts = {c: float(self._shared.get(c, 0) - self._skips_start.get(c, 0)) for c in SKIP_CAUSES}
@@ -295,9 +321,9 @@ class OptimizerMonitor(GradGuardCallback):
     # ------------------------------------------------------------------ rules
     def _strike(self, rule: str, suffix: str, found: set[str]) -> dict[str, int]:
         """Consecutive checks per layer, for the layers found this time (the others start over)."""
-        old = self._strikes.get(rule + suffix, {})
-        self._strikes[rule + suffix] = new = {layer: old.get(layer, 0) + 1 for layer in found}
-        return {layer: n for layer, n in new.items() if n >= self.patience}
+        streaks = self._strikes.setdefault(rule + suffix, Streaks())
+        streaks.advance(found)
+        return streaks.reached(self.patience)
 
     def _judge(self, trainer: pl.Trainer, reading: OptimizerReading, suffix: str, layers: bool) -> None:
         m = reading.moments
@@ -363,24 +389,6 @@ class OptimizerMonitor(GradGuardCallback):
             outlier_finding(layer, ratios[layer], median, self.outlier_factor, n)
             for layer, n in self._strike("outlier", suffix, set(outliers)).items()
         ]
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        scaler = self._scale.count  # a checkpoint is a sync anyway
-        state["skipped_updates"] = self._skip_counts(float(scaler.sum()) if scaler is not None else 0.0)
-        state["strikes"] = {k: dict(v) for k, v in self._strikes.items()}
-        state["born_zero"] = {k: sorted(v) for k, v in self._born_zero.items()}
-        return state
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self._skips_base = {k: float(v) for k, v in state_dict.get("skipped_updates", {}).items()}
-        self._strikes = {k: dict(v) for k, v in state_dict.get("strikes", {}).items()}
-        self._born_zero = {k: set(v) for k, v in state_dict.get("born_zero", {}).items()}
-        self._scale = ScaleWatch()
 
 
 def _sizeable(found: Collection[str], checked: Collection[str], numels: Mapping[str, int]) -> bool:

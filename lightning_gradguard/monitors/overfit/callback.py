@@ -27,6 +27,7 @@ from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.batch import first_train_batch, redraw_first_samples, slice_batch
 from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck, PreflightFinding
+from lightning_gradguard.core.runstate import LEFT_OUT, RunField, nothing
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
 from lightning_gradguard.monitors.overfit.check import OverfitSettings, run_overfit_check
@@ -151,6 +152,15 @@ class OverfitBatchSanity(PreflightCheck):
         "strategy's all-gathers would run out of step with the other ranks"
     )
 
+    #: the check's result, kept past the run for inspection; a checkpoint holds its numbers (read by people,
+    #: not loaded back: a resumed run does not run the check again, and the curve is not in it)
+    result: RunField[OverfitResult | None] = RunField(
+        nothing,
+        per_run=False,
+        save=lambda _, r: LEFT_OUT if r is None else _result_numbers(r),
+        load=lambda o, _: o.result,
+    )
+
     def __init__(
         self,
         *,
@@ -184,7 +194,6 @@ class OverfitBatchSanity(PreflightCheck):
         self.check_label_stability = check_bool("check_label_stability", check_label_stability)
         self.ignore_parameters: list[str] = check_str_list("ignore_parameters", ignore_parameters) or []
         self.fallback_lr: float = check_float("fallback_lr", fallback_lr, 0.0, low_open=True)
-        self.result: OverfitResult | None = None
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -257,18 +266,14 @@ class OverfitBatchSanity(PreflightCheck):
             on_success=summary,
         )
 
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self.result is not None:
-            state["result"] = {
-                "passed": self.result.passed,
-                "steps": self.result.steps,
-                "initial_loss": self.result.initial_loss,
-                "final_loss": self.result.final_loss,
-            }
-        return state
+
+def _result_numbers(result: OverfitResult) -> dict[str, Any]:
+    return {
+        "passed": result.passed,
+        "steps": result.steps,
+        "initial_loss": result.initial_loss,
+        "final_loss": result.final_loss,
+    }
 
 
 def _failure_summary(result: OverfitResult, summary: PreflightFinding | None) -> Finding:

@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_gradguard.core.compile import Uncompiled
-from lightning_gradguard.functional.stats import clean_name
+from lightning_gradguard.core.layers import user_name
 
 
 class _Hooked:
@@ -54,7 +54,7 @@ class LeafOutputs(_Hooked):
         self.last: Tensor | None = None
         self.name: str | None = None
         leaves = [(name, m) for name, m in module.named_modules() if not any(True for _ in m.children())]
-        super().__init__(module, [m.register_forward_hook(self._hook(clean_name(n))) for n, m in leaves])
+        super().__init__(module, [m.register_forward_hook(self._hook(user_name(n))) for n, m in leaves])
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -73,7 +73,7 @@ class CalledModules(_Hooked):
     def __init__(self, module: nn.Module) -> None:
         self.called: set[str] = set()
         modules = module.named_modules()
-        super().__init__(module, [m.register_forward_pre_hook(self._hook(clean_name(n))) for n, m in modules])
+        super().__init__(module, [m.register_forward_pre_hook(self._hook(user_name(n))) for n, m in modules])
 
     def _hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:

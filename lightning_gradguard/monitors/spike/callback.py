@@ -34,6 +34,7 @@ from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.buffers import keep_step_buffers, step_buffers
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
 from lightning_gradguard.core.lr import group_lr, rescale_learning_rates
+from lightning_gradguard.core.runstate import RunField, Streaks
 from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.snapshot import TrainingSnapshot, rollback_point
 from lightning_gradguard.core.validate import check_choice, check_float, check_int, check_path
@@ -80,6 +81,18 @@ class _Judged:
     @property
     def manual(self) -> bool:
         return bool(self.suffix)
+
+
+def _windows(guard: LossSpikeGuard, saved: dict[str, list[float]]) -> dict[str, deque[float]]:
+    return {k: deque(v, maxlen=guard.window_steps) for k, v in saved.items()}
+
+
+def _records_saved(_: Any, records: list[SpikeRecord]) -> list[dict[str, Any]]:
+    return [r.to_dict() for r in records]
+
+
+def _records_loaded(_: Any, saved: list[dict[str, Any]]) -> list[SpikeRecord]:
+    return [SpikeRecord(**r) for r in saved]
 
 
 class LossSpikeGuard(GradGuardCallback):
@@ -146,6 +159,32 @@ class LossSpikeGuard(GradGuardCallback):
     #: ``patience`` counted spikes before an escalation here, checks before an alert elsewhere
     renamed_args = {"window": "window_steps", "patience": "escalate_after"}
 
+    # what a run remembers (a checkpoint holds it: a resumed run judges on as it would have)
+    #: "<loss|grad_norm><suffix>" (and "inputs") -> the recent accepted steps' values
+    windows: RunField[dict[str, deque[float]]] = RunField(dict, load=_windows)
+    records: RunField[list[SpikeRecord]] = RunField(list, save=_records_saved, load=_records_loaded)
+    dropped_steps: RunField[int] = RunField(
+        int, key="counters.dropped_steps", old_keys=("counters.skipped_steps",)
+    )
+    rollbacks: RunField[int] = RunField(int, key="counters.rollbacks")
+    streak: RunField[int] = RunField(int, key="counters.streak")
+    judged: RunField[int] = RunField(int, key="counters.judged")
+    cooldown_left: RunField[int] = RunField(int, key="counters.cooldown_left")
+    #: healthy judged steps since the last spike
+    calm: RunField[int] = RunField(int, key="counters.calm")
+    #: a rollback was made and the run has not yet earned a new snapshot
+    probation: RunField[bool] = RunField(bool)
+    #: manual optimization: a streak of spikes per optimizer
+    manual_streaks: RunField[Streaks] = RunField(Streaks)
+    #: the step being gathered; its ``full`` (the most samples a step has had) outlives the runs
+    _step: RunField[StepInputs] = RunField(StepInputs, per_run=False)
+    #: the early-divergence watch (a checkpoint from before the rule: as far along as its judged steps)
+    _early: RunField[EarlyWatch] = RunField(
+        from_settings=lambda g: EarlyWatch(g.early_divergence_factor, min(g.warmup_steps, g.window_steps)),
+        if_missing=lambda g: {"seen": g.judged},
+    )
+    last_scores: RunField[dict[str, SpikeScore]] = RunField(dict, key=None)
+
     def __init__(
         self,
         *,
@@ -192,22 +231,7 @@ class LossSpikeGuard(GradGuardCallback):
         self.batch_variance_factor = check_float(
             "batch_variance_factor", batch_variance_factor, 1.0, low_open=True, allow_none=True
         )
-        self._early = EarlyWatch(self.early_divergence_factor, min(self.warmup_steps, self.window_steps))
         self._skip: set[tuple[int, int]] = set()
-        self._step = StepInputs()
-        self.reset_run()
-
-    @override
-    def reset_run(self) -> None:
-        super().reset_run()
-        self.windows: dict[str, deque[float]] = {}
-        self.records: list[SpikeRecord] = []
-        self.dropped_steps = self.rollbacks = self.streak = self.judged = self.cooldown_left = 0
-        self.calm = 0  # healthy judged steps since the last spike
-        self.probation = False  # a rollback was made and the run has not yet earned a new snapshot
-        self.last_scores: dict[str, SpikeScore] = {}
-        self.manual_streaks: dict[str, int] = {}  # manual optimization: a streak per optimizer
-        self._early.reset()
         self._forget()
 
     def _forget(self) -> None:
@@ -342,7 +366,7 @@ class LossSpikeGuard(GradGuardCallback):
             self.windows.setdefault("inputs", deque(maxlen=self.window_steps)).append(judged.values["inputs"])
         self.calm += 1
         if judged.manual:
-            self.manual_streaks[judged.suffix] = 0
+            self.manual_streaks.miss(judged.suffix)
         elif not self.probation:  # after a rollback the streak lasts until the run earns a new snapshot
             self.streak = 0
         self._outcome = "applied" if judged.verdict == "excursion" else "calm"  # no rollback point after it
@@ -392,8 +416,7 @@ class LossSpikeGuard(GradGuardCallback):
         """The spike's place in its streak: the optimizer's own under manual optimization, else the run's
         (which also ends the calm)."""
         if judged.manual:
-            self.manual_streaks[judged.suffix] = self.manual_streaks.get(judged.suffix, 0) + 1
-            return self.manual_streaks[judged.suffix]
+            return self.manual_streaks.hit(judged.suffix)
         self.streak, self.calm = self.streak + 1, 0
         return self.streak
 
@@ -473,43 +496,3 @@ class LossSpikeGuard(GradGuardCallback):
             stacklevel=2,
         )
         return self.dropped_steps
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        counters = {
-            "dropped_steps": self.dropped_steps,
-            "rollbacks": self.rollbacks,
-            "streak": self.streak,
-            "judged": self.judged,
-            "cooldown_left": self.cooldown_left,
-            "calm": self.calm,
-        }
-        return super().state_dict() | {
-            "windows": {k: list(v) for k, v in self.windows.items()},
-            "records": [r.to_dict() for r in self.records],
-            "counters": counters,
-            "probation": self.probation,
-            "manual_streaks": dict(self.manual_streaks),
-            "step": self._step.state_dict(),
-            "early": self._early.state_dict(),
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        windows = state_dict.get("windows", {})
-        self.windows = {k: deque(v, maxlen=self.window_steps) for k, v in windows.items()}
-        self.records = [SpikeRecord(**r) for r in state_dict.get("records", [])]
-        counters = {k: int(v) for k, v in state_dict.get("counters", {}).items()}
-        self.dropped_steps = counters.get("dropped_steps", counters.get("skipped_steps", 0))  # 0.x: old name
-        self.rollbacks = counters.get("rollbacks", 0)
-        self.streak = counters.get("streak", 0)
-        self.judged = counters.get("judged", 0)
-        self.cooldown_left = counters.get("cooldown_left", 0)
-        self.calm = counters.get("calm", 0)
-        self.probation = bool(state_dict.get("probation", False))
-        self.manual_streaks = {k: int(v) for k, v in state_dict.get("manual_streaks", {}).items()}
-        self._step.load_state_dict(state_dict.get("step", {}))
-        # a checkpoint from before the rule: its run is as far along as its judged steps say
-        self._early.load_state_dict(state_dict.get("early", {"seen": self.judged}))

@@ -20,6 +20,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from typing_extensions import override
+
+from lightning_gradguard.core.runstate import RunField, Stateful, Streaks
 from lightning_gradguard.functional.spikes import start_level
 
 #: the first judged losses whose median is the run's start (one lucky or unlucky batch does not move it)
@@ -29,7 +32,11 @@ START_STEPS = 3
 SUSTAIN_STEPS = 5
 
 
-class EarlyWatch:
+def _first(_: Any, saved: list[float]) -> list[float]:
+    return [float(v) for v in saved]
+
+
+class EarlyWatch(Stateful):
     """The early-divergence rule's memory: the first losses, the run of high ones, whether it fired.
 
     Args:
@@ -39,15 +46,25 @@ class EarlyWatch:
     ``active`` is ``True`` while it still watches: a plain attribute, so the hook pays one lookup per step.
     """
 
+    first: RunField[list[float]] = RunField(list, load=_first)
+    seen: RunField[int] = RunField(int)
+    #: the judged losses in a row at ``factor`` starts or more (saved as ``above``, their count)
+    _high: RunField[Streaks] = RunField(
+        Streaks, key="above", save=lambda _, s: s.get("loss", 0), load=lambda _, n: Streaks({"loss": n})
+    )
+    fired: RunField[bool] = RunField(bool)
+
     def __init__(self, factor: float | None, horizon: int) -> None:
         self.factor, self.horizon = factor, horizon
-        self.reset()
+        self.reset_run()
 
-    def reset(self) -> None:
-        """A new run: nothing seen."""
-        self.first: list[float] = []
-        self.seen = self.above = 0
-        self.fired = False
+    @property
+    def above(self) -> int:
+        """The judged losses in a row at ``factor`` starts or more."""
+        return self._high.get("loss", 0)
+
+    @override
+    def state_changed(self) -> None:
         self._refresh()
 
     def _refresh(self) -> None:
@@ -64,17 +81,7 @@ class EarlyWatch:
             self.first.append(loss)
             self._refresh()
             return False
-        self.above = self.above + 1 if loss >= self.threshold else 0
-        self.fired = self.above >= SUSTAIN_STEPS
+        self.fired = self._high.update("loss", loss >= self.threshold) >= SUSTAIN_STEPS
         if self.fired or self.seen >= self.horizon:
             self._refresh()
         return self.fired
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"first": list(self.first), "seen": self.seen, "above": self.above, "fired": self.fired}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.first = [float(v) for v in state.get("first", [])]
-        self.seen, self.above = int(state.get("seen", 0)), int(state.get("above", 0))
-        self.fired = bool(state.get("fired", False))
-        self._refresh()

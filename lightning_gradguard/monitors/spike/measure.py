@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.core.batch import batch_size_of
+from lightning_gradguard.core.runstate import RunField, Stateful
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.tree import tensors_in
@@ -46,15 +47,16 @@ class GatheredStep:
     inputs: tuple[Tensor, list[int]] | None = None
 
 
-class StepInputs:
+class StepInputs(Stateful):
     """Gathers the micro-batches of the optimizer step being run (see :class:`GatheredStep`).
 
     ``full``, the most samples a step has had, outlives the steps (and the fits): a partial last batch is
-    measured against it. It is in the checkpoint (:meth:`state_dict`).
+    measured against it. It is in the checkpoint (its one declared field).
     """
 
+    full: RunField[int] = RunField(int, per_run=False)
+
     def __init__(self) -> None:
-        self.full = 0
         self.clear()
 
     def clear(self) -> None:
@@ -108,12 +110,6 @@ class StepInputs:
         if not manual:
             self.clear()
         return gathered
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"full": self.full}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.full = int(state.get("full", 0))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,22 +20,15 @@ from typing_extensions import override
 from lightning_gradguard.alerts import Alert
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
-from lightning_gradguard.core.cadence import (
-    check_due,
-    log_step,
-    logging_interval,
-    next_due,
-    on_logging_step,
-    optimizer_index,
-)
-from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
+from lightning_gradguard.core.layers import LayerSelection, user_name
 from lightning_gradguard.core.lr import adaptive_eps, clip_setting
 from lightning_gradguard.core.progress import LossProgress
+from lightning_gradguard.core.runstate import RunField, Streaks, nothing
 from lightning_gradguard.core.stats import step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.layers import log_distance_scores
-from lightning_gradguard.functional.stats import clean_name
 from lightning_gradguard.monitors.vanishing.measure import LayerNorms, read_layer_norms, watched_norms
 from lightning_gradguard.monitors.vanishing.order import ForwardOrder
 from lightning_gradguard.monitors.vanishing.rules import (
@@ -54,6 +47,14 @@ from lightning_gradguard.tags import charts_of
 
 #: the detector's arguments that are :class:`VerdictRules`' thresholds (read once, not per check)
 _RULE_NAMES = tuple(f.name for f in fields(VerdictRules))
+
+
+def _history(_: Any, saved: dict[Any, list[float]]) -> dict[int, list[float]]:
+    return {int(k): list(v) for k, v in saved.items()}
+
+
+def _opening(_: Any, saved: dict[str, float]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in saved.items()}
 
 
 class VanishingExplodingDetector(GradGuardCallback):
@@ -112,6 +113,25 @@ class VanishingExplodingDetector(GradGuardCallback):
     allowed_actions = ("warn", "stop", "raise")
     state_key_args = ("check_every_n_steps",)
 
+    # what a run remembers (a new run, perhaps of a new model, is judged on its own numbers)
+    #: per optimizer: recent finite total norms of checks
+    history: RunField[dict[int, list[float]]] = RunField(dict, load=_history)
+    #: per optimizer and kind: consecutive checks with the condition
+    strikes: RunField[Streaks] = RunField(Streaks)
+    #: layer label -> its place in the first training forward pass (the labels of the norms)
+    forward_order: RunField[dict[str, int]] = RunField(dict)
+    #: layers whose gradient started at exactly 0 (behind a zero-initialized weight) and is still growing:
+    #: layer -> its first non-zero norm (0.0 while it is still 0)
+    opening: RunField[dict[str, float]] = RunField(dict, load=_opening)
+    _seen_layers: RunField[set[str]] = RunField(set)
+    #: the checks' losses: a run that has fitted its data is not vanishing
+    progress: RunField[LossProgress] = RunField(LossProgress)
+    #: the last verdict, for inspection
+    last_check: RunField[dict[str, Any]] = RunField(dict, key=None)
+    _last_flow_at: RunField[dict[int, int]] = RunField(dict, key=None)
+    #: the embedding tables' layers (their gradient rows are mostly 0 on a batch), found at the first check
+    _embedding_layers: RunField[set[str] | None] = RunField(nothing, key=None)
+
     def __init__(
         self,
         *,
@@ -158,24 +178,12 @@ class VanishingExplodingDetector(GradGuardCallback):
         self.layers = LayerSelection(include, exclude, max_layers)
         self._watch: ForwardOrder | None = None
         self._next_check = 0
-        self.reset_run()
+        self._order_seen = False
 
     @override
-    def reset_run(self) -> None:
-        """Forget the run: a new run (perhaps of a new model) is judged on its own numbers."""
-        super().reset_run()
-        self.history: dict[int, list[float]] = {}  # per optimizer: recent finite total norms of checks
-        self.strikes: dict[str, int] = {}  # per optimizer and kind: consecutive checks with the condition
-        self.forward_order: dict[str, int] = {}  # of the modules owning parameters (first training batch)
-        self.last_check: dict[str, Any] = {}  # the last verdict, for inspection
-        #: layers whose gradient started at exactly 0 (behind a zero-initialized weight) and is still
-        #: growing: layer -> its first non-zero norm (0.0 while it is still 0)
-        self.opening: dict[str, float] = {}
-        self._seen_layers: set[str] = set()
-        self._order_seen = False
-        self._last_flow_at: dict[int, int] = {}
-        self._embedding_layers: set[str] | None = None  # their gradient rows are mostly 0 on a batch
-        self.progress = LossProgress()  # the checks' losses: a run that has fitted its data is not vanishing
+    def state_changed(self) -> None:
+        """The forward order is watched once per run: again after a reset, or a checkpoint without it."""
+        self._order_seen = bool(self.forward_order)
 
     @override
     def layout_charts(self) -> dict[str, list[str]]:
@@ -226,17 +234,13 @@ class VanishingExplodingDetector(GradGuardCallback):
     ) -> None:
         self._unwatch()
 
-    def due(self, step: int) -> bool:
-        """Whether logging step ``step`` (:func:`~lightning_gradguard.core.cadence.log_step`) is checked."""
-        return check_due(step, self.check_every_n_steps, self.dense_steps)
-
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         at = log_step(trainer)
         if at > self._next_check:  # past the last check (every optimizer of its step was checked)
-            self._next_check = next_due(at, self.check_every_n_steps, self.dense_steps)
+            self._next_check = self.next_due(at)
         if at == self._next_check:
             self._check(trainer, pl_module, optimizer)
         else:  # the steps between two checks: one comparison, no call
@@ -294,7 +298,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         if self._embedding_layers is None:
             tables = (nn.Embedding, nn.EmbeddingBag)
             self._embedding_layers = {
-                clean_name(name) for name, m in pl_module.named_modules() if isinstance(m, tables)
+                user_name(name) for name, m in pl_module.named_modules() if isinstance(m, tables)
             }
         opening = opening_layers(norms.labels, norms.values, self.opening, self._seen_layers)  # from all-0
         finite = math.isfinite(norms.total)
@@ -343,8 +347,7 @@ class VanishingExplodingDetector(GradGuardCallback):
         alerts: list[Alert] = []
         for rule in RULES:
             key = f"{opt_idx}:{rule.kind}"
-            self.strikes[key] = self.strikes.get(key, 0) + 1 if flags[rule.kind] else 0
-            if self.strikes[key] < self.patience or rule.check is None:
+            if self.strikes.update(key, flags[rule.kind]) < self.patience or rule.check is None:
                 continue
             held = Held(
                 verdict=verdict,
@@ -374,27 +377,3 @@ class VanishingExplodingDetector(GradGuardCallback):
             }
             metrics.update(self.layers.aggregates(GRAD_FLOW.name, dict(zip(norms.labels, flow, strict=True))))
             _emit.log_scalars(trainer, metrics, at)
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "history": {k: list(v) for k, v in self.history.items()},
-            "strikes": dict(self.strikes),
-            "forward_order": dict(self.forward_order),
-            "opening": dict(self.opening),
-            "seen_layers": sorted(self._seen_layers),
-            "progress": self.progress.state_dict(),
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.history = {int(k): list(v) for k, v in state_dict.get("history", {}).items()}
-        self.strikes = dict(state_dict.get("strikes", {}))
-        self.forward_order = dict(state_dict.get("forward_order", {}))
-        self._order_seen = bool(self.forward_order)
-        self.opening = {str(k): float(v) for k, v in state_dict.get("opening", {}).items()}
-        self._seen_layers = set(state_dict.get("seen_layers", []))
-        self.progress.load_state_dict(state_dict.get("progress", {}))

@@ -1,5 +1,5 @@
 """The state dicts the hand-written ``state_dict`` methods wrote before issue 40 (main at 50abf70), for
-the fit of ``test_runstate.fit`` (12 steps, every monitor but StallDetector). Data, not code: the old
+the fit of ``test_runstate.fit`` (12 steps, every monitor). Data, not code: the old
 checkpoint format the declared run state must still read and write."""
 
 from __future__ import annotations
@@ -1211,4 +1211,93 @@ OLD_STATES = {
         "strikes": {"epsilon": {}, "outlier": {}},
         "born_zero": {"": []},
     },
+    # StallDetector at d5eb6bc (its hand-written methods, with the class profiles of issue 38)
+    "stall": {
+        "alerts": [],
+        "last_reported": {},
+        "lr_max": 0.01,
+        "lr_configured": 0.01,
+        "rules": {
+            "streaks": {
+                "update_below_precision": 0,
+                "no_update": 0,
+                "clipped_updates": 0,
+                "updates_collapsed": 0,
+                "weight_decay_collapse": 0,
+                "sorted_labels": 0,
+                "chance_level": 0,
+            },
+            "peak_ratio": {
+                "net.0": 0.04752585131960903,
+                "net.2": 0.06690518024395448,
+                "net.4": 0.06513440232228668,
+            },
+            "collapsed_since": None,
+            "smoothed": 1.4214928810238838,
+            "first_loss": 1.5303921699523926,
+            "best": 1.4214928810238838,
+            "checks_since_best": 2,
+            "best_raw": 1.3566434383392334,
+            "checks_since_best_raw": 4,
+            "lr_fell_at": None,
+            "label_counts": [14.0, 15.0, 13.0, 6.0],
+            "lr_history": [[0, 0.01], [1, 0.01], [2, 0.01], [3, 0.01], [4, 0.01], [9, 0.01]],
+            "fired": [],
+            "window": [
+                [2, 1.4253544807434082, None],
+                [3, 1.4010215997695923, None],
+                [4, 1.415910005569458, None],
+                [9, 1.3886686325073243, 0.030260900031958905],
+            ],
+            "peak_weight": {},
+            "last_weight": {},
+            "decay_since": None,
+            "profiles": [
+                [
+                    2,
+                    [
+                        [0.15625989437103271, -3.7288103103637695, 2.0289716720581055, 1.5435786247253418],
+                        [-0.25647589564323425, 2.0293214321136475, -0.4879426956176758, -1.284902572631836],
+                        [0.1002148985862732, 1.6994892358779907, -1.5410281419754028, -0.25867605209350586],
+                        [0.0, 0.0, 0.0, 0.0],
+                    ],
+                    [4.0, 2.0, 2.0, 0.0],
+                ],
+                [
+                    3,
+                    [
+                        [-0.36388111114501953, 2.4354188442230225, -0.6100587248802185, -1.4614787101745605],
+                        [0.6845837235450745, -0.7752459645271301, -0.7214019894599915, 0.8120642900466919],
+                        [-0.8111852407455444, -2.125946521759033, 1.822554349899292, 1.1145775318145752],
+                        [0.4904829263687134, 0.46577417850494385, -0.491094172000885, -0.46516287326812744],
+                    ],
+                    [3.0, 1.0, 2.0, 2.0],
+                ],
+                [
+                    4,
+                    [
+                        [-0.6087849736213684, 4.019500255584717, -0.26013270020484924, -3.1505820751190186],
+                        [0.4181455075740814, -1.4783169031143188, 0.1326046884059906, 0.9275668263435364],
+                        [-0.6106923818588257, 0.6553630828857422, -0.3726227581501007, 0.3279520869255066],
+                        [0.8013321161270142, -3.1965456008911133, 0.5001506209373474, 1.8950629234313965],
+                    ],
+                    [3.0, 2.0, 1.0, 2.0],
+                ],
+                [
+                    9,
+                    [
+                        [1.8682708740234375, -6.881683349609375, 1.9723705053329468, 3.0410404205322266],
+                        [-0.010265648365020752, 1.026597023010254, -1.780839443206787, 0.7645081281661987],
+                        [0.022031664848327637, -1.226487636566162, 2.994978427886963, -1.7905223369598389],
+                        [-1.8800362348556519, 7.081573486328125, -3.1865105628967285, -2.0150275230407715],
+                    ],
+                    [8.0, 14.0, 10.0, 8.0],
+                ],
+            ],
+        },
+    },
 }
+
+#: keys a callback's state gained after the hand-written methods: StallDetector's losses and class profile
+#: since the last check (a checkpoint between two checks keeps them); an older checkpoint without them loads
+ADDED_SINCE = {"stall": ("pending", "pending_profile")}

@@ -25,8 +25,9 @@ from typing_extensions import override
 
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
-from lightning_gradguard.core.cadence import DENSE_STEPS, check_due, log_step, optimizer_index
+from lightning_gradguard.core.cadence import DENSE_STEPS, log_step, optimizer_index
 from lightning_gradguard.core.lr import adaptive_eps, orthogonalized_share
+from lightning_gradguard.core.runstate import RunField, nothing
 from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.validate import check_float, check_int
 from lightning_gradguard.monitors.stall.ahead import (
@@ -143,42 +144,42 @@ class StallDetector(GradGuardCallback):
             "warmup_lr_fraction", warmup_lr_fraction, 0.0, 1.0, low_open=True
         )
         self.plateau_checks: int = check_int("plateau_checks", plateau_checks, 1)
-        self.reset_run()
+        # set in on_train_start, for the fit: the Trainer's optimizers, whether it optimizes automatically,
+        # 16-bit weights (the checks measure their rounding), an optimizer that divides its step by the
+        # gradient's running size, an orthogonalized one, attention layers, what the settings said
+        self._optimizers: list[Any] = []
+        self._automatic, self._low_precision, self._adaptive = True, False, False
+        self._orthogonalized, self._attention = False, False
+        self._ahead: Ahead | None = None
 
-    @override
-    def reset_run(self) -> None:
-        super().reset_run()
+    def thresholds(self) -> StallThresholds:
+        """The rules' thresholds: this detector's arguments, the defaults for the rest."""
         names = {f.name for f in fields(StallThresholds)}
-        thresholds = StallThresholds(**{k: v for k, v in vars(self).items() if k in names})
-        #: what the rules remember (:mod:`~lightning_gradguard.monitors.stall.rules` judges each check on it)
-        self.state = StallState(thresholds, self.num_classes)
-        self.lr_max = 0.0  # the largest LR any step used so far
-        self._lr_used = 0.0  # the LR of the current step
-        self.lr_configured = 0.0
-        self._probe = StallProbe()
-        earlier: LabelLean | None = getattr(self, "_lean", None)
-        if earlier is not None:
-            earlier.close()  # an earlier run's hook goes with it
-        #: the outputs' lean toward the labels, measured on every training batch while a chance rule may
-        #: still judge (``_leaning``): the evidence that a plateau at chance is learning
-        self._lean = LabelLean()
-        self._leaning = True
-        self._optimizers: list[Any] = []  # the Trainer's, and whether it optimizes automatically: per fit
-        self._automatic = True
-        self._checking = False  # the current optimizer step is a check
-        self._low_precision = False  # some trainable weights are 16-bit: the checks measure their rounding
-        self._adaptive = False  # an optimizer divides its step by the gradient's running size
-        self._attention = False  # the model has attention layers
-        self._ahead: Ahead | None = None  # what the settings say, read at the start (see _read_ahead)
-        self._checked_at = -1
-        self._check_stats: StepStats | None = None  # the checked step's statistics, until it is read
-        self.last_logged: dict[str, float] = {}
-        #: what the latest check measured (per-layer update ratios, clip ratio, loss, labels, LRs)
-        self.last_check: StallCheck | None = None
+        return StallThresholds(**{k: v for k, v in vars(self).items() if k in names})
 
-    def due(self, step: int) -> bool:
-        """Whether logging step ``step`` is a check."""
-        return check_due(step, self.check_every_n_steps, self.dense_steps)
+    # ------------------------------------------------------------------ run state (core.runstate)
+    #: what the rules remember (:mod:`~lightning_gradguard.monitors.stall.rules` judges each check on it);
+    #: the checkpoint key of 0.1
+    state: RunField[StallState] = RunField(
+        from_settings=lambda d: StallState(d.thresholds(), d.num_classes), key="rules"
+    )
+    lr_max: RunField[float] = RunField(float)  # the largest LR any step used so far
+    lr_configured: RunField[float] = RunField(float)
+    _lr_used: RunField[float] = RunField(float, key=None)  # the LR of the current step
+    #: the losses since the last check (saved: a checkpoint between two checks loses none of them)
+    _probe: RunField[StallProbe] = RunField(StallProbe, key="pending")
+    #: the outputs' lean toward the labels, measured on every training batch while a chance rule may still
+    #: judge (``_leaning``): the evidence that a plateau at chance is learning (its hook leaves the model at
+    #: the end of each fit)
+    _lean: RunField[LabelLean] = RunField(LabelLean, key="pending_profile")
+    _leaning: RunField[bool] = RunField(lambda: True, key=None)
+    _checking: RunField[bool] = RunField(bool, key=None)  # the current optimizer step is a check
+    _checked_at: RunField[int] = RunField(lambda: -1, key=None)
+    #: the checked step's statistics, until it is read
+    _check_stats: RunField[StepStats | None] = RunField(nothing, key=None)
+    last_logged: RunField[dict[str, float]] = RunField(dict, key=None)
+    #: what the latest check measured (per-layer update ratios, clip ratio, loss, labels, LRs)
+    last_check: RunField[StallCheck | None] = RunField(nothing, key=None)
 
     @override
     @guarded
@@ -219,7 +220,7 @@ class StallDetector(GradGuardCallback):
         self._lr_used = lr_now(self._optimizers)  # the LR this step will use (a scheduler changes it after)
         self.lr_max = max(self.lr_max, self._lr_used)
         at = log_step(trainer)
-        if check_due(at, self.check_every_n_steps, self.dense_steps) and at != self._checked_at:
+        if self.due(at) and at != self._checked_at:
             self._note_labels(trainer, batch)  # the labels of every micro-batch of the check's step
         if self._leaning:
             self._lean_batch(trainer, pl_module, batch)
@@ -237,7 +238,7 @@ class StallDetector(GradGuardCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         at = log_step(trainer)
-        if check_due(at, self.check_every_n_steps, self.dense_steps) and at != self._checked_at:
+        if self.due(at) and at != self._checked_at:
             self._start_check(trainer, pl_module, optimizer, at)
 
     @guarded
@@ -341,23 +342,6 @@ class StallDetector(GradGuardCallback):
     @override
     def layout_charts(self) -> dict[str, list[str]]:
         return charts_of(CHARTS)
-
-    # ------------------------------------------------------------------ state
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "lr_max": self.lr_max,
-            "lr_configured": self.lr_configured,
-            "rules": self.state.state_dict(),  # the checkpoint key of 0.1
-        }
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.lr_max = float(state_dict.get("lr_max", 0.0))
-        self.lr_configured = float(state_dict.get("lr_configured", 0.0))
-        self.state.load_state_dict(state_dict.get("rules", {}))
 
 
 def _without_update(reading: StallReading) -> StallReading:

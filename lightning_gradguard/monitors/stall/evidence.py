@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gradguard.core.compile import holds_compiled
+from lightning_gradguard.core.runstate import RunField, Stateful, nothing
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.health import class_profile
 from lightning_gradguard.monitors.stall.measure import LEAN_KEY, class_targets
@@ -47,7 +48,15 @@ def _logits(output: Any) -> Tensor | None:
     return None
 
 
-class LabelLean:
+def _profile_saved(lean: LabelLean, sums: Tensor | None) -> list[Any] | None:
+    return None if sums is None else sums.tolist()  # a checkpoint is a sync point
+
+
+def _profile_loaded(lean: LabelLean, saved: Any) -> Tensor | None:
+    return None if saved is None else torch.tensor(saved, dtype=torch.float32)
+
+
+class LabelLean(Stateful):
     """The outputs' class profile (``class_profile``), summed on the device over the steps between two
     checks.
 
@@ -57,16 +66,22 @@ class LabelLean:
         width: the head's ``K``.
     """
 
+    #: the class profile's sums and counts since the last check (run state: a checkpoint between two
+    #: checks keeps them, as lists; they go back to the device with the next batch's)
+    _sums: RunField[Tensor | None] = RunField(nothing, key="sums", save=_profile_saved, load=_profile_loaded)
+    _counts: RunField[Tensor | None] = RunField(
+        nothing, key="counts", save=_profile_saved, load=_profile_loaded
+    )
+
     def __init__(self) -> None:
         self.off: str | None = None
         self.width = 0
         self._head: nn.Module | None = None
         self._handles: list[RemovableHandle] = []
-        self._found: list[tuple[nn.Module, int]] = []  # while finding the head: the candidates, in order
+        #: while finding the head: the last module so far that returned (batch, K) scores, and its output
+        self._found: list[tuple[nn.Module, Any]] = []
         self._finding = False
         self._targets: Tensor | None = None  # the current training batch's class targets
-        self._sums: Tensor | None = None  # the class profile's sums and counts since the last check
-        self._counts: Tensor | None = None
 
     # ------------------------------------------------------------------ every step, while wanted
     def batch_start(self, model: nn.Module, batch: Any) -> None:
@@ -83,37 +98,43 @@ class LabelLean:
 
     def batch_end(self) -> None:
         """The training batch's forward is over: forget its targets (a validation forward is not measured);
-        after the first one, keep the last module that gave ``(batch, K)`` scores as the head."""
+        after the first one, keep the last module that gave ``(batch, K)`` scores as the head (and measure
+        that batch from its output)."""
+        if self._finding:
+            self._choose()
         self._targets = None
-        if not self._finding:
-            return
+
+    def _choose(self) -> None:
         self._finding = False
         self._remove()
-        if not self._found:
+        found, self._found = self._found, []
+        if not found:
             self.off = "no module gives (batch, classes) scores"
             return
-        self._head, self.width = self._found[-1]
-        self._found = []
-        if not MIN_CLASSES <= self.width <= MAX_CLASSES:
-            self.off = f"the classifier's {self.width} classes (measured: {MIN_CLASSES} to {MAX_CLASSES})"
+        head, output = found[-1]
+        width = _logits(output).shape[1]  # type: ignore[union-attr]
+        if not MIN_CLASSES <= width <= MAX_CLASSES:
+            self.off = f"the classifier's {width} classes (measured: {MIN_CLASSES} to {MAX_CLASSES})"
             return
-        self._handles = [self._head.register_forward_hook(self._measure)]
+        self._head, self.width = head, width
+        self._measure(head, None, output)
+        self._handles = [head.register_forward_hook(self._measure)]
 
     def _candidate(self, module: nn.Module, args: Any, output: Any) -> None:
         z, y = _logits(output), self._targets
         if z is not None and y is not None and z.shape[0] == y.shape[0]:
-            self._found.append((module, z.shape[1]))
+            self._found = [(module, output)]  # the last one is the head: only its output is kept
 
     def _measure(self, module: nn.Module, args: Any, output: Any) -> None:
         z, y = _logits(output), self._targets
         if z is None or y is None or z.shape[0] != y.shape[0] or z.shape[1] != self.width:
             return
         sums, counts = class_profile(z, y)
-        if self._sums is None or self._counts is None:
+        if self._sums is None or self._counts is None or self._sums.shape != sums.shape:
             self._sums, self._counts = sums, counts
-        else:
-            self._sums += sums
-            self._counts += counts
+        else:  # (sums read back from a checkpoint are on the CPU until the first batch after it)
+            self._sums = sums.add_(self._sums.to(sums.device, non_blocking=True))
+            self._counts = counts.add_(self._counts.to(counts.device, non_blocking=True))
 
     # ------------------------------------------------------------------ at checks
     def want(self, on: bool) -> None:

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradguard.core.lr import decay_factors, group_lr
+from lightning_gradguard.core.runstate import RunField, Stateful
 from lightning_gradguard.core.stats import StepStats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.stats import foreach_norms
@@ -325,17 +326,28 @@ def _read_targets(host: dict[Any, Tensor], reading: StallReading) -> None:
             reading.class_profile = (flat[: k * k].reshape(k, k), seen)
 
 
-class StallProbe:
-    """The device side of one check: started in ``on_before_optimizer_step``, read at the batch's end."""
+def _losses_saved(probe: StallProbe, losses: list[Tensor | float]) -> list[float]:
+    return [float(v) for v in losses]  # a checkpoint is a sync point: the pending losses as numbers
+
+
+def _losses(probe: StallProbe, saved: Any) -> list[Tensor | float]:
+    return [float(v) for v in saved]
+
+
+class StallProbe(Stateful):
+    """The device side of one check: started in ``on_before_optimizer_step``, read at the batch's end. The
+    losses since the last check and the center of their squares are run state: a checkpoint taken between
+    two checks keeps them, so the first check after a resume reads the steps it would have read."""
+
+    #: the training losses since the last check (detached, one per micro-batch; numbers after a resume)
+    losses: RunField[list[Tensor | float]] = RunField(list, save=_losses_saved, load=_losses)
+    #: the previous check's mean loss (the same on every rank): the squares are taken about it
+    center: RunField[float] = RunField(float)
 
     def __init__(self) -> None:
-        #: the training losses since the last check (detached, one per micro-batch): summed at the check
-        self.losses: list[Tensor] = []
         self.sample: _StepSample | None = None
         self.labels: Tensor | None = None
         self.tokens: Tensor | None = None
-        #: the previous check's mean loss (the same on every rank): the squares are taken about it
-        self.center = 0.0
 
     def add_loss(self, loss: Tensor) -> None:
         """Keep one micro-batch's loss (on the device; no sync): the check sums them."""
@@ -379,7 +391,7 @@ class StallProbe:
             sample.queue(transfer)
         world = trainer.world_size > 1
         if self.losses:
-            x = torch.stack([v.reshape(()).float() for v in self.losses])
+            x = torch.stack([torch.as_tensor(v, device=device).reshape(()).float() for v in self.losses])
             sums = torch.stack([x.sum(), (x - self.center).square().sum(), x.new_tensor(float(len(x)))])
             transfer.add("loss", sums, reduce="sum" if world else None)
         for key, queued in (("labels", self.labels), ("tokens", self.tokens)):

@@ -3,103 +3,104 @@ the streaks; with the chance level they judge the loss against. Saved in checkpo
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
 import torch
 
 from lightning_gradguard.alerts import Rule
+from lightning_gradguard.core.runstate import LEFT_OUT, RunField, Stateful, Streaks, nothing
 from lightning_gradguard.functional.health import label_lean
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds, label_entropy, token_entropy
 
-#: what :meth:`StallState.state_dict` saves
-_SAVED = (
-    "streaks",
-    "peak_ratio",
-    "collapsed_since",
-    "smoothed",
-    "first_loss",
-    "best",
-    "checks_since_best",
-    "best_raw",
-    "checks_since_best_raw",
-    "lr_fell_at",
-    "label_counts",
-    "lr_history",
-    "fired",
-    "window",
-    "peak_weight",
-    "last_weight",
-    "decay_since",
-    "profiles",
-)
+
+def _token_counts_saved(state: StallState, counts: torch.Tensor | None) -> Any:
+    """Trailing zeros dropped (a large vocabulary's tail is unseen); no key before any token target."""
+    if counts is None:
+        return LEFT_OUT
+    seen = torch.nonzero(counts).reshape(-1)
+    return counts[: int(seen[-1]) + 1 if seen.numel() else 0].clone()
 
 
-class StallState:
+def _token_counts(state: StallState, saved: Any) -> torch.Tensor | None:
+    return None if saved is None else torch.as_tensor(saved, dtype=torch.float64).clone()
+
+
+def _lr_history(state: StallState, saved: Any) -> list[tuple[int, float]]:
+    return [(int(s), float(lr)) for s, lr in saved]
+
+
+def _window(state: StallState, saved: Any) -> list[tuple[int, float, float | None]]:
+    return [(int(s), float(v), None if e is None else float(e)) for s, v, e in saved]
+
+
+def _profiles_saved(state: StallState, profiles: list[tuple[int, torch.Tensor, torch.Tensor]]) -> Any:
+    return [[s, a.tolist(), n.tolist()] for s, a, n in profiles]
+
+
+def _profiles(state: StallState, saved: Any) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    return [(int(s), torch.as_tensor(a, dtype=torch.float32), torch.as_tensor(n)) for s, a, n in saved]
+
+
+def _no_lean() -> tuple[tuple[int, ...], tuple[float, float, int] | None]:
+    return (), None
+
+
+def _minus_one() -> int:
+    return -1
+
+
+def _infinity() -> float:
+    return math.inf
+
+
+class StallState(Stateful):
     """What the stall rules remember between checks, fed one :class:`StallCheck` at a time (:meth:`update`)
-    and judged by :func:`~lightning_gradguard.monitors.stall.rules.observe`."""
+    and judged by :func:`~lightning_gradguard.monitors.stall.rules.observe`. Saved in checkpoints as plain
+    values, one key per field (``core.runstate``)."""
+
+    streaks: RunField[Streaks] = RunField(Streaks)  # per rule kind: the checks in a row it held
+    peak_ratio: RunField[dict[str, float]] = RunField(dict)  # per layer: the highest update ratio seen
+    collapsed_since: RunField[int | None] = RunField(nothing)
+    smoothed: RunField[float | None] = RunField(nothing)  # EMA of the check losses
+    first_loss: RunField[float | None] = RunField(nothing)
+    best: RunField[float] = RunField(_infinity)
+    checks_since_best: RunField[int] = RunField(int)
+    best_raw: RunField[float] = RunField(_infinity)  # the lowest check loss (no smoothing: no lag)
+    checks_since_best_raw: RunField[int] = RunField(int)
+    #: the first check where the LR was under 1/collapse of its max
+    lr_fell_at: RunField[int | None] = RunField(nothing)
+    label_counts: RunField[list[float]] = RunField(list)
+    #: float64, on the host, indexed by token id
+    token_counts: RunField[torch.Tensor | None] = RunField(
+        nothing, save=_token_counts_saved, load=_token_counts
+    )
+    lr_history: RunField[list[tuple[int, float]]] = RunField(list, load=_lr_history)  # (step, LR) per check
+    fired: RunField[set[str]] = RunField(set)
+    #: (step, mean loss, its standard error) of the last ``patience + 1`` checks with a loss
+    window: RunField[list[tuple[int, float, float | None]]] = RunField(list, load=_window)
+    peak_weight: RunField[dict[str, float]] = RunField(dict)  # per decayed layer: its highest weight norm
+    last_weight: RunField[dict[str, float]] = RunField(dict)  # per decayed layer: the previous check's norm
+    decay_since: RunField[int | None] = RunField(nothing)  # the first check of the weight-decay streak
+    #: (step, sums, counts) of the outputs' class profile since the check before, for the last
+    #: ``patience + 1`` checks that measured it (:mod:`~lightning_gradguard.monitors.stall.evidence`)
+    profiles: RunField[list[tuple[int, torch.Tensor, torch.Tensor]]] = RunField(
+        list, save=_profiles_saved, load=_profiles
+    )
+    #: the lean of the last window read, by the steps of its profiles (read once per check)
+    _leaning: RunField[tuple[tuple[int, ...], tuple[float, float, int] | None]] = RunField(_no_lean, key=None)
+    # the schedule read ahead against the LRs the checked steps used (not saved: a resumed run is not
+    # read ahead): the last step compared, how many matched, whether one did not
+    _ahead_upto: RunField[int] = RunField(_minus_one, key=None)
+    _ahead_matched: RunField[int] = RunField(int, key=None)
+    _ahead_wrong: RunField[bool] = RunField(bool, key=None)
 
     def __init__(self, thresholds: StallThresholds, num_classes: int | None = None) -> None:
         self.thresholds, self.num_classes = thresholds, num_classes
-        self.streaks: dict[str, int] = {}
-        self.peak_ratio: dict[str, float] = {}  # per layer: the highest update ratio seen
-        self.collapsed_since: int | None = None
-        self.smoothed: float | None = None  # EMA of the check losses
-        self.first_loss: float | None = None
-        self.best = math.inf
-        self.checks_since_best = 0
-        self.best_raw = math.inf  # the lowest check loss (no smoothing: no lag)
-        self.checks_since_best_raw = 0
-        self.lr_fell_at: int | None = None  # the first check where the LR was under 1/collapse of its max
-        self.label_counts: list[float] = []
-        self.token_counts: torch.Tensor | None = None  # float64, on the host, indexed by token id
-        self.lr_history: list[tuple[int, float]] = []  # (step, LR) at every check
-        self.fired: set[str] = set()
-        #: (step, mean loss, its standard error) of the last ``patience + 1`` checks with a loss
-        self.window: list[tuple[int, float, float | None]] = []
-        self.peak_weight: dict[str, float] = {}  # per decayed layer: the highest weight norm seen
-        self.last_weight: dict[str, float] = {}  # per decayed layer: the previous check's weight norm
-        self.decay_since: int | None = None  # the first check of the current weight-decay streak
-        #: (step, sums, counts) of the outputs' class profile since the check before, for the last
-        #: ``patience + 1`` checks that measured it (:mod:`~lightning_gradguard.monitors.stall.evidence`)
-        self.profiles: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        self._leaning: tuple[tuple[int, ...], tuple[float, float, int] | None] = ((), None)  # (steps, lean)
-        # the schedule read ahead against the LRs the checked steps used (not saved: a resumed run is not
-        # read ahead): the last step compared, how many matched, whether one did not
-        self._ahead_upto, self._ahead_matched, self._ahead_wrong = -1, 0, False
-
-    # ------------------------------------------------------------------ bookkeeping
-    def state_dict(self) -> dict[str, Any]:
-        """Everything the rules remember, as plain Python values (for a checkpoint)."""
-        out = {k: copy.deepcopy(getattr(self, k)) for k in _SAVED}
-        out["fired"] = sorted(self.fired)
-        out["lr_history"] = [list(x) for x in self.lr_history]
-        out["window"] = [list(x) for x in self.window]
-        out["profiles"] = [[s, a.tolist(), n.tolist()] for s, a, n in self.profiles]
-        if self.token_counts is not None:  # trailing zeros dropped: a large vocabulary's tail is unseen
-            seen = torch.nonzero(self.token_counts).reshape(-1)
-            end = int(seen[-1]) + 1 if seen.numel() else 0
-            out["token_counts"] = self.token_counts[:end].clone()
-        return out
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (missing entries keep their fresh values)."""
-        for k in _SAVED:
-            if k in state:
-                setattr(self, k, copy.deepcopy(state[k]))
-        self.fired = set(self.fired)
-        self.lr_history = [(int(s), float(lr)) for s, lr in self.lr_history]
-        self.window = [(int(s), float(v), None if e is None else float(e)) for s, v, e in self.window]
-        self.profiles = [(int(s), torch.as_tensor(a), torch.as_tensor(n)) for s, a, n in self.profiles]
-        self._leaning = ((), None)
-        counts = state.get("token_counts")
-        self.token_counts = None if counts is None else torch.as_tensor(counts, dtype=torch.float64).clone()
 
     def count(self, rule: Rule, holds: bool) -> int:
         """The checks in a row on which ``rule``'s condition held, this one counted (0 when it does not)."""
-        self.streaks[rule.kind] = self.streaks.get(rule.kind, 0) + 1 if holds else 0
-        return self.streaks[rule.kind]
+        return self.streaks.update(rule.kind, holds)
 
     def streak(self, rule: Rule, holds: bool) -> bool:
         """Count this check for ``rule`` (:meth:`count`): whether it held on ``patience`` checks in a row."""

@@ -556,6 +556,200 @@ def mlp_adam_b4_cls() -> Task:
     )
 
 
+# ---------------------------------------------------------------------------------------------- held-out set
+# Written for issue 39 as a check on ourselves: evaluated only after the search's rules were settled, never
+# used to choose them (``--set heldout``). Other model families, optimizers, batch sizes and schedules than
+# the tasks above.
+class Cosine:
+    """LR multiplier: cosine decay from 1 to 0 over ``total`` steps (a callable object: picklable)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def __call__(self, step: int) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, step / max(1, self.total))))
+
+    def __repr__(self) -> str:
+        return f"Cosine(total={self.total})"
+
+
+class WarmupConstant:
+    """LR multiplier: linear warm-up over ``warmup`` of ``total`` steps, then constant."""
+
+    def __init__(self, total: int, warmup: float = 0.2) -> None:
+        self.total = total
+        self.warm = max(1, round(warmup * total))
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.warm)
+
+    def __repr__(self) -> str:
+        return f"WarmupConstant(total={self.total}, warm={self.warm})"
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 conv layers (no normalisation), max-pooling, a linear head, on 8x8 digits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 4, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def cnn_momentum_cosine() -> Task:
+    data = _digits()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True)
+
+    return Task(
+        "cnn_momentum_cosine",
+        data,
+        DigitsCNN,
+        opt,
+        _ce,
+        steps=200,
+        batch=64,
+        chance=_prior_chance(data, 10),
+        grid=(-16, 4),
+        schedule=Cosine,
+        what="digits CNN 16-32 (no BatchNorm), SGD Nesterov momentum 0.9, cosine to 0 per step, batch 64, "
+        "200 steps; a suggestion is the peak LR",
+        chance_what="predict the training class frequencies",
+    )
+
+
+SEQ_LEN = 24
+
+
+def _sequence_data() -> Data:
+    """Sequences of 24 noisy values; the label: whether the motif (+1, -1, +1) occurs anywhere."""
+    rng = np.random.default_rng(7)
+    n = 2000
+    x = rng.normal(0.0, 0.6, size=(n, SEQ_LEN)).astype(np.float32)
+    y = rng.integers(0, 2, size=n)
+    for i in np.flatnonzero(y):
+        at = rng.integers(0, SEQ_LEN - 3)
+        x[i, at : at + 3] += np.array([1.5, -1.5, 1.5], dtype=np.float32)
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=7, stratify=y)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+class MotifConv(nn.Module):
+    """A 1-D conv net over a sequence: two conv layers, a global max over time, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Unflatten(1, (1, SEQ_LEN)),
+            nn.Conv1d(1, 16, 5, padding=2),
+            nn.GELU(),
+            nn.Conv1d(16, 16, 5, padding=2),
+            nn.GELU(),
+        )
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).amax(dim=-1))
+
+
+def conv1d_adam_clip() -> Task:
+    data = _sequence_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr, betas=(0.9, 0.99))
+
+    return Task(
+        "conv1d_adam_clip",
+        data,
+        MotifConv,
+        opt,
+        _ce,
+        steps=300,
+        batch=16,
+        chance=_prior_chance(data, 2),
+        grid=(-20, 0),
+        clip=0.5,
+        what="motif detection in noisy sequences of 24: 1-D conv 16-16 + max over time, Adam (0.9, 0.99), "
+        "gradient_clip_val=0.5, batch 16, 300 steps",
+        chance_what="predict the training class frequencies",
+    )
+
+
+def wide_mlp_adamw_warmup() -> Task:
+    x, y = make_friedman1(n_samples=2000, n_features=12, noise=1.0, random_state=5)
+    data = _regression_data(x, y, 5)
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(12, 512), nn.SiLU(), nn.Linear(512, 1))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(p, lr=lr, weight_decay=0.01)
+
+    return Task(
+        "wide_mlp_adamw_warmup",
+        data,
+        mlp,
+        opt,
+        _mse,
+        steps=250,
+        batch=64,
+        chance=_mse_chance(data),
+        grid=(-20, 0),
+        schedule=WarmupConstant,
+        what="make_friedman1 noise 1: one hidden layer of 512 SiLU, AdamW wd 0.01, 20 % linear warm-up then "
+        "constant, batch 64, 250 steps; a suggestion is the peak LR",
+        chance_what="predict the training mean",
+    )
+
+
+def logreg_l2_adagrad() -> Task:
+    x, y = make_classification(
+        n_samples=1500, n_features=60, n_informative=15, n_classes=3, class_sep=0.8, random_state=11
+    )
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=11, stratify=y)
+    xtr, xva = _standardise(xtr, xva)
+    data = (torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(p, lr=lr, weight_decay=1e-3)
+
+    return Task(
+        "logreg_l2_adagrad",
+        data,
+        lambda: nn.Linear(60, 3),
+        opt,
+        _ce,
+        steps=200,
+        batch=16,
+        chance=_prior_chance(data, 3),
+        grid=(-16, 4),
+        what="make_classification 60 features (15 informative), 3 classes: logistic regression, Adagrad with "
+        "L2 1e-3, batch 16, 200 steps",
+        chance_what="predict the training class frequencies",
+    )
+
+
+HELD_OUT = {
+    "cnn_momentum_cosine": cnn_momentum_cosine,
+    "conv1d_adam_clip": conv1d_adam_clip,
+    "wide_mlp_adamw_warmup": wide_mlp_adamw_warmup,
+    "logreg_l2_adagrad": logreg_l2_adagrad,
+}
+
+
 # ----- f. the easy tasks of benchmarks/lr_finder.py
 def easy_tasks() -> list[Task]:
     from lr_finder import BATCH, tasks  # imported here: only these two tasks need that script
@@ -597,10 +791,11 @@ HARD = {
 }
 EASY = ("cnn_bn", "logreg")
 TASK_NAMES = (*HARD, *EASY)
+SETS = {"main": TASK_NAMES, "heldout": tuple(HELD_OUT), "all": (*TASK_NAMES, *HELD_OUT)}
 
 
 def build_tasks(names: list[str]) -> list[Task]:
-    out = [HARD[n]() for n in names if n in HARD]
+    out = [HARD[n]() for n in names if n in HARD] + [HELD_OUT[n]() for n in names if n in HELD_OUT]
     if any(n in EASY for n in names):
         out += [t for t in easy_tasks() if t.name in names]
     return sorted(out, key=lambda t: names.index(t.name))
@@ -1163,7 +1358,10 @@ def report(rows: list[dict[str, Any]], finders: list[str], real: list[dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="", help=f"comma-separated subset of {','.join(TASK_NAMES)}")
+    parser.add_argument(
+        "--set", default="main", choices=tuple(SETS), help="the 11 tasks (main), the held-out ones, or all"
+    )
+    parser.add_argument("--tasks", default="", help=f"comma-separated subset of {','.join(SETS['all'])}")
     parser.add_argument("--finders", default=",".join(FINDERS), help="comma-separated subset of the finders")
     parser.add_argument("--quick", action="store_true", help="2 grid points per decade, 2 seeds")
     parser.add_argument(
@@ -1180,11 +1378,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
-    names = [n for n in args.tasks.split(",") if n] or list(TASK_NAMES)
-    unknown = [n for n in names if n not in TASK_NAMES]
+    names = [n for n in args.tasks.split(",") if n] or list(SETS[args.set])
+    unknown = [n for n in names if n not in SETS["all"]]
     finders = [f for f in args.finders.split(",") if f]
     if unknown or any(f not in FINDERS for f in finders):
-        parser.error(f"tasks are {', '.join(TASK_NAMES)}; finders are {', '.join(FINDERS)}")
+        parser.error(f"tasks are {', '.join(SETS['all'])}; finders are {', '.join(FINDERS)}")
     seeds = list(SEEDS[:2] if args.quick else SEEDS)
     cache = Cache(None if args.no_cache else args.cache)
     rows = []

@@ -109,6 +109,7 @@ DEFAULT_CACHE = os.path.join(HERE, ".lr_hard_grid.json")
 FINDERS = ("ours", "ours_sweep", "lightning", "torch_lr_finder")
 SEEDS = (0, 1, 2)
 PER_DECADE = 4  # grid points per decade (``--quick``: 2)
+SEARCH_STEPS: int | None = None  # ours' search_steps (``--search-steps``; None: lr_find's default)
 
 Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -973,6 +974,8 @@ def run_ours(task: Task, seed: int, search: bool = True) -> dict[str, Any]:
     extra: dict[str, Any] = {} if task.num_training == 100 else {"num_training": task.num_training}
     if not search:
         extra["search_steps"] = 0
+    elif SEARCH_STEPS is not None:
+        extra["search_steps"] = SEARCH_STEPS
     started = time.perf_counter()
     # a temporary root dir only so that the refusal alerts' JSONL does not land in the working directory
     with tempfile.TemporaryDirectory(prefix="lr-hard-") as root, _quiet():
@@ -1375,7 +1378,10 @@ def main() -> None:
         "--rerun-baselines", action="store_true", help="rerun Lightning's and torch-lr-finder's sweeps"
     )
     parser.add_argument("--real", action="store_true", help="also ours on real_models.py's mobilenet_v2, vit")
+    parser.add_argument("--search-steps", type=int, default=None, help="ours' search_steps (default 300)")
     args = parser.parse_args()
+    global SEARCH_STEPS
+    SEARCH_STEPS = args.search_steps
     torch.set_num_threads(1)
     started = time.perf_counter()
     names = [n for n in args.tasks.split(",") if n] or list(SETS[args.set])

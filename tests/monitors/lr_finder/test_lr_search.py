@@ -357,10 +357,11 @@ class Offset(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def test_trials_that_learn_nothing_more_leave_the_sweeps_suggestion() -> None:
+def test_trials_that_learn_nothing_more_are_said_to(caplog: pytest.LogCaptureFixture) -> None:
     """Every candidate sits at the noise floor after 30 steps (1.05 against 26 before training): the
     trials say how fast an LR gets there, not how it trains over a run. Twice the steps do not lower the
-    best loss (a hundredth of the 2 % it takes), so the search says so and the sweep's suggestion stands."""
+    best loss (a hundredth of the 2 % it takes): the search chooses, and says so."""
+    caplog.set_level(logging.INFO, logger="lightning_gradguard")
     y = 5.0 + torch.randn(2048, generator=torch.Generator().manual_seed(0))
     shuffle = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(y)
@@ -370,8 +371,13 @@ def test_trials_that_learn_nothing_more_leave_the_sweeps_suggestion() -> None:
     result = lr_find(Offset(), loader, search_steps=330, **kw)
     assert result is not None and result.search is not None and result.sweep_suggestion is not None
     assert result.search.start_loss > 10 and any(t.round == 1 for t in result.search.trials)
-    assert result.search.chosen is None and "learned nothing more" in result.search.reason
-    assert result.suggestion == result.sweep_suggestion
+    assert result.search.chosen is not None and result.search.reason == ""
+    assert "learned nothing more" in result.search.note and result.suggestion == result.search.chosen
+    said = [r.getMessage() for r in caplog.records if "LRFinderPlus [epoch 0]" in r.getMessage()]
+    assert said and "learned nothing more" in said[-1]
+    # a search whose second round learned more says nothing of the kind
+    learning = _lr_find(search_steps=90, max_lr=10.0)
+    assert learning.search is not None and learning.search.note == ""
 
 
 def test_the_refinement_is_a_trained_candidate_never_trusted_untrained() -> None:
@@ -419,16 +425,15 @@ def _round(lr: float, round_: int, losses: list[float]) -> Trial:
 
 
 def test_the_second_round_must_learn_more_than_the_first() -> None:
-    from lightning_gradguard.monitors.lr_finder.search import _learned_more, _nothing_learned
+    from lightning_gradguard.monitors.lr_finder.search import _nothing_learned, plateau_note
 
     start = [2.0, 2.2, 1.8, 2.0]
     first = [_round(0.1, 0, [1.0, 1.2, 0.8, 1.0]), _round(1.0, 0, [1.5, 1.7, 1.3, 1.5])]
     same = [_round(0.1, 1, [1.001, 1.199, 0.802, 1.0])]  # no lower: the trials plateaued
     sure_but_small = [_round(0.1, 1, [0.99, 1.19, 0.79, 0.99])]  # 0.01 lower on every batch: 1 %
     lower = [_round(0.1, 1, [0.8, 1.0, 0.6, 0.8])]  # 0.2 lower on every batch: 20 %
-    assert not _learned_more(first, same) and not _learned_more(first, sure_but_small)
-    assert _learned_more(first, lower)
-    assert "learned nothing more" in _nothing_learned(same[0], start, first, same)
-    assert _nothing_learned(lower[0], start, first, lower) == ""
-    assert _nothing_learned(first[0], start, first, first) == ""  # one round only: nothing to compare
-    assert "fell clearly below" in _nothing_learned(first[0], [1.0, 1.2, 0.8, 1.0], first, lower)
+    assert "learned nothing more" in plateau_note(first, same)
+    assert "learned nothing more" in plateau_note(first, sure_but_small)
+    assert plateau_note(first, lower) == ""
+    assert _nothing_learned(lower[0], start) == ""
+    assert "fell clearly below" in _nothing_learned(first[0], [1.0, 1.2, 0.8, 1.0])

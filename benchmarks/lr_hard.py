@@ -109,6 +109,7 @@ DEFAULT_CACHE = os.path.join(HERE, ".lr_hard_grid.json")
 FINDERS = ("ours", "ours_sweep", "lightning", "torch_lr_finder")
 SEEDS = (0, 1, 2)
 PER_DECADE = 4  # grid points per decade (``--quick``: 2)
+SEARCH_STEPS: int | None = None  # ours' search_steps (``--search-steps``; None: lr_find's default)
 
 Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -556,6 +557,355 @@ def mlp_adam_b4_cls() -> Task:
     )
 
 
+# ---------------------------------------------------------------------------------------------- held-out set
+# Written for issue 39 as a check on ourselves: evaluated only after the search's rules were settled, never
+# used to choose them (``--set heldout``). Other model families, optimizers, batch sizes and schedules than
+# the tasks above.
+class Cosine:
+    """LR multiplier: cosine decay from 1 to 0 over ``total`` steps (a callable object: picklable)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def __call__(self, step: int) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, step / max(1, self.total))))
+
+    def __repr__(self) -> str:
+        return f"Cosine(total={self.total})"
+
+
+class WarmupConstant:
+    """LR multiplier: linear warm-up over ``warmup`` of ``total`` steps, then constant."""
+
+    def __init__(self, total: int, warmup: float = 0.2) -> None:
+        self.total = total
+        self.warm = max(1, round(warmup * total))
+
+    def __call__(self, step: int) -> float:
+        return min(1.0, (step + 1) / self.warm)
+
+    def __repr__(self) -> str:
+        return f"WarmupConstant(total={self.total}, warm={self.warm})"
+
+
+class DigitsCNN(nn.Module):
+    """Two 3x3 conv layers (no normalisation), max-pooling, a linear head, on 8x8 digits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * 4, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def cnn_momentum_cosine() -> Task:
+    data = _digits()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True)
+
+    return Task(
+        "cnn_momentum_cosine",
+        data,
+        DigitsCNN,
+        opt,
+        _ce,
+        steps=200,
+        batch=64,
+        chance=_prior_chance(data, 10),
+        grid=(-16, 4),
+        schedule=Cosine,
+        what="digits CNN 16-32 (no BatchNorm), SGD Nesterov momentum 0.9, cosine to 0 per step, batch 64, "
+        "200 steps; a suggestion is the peak LR",
+        chance_what="predict the training class frequencies",
+    )
+
+
+SEQ_LEN = 24
+
+
+def _sequence_data() -> Data:
+    """Sequences of 24 noisy values; the label: whether the motif (+1, -1, +1) occurs anywhere."""
+    rng = np.random.default_rng(7)
+    n = 2000
+    x = rng.normal(0.0, 0.6, size=(n, SEQ_LEN)).astype(np.float32)
+    y = rng.integers(0, 2, size=n)
+    for i in np.flatnonzero(y):
+        at = rng.integers(0, SEQ_LEN - 3)
+        x[i, at : at + 3] += np.array([1.5, -1.5, 1.5], dtype=np.float32)
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=7, stratify=y)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+class MotifConv(nn.Module):
+    """A 1-D conv net over a sequence: two conv layers, a global max over time, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Unflatten(1, (1, SEQ_LEN)),
+            nn.Conv1d(1, 16, 5, padding=2),
+            nn.GELU(),
+            nn.Conv1d(16, 16, 5, padding=2),
+            nn.GELU(),
+        )
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).amax(dim=-1))
+
+
+def conv1d_adam_clip() -> Task:
+    data = _sequence_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr, betas=(0.9, 0.99))
+
+    return Task(
+        "conv1d_adam_clip",
+        data,
+        MotifConv,
+        opt,
+        _ce,
+        steps=300,
+        batch=16,
+        chance=_prior_chance(data, 2),
+        grid=(-20, 0),
+        clip=0.5,
+        what="motif detection in noisy sequences of 24: 1-D conv 16-16 + max over time, Adam (0.9, 0.99), "
+        "gradient_clip_val=0.5, batch 16, 300 steps",
+        chance_what="predict the training class frequencies",
+    )
+
+
+def wide_mlp_adamw_warmup() -> Task:
+    x, y = make_friedman1(n_samples=2000, n_features=12, noise=1.0, random_state=5)
+    data = _regression_data(x, y, 5)
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(12, 512), nn.SiLU(), nn.Linear(512, 1))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(p, lr=lr, weight_decay=0.01)
+
+    return Task(
+        "wide_mlp_adamw_warmup",
+        data,
+        mlp,
+        opt,
+        _mse,
+        steps=250,
+        batch=64,
+        chance=_mse_chance(data),
+        grid=(-20, 0),
+        schedule=WarmupConstant,
+        what="make_friedman1 noise 1: one hidden layer of 512 SiLU, AdamW wd 0.01, 20 % linear warm-up then "
+        "constant, batch 64, 250 steps; a suggestion is the peak LR",
+        chance_what="predict the training mean",
+    )
+
+
+def logreg_l2_adagrad() -> Task:
+    x, y = make_classification(
+        n_samples=1500, n_features=60, n_informative=15, n_classes=3, class_sep=0.8, random_state=11
+    )
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=11, stratify=y)
+    xtr, xva = _standardise(xtr, xva)
+    data = (torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(p, lr=lr, weight_decay=1e-3)
+
+    return Task(
+        "logreg_l2_adagrad",
+        data,
+        lambda: nn.Linear(60, 3),
+        opt,
+        _ce,
+        steps=200,
+        batch=16,
+        chance=_prior_chance(data, 3),
+        grid=(-16, 4),
+        what="make_classification 60 features (15 informative), 3 classes: logistic regression, Adagrad with "
+        "L2 1e-3, batch 16, 200 steps",
+        chance_what="predict the training class frequencies",
+    )
+
+
+HELD_OUT = {
+    "cnn_momentum_cosine": cnn_momentum_cosine,
+    "conv1d_adam_clip": conv1d_adam_clip,
+    "wide_mlp_adamw_warmup": wide_mlp_adamw_warmup,
+    "logreg_l2_adagrad": logreg_l2_adagrad,
+}
+
+
+# ------------------------------------------------------------------------------------------- held-out set 2
+# Written after the second round's last change (the note), as a second check on ourselves: evaluated once
+# (``--set heldout2``), never used to choose a rule.
+class StepDecay:
+    """LR multiplier: halved at 50 % and again at 75 % of ``total`` steps (a step schedule)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def __call__(self, step: int) -> float:
+        return 0.25 if step >= 0.75 * self.total else 0.5 if step >= 0.5 * self.total else 1.0
+
+    def __repr__(self) -> str:
+        return f"StepDecay(total={self.total})"
+
+
+def rmsprop_mlp_step() -> Task:
+    rng = np.random.default_rng(21)
+    x = rng.normal(size=(2000, 8))
+    y = np.sin(x[:, 0] * x[:, 1]) + 0.5 * np.tanh(x[:, 2] - x[:, 3]) + 0.3 * rng.normal(size=2000)
+    data = _regression_data(x, y, 21)
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 96), nn.Tanh(), nn.Linear(96, 96), nn.Tanh(), nn.Linear(96, 1))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.RMSprop(p, lr=lr, alpha=0.9)
+
+    return Task(
+        "rmsprop_mlp_step",
+        data,
+        mlp,
+        opt,
+        _mse,
+        steps=300,
+        batch=128,
+        chance=_mse_chance(data),
+        grid=(-20, 0),
+        schedule=StepDecay,
+        what="a smooth nonlinear regression (8 features): tanh MLP 96-96, RMSprop (alpha 0.9), LR halved at "
+        "50 % and 75 %, batch 128, 300 steps; a suggestion is the initial LR",
+        chance_what="predict the training mean",
+    )
+
+
+COUNT_LEN = 20
+
+
+def _count_data() -> Data:
+    """Binary sequences of 20; the label: whether they hold more ones than zeros (ties: no)."""
+    rng = np.random.default_rng(23)
+    x = (rng.random((2400, COUNT_LEN)) < rng.uniform(0.3, 0.7, size=(2400, 1))).astype(np.float32)
+    y = (x.sum(1) > COUNT_LEN / 2).astype(np.int64)
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=23)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+class CountLSTM(nn.Module):
+    """An LSTM over a binary sequence (one input per step), classified from its last hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(1, 24, batch_first=True)
+        self.head = nn.Linear(24, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x.unsqueeze(-1))
+        return self.head(out[:, -1])
+
+
+def lstm_count_adam() -> Task:
+    data = _count_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr)
+
+    return Task(
+        "lstm_count_adam",
+        data,
+        CountLSTM,
+        opt,
+        _ce,
+        steps=300,
+        batch=32,
+        chance=_prior_chance(data, 2),
+        grid=(-20, 0),
+        what="majority of ones in binary sequences of 20: LSTM 24, last state, Adam, batch 32, 300 steps",
+        chance_what="predict the training class frequencies",
+    )
+
+
+class Denoiser(nn.Module):
+    """A small conv denoiser of 8x8 digits: two conv layers and a conv output, on the flattened image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 1, 3, padding=1),
+            nn.Flatten(),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _denoise_data() -> Data:
+    """Digits (pixels / 16) with Gaussian noise 0.3 as the input, the clean image as the target."""
+    xtr, _, xva, _ = _digits()
+    g = torch.Generator().manual_seed(29)
+    return (
+        xtr + 0.3 * torch.randn(xtr.shape, generator=g),
+        xtr,
+        xva + 0.3 * torch.randn(xva.shape, generator=g),
+        xva,
+    )
+
+
+def _image_mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+def denoiser_sgd_momentum() -> Task:
+    data = _denoise_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr, momentum=0.9)
+
+    ytr, yva = data[1], data[3]
+    return Task(
+        "denoiser_sgd_momentum",
+        data,
+        Denoiser,
+        opt,
+        _image_mse,
+        steps=250,
+        batch=16,
+        chance=float(((yva - ytr.mean(0)) ** 2).mean()),
+        grid=(-16, 4),
+        what="denoising digits (noise 0.3): conv 16-16-1, SGD momentum 0.9, MSE, batch 16, 250 steps",
+        chance_what="predict the mean training image",
+    )
+
+
+HELD_OUT_2 = {
+    "rmsprop_mlp_step": rmsprop_mlp_step,
+    "lstm_count_adam": lstm_count_adam,
+    "denoiser_sgd_momentum": denoiser_sgd_momentum,
+}
+
+
 # ----- f. the easy tasks of benchmarks/lr_finder.py
 def easy_tasks() -> list[Task]:
     from lr_finder import BATCH, tasks  # imported here: only these two tasks need that script
@@ -597,10 +947,17 @@ HARD = {
 }
 EASY = ("cnn_bn", "logreg")
 TASK_NAMES = (*HARD, *EASY)
+SETS = {
+    "main": TASK_NAMES,
+    "heldout": tuple(HELD_OUT),
+    "heldout2": tuple(HELD_OUT_2),
+    "all": (*TASK_NAMES, *HELD_OUT, *HELD_OUT_2),
+}
 
 
 def build_tasks(names: list[str]) -> list[Task]:
-    out = [HARD[n]() for n in names if n in HARD]
+    builders = {**HARD, **HELD_OUT, **HELD_OUT_2}
+    out = [builders[n]() for n in names if n in builders]
     if any(n in EASY for n in names):
         out += [t for t in easy_tasks() if t.name in names]
     return sorted(out, key=lambda t: names.index(t.name))
@@ -778,6 +1135,8 @@ def run_ours(task: Task, seed: int, search: bool = True) -> dict[str, Any]:
     extra: dict[str, Any] = {} if task.num_training == 100 else {"num_training": task.num_training}
     if not search:
         extra["search_steps"] = 0
+    elif SEARCH_STEPS is not None:
+        extra["search_steps"] = SEARCH_STEPS
     started = time.perf_counter()
     # a temporary root dir only so that the refusal alerts' JSONL does not land in the working directory
     with tempfile.TemporaryDirectory(prefix="lr-hard-") as root, _quiet():
@@ -1163,7 +1522,10 @@ def report(rows: list[dict[str, Any]], finders: list[str], real: list[dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="", help=f"comma-separated subset of {','.join(TASK_NAMES)}")
+    parser.add_argument(
+        "--set", default="main", choices=tuple(SETS), help="the 11 tasks (main), a held-out set, or all"
+    )
+    parser.add_argument("--tasks", default="", help=f"comma-separated subset of {','.join(SETS['all'])}")
     parser.add_argument("--finders", default=",".join(FINDERS), help="comma-separated subset of the finders")
     parser.add_argument("--quick", action="store_true", help="2 grid points per decade, 2 seeds")
     parser.add_argument(
@@ -1177,14 +1539,17 @@ def main() -> None:
         "--rerun-baselines", action="store_true", help="rerun Lightning's and torch-lr-finder's sweeps"
     )
     parser.add_argument("--real", action="store_true", help="also ours on real_models.py's mobilenet_v2, vit")
+    parser.add_argument("--search-steps", type=int, default=None, help="ours' search_steps (default 300)")
     args = parser.parse_args()
+    global SEARCH_STEPS
+    SEARCH_STEPS = args.search_steps
     torch.set_num_threads(1)
     started = time.perf_counter()
-    names = [n for n in args.tasks.split(",") if n] or list(TASK_NAMES)
-    unknown = [n for n in names if n not in TASK_NAMES]
+    names = [n for n in args.tasks.split(",") if n] or list(SETS[args.set])
+    unknown = [n for n in names if n not in SETS["all"]]
     finders = [f for f in args.finders.split(",") if f]
     if unknown or any(f not in FINDERS for f in finders):
-        parser.error(f"tasks are {', '.join(TASK_NAMES)}; finders are {', '.join(FINDERS)}")
+        parser.error(f"tasks are {', '.join(SETS['all'])}; finders are {', '.join(FINDERS)}")
     seeds = list(SEEDS[:2] if args.quick else SEEDS)
     cache = Cache(None if args.no_cache else args.cache)
     rows = []

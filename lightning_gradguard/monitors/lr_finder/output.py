@@ -89,6 +89,8 @@ def search_in_words(result: LRFinderResult) -> str:
         return f"; no search: {search.reason}"
     tried = ", ".join(f"{t.lr:.2e}: {t.loss:.4g}" for t in search.trials)
     chose = f"chose {search.chosen:.3e}" if search.chosen is not None else f"chose none ({search.reason})"
+    if search.note:
+        chose += f" ({search.note})"
     return (
         f"; search in [{search.bracket[0]:.2e}, {search.bracket[1]:.2e}] by the loss on "
         f"{search.evaluated_on} ({tried}) {chose}, {search.steps} steps, {search.seconds:.1f}s"

@@ -48,7 +48,10 @@ class SearchResult:
         seconds: its wall time.
         reason: why it chose nothing (empty when it chose): every candidate diverged, or none got its
             loss clearly below the loss before training (two standard errors of the batch-by-batch
-            difference) in its steps; the sweep's suggestion then stands.
+            difference, and 2 % of its level) in its steps; the sweep's suggestion then stands.
+        note: said beside a choice (empty when there is nothing to say): the second round, twice the
+            steps, did not get its best loss clearly below the first round's, so the trials learned nothing
+            more after their first steps (raise ``search_steps`` for a model that learns slowly).
         start_loss: the loss on the evaluation batches before any training.
     """
 
@@ -60,6 +63,7 @@ class SearchResult:
     seconds: float = 0.0
     reason: str = ""
     start_loss: float = math.nan
+    note: str = ""
 
 
 @dataclass

@@ -13,7 +13,10 @@ train on), in eval mode and without gradients.
 Successive halving keeps the cost small: every candidate trains ``r`` steps; the best two, and one more
 point (between them where the losses' parabola in log-LR has its low, or half a grid step past the
 bracket's edge when the best sits on it), train ``2 r`` steps; the lowest loss of that round wins. The
-caller restores everything afterwards.
+search chooses nothing, and the sweep's suggestion stands, when no candidate got clearly below the loss
+before training. When twice the steps did not get the second round's best clearly below the first round's,
+the trials learned nothing more: the search says so (``SearchResult.note``). The caller restores
+everything afterwards.
 """
 
 from __future__ import annotations
@@ -157,19 +160,11 @@ class CandidateSearch:
             last = [self.trial(lr, 2 * steps, 1) for lr in second]
             trials += last
         best = choose(last, prior)
-        chosen: float | None = best.lr
-        reason = ""
-        if not math.isfinite(best.loss):
-            chosen, reason = None, "every candidate's training loss became non-finite"
-        elif not _learned(best, start):
-            chosen = None
-            reason = (
-                f"no candidate's loss fell clearly below the loss before training ({_mean(start):.4g}) in "
-                f"{best.steps} steps: the trials are too short for this model (raise search_steps)"
-            )
+        reason = _nothing_learned(best, start)
         return SearchResult(
             trials=trials,
-            chosen=chosen,
+            chosen=None if reason else best.lr,
+            note="" if reason or last is first else plateau_note(first, last),
             bracket=(grid[0], grid[-1]),
             evaluated_on=self.evaluated_on,
             steps=sum(t.steps for t in trials),
@@ -255,6 +250,41 @@ def choose(last: list[Trial], prior: float | None = None) -> Trial:
     if prior is None or prior <= 0 or not math.isfinite(best.loss):
         return min(tied, key=lambda t: t.lr)
     return min(tied, key=lambda t: (abs(math.log(t.lr / prior)), t.lr))
+
+
+def _nothing_learned(best: Trial, start: list[float]) -> str:
+    """Why the trials cannot choose (empty when they can): every candidate diverged, or the winner did not
+    get clearly below the loss before training (:func:`_learned`)."""
+    if not math.isfinite(best.loss):
+        return "every candidate's training loss became non-finite"
+    if not _learned(best, start):
+        return (
+            f"no candidate's loss fell clearly below the loss before training ({_mean(start):.4g}) in "
+            f"{best.steps} steps: the trials are too short for this model (raise search_steps)"
+        )
+    return ""
+
+
+def plateau_note(first: list[Trial], last: list[Trial]) -> str:
+    """What to say when the second round, trained twice as long, did not get its best loss clearly (two
+    standard errors of the batch-by-batch differences) and materially (:data:`LEARNED_SHARE` of its level)
+    below the first round's best: the trials learned nothing more after their first ``r`` steps, so they
+    tell how fast an LR gets the loss to where it stays, not how it trains over a run. Empty otherwise.
+
+    Said, not acted on: the sweep's suggestion instead of the choice did worse on both sets of
+    ``benchmarks/lr_hard.py`` (docs/lr_finder.md, *The search after the sweep*)."""
+    before = min(first, key=lambda t: t.loss)
+    after = min(last, key=lambda t: t.loss)
+    diffs = _differences(before.batch_losses, after.batch_losses)
+    if diffs is None or not math.isfinite(before.loss):
+        return ""
+    if diffs[0] > 2 * diffs[1] and diffs[0] >= LEARNED_SHARE * abs(before.loss):
+        return ""
+    return (
+        f"twice the steps ({after.steps}) did not lower the held-out loss clearly below the first round's "
+        f"best ({before.loss:.4g} -> {after.loss:.4g}): the trials learned nothing more, so the choice rests "
+        "on how fast each LR got there; if the model learns slowly, raise search_steps"
+    )
 
 
 def _within_one_se(trial: Trial, best: Trial) -> bool:

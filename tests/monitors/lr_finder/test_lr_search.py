@@ -337,3 +337,103 @@ def test_a_winner_that_only_learned_the_class_frequencies_learned_nothing() -> N
 
     assert not _learned(trial(0.009), start)  # sure: the same 0.009 on every batch, but 0.4 %
     assert _learned(trial(0.2), start)  # 9 %: the trials learned
+
+
+# ---------------------------------------------------------------------------------------------- issue 39
+class Offset(pl.LightningModule):
+    """One bias fitted to targets ``5 + N(0, 1)`` under plain SGD: its loss reaches the noise floor (1.0)
+    within a few dozen steps at any LR of the bracket, so twice the steps teach nothing more."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.lr = lr
+        self.b = nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (y,) = batch
+        return ((self.b - y) ** 2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_trials_that_learn_nothing_more_are_said_to(caplog: pytest.LogCaptureFixture) -> None:
+    """Every candidate sits at the noise floor after 30 steps (1.05 against 26 before training): the
+    trials say how fast an LR gets there, not how it trains over a run. Twice the steps do not lower the
+    best loss (a hundredth of the 2 % it takes): the search chooses, and says so."""
+    caplog.set_level(logging.INFO, logger="lightning_gradguard")
+    y = 5.0 + torch.randn(2048, generator=torch.Generator().manual_seed(0))
+    shuffle = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(y)
+    loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, generator=shuffle)
+    torch.manual_seed(0)
+    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False}
+    result = lr_find(Offset(), loader, search_steps=330, **kw)
+    assert result is not None and result.search is not None and result.sweep_suggestion is not None
+    assert result.search.start_loss > 10 and any(t.round == 1 for t in result.search.trials)
+    assert result.search.chosen is not None and result.search.reason == ""
+    assert "learned nothing more" in result.search.note and result.suggestion == result.search.chosen
+    said = [r.getMessage() for r in caplog.records if "LRFinderPlus [epoch 0]" in r.getMessage()]
+    assert said and "learned nothing more" in said[-1]
+    # a search whose second round learned more says nothing of the kind
+    learning = _lr_find(search_steps=90, max_lr=10.0)
+    assert learning.search is not None and learning.search.note == ""
+
+
+def test_the_refinement_is_a_trained_candidate_never_trusted_untrained() -> None:
+    """The parabola's low point between the first round's best and its neighbours is trained in the second
+    round beside the best two; the choice is one of the LRs trained there."""
+    result = _lr_find(search_steps=90, max_lr=10.0)
+    search = result.search
+    first = [t for t in search.trials if t.round == 0]
+    second = [t.lr for t in search.trials if t.round == 1]
+    extra = refinement([t.lr for t in first], [t.loss for t in first])
+    best_two = [t.lr for t in sorted(first, key=lambda t: t.loss)[:2]]
+    assert extra is not None and second[:2] == best_two
+    if all(max(extra / lr, lr / extra) > 1.1 for lr in best_two):
+        assert second[2] == extra
+    assert search.chosen in second
+
+
+def test_the_refinement_finds_a_parabolas_low_and_only_within_half_a_step() -> None:
+    """A loss that is a parabola in log-LR with its low at ``best`` (known in closed form): the lowest grid
+    point and its neighbours give ``best`` exactly, wherever it lies between grid points; three points that
+    are no parabola (a flat bottom) move the lowest point half a grid step at most."""
+    grid = log_spaced(1e-3, 1e-1, 5)
+    half = 10**0.25
+    for offset in (-0.45, -0.2, 0.0, 0.3, 0.49):  # in grid steps from the middle point
+        best = grid[2] * 10 ** (0.5 * offset)
+        losses = [0.7 + (math.log(lr / best)) ** 2 for lr in grid]
+        assert refinement(grid, losses) == pytest.approx(best, rel=1e-9)
+    far = grid[2] * 10 ** (0.5 * 0.8)  # 0.8 steps right of grid[2]: grid[3] is the lowest point
+    losses = [0.7 + (math.log(lr / far)) ** 2 for lr in grid]
+    assert refinement(grid, losses) == pytest.approx(far, rel=1e-9)
+    flat_top = [3.0, 1.0, 1.0, 1.0, 3.0]  # no single lowest middle: the first lowest point's parabola
+    got = refinement(grid, flat_top)
+    assert got is not None and grid[1] <= got <= grid[1] * half * (1 + 1e-9)
+
+
+def _round(lr: float, round_: int, losses: list[float]) -> Trial:
+    return Trial(
+        lr=lr,
+        round=round_,
+        steps=10 * (round_ + 1),
+        loss=sum(losses) / len(losses),
+        train_loss=0.0,
+        batch_losses=tuple(losses),
+    )
+
+
+def test_the_second_round_must_learn_more_than_the_first() -> None:
+    from lightning_gradguard.monitors.lr_finder.search import _nothing_learned, plateau_note
+
+    start = [2.0, 2.2, 1.8, 2.0]
+    first = [_round(0.1, 0, [1.0, 1.2, 0.8, 1.0]), _round(1.0, 0, [1.5, 1.7, 1.3, 1.5])]
+    same = [_round(0.1, 1, [1.001, 1.199, 0.802, 1.0])]  # no lower: the trials plateaued
+    sure_but_small = [_round(0.1, 1, [0.99, 1.19, 0.79, 0.99])]  # 0.01 lower on every batch: 1 %
+    lower = [_round(0.1, 1, [0.8, 1.0, 0.6, 0.8])]  # 0.2 lower on every batch: 20 %
+    assert "learned nothing more" in plateau_note(first, same)
+    assert "learned nothing more" in plateau_note(first, sure_but_small)
+    assert plateau_note(first, lower) == ""
+    assert _nothing_learned(lower[0], start) == ""
+    assert "fell clearly below" in _nothing_learned(first[0], [1.0, 1.2, 0.8, 1.0])

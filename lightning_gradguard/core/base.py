@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
 import lightning.pytorch as pl
@@ -29,6 +29,7 @@ from lightning_gradguard.alerts import (
     GradGuardError,
     JsonlSink,
     LoggingSink,
+    Rule,
     Severity,
     recorded_alerts,
     undeclared,
@@ -47,6 +48,7 @@ from lightning_gradguard.tags import ALERT_CHARTS, ALERT_TEXT, ALERTS, charts_of
 DEFAULT_COOLDOWN_STEPS = 1000
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
+_E = TypeVar("_E")
 
 
 def guarded(hook: _Hook) -> _Hook:
@@ -282,6 +284,42 @@ class GradGuardCallback(Stateful, Callback):
         return self.report(
             trainer, f.kind, f.level, f.where, f.message, f.hint, f.data, step=step, cooldown_key=cooldown_key
         )
+
+    def run_rules(
+        self,
+        trainer: pl.Trainer,
+        rules: Iterable[Rule[_E]],
+        evidence: _E,
+        *,
+        step: int | None = None,
+        cooldown: Callable[[Finding], str | None] | None = None,
+        admit: Callable[[Finding], bool] | None = None,
+        then: Callable[[list[Alert]], None] | None = None,
+    ) -> list[Alert]:
+        """Run ``rules`` on ``evidence`` in their declared order, report each finding, then act once.
+
+        The one way a monitor judges: each rule's check (:class:`~lightning_gradguard.alerts.Check`) reads
+        the monitor's evidence; each finding goes through :meth:`report_finding` at ``step`` (default: the
+        current one) under the cooldown key ``cooldown(finding)`` gives (default ``"<kind>@<where>"``);
+        ``admit`` may pass over a finding before it is reported (a kind said once per run). The alerts
+        reported are then acted on once: :meth:`act`, or ``then`` for a monitor whose action depends on
+        more than the alerts (an escalated action, an update to drop). Call it on every rank, on check steps
+        only: a quiet step pays nothing.
+        """
+        alerts: list[Alert] = []
+        for rule in rules:
+            for f in rule.findings(evidence):
+                if admit is not None and not admit(f):
+                    continue
+                key = None if cooldown is None else cooldown(f)
+                alert = self.report_finding(trainer, f, step=step, cooldown_key=key)
+                if alert is not None:
+                    alerts.append(alert)
+        if then is None:
+            self.act(trainer, alerts)
+        else:
+            then(alerts)
+        return alerts
 
     def would_report(self, key: str, step: int) -> bool:
         """Whether a finding under ``key`` at ``step`` is outside the cooldown (nothing is recorded)."""

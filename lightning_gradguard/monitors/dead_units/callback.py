@@ -25,7 +25,7 @@ from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.stats import device_histograms
 from lightning_gradguard.monitors.dead_units.counts import sum_counts
 from lightning_gradguard.monitors.dead_units.measure import ActivationCapture
-from lightning_gradguard.monitors.dead_units.rules import DEAD_RELU_RULE, UnitCounts, UnitWindows
+from lightning_gradguard.monitors.dead_units.rules import RULES, Sampled, UnitCounts, UnitWindows
 from lightning_gradguard.monitors.dead_units.tags import CHARTS, DEAD_RELU, SATURATED
 from lightning_gradguard.tags import charts_of
 
@@ -211,11 +211,6 @@ class DeadReLUMonitor(SamplingMonitor):
         # not learn, and one that learned and then diverges. Units dead from the start (the first full
         # windows' verdict) are the initialization's fault, whatever the loss does.
         learning = self.sampled_batches > self.window_samples + self.patience - 1 and self.progress.learning()
-        alerts = [
-            self.report_finding(trainer, f, step=step)
-            for f in verdict.findings
-            if not (learning and f.rule is DEAD_RELU_RULE)
-        ]
         logging_on = logging_interval(trainer) > 0  # Trainer(log_every_n_steps=0): detection only
         scalars = cap_scalars(self.layers, verdict.scalars, DEAD_RELU.name)
         shown = self.layers.last_shown  # histograms for the dead_relu curves shown
@@ -233,4 +228,4 @@ class DeadReLUMonitor(SamplingMonitor):
         # Follow-ups do not start new follow-ups.
         if verdict.suspicious and not self._following and step >= self.window_samples + self.patience - 1:
             self._follow_left = self.window_samples + self.patience - 1
-        self.act(trainer, [a for a in alerts if a is not None])
+        self.run_rules(trainer, RULES, Sampled(verdict=verdict, learning=learning), step=step)

@@ -177,6 +177,13 @@ def declare(*rules: Rule[E]) -> tuple[Rule[E], ...]:
     return rules
 
 
+def judge(rules: Iterable[Rule[E]], evidence: E) -> list[Finding]:
+    """What ``rules`` find in ``evidence``, in their declared order, unreported: for a check whose
+    findings are reported later (a pre-flight check judges inside its trial, and reports once the run is
+    restored). A monitor judges and reports in one go with ``GradGuardCallback.run_rules``."""
+    return [f for rule in rules for f in rule.findings(evidence)]
+
+
 def undeclared(monitor: str, kind: str) -> bool:
     """Whether ``monitor`` declared kinds (:func:`declare`) and ``kind`` is not one of them: a bug in the
     monitor. A callback that declared nothing (your own checks) may report any kind."""

@@ -13,6 +13,7 @@ the run it watches.
 from __future__ import annotations
 
 import functools
+import operator
 import re
 import warnings
 from collections.abc import Callable, Iterable
@@ -42,7 +43,7 @@ from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.state import info_once, raised_in_strict, strict_mode, trainer_state, warn_once
 from lightning_gradguard.core.stats import global_step, step_cache
 from lightning_gradguard.core.validate import check_choice, check_int
-from lightning_gradguard.tags import ALERT_CHARTS, ALERT_TEXT, ALERTS, charts_of
+from lightning_gradguard.tags import ALERT_CHARTS, ALERT_TEXT, ALERTS, Chart, charts_of
 
 #: the ``cooldown_steps`` default of every monitor (LossSpikeGuard's is 0: each spike is an intervention)
 DEFAULT_COOLDOWN_STEPS = 1000
@@ -127,6 +128,11 @@ class GradGuardCallback(Stateful, Callback):
     #: the attributes :meth:`due` reads: the period of the checks and the dense start
     cadence_every: ClassVar[str] = "check_every_n_steps"
     cadence_dense: ClassVar[str] = "dense_steps"
+    #: the charts this callback draws in the "GradGuard" layout (its ``tags.py``'s ``CHARTS``): the base's
+    #: :meth:`layout_charts` gives them
+    charts: ClassVar[tuple[Chart, ...]] = ()
+    #: a chart's ``only`` setting -> the attribute (a dotted path) that turns it on (``"layers.capped"``)
+    chart_switches: ClassVar[dict[str, str]] = {}
 
     #: the findings of every run of this instance (kept across runs; the checkpoint's on a resume)
     alerts: RunField[list[Alert]] = RunField(list, per_run=False, save=_alerts_saved, load=_alerts_loaded)
@@ -159,8 +165,10 @@ class GradGuardCallback(Stateful, Callback):
 
     # ------------------------------------------------------------------ layout
     def layout_charts(self) -> dict[str, list[str]]:
-        """Chart title -> tag regexes this callback contributes to the "GradGuard" custom-scalars section."""
-        return {}
+        """Chart title -> tag regexes this callback contributes to the "GradGuard" custom-scalars section:
+        its declared :attr:`charts`, those whose ``only`` setting is on (:attr:`chart_switches`)."""
+        on = {only: bool(operator.attrgetter(path)(self)) for only, path in self.chart_switches.items()}
+        return charts_of(self.charts, **on)
 
     def fresh_run(self, trainer: pl.Trainer) -> bool:
         """Whether this fit starts a new run: no ``ckpt_path`` and the Trainer at step 0.

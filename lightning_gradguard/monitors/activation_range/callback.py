@@ -37,7 +37,6 @@ from lightning_gradguard.monitors.activation_range.measure import (
 )
 from lightning_gradguard.monitors.activation_range.rules import RULES, EntropyStart, Sampled
 from lightning_gradguard.monitors.activation_range.tags import ACTIVATION, ATTENTION, CHARTS
-from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``Trainer(log_every_n_steps=0)``) the alerts are still checked this often
 _DETECT_EVERY = 50
@@ -119,6 +118,9 @@ class ActivationRangeMonitor(SamplingMonitor):
         monitor.entropies["encoder.layers.3.self_attn"].entropy   # nats
     """
 
+    charts = CHARTS
+    chart_switches = {"attention": "attention"}
+
     state_key_args = ("sample_every_n_steps",)
 
     #: the latest sampled step's numbers: per block, and the largest attention logit and the attention
@@ -170,10 +172,6 @@ class ActivationRangeMonitor(SamplingMonitor):
         self.layers = LayerSelection(include, exclude, max_layers)
         self._blocks: dict[str, nn.Module] | None = None
         self._every = _DETECT_EVERY  # sample every this many steps (set at fit start)
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS, attention=self.attention)
 
     def _cadence(self, trainer: pl.Trainer) -> tuple[int, bool]:
         """(sample every, whether the samples are logged)."""

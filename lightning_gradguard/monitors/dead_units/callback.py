@@ -27,7 +27,6 @@ from lightning_gradguard.monitors.dead_units.counts import sum_counts
 from lightning_gradguard.monitors.dead_units.measure import ActivationCapture
 from lightning_gradguard.monitors.dead_units.rules import RULES, Sampled, UnitCounts, UnitWindows
 from lightning_gradguard.monitors.dead_units.tags import CHARTS, DEAD_RELU, SATURATED
-from lightning_gradguard.tags import charts_of
 
 
 class DeadReLUMonitor(SamplingMonitor):
@@ -88,6 +87,9 @@ class DeadReLUMonitor(SamplingMonitor):
         print(monitor.dead_fractions)   # {"net.1": 0.03, "net.3": 0.97, ...}
     """
 
+    charts = CHARTS
+    chart_switches = {"saturation": "check_saturation"}
+
     allowed_actions = ("warn", "stop", "raise")
     #: 0.x name: ``window`` was a count of sampled steps here and of optimizer steps in LossSpikeGuard
     renamed_args = {"window": "window_samples"}
@@ -136,10 +138,6 @@ class DeadReLUMonitor(SamplingMonitor):
         self.layers = LayerSelection(include, exclude, max_layers)
         self._dense = self.window_samples + self.patience - 1  # every step is sampled below this one
         self._following = False  # the open sample is a follow-up
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS, saturation=self.check_saturation)
 
     @override
     def sample_due(self, trainer: pl.Trainer, at: int) -> bool:

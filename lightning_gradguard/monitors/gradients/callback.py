@@ -47,7 +47,6 @@ from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
 from lightning_gradguard.monitors.gradients.ratio import RatioWatch
 from lightning_gradguard.monitors.gradients.rules import CLIP_RULES, RATIO_RULES, ClipWindow, RatioCheck
 from lightning_gradguard.monitors.gradients.tags import CHARTS, GRAD_CLIP
-from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``log_every_n_steps=0``), the clipping verdict is still reached this often
 _CLIP_CHECK_EVERY = 100
@@ -135,6 +134,9 @@ class GradientNormLogger(GradGuardCallback):
         # tensorboard --logdir lightning_logs  ->  Custom Scalars tab, "GradGuard" section
     """
 
+    charts = CHARTS
+    chart_switches = {"capped": "layers.capped", "noise_scale": "log_noise_scale"}
+
     state_key_args = ("log_every_n_steps", "norm_type", "group_depth", "per_parameter")
 
     #: the pre-clip norms of recent steps, on the device (the clip window holds this run's steps only)
@@ -209,10 +211,6 @@ class GradientNormLogger(GradGuardCallback):
         if self.histogram_every_n_steps is not None:
             return self.histogram_every_n_steps if every else 0
         return 10 * every
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS, capped=self.layers.max_layers is not None, noise_scale=self.log_noise_scale)
 
     # ------------------------------------------------------------------ hooks
     @override

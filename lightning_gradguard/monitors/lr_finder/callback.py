@@ -35,7 +35,6 @@ from lightning_gradguard.monitors.lr_finder.output import write_result
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
 from lightning_gradguard.monitors.lr_finder.rules import RULES, Tested
 from lightning_gradguard.monitors.lr_finder.tags import CHARTS
-from lightning_gradguard.tags import charts_of
 
 #: the search's default budget in optimizer steps (see docs/lr_finder.md for what it costs)
 DEFAULT_SEARCH_STEPS = 300
@@ -148,6 +147,8 @@ class LRFinderPlus(GradGuardCallback):
         print(finder.result.suggestion, finder.result.suggestions)
     """
 
+    charts = CHARTS
+
     state_key_args = ("milestones", "method")
 
     #: the epochs whose range test ran (the same callback reused for a new run tests that run again)
@@ -216,10 +217,6 @@ class LRFinderPlus(GradGuardCallback):
     @property
     def suggestion(self) -> float | None:
         return self.result.suggestion if self.result is not None else None
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS)
 
     # ------------------------------------------------------------------ hooks
     @override

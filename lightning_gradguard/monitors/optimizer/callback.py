@@ -52,7 +52,6 @@ from lightning_gradguard.monitors.optimizer.rules import (
     Orphans,
 )
 from lightning_gradguard.monitors.optimizer.tags import CHARTS, OPTIMIZER
-from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``log_every_n_steps=0``), the rules are still checked this often
 _CHECK_EVERY = 100
@@ -146,6 +145,9 @@ class OptimizerMonitor(GradGuardCallback):
         trainer.fit(model)   # TensorBoard: Custom Scalars, "GradGuard": the optimizer charts
     """
 
+    charts = CHARTS
+    chart_switches = {"capped": "layers.capped"}
+
     state_key_args = ("log_every_n_steps",)
     #: checked on the logging steps (every 100 steps with logging off), and every step below ``dense_steps``
     cadence_every = "_check_every"
@@ -194,10 +196,6 @@ class OptimizerMonitor(GradGuardCallback):
         self._rank_zero, self._every, self._scaler_on = True, 0, False  # fixed per fit (on_train_start)
         self._check_every = _CHECK_EVERY  # the logging interval, or _CHECK_EVERY with logging off
         self._held_checked = False  # the parameters an optimizer holds were checked in this fit
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS, capped=self.layers.max_layers is not None)
 
     # ------------------------------------------------------------------ hooks
     @override

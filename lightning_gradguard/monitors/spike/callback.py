@@ -54,7 +54,6 @@ from lightning_gradguard.monitors.spike.rules import (
     step_verdict,
 )
 from lightning_gradguard.monitors.spike.tags import CHARTS, SPIKE
-from lightning_gradguard.tags import charts_of
 
 #: the accepted steps whose inputs must be seen before a batch's inputs are judged against them
 _INPUTS_WARM = 8
@@ -154,6 +153,8 @@ class LossSpikeGuard(GradGuardCallback):
         print(guard.dropped_steps, guard.rollbacks, guard.records)
     """
 
+    charts = CHARTS
+
     error_type = LossSpikeError
     skip_cause = "loss_spike"
     allowed_actions = ("skip", "rollback", "warn", "raise")
@@ -241,10 +242,6 @@ class LossSpikeGuard(GradGuardCallback):
         self._snapshot: TrainingSnapshot | None = None
         self._step.clear()  # keeps `full`, the most samples a step has had
         self._outcome: str | None = None  # this step: "calm", "applied" (a warned spike) or "dropped"
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

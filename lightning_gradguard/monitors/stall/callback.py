@@ -49,7 +49,6 @@ from lightning_gradguard.monitors.stall.measure import (
 from lightning_gradguard.monitors.stall.rules import RULES, Judged, evidence_wanted
 from lightning_gradguard.monitors.stall.state import StallState
 from lightning_gradguard.monitors.stall.tags import CHARTS, STALL
-from lightning_gradguard.tags import charts_of
 
 
 class StallDetector(GradGuardCallback):
@@ -110,6 +109,8 @@ class StallDetector(GradGuardCallback):
         Trainer(callbacks=[stall := StallDetector()]).fit(model)
         print(stall.alerts)
     """
+
+    charts = CHARTS
 
     allowed_actions = ("warn", "stop", "raise")
     state_key_args = ("check_every_n_steps",)
@@ -335,10 +336,6 @@ class StallDetector(GradGuardCallback):
         }
         self.last_logged = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
         _emit.log_scalars(trainer, self.last_logged, c.step)
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS)
 
 
 def _without_update(reading: StallReading) -> StallReading:

@@ -43,7 +43,6 @@ from lightning_gradguard.monitors.vanishing.rules import (
     opening_layers,
 )
 from lightning_gradguard.monitors.vanishing.tags import CHARTS, GRAD_FLOW
-from lightning_gradguard.tags import charts_of
 
 #: the detector's arguments that are :class:`VerdictRules`' thresholds (read once, not per check)
 _RULE_NAMES = tuple(f.name for f in fields(VerdictRules))
@@ -109,6 +108,8 @@ class VanishingExplodingDetector(GradGuardCallback):
         Trainer(callbacks=[detector := VanishingExplodingDetector()]).fit(model)
         # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
     """
+
+    charts = CHARTS
 
     allowed_actions = ("warn", "stop", "raise")
     state_key_args = ("check_every_n_steps",)
@@ -184,10 +185,6 @@ class VanishingExplodingDetector(GradGuardCallback):
     def state_changed(self) -> None:
         """The forward order is watched once per run: again after a reset, or a checkpoint without it."""
         self._order_seen = bool(self.forward_order)
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

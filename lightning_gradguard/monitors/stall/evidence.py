@@ -132,9 +132,12 @@ class LabelLean(Stateful):
         sums, counts = class_profile(z, y)
         if self._sums is None or self._counts is None or self._sums.shape != sums.shape:
             self._sums, self._counts = sums, counts
-        else:  # (sums read back from a checkpoint are on the CPU until the first batch after it)
-            self._sums = sums.add_(self._sums.to(sums.device, non_blocking=True))
-            self._counts = counts.add_(self._counts.to(counts.device, non_blocking=True))
+        elif self._sums.device != sums.device:  # read back from a checkpoint: on the CPU until now
+            self._sums = sums.add_(self._sums.to(sums.device))
+            self._counts = counts.add_(self._counts.to(counts.device))
+        else:
+            self._sums += sums
+            self._counts += counts
 
     # ------------------------------------------------------------------ at checks
     def want(self, on: bool) -> None:

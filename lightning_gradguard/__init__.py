@@ -5,31 +5,39 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# A public name is registered here, in two lines: its typed import below (``X as X``: an explicit export
+# for type checkers and linters) and its module in ``_WHERE``; ``__all__`` follows from ``_WHERE``
+# (tests/integration/test_architecture.py checks that the two agree).
 if TYPE_CHECKING:  # at run time each name is imported on first use (see ``__getattr__``)
-    from lightning_gradguard.alerts import (
-        Alert,
-        GradGuardError,
-        LossSpikeError,
-        NonFiniteError,
-        SanityCheckError,
+    from lightning_gradguard.alerts import Alert as Alert
+    from lightning_gradguard.alerts import GradGuardError as GradGuardError
+    from lightning_gradguard.alerts import LossSpikeError as LossSpikeError
+    from lightning_gradguard.alerts import NonFiniteError as NonFiniteError
+    from lightning_gradguard.alerts import SanityCheckError as SanityCheckError
+    from lightning_gradguard.core.base import GradGuardCallback as GradGuardCallback
+    from lightning_gradguard.monitors.activation_range.callback import (
+        ActivationRangeMonitor as ActivationRangeMonitor,
     )
-    from lightning_gradguard.core.base import GradGuardCallback
-    from lightning_gradguard.monitors.activation_range.callback import ActivationRangeMonitor
-    from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
-    from lightning_gradguard.monitors.gradcheck.callback import GradientCheck, gradient_check
-    from lightning_gradguard.monitors.gradcheck.engine import GradientCheckResult, ParameterCheck
-    from lightning_gradguard.monitors.gradcheck.graph import find_custom_functions
-    from lightning_gradguard.monitors.gradients.callback import GradientNormLogger
-    from lightning_gradguard.monitors.lr_finder.callback import LRFinderPlus, lr_find
-    from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
-    from lightning_gradguard.monitors.nan.callback import NaNSentinel
-    from lightning_gradguard.monitors.optimizer.callback import OptimizerMonitor
-    from lightning_gradguard.monitors.overfit.callback import OverfitBatchSanity
-    from lightning_gradguard.monitors.overfit.findings import OverfitResult
-    from lightning_gradguard.monitors.spike.callback import LossSpikeGuard
-    from lightning_gradguard.monitors.stall.callback import StallDetector
-    from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
-    from lightning_gradguard.registry import ALERT_KINDS
+    from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor as DeadReLUMonitor
+    from lightning_gradguard.monitors.gradcheck.callback import GradientCheck as GradientCheck
+    from lightning_gradguard.monitors.gradcheck.callback import gradient_check as gradient_check
+    from lightning_gradguard.monitors.gradcheck.engine import GradientCheckResult as GradientCheckResult
+    from lightning_gradguard.monitors.gradcheck.engine import ParameterCheck as ParameterCheck
+    from lightning_gradguard.monitors.gradcheck.graph import find_custom_functions as find_custom_functions
+    from lightning_gradguard.monitors.gradients.callback import GradientNormLogger as GradientNormLogger
+    from lightning_gradguard.monitors.lr_finder.callback import LRFinderPlus as LRFinderPlus
+    from lightning_gradguard.monitors.lr_finder.callback import lr_find as lr_find
+    from lightning_gradguard.monitors.lr_finder.result import LRFinderResult as LRFinderResult
+    from lightning_gradguard.monitors.nan.callback import NaNSentinel as NaNSentinel
+    from lightning_gradguard.monitors.optimizer.callback import OptimizerMonitor as OptimizerMonitor
+    from lightning_gradguard.monitors.overfit.callback import OverfitBatchSanity as OverfitBatchSanity
+    from lightning_gradguard.monitors.overfit.findings import OverfitResult as OverfitResult
+    from lightning_gradguard.monitors.spike.callback import LossSpikeGuard as LossSpikeGuard
+    from lightning_gradguard.monitors.stall.callback import StallDetector as StallDetector
+    from lightning_gradguard.monitors.vanishing.callback import (
+        VanishingExplodingDetector as VanishingExplodingDetector,
+    )
+    from lightning_gradguard.registry import ALERT_KINDS as ALERT_KINDS
 
 __version__ = "0.1.0"
 
@@ -77,31 +85,5 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-__all__ = [
-    "ALERT_KINDS",
-    "ActivationRangeMonitor",
-    "Alert",
-    "DeadReLUMonitor",
-    "GradGuardCallback",
-    "GradGuardError",
-    "GradientCheck",
-    "GradientCheckResult",
-    "GradientNormLogger",
-    "LRFinderPlus",
-    "LRFinderResult",
-    "LossSpikeError",
-    "LossSpikeGuard",
-    "NaNSentinel",
-    "NonFiniteError",
-    "OptimizerMonitor",
-    "OverfitBatchSanity",
-    "OverfitResult",
-    "ParameterCheck",
-    "SanityCheckError",
-    "StallDetector",
-    "VanishingExplodingDetector",
-    "__version__",
-    "find_custom_functions",
-    "gradient_check",
-    "lr_find",
-]
+#: the public names: every name of ``_WHERE`` (one entry per export: the typed import above goes with it)
+__all__ = sorted([*_WHERE, "__version__"])

@@ -17,9 +17,9 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 log = logging.getLogger("lightning_gradguard")
 
@@ -49,8 +49,23 @@ SEVERITIES: tuple[str, ...] = ("info", "warning", "error", "critical")
 ACTIONS: tuple[str, ...] = ("warn", "stop", "raise")
 
 
+#: what one check of a monitor judges: what it measured and what its rules remember
+E = TypeVar("E")
+E_contra = TypeVar("E_contra", contravariant=True)
+
+
+class Check(Protocol[E_contra]):
+    """A rule's check: the one shape every check has. It reads the monitor's evidence (one dataclass per
+    monitor: what one check measured and what its rules remember) and returns the finding that holds, in
+    words, or ``None``. A rule judged per place (a layer, a group of parameters) may find several: it
+    returns them in a sequence, each reported on its own (its own cooldown).
+    """
+
+    def __call__(self, evidence: E_contra, /) -> Finding | Sequence[Finding] | None: ...
+
+
 @dataclass(frozen=True)
-class Rule:
+class Rule(Generic[E]):
     """One alert kind as a monitor declares it, in its own folder: the one place its words live.
 
     ``lightning_gradguard.ALERT_KINDS`` (kind -> ``summary``) and docs/alerts.md's table of kinds (kind,
@@ -68,7 +83,8 @@ class Rule:
         hint: the fix, for rules whose hint does not depend on the numbers.
         cause: the rule names a cause (a symptom rule defers to a cause found).
         thresholds: the names of the monitor's thresholds the check reads.
-        check: the check itself, for monitors whose rules are run from their declarations.
+        check: the check itself (:class:`Check`): the monitor runs its rules from their declarations
+            (``GradGuardCallback.run_rules``), in their declared order.
     """
 
     kind: str
@@ -81,7 +97,7 @@ class Rule:
     hint: str = ""
     cause: bool = False
     thresholds: tuple[str, ...] = ()
-    check: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    check: Check[E] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for s in (self.severity, *self.also):
@@ -94,6 +110,13 @@ class Rule:
     def severities(self) -> tuple[Severity, ...]:
         """Every severity it may be reported at, the usual one first."""
         return (self.severity, *self.also)
+
+    def findings(self, evidence: E) -> list[Finding]:
+        """What its check finds in ``evidence``: none, one, or one per place."""
+        found = None if self.check is None else self.check(evidence)
+        if found is None:
+            return []
+        return [found] if isinstance(found, Finding) else list(found)
 
 
 @dataclass(frozen=True)
@@ -111,7 +134,7 @@ class Finding:
         severity: one of the rule's ``severities``; ``None``: its usual one.
     """
 
-    rule: Rule
+    rule: Rule[Any]
     message: str
     data: dict[str, float] = field(default_factory=dict)
     hint: str = ""
@@ -144,7 +167,7 @@ _KIND = re.compile(r"[a-z][a-z0-9_]*")
 _DECLARED: dict[str, set[str]] = {}
 
 
-def declare(*rules: Rule) -> tuple[Rule, ...]:
+def declare(*rules: Rule[E]) -> tuple[Rule[E], ...]:
     """A monitor's declarations, registered so that :func:`undeclared` knows them; returns ``rules``."""
     kinds = [r.kind for r in rules]
     if len(set(kinds)) != len(kinds):
@@ -154,13 +177,20 @@ def declare(*rules: Rule) -> tuple[Rule, ...]:
     return rules
 
 
+def judge(rules: Iterable[Rule[E]], evidence: E) -> list[Finding]:
+    """What ``rules`` find in ``evidence``, in their declared order, unreported: for a check whose
+    findings are reported later (a pre-flight check judges inside its trial, and reports once the run is
+    restored). A monitor judges and reports in one go with ``GradGuardCallback.run_rules``."""
+    return [f for rule in rules for f in rule.findings(evidence)]
+
+
 def undeclared(monitor: str, kind: str) -> bool:
     """Whether ``monitor`` declared kinds (:func:`declare`) and ``kind`` is not one of them: a bug in the
     monitor. A callback that declared nothing (your own checks) may report any kind."""
     return monitor in _DECLARED and kind not in _DECLARED[monitor]
 
 
-def alert_kinds(rules: Iterable[Rule]) -> dict[str, str]:
+def alert_kinds(rules: Iterable[Rule[Any]]) -> dict[str, str]:
     """kind -> summary, in declaration order (a kind two monitors declare once: its summaries must agree)."""
     out: dict[str, str] = {}
     for r in rules:
@@ -169,10 +199,10 @@ def alert_kinds(rules: Iterable[Rule]) -> dict[str, str]:
     return out
 
 
-def kinds_table(rules: Iterable[Rule]) -> str:
+def kinds_table(rules: Iterable[Rule[Any]]) -> str:
     """docs/alerts.md's table of kinds (Markdown): one row per kind, in declaration order; a kind two
     monitors report lists both, with both "when" texts."""
-    rows: dict[str, list[Rule]] = {}
+    rows: dict[str, list[Rule[Any]]] = {}
     for r in rules:
         rows.setdefault(r.kind, []).append(r)
     lines = ["| kind | severity | reported by | when |", "|---|---|---|---|"]

@@ -37,11 +37,17 @@ CHARTS: tuple[Chart, ...] = (
     *(c for m in TAGGED_IN for c in importlib.import_module(m).CHARTS),
     *ALERT_CHARTS,
 )
+#: a chart's ``only`` setting -> the argument that turns it on, in words (each monitor's ``SWITCHES``)
+SWITCHES: dict[str, str] = {}
+for _m in TAGGED_IN:
+    for _only, _words in getattr(importlib.import_module(_m), "SWITCHES", {}).items():
+        if SWITCHES.setdefault(_only, _words) != _words:
+            raise ValueError(f"chart setting {_only!r}: two monitors word it differently")
 #: the scalar families, as tag prefixes (``"grad_norm/"``, ...)
 SCALAR_PREFIXES: tuple[str, ...] = tuple(dict.fromkeys(f.prefix for f in FAMILIES if f.kind == "scalar"))
 
 #: every declared rule, monitor by monitor (imported on first use: the rules modules import torch)
-RULES: tuple[Rule, ...]
+RULES: tuple[Rule[Any], ...]
 #: The stable vocabulary of alert kinds: kind -> one line. Built from the declarations; a kind once released
 #: is never renamed.
 ALERT_KINDS: dict[str, str]
@@ -60,15 +66,6 @@ def alerts_table() -> str:
     return kinds_table(globals().get("RULES") or __getattr__("RULES"))
 
 
-#: what a chart's ``only`` setting is called among its callback's arguments (docs/tags.md's layout table)
-_ONLY = {
-    "capped": "`max_layers`",
-    "saturation": "`check_saturation=True`",
-    "attention": "`attention=True`",
-    "noise_scale": "`log_noise_scale=True`",
-}
-
-
 def layout_table() -> str:
     """docs/tags.md's table of the "GradGuard" layout (Markdown): one row per declared chart; ``<layer>``
     stands for :data:`~lightning_gradguard.tags.PER_LAYER` (every layer's tag but the totals, aggregates)."""
@@ -77,18 +74,39 @@ def layout_table() -> str:
         regexes = ", ".join(
             f"`{r.removesuffix(PER_LAYER)}<layer>`" if r.endswith(PER_LAYER) else f"`{r}`" for r in c.regexes
         )
-        by = f"`{c.owner}`" + (f", with {_ONLY.get(c.only, c.only)}" if c.only else "")
+        by = f"`{c.owner}`" + (f", with {SWITCHES[c.only]}" if c.only else "")
         lines.append(f"| {c.title} | {regexes} | {by} |")
     return "\n".join(lines) + "\n"
+
+
+def callbacks_reference() -> str:
+    """docs/reference/callbacks.md's entries (mkdocstrings): the base, then the callbacks each monitor's
+    ``callback`` module defines, monitor by monitor (each is exported from the package root: the
+    architecture test checks it)."""
+    from lightning_gradguard.core.base import GradGuardCallback
+
+    names = [GradGuardCallback.__name__]
+    for m in MONITORS:
+        module = importlib.import_module(f"{monitors.__name__}.{m}.callback")
+        names += [
+            name
+            for name, obj in vars(module).items()
+            if isinstance(obj, type) and issubclass(obj, GradGuardCallback)
+            if obj.__module__ == module.__name__ and not name.startswith("_")
+        ]
+    return "\n".join(f"::: lightning_gradguard.{name}\n" for name in names)
 
 
 #: the generated tables: marker name -> (what it is built from, the function that builds it)
 TABLES = {
     "alert kinds": ("monitors/*/rules.py", alerts_table),
     "layout": ("monitors/*/tags.py", layout_table),
+    "callbacks": ("monitors/*/callback.py", callbacks_reference),
 }
+#: the pages holding generated tables
+PAGES = ("docs/alerts.md", "docs/tags.md", "docs/reference/callbacks.md")
 #: the command that rewrites the tables (the docs test names it when a page is stale)
-REWRITE = "python -m lightning_gradguard.registry docs/alerts.md docs/tags.md"
+REWRITE = "python -m lightning_gradguard.registry " + " ".join(PAGES)
 
 
 def markers(table: str) -> tuple[str, str]:
@@ -112,7 +130,7 @@ def with_tables(page: str) -> str:
 if __name__ == "__main__":
     import sys
 
-    for path in sys.argv[1:]:
+    for path in sys.argv[1:] or PAGES:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
         with open(path, "w", encoding="utf-8") as fh:

@@ -13,9 +13,10 @@ the run it watches.
 from __future__ import annotations
 
 import functools
+import operator
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
 import lightning.pytorch as pl
@@ -29,6 +30,7 @@ from lightning_gradguard.alerts import (
     GradGuardError,
     JsonlSink,
     LoggingSink,
+    Rule,
     Severity,
     recorded_alerts,
     undeclared,
@@ -41,12 +43,13 @@ from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.state import info_once, raised_in_strict, strict_mode, trainer_state, warn_once
 from lightning_gradguard.core.stats import global_step, step_cache
 from lightning_gradguard.core.validate import check_choice, check_int
-from lightning_gradguard.tags import ALERT_CHARTS, ALERT_TEXT, ALERTS, charts_of
+from lightning_gradguard.tags import ALERT_CHARTS, ALERT_TEXT, ALERTS, Chart, charts_of
 
 #: the ``cooldown_steps`` default of every monitor (LossSpikeGuard's is 0: each spike is an intervention)
 DEFAULT_COOLDOWN_STEPS = 1000
 
 _Hook = TypeVar("_Hook", bound=Callable[..., Any])
+_E = TypeVar("_E")
 
 
 def guarded(hook: _Hook) -> _Hook:
@@ -125,6 +128,11 @@ class GradGuardCallback(Stateful, Callback):
     #: the attributes :meth:`due` reads: the period of the checks and the dense start
     cadence_every: ClassVar[str] = "check_every_n_steps"
     cadence_dense: ClassVar[str] = "dense_steps"
+    #: the charts this callback draws in the "GradGuard" layout (its ``tags.py``'s ``CHARTS``): the base's
+    #: :meth:`layout_charts` gives them
+    charts: ClassVar[tuple[Chart, ...]] = ()
+    #: a chart's ``only`` setting -> the attribute (a dotted path) that turns it on (``"layers.capped"``)
+    chart_switches: ClassVar[dict[str, str]] = {}
 
     #: the findings of every run of this instance (kept across runs; the checkpoint's on a resume)
     alerts: RunField[list[Alert]] = RunField(list, per_run=False, save=_alerts_saved, load=_alerts_loaded)
@@ -157,8 +165,10 @@ class GradGuardCallback(Stateful, Callback):
 
     # ------------------------------------------------------------------ layout
     def layout_charts(self) -> dict[str, list[str]]:
-        """Chart title -> tag regexes this callback contributes to the "GradGuard" custom-scalars section."""
-        return {}
+        """Chart title -> tag regexes this callback contributes to the "GradGuard" custom-scalars section:
+        its declared :attr:`charts`, those whose ``only`` setting is on (:attr:`chart_switches`)."""
+        on = {only: bool(operator.attrgetter(path)(self)) for only, path in self.chart_switches.items()}
+        return charts_of(self.charts, **on)
 
     def fresh_run(self, trainer: pl.Trainer) -> bool:
         """Whether this fit starts a new run: no ``ckpt_path`` and the Trainer at step 0.
@@ -282,6 +292,42 @@ class GradGuardCallback(Stateful, Callback):
         return self.report(
             trainer, f.kind, f.level, f.where, f.message, f.hint, f.data, step=step, cooldown_key=cooldown_key
         )
+
+    def run_rules(
+        self,
+        trainer: pl.Trainer,
+        rules: Iterable[Rule[_E]],
+        evidence: _E,
+        *,
+        step: int | None = None,
+        cooldown: Callable[[Finding], str | None] | None = None,
+        admit: Callable[[Finding], bool] | None = None,
+        then: Callable[[list[Alert]], None] | None = None,
+    ) -> list[Alert]:
+        """Run ``rules`` on ``evidence`` in their declared order, report each finding, then act once.
+
+        The one way a monitor judges: each rule's check (:class:`~lightning_gradguard.alerts.Check`) reads
+        the monitor's evidence; each finding goes through :meth:`report_finding` at ``step`` (default: the
+        current one) under the cooldown key ``cooldown(finding)`` gives (default ``"<kind>@<where>"``);
+        ``admit`` may pass over a finding before it is reported (a kind said once per run). The alerts
+        reported are then acted on once: :meth:`act`, or ``then`` for a monitor whose action depends on
+        more than the alerts (an escalated action, an update to drop). Call it on every rank, on check steps
+        only: a quiet step pays nothing.
+        """
+        alerts: list[Alert] = []
+        for rule in rules:
+            for f in rule.findings(evidence):
+                if admit is not None and not admit(f):
+                    continue
+                key = None if cooldown is None else cooldown(f)
+                alert = self.report_finding(trainer, f, step=step, cooldown_key=key)
+                if alert is not None:
+                    alerts.append(alert)
+        if then is None:
+            self.act(trainer, alerts)
+        else:
+            then(alerts)
+        return alerts
 
     def would_report(self, key: str, step: int) -> bool:
         """Whether a finding under ``key`` at ``step`` is outside the cooldown (nothing is recorded)."""

@@ -85,6 +85,11 @@ class LayerSelection:
         self._memo: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     @property
+    def capped(self) -> bool:
+        """Whether ``max_layers`` caps the layers a chart shows (the capped charts are drawn)."""
+        return self.max_layers is not None
+
+    @property
     def filters(self) -> bool:
         """Whether the patterns leave any layer out."""
         return bool(self.patterns.include or self.patterns.exclude)

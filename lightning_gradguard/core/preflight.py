@@ -17,6 +17,7 @@ closing finding of their own) and none is left waiting in a collective.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import lightning.pytorch as pl
@@ -153,7 +154,7 @@ class PreflightCheck(GradGuardCallback):
             "on the unwrapped model."
         )
 
-    def report_findings(self, trainer: pl.Trainer, findings: list[PreflightFinding]) -> list[Alert]:
+    def report_findings(self, trainer: pl.Trainer, findings: Sequence[Finding]) -> list[Alert]:
         """Report every finding (:meth:`report_finding`): its kind and severity, where: its names (the first
         few)."""
         alerts: list[Alert] = []

@@ -127,7 +127,8 @@ def test_the_stall_rules_are_their_declarations() -> None:
 def test_a_rule_added_by_its_declaration_alone_is_judged(monkeypatch: pytest.MonkeyPatch) -> None:
     """The walkthrough of docs/architecture.md: one more declaration, and the detector judges it."""
 
-    def lr_above_one(state: StallState, c: StallCheck) -> stall_rules.Finding | None:
+    def lr_above_one(e: stall_rules.Judged) -> stall_rules.Finding | None:
+        c = e.check
         return stall_rules.Finding(new, f"LR {c.lr}", {"lr": c.lr}) if c.lr > 1.0 else None
 
     new = Rule(

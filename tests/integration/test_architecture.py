@@ -222,6 +222,45 @@ def test_only_public_packages_declare_all() -> None:
     assert not declaring
 
 
+def test_an_export_is_registered_once_in_the_package_root() -> None:
+    """A public name is one ``_WHERE`` entry of ``lightning_gradguard/__init__.py`` and its typed import
+    beside it (for type checkers): the two agree, and ``__all__`` follows from ``_WHERE``."""
+    import lightning_gradguard
+
+    typed: dict[str, str | None] = {}
+    for node in ast.walk(ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            typed |= {a.name: i.module for i in node.body if isinstance(i, ast.ImportFrom) for a in i.names}
+    assert typed == lightning_gradguard._WHERE  # type: ignore[attr-defined]
+    assert lightning_gradguard.__all__ == sorted([*typed, "__version__"])
+
+
+def test_every_monitor_callback_is_exported() -> None:
+    """A callback class a monitor's ``callback`` module defines is exported (so its reference entry, which
+    the registry builds from the exports, exists)."""
+    import importlib
+    import inspect
+
+    import lightning_gradguard
+    from lightning_gradguard.core.base import GradGuardCallback
+    from lightning_gradguard.registry import MONITORS
+
+    missing = []
+    for monitor in MONITORS:
+        module = importlib.import_module(f"lightning_gradguard.monitors.{monitor}.callback")
+        for name, obj in inspect.getmembers(module, inspect.isclass):
+            defined_here = obj.__module__ == module.__name__ and not name.startswith("_")
+            if (
+                defined_here
+                and issubclass(obj, GradGuardCallback)
+                and name not in lightning_gradguard.__all__
+            ):
+                missing.append(f"{monitor}: {name}")
+    assert not missing, (
+        f"add each to _WHERE and the typed imports of lightning_gradguard/__init__.py: {missing}"
+    )
+
+
 def test_no_module_only_re_exports_another() -> None:
     shims = []
     for name, path in MODULES.items():

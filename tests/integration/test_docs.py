@@ -21,6 +21,7 @@ from lightning_gradguard import (
     ALERT_KINDS,
     ActivationRangeMonitor,
     DeadReLUMonitor,
+    GradGuardCallback,
     GradientCheck,
     GradientNormLogger,
     LossSpikeGuard,
@@ -190,6 +191,23 @@ def test_every_documented_argument_is_in_the_signature() -> None:
         "b",
         "c",
     ]
+
+
+@pytest.mark.parametrize("page", registry.PAGES)
+def test_every_generated_table_is_fresh(page: str) -> None:
+    """The tables built from the declarations (kinds, layout, the callbacks' reference entries) are what
+    the declarations give now."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    assert registry.with_tables(text) == text, f"{page} is stale: run `{registry.REWRITE}`"
+
+
+def test_the_reference_lists_every_exported_callback() -> None:
+    text = (DOCS / "reference" / "callbacks.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^::: lightning_gradguard\.(\w+)$", text, re.M)
+    exported = [n for n in lightning_gradguard.__all__ if isinstance(getattr(lightning_gradguard, n), type)]
+    assert set(listed) == {
+        n for n in exported if issubclass(getattr(lightning_gradguard, n), GradGuardCallback)
+    }
 
 
 def test_the_layout_table_is_the_chart_registry() -> None:

@@ -35,14 +35,8 @@ from lightning_gradguard.monitors.activation_range.measure import (
     find_blocks,
     read_capture,
 )
-from lightning_gradguard.monitors.activation_range.rules import (
-    EntropyStart,
-    entropy_verdict,
-    headroom_verdict,
-    logit_verdict,
-)
+from lightning_gradguard.monitors.activation_range.rules import RULES, EntropyStart, Sampled
 from lightning_gradguard.monitors.activation_range.tags import ACTIVATION, ATTENTION, CHARTS
-from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``Trainer(log_every_n_steps=0)``) the alerts are still checked this often
 _DETECT_EVERY = 50
@@ -124,6 +118,9 @@ class ActivationRangeMonitor(SamplingMonitor):
         monitor.entropies["encoder.layers.3.self_attn"].entropy   # nats
     """
 
+    charts = CHARTS
+    chart_switches = {"attention": "attention"}
+
     state_key_args = ("sample_every_n_steps",)
 
     #: the latest sampled step's numbers: per block, and the largest attention logit and the attention
@@ -175,10 +172,6 @@ class ActivationRangeMonitor(SamplingMonitor):
         self.layers = LayerSelection(include, exclude, max_layers)
         self._blocks: dict[str, nn.Module] | None = None
         self._every = _DETECT_EVERY  # sample every this many steps (set at fit start)
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS, attention=self.attention)
 
     def _cadence(self, trainer: pl.Trainer) -> tuple[int, bool]:
         """(sample every, whether the samples are logged)."""
@@ -239,28 +232,31 @@ class ActivationRangeMonitor(SamplingMonitor):
         self.ranges, self.max_logits, self.entropies = ranges, peaks, entropies
         if self._cadence(trainer)[1]:
             _emit.log_scalars(trainer, self._scalars(reading), x)
-        findings = []
-        if str(trainer.precision) in FP16_PRECISIONS:  # bf16 and float32 have float32's range
-            findings.append(headroom_verdict(ranges, self.min_headroom_bits, str(trainer.precision)))
         # a module that normalizes its queries and keys holds its logits to its norms' gains (QK-norm is the
         # remedy the logit rule names): its logits are logged, not judged (Gemma 4's unscaled ones reach 290)
         grown = {k: v for k, v in peaks.items() if k not in reading.qk_normed}
-        if grown and attention:
-            findings.append(
-                logit_verdict(self._history, grown, self.max_attention_logit, self.logit_growth_factor)
-            )
+        evidence = Sampled(
+            step=step,
+            precision=str(trainer.precision),
+            fp16=str(trainer.precision) in FP16_PRECISIONS,  # bf16 and float32 have float32's range
+            ranges=ranges,
+            min_bits=self.min_headroom_bits,
+            attention=attention,
+            grown=grown,
+            history=self._history,
+            max_logit=self.max_attention_logit,
+            growth_factor=self.logit_growth_factor,
+            entropies=entropies,
+            peaks=peaks,
+            min_entropy=self.min_attention_entropy,
+            starts=self._entropy_starts,
+            qk_normed=reading.qk_normed,
+        )
+        self.run_rules(trainer, RULES, evidence, step=step, cooldown=lambda f: f.kind)  # one per kind
         if grown:
             self._history = [*self._history, max(grown.values(), key=_order)][-self.growth_window :]
-        if entropies and self.min_attention_entropy is not None and attention:
-            starts = self._entropy_starts
-            findings.append(
-                entropy_verdict(entropies, peaks, self.min_attention_entropy, step, starts, reading.qk_normed)
-            )
         for name, e in entropies.items():
             self._entropy_starts.setdefault(name, EntropyStart(step=step, entropy=e.entropy, ratio=e.ratio))
-        for f in findings:
-            if f is not None:  # one cooldown per kind, wherever it is found
-                self.report_finding(trainer, f, step=step, cooldown_key=f.kind)
 
     def _scalars(self, reading: CaptureReading) -> dict[str, float]:
         ranges, peaks = reading.ranges, reading.max_logits

@@ -4,7 +4,9 @@ right above it): fp16 headroom running out, attention logits growing, attention 
 The numbers they judge are :mod:`lightning_gradguard.functional.activation_range` (block output moments,
 the headroom in bits, the largest attention logit, the attention entropy). A check returns the
 :class:`~lightning_gradguard.alerts.Finding` that holds (always a warning, at the block or module named),
-or ``None``; the callback calls each on the sampled steps its rule applies to.
+or ``None``. Each check reads one :class:`Sampled` (what a sampled step measured and what the rules
+remember: the earlier logits of the window, each module's first entropy) and says itself when its rule
+applies; the callback runs them from :data:`RULES` (``run_rules``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,55 @@ from dataclasses import dataclass
 
 from lightning_gradguard.alerts import Finding, Rule, declare
 from lightning_gradguard.functional.activation_range import AttentionEntropy, BlockRange
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampled:
+    """What the rules read after a sampled step.
+
+    Attributes:
+        step: the optimizer step sampled.
+        precision: the Trainer's precision; ``fp16``: it computes in float16 (its headroom is judged).
+        ranges: each block's output range; ``min_bits``: the headroom threshold.
+        attention: the attention rules judge this step (step 0, or a run that is not learning).
+        grown: the step's largest logit per module, those without QK-norm; ``history``: the largest logits
+            of the window's earlier sampled steps; ``max_logit`` and ``growth_factor``: the logit rule's.
+        entropies, peaks: each module's attention entropy and largest logit; ``min_entropy``: the collapse
+            threshold (``None``: off); ``starts``: each module's first sampled entropy; ``qk_normed``: the
+            modules that normalize their queries and keys.
+    """
+
+    step: int
+    precision: str
+    fp16: bool
+    ranges: Mapping[str, BlockRange]
+    min_bits: float
+    attention: bool
+    grown: Mapping[str, float]
+    history: Sequence[float]
+    max_logit: float
+    growth_factor: float | None
+    entropies: Mapping[str, AttentionEntropy]
+    peaks: Mapping[str, float]
+    min_entropy: float | None
+    starts: Mapping[str, EntropyStart]
+    qk_normed: frozenset[str] = frozenset()
+
+
+def _headroom(ev: Sampled) -> Finding | None:
+    return headroom_verdict(ev.ranges, ev.min_bits, ev.precision) if ev.fp16 else None
+
+
+def _logits(ev: Sampled) -> Finding | None:
+    if not (ev.grown and ev.attention):
+        return None
+    return logit_verdict(ev.history, ev.grown, ev.max_logit, ev.growth_factor)
+
+
+def _entropy(ev: Sampled) -> Finding | None:
+    if not (ev.entropies and ev.min_entropy is not None and ev.attention):
+        return None
+    return entropy_verdict(ev.entropies, ev.peaks, ev.min_entropy, ev.step, ev.starts, ev.qk_normed)
 
 
 def _nan_first(value: float) -> float:
@@ -40,7 +91,7 @@ def headroom_verdict(ranges: Mapping[str, BlockRange], min_bits: float, precisio
     )
 
 
-FP16_HEADROOM_LOW = Rule(
+FP16_HEADROOM_LOW: Rule[Sampled] = Rule(
     kind="fp16_headroom_low",
     severity="warning",
     monitor="ActivationRangeMonitor",
@@ -55,7 +106,7 @@ FP16_HEADROOM_LOW = Rule(
         "a final LayerNorm), lower the learning rate, or scale/clamp the residual stream: the next float16 "
         "matmul that reads this output overflows to inf."
     ),
-    check=headroom_verdict,
+    check=_headroom,
 )
 
 
@@ -97,7 +148,7 @@ def logit_verdict(
     )
 
 
-ATTENTION_LOGIT_GROWTH = Rule(
+ATTENTION_LOGIT_GROWTH: Rule[Sampled] = Rule(
     kind="attention_logit_growth",
     severity="warning",
     monitor="ActivationRangeMonitor",
@@ -115,7 +166,7 @@ ATTENTION_LOGIT_GROWTH = Rule(
         "soft-cap the logits (cap * tanh(logits / cap); Gemma 2 caps at 50), or lower the learning rate "
         "(that of the q/k projections at least): growing logits make the attention one-hot and then diverge."
     ),
-    check=logit_verdict,
+    check=_logits,
 )
 
 
@@ -213,7 +264,7 @@ def entropy_verdict(
     )
 
 
-ATTENTION_ENTROPY_COLLAPSE = Rule(
+ATTENTION_ENTROPY_COLLAPSE: Rule[Sampled] = Rule(
     kind="attention_entropy_collapse",
     severity="warning",
     monitor="ActivationRangeMonitor",
@@ -240,8 +291,10 @@ ATTENTION_ENTROPY_COLLAPSE = Rule(
         "lower the learning rate (at least of the q/k projections), normalize queries and keys (QK-norm, "
         "Dehghani et al. 2023), or reparametrize the projections (sigma-reparam, Zhai et al. 2023)."
     ),
-    check=entropy_verdict,
+    check=_entropy,
 )
 
-#: every kind this monitor reports
-RULES = declare(FP16_HEADROOM_LOW, ATTENTION_LOGIT_GROWTH, ATTENTION_ENTROPY_COLLAPSE)
+#: every kind this monitor reports, in the order they are judged
+RULES: tuple[Rule[Sampled], ...] = declare(
+    FP16_HEADROOM_LOW, ATTENTION_LOGIT_GROWTH, ATTENTION_ENTROPY_COLLAPSE
+)

@@ -42,3 +42,6 @@ CHARTS: tuple[Chart, ...] = (
         "attention",
     ),
 )
+
+#: a chart's ``only`` setting -> the argument that turns it on, in words (docs/tags.md's layout table)
+SWITCHES: dict[str, str] = {"attention": "`attention=True`"}

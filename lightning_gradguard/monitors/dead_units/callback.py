@@ -25,9 +25,8 @@ from lightning_gradguard.core.validate import check_bool, check_float, check_int
 from lightning_gradguard.functional.stats import device_histograms
 from lightning_gradguard.monitors.dead_units.counts import sum_counts
 from lightning_gradguard.monitors.dead_units.measure import ActivationCapture
-from lightning_gradguard.monitors.dead_units.rules import DEAD_RELU_RULE, UnitCounts, UnitWindows
+from lightning_gradguard.monitors.dead_units.rules import RULES, Sampled, UnitCounts, UnitWindows
 from lightning_gradguard.monitors.dead_units.tags import CHARTS, DEAD_RELU, SATURATED
-from lightning_gradguard.tags import charts_of
 
 
 class DeadReLUMonitor(SamplingMonitor):
@@ -88,6 +87,9 @@ class DeadReLUMonitor(SamplingMonitor):
         print(monitor.dead_fractions)   # {"net.1": 0.03, "net.3": 0.97, ...}
     """
 
+    charts = CHARTS
+    chart_switches = {"saturation": "check_saturation"}
+
     allowed_actions = ("warn", "stop", "raise")
     #: 0.x name: ``window`` was a count of sampled steps here and of optimizer steps in LossSpikeGuard
     renamed_args = {"window": "window_samples"}
@@ -136,10 +138,6 @@ class DeadReLUMonitor(SamplingMonitor):
         self.layers = LayerSelection(include, exclude, max_layers)
         self._dense = self.window_samples + self.patience - 1  # every step is sampled below this one
         self._following = False  # the open sample is a follow-up
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS, saturation=self.check_saturation)
 
     @override
     def sample_due(self, trainer: pl.Trainer, at: int) -> bool:
@@ -211,11 +209,6 @@ class DeadReLUMonitor(SamplingMonitor):
         # not learn, and one that learned and then diverges. Units dead from the start (the first full
         # windows' verdict) are the initialization's fault, whatever the loss does.
         learning = self.sampled_batches > self.window_samples + self.patience - 1 and self.progress.learning()
-        alerts = [
-            self.report_finding(trainer, f, step=step)
-            for f in verdict.findings
-            if not (learning and f.rule is DEAD_RELU_RULE)
-        ]
         logging_on = logging_interval(trainer) > 0  # Trainer(log_every_n_steps=0): detection only
         scalars = cap_scalars(self.layers, verdict.scalars, DEAD_RELU.name)
         shown = self.layers.last_shown  # histograms for the dead_relu curves shown
@@ -233,4 +226,4 @@ class DeadReLUMonitor(SamplingMonitor):
         # Follow-ups do not start new follow-ups.
         if verdict.suspicious and not self._following and step >= self.window_samples + self.patience - 1:
             self._follow_left = self.window_samples + self.patience - 1
-        self.act(trainer, [a for a in alerts if a is not None])
+        self.run_rules(trainer, RULES, Sampled(verdict=verdict, learning=learning), step=step)

@@ -13,8 +13,8 @@ Pure functions and a small store on per-unit counts, no Trainer:
   limit), updated once per sampled step into a :class:`StepVerdict` (one :class:`LayerCheck` per layer, the
   scalars and histograms to log, the findings); it is what a checkpoint stores;
 * the two rules, one declaration each (kind, docs row, hint and check): a layer whose check fired is put
-  into words (a :class:`~lightning_gradguard.alerts.Finding`) by its rule's check, :func:`dead_finding` or
-  :func:`saturated_finding` (:func:`explain` picks it).
+  into words (a :class:`~lightning_gradguard.alerts.Finding`) by its rule's check, run from :data:`RULES`
+  on a :class:`Sampled` (:func:`dead_finding`, :func:`saturated_finding` word one layer).
 
 Example::
 
@@ -124,8 +124,8 @@ class StepVerdict:
     ``scalars``: ``dead_relu/<layer>`` / ``saturated/<layer>``, the fraction over the window so far;
     ``rates``: ``activation_rate/<layer>``, the per-unit activation rates of the ReLU layers;
     ``dead_fractions`` / ``saturated_fractions``: the fractions of the layers whose window is full;
-    ``findings``: the layers reported, in words; ``suspicious``: a ReLU layer had more than ``threshold``
-    of its units silent on this very step.
+    ``suspicious``: a ReLU layer had more than ``threshold`` of its units silent on this very step. The
+    layers whose check fired are put into words by the rules (:data:`RULES`, on a :class:`Sampled`).
     """
 
     checks: list[LayerCheck]
@@ -133,8 +133,16 @@ class StepVerdict:
     rates: dict[str, Tensor]
     dead_fractions: dict[str, float]
     saturated_fractions: dict[str, float]
-    findings: list[Finding]
     suspicious: bool
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What the rules read after a sampled step: every layer's check (:class:`StepVerdict`) and whether the
+    run is learning (its loss fell to half its start and holds there: dead units then cost it nothing)."""
+
+    verdict: StepVerdict
+    learning: bool = False
 
 
 _Window = deque[tuple[Tensor, float]]
@@ -217,15 +225,8 @@ class UnitWindows(Stateful):
             rates={ACTIVATION_RATE.tag(c.key): c.summary.rates for c in relu},
             dead_fractions={c.key: c.summary.fraction for c in relu if c.full},
             saturated_fractions={c.key: c.summary.fraction for c in checks if c.saturation and c.full},
-            findings=[explain(c) for c in checks if c.fires],
             suspicious=any(c.silent > threshold for c in relu),
         )
-
-
-def explain(check: LayerCheck) -> Finding:
-    """The alert of a check that fired, by its rule's check: ``dead_relu`` (error) or
-    ``saturated_activation`` (warning)."""
-    return saturated_finding(check) if check.saturation else dead_finding(check)
 
 
 def _data(check: LayerCheck) -> dict[str, float]:
@@ -239,6 +240,14 @@ def _data(check: LayerCheck) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ dead_relu
+def _dead(ev: Sampled) -> list[Finding]:
+    """Each ReLU layer whose check fired, unless the run is learning (units dead from the start are named
+    by the first full windows, before it can be)."""
+    if ev.learning:
+        return []
+    return [dead_finding(c) for c in ev.verdict.checks if c.fires and not c.saturation]
+
+
 def dead_finding(check: LayerCheck) -> Finding:
     """A ReLU layer whose check fired: most of its units gave 0 for every sample of the window."""
     s, key, limit = check.summary, check.key, check.limit
@@ -249,7 +258,7 @@ def dead_finding(check: LayerCheck) -> Finding:
     return Finding(DEAD_RELU_RULE, message, _data(check), where=key)
 
 
-DEAD_RELU_RULE = Rule(
+DEAD_RELU_RULE: Rule[Sampled] = Rule(
     kind="dead_relu",
     severity="error",
     monitor="DeadReLUMonitor",
@@ -266,11 +275,16 @@ DEAD_RELU_RULE = Rule(
         "the inputs; put BatchNorm/LayerNorm before the ReLU; or switch to LeakyReLU/GELU, whose units "
         "cannot die."
     ),
-    check=dead_finding,
+    check=_dead,
 )
 
 
 # ------------------------------------------------------------------ saturated_activation
+def _saturated(ev: Sampled) -> list[Finding]:
+    """Each sigmoid/tanh layer whose check fired."""
+    return [saturated_finding(c) for c in ev.verdict.checks if c.fires and c.saturation]
+
+
 def saturated_finding(check: LayerCheck) -> Finding:
     """A sigmoid/tanh layer whose check fired: most of its units sat in the saturated zone."""
     s, key, limit = check.summary, check.key, check.limit
@@ -281,7 +295,7 @@ def saturated_finding(check: LayerCheck) -> Finding:
     return Finding(SATURATED_RULE, message, _data(check), where=key)
 
 
-SATURATED_RULE = Rule(
+SATURATED_RULE: Rule[Sampled] = Rule(
     kind="saturated_activation",
     severity="warning",
     monitor="DeadReLUMonitor",
@@ -294,8 +308,8 @@ SATURATED_RULE = Rule(
         "Pre-activations are far outside the sensitive range: normalise the inputs, use Xavier "
         "initialization, add normalization before the activation, lower the learning rate, or use ReLU/GELU."
     ),
-    check=saturated_finding,
+    check=_saturated,
 )
 
-#: every kind this monitor reports
-RULES = declare(DEAD_RELU_RULE, SATURATED_RULE)
+#: every kind this monitor reports, in the order they are judged
+RULES: tuple[Rule[Sampled], ...] = declare(DEAD_RELU_RULE, SATURATED_RULE)

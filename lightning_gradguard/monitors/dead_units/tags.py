@@ -18,3 +18,6 @@ CHARTS: tuple[Chart, ...] = (
     Chart("Dead ReLU fraction per layer", (DEAD_RELU.tag(".*"),), "DeadReLUMonitor"),
     Chart("Saturated sigmoid/tanh units per layer", (SATURATED.tag(".*"),), "DeadReLUMonitor", "saturation"),
 )
+
+#: a chart's ``only`` setting -> the argument that turns it on, in words (docs/tags.md's layout table)
+SWITCHES: dict[str, str] = {"saturation": "`check_saturation=True`"}

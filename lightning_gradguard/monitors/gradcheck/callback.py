@@ -41,7 +41,7 @@ from lightning_gradguard.monitors.gradcheck.engine import (
     gradcheck_module,
 )
 from lightning_gradguard.monitors.gradcheck.findings import passed_line
-from lightning_gradguard.monitors.gradcheck.rules import GRADIENT_MISMATCH, mismatch_findings
+from lightning_gradguard.monitors.gradcheck.rules import GRADIENT_MISMATCH, RULES
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -310,12 +310,16 @@ class GradientCheck(PreflightCheck):
                 f"tensors were checked, spread over the model; unchecked: {result.skipped[:8]}"
                 f"{' ...' if len(result.skipped) > 8 else ''} (raise max_seconds to check them all).",
             )
-        alerts = self.report_findings(trainer, mismatch_findings(result))
         elsewhere = Finding(GRADIENT_MISMATCH, "The gradient check failed on another rank.", hint=OTHER_RANKS)
-        self.conclude(
+        self.run_rules(
             trainer,
-            alerts,
-            failed_here=not result.passed,
-            on_failure=None if not result.passed else elsewhere,
-            passed_line=passed_line(result) if ran else None,
+            RULES,
+            result,
+            then=lambda alerts: self.conclude(
+                trainer,
+                alerts,
+                failed_here=not result.passed,
+                on_failure=None if not result.passed else elsewhere,
+                passed_line=passed_line(result) if ran else None,
+            ),
         )

@@ -1,7 +1,8 @@
 """The rule GradientCheck reports, declared once: its kind, its docs row, its hint and its check.
 
-The check, :func:`mismatch_findings`, sits above the declaration: one ``gradient_mismatch`` error per
-parameter that failed, in the words of :mod:`~lightning_gradguard.monitors.gradcheck.findings` (the
+The check, :func:`mismatch_findings`, sits above the declaration (the callback runs it from :data:`RULES`
+on the check's result): one ``gradient_mismatch`` error per parameter that failed, in the words of
+:mod:`~lightning_gradguard.monitors.gradcheck.findings` (the
 parameter and its two gradient values, a known pattern added to the hint).
 """
 
@@ -35,7 +36,7 @@ def mismatch_findings(result: GradientCheckResult) -> list[PreflightFinding]:
     ]
 
 
-GRADIENT_MISMATCH = Rule(
+GRADIENT_MISMATCH: Rule[GradientCheckResult] = Rule(
     kind="gradient_mismatch",
     severity="error",
     monitor="GradientCheck",
@@ -55,4 +56,4 @@ GRADIENT_MISMATCH = Rule(
 )
 
 #: every kind this monitor reports
-RULES = declare(GRADIENT_MISMATCH)
+RULES: tuple[Rule[GradientCheckResult], ...] = declare(GRADIENT_MISMATCH)

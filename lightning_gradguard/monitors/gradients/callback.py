@@ -45,9 +45,8 @@ from lightning_gradguard.monitors.gradients.measure import (
 )
 from lightning_gradguard.monitors.gradients.noise_scale import NoiseScaleTracker
 from lightning_gradguard.monitors.gradients.ratio import RatioWatch
-from lightning_gradguard.monitors.gradients.rules import ClipWindow, clip_verdict, ratio_finding
+from lightning_gradguard.monitors.gradients.rules import CLIP_RULES, RATIO_RULES, ClipWindow, RatioCheck
 from lightning_gradguard.monitors.gradients.tags import CHARTS, GRAD_CLIP
-from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``log_every_n_steps=0``), the clipping verdict is still reached this often
 _CLIP_CHECK_EVERY = 100
@@ -135,6 +134,9 @@ class GradientNormLogger(GradGuardCallback):
         # tensorboard --logdir lightning_logs  ->  Custom Scalars tab, "GradGuard" section
     """
 
+    charts = CHARTS
+    chart_switches = {"capped": "layers.capped", "noise_scale": "log_noise_scale"}
+
     state_key_args = ("log_every_n_steps", "norm_type", "group_depth", "per_parameter")
 
     #: the pre-clip norms of recent steps, on the device (the clip window holds this run's steps only)
@@ -209,10 +211,6 @@ class GradientNormLogger(GradGuardCallback):
         if self.histogram_every_n_steps is not None:
             return self.histogram_every_n_steps if every else 0
         return 10 * every
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS, capped=self.layers.max_layers is not None, noise_scale=self.log_noise_scale)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -354,12 +352,18 @@ class GradientNormLogger(GradGuardCallback):
                 info_once(trainer, f"update_ratio:orthogonalized{p.suffix}", _ORTHOGONALIZED)
         if self._designed[p.suffix]:  # Muon rewrites a few percent of each matrix a step by design
             return
-        watch = self._ratio.setdefault(p.suffix, RatioWatch())
-        step = p.sample.stats.step
-        # a high ratio that the loss follows down is a fast learner, not an LR too high (RatioWatch)
-        if watch.check(step, reading.update_ratio_total, self.max_update_ratio, self.progress):
-            f = ratio_finding(watch, step, self.max_update_ratio, p.optimizer)
-            self.report_finding(trainer, f, step=step, cooldown_key=f"{f.kind}{p.suffix}")
+        evidence = RatioCheck(
+            watch=self._ratio.setdefault(p.suffix, RatioWatch()),
+            step=p.sample.stats.step,
+            ratio=reading.update_ratio_total,
+            ceiling=self.max_update_ratio,
+            optimizer=p.optimizer,
+            progress=self.progress,
+        )
+        # one cooldown per optimizer
+        self.run_rules(
+            trainer, RATIO_RULES, evidence, step=evidence.step, cooldown=lambda f: f"{f.kind}{p.suffix}"
+        )
 
     def _emit_clip(
         self, trainer: pl.Trainer, last: tuple[int, int] | None, clip: ClipSetting, window: Tensor
@@ -380,8 +384,7 @@ class GradientNormLogger(GradGuardCallback):
         w = ClipWindow(
             stats=s, clip_val=clip.value, norm_type=clip.norm_type, window=self.clip_window, adaptive=name
         )
-        if (f := clip_verdict(w)) is not None:
-            self.report_finding(trainer, f, step=step)
+        self.run_rules(trainer, CLIP_RULES, w, step=step)
 
     # ------------------------------------------------------------------ state
     _clip_norms = property(lambda self: self._clip.values)  # the ring as it is on the device

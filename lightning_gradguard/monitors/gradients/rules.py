@@ -2,13 +2,14 @@
 
 The clipping rules judge the statistics of the recent pre-clip norms
 (:func:`~lightning_gradguard.functional.clipping.clip_window_stats`): a ``gradient_clip_val`` that clips
-nearly every step, or never comes near a norm of a full window; :func:`clip_verdict` runs their checks.
-The update-ratio rule: once the total update/weight ratio of the logging steps has stayed above the
-ceiling long enough (:class:`~lightning_gradguard.monitors.gradients.ratio.RatioWatch` decides), its
-check names the optimizer's learning rate, or its weight decay when ``lr * weight_decay`` alone is half
+nearly every step, or never comes near a norm of a full window (their evidence: a :class:`ClipWindow`).
+The update-ratio rule (its evidence: a :class:`RatioCheck`): once the total update/weight ratio of the
+logging steps has stayed above the ceiling long enough (its check asks
+:class:`~lightning_gradguard.monitors.gradients.ratio.RatioWatch`), it names the optimizer's learning
+rate, or its weight decay when ``lr * weight_decay`` alone is half
 the ratio or more (AdamW with a decay far too strong: the update is mostly the decay's shrinking, and
 lowering the LR would not be the fix). A check returns the :class:`~lightning_gradguard.alerts.Finding`
-that holds (or ``None``).
+that holds (or ``None``); the callback runs them from their declarations (``run_rules``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_gradguard.alerts import Finding, Rule, declare
+from lightning_gradguard.core.progress import LossProgress
 from lightning_gradguard.functional.clipping import ClipWindowStats
 from lightning_gradguard.monitors.gradients.ratio import OptimizerSetting, RatioWatch, optimizer_setting
 from lightning_gradguard.monitors.gradients.tags import GRAD_CLIP
@@ -75,7 +77,7 @@ def _always_active(w: ClipWindow) -> Finding | None:
     return Finding(CLIPPING_ALWAYS_ACTIVE, message, data, hint=hint)
 
 
-CLIPPING_ALWAYS_ACTIVE = Rule(
+CLIPPING_ALWAYS_ACTIVE: Rule[ClipWindow] = Rule(
     kind="clipping_always_active",
     severity="warning",
     monitor="GradientNormLogger",
@@ -112,7 +114,7 @@ def _never_active(w: ClipWindow) -> Finding | None:
     return Finding(CLIPPING_NEVER_ACTIVE, message, data, hint=hint)
 
 
-CLIPPING_NEVER_ACTIVE = Rule(
+CLIPPING_NEVER_ACTIVE: Rule[ClipWindow] = Rule(
     kind="clipping_never_active",
     severity="info",
     monitor="GradientNormLogger",
@@ -132,6 +134,27 @@ _HEALTHY_TOP = 1e-2
 #: the weight decay is named instead of the LR when ``lr * weight_decay`` is at least this share of the
 #: lowest ratio seen (a decay that removes half of what moves is the cause, not a side effect)
 DECAY_SHARE = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class RatioCheck:
+    """What the update-ratio rule judges on a logging step: the total ratio, its ceiling, what the rule
+    remembers (``watch``), the loss's progress and the optimizer whose setting it names."""
+
+    watch: RatioWatch
+    step: int
+    ratio: float
+    ceiling: float
+    optimizer: Any
+    progress: LossProgress | None = None
+
+
+def _ratio_high(ev: RatioCheck) -> Finding | None:
+    """The ratio noted; its words once it has stayed high long enough (a high ratio that the loss follows
+    down is a fast learner, not an LR too high: :class:`RatioWatch`)."""
+    if not ev.watch.check(ev.step, ev.ratio, ev.ceiling, ev.progress):
+        return None
+    return ratio_finding(ev.watch, ev.step, ev.ceiling, ev.optimizer)
 
 
 def ratio_finding(watch: RatioWatch, step: int, ceiling: float, optimizer: Any) -> Finding:
@@ -200,7 +223,7 @@ def _ratio_data(watch: RatioWatch, ceiling: float) -> dict[str, float]:
     }
 
 
-UPDATE_RATIO_HIGH = Rule(
+UPDATE_RATIO_HIGH: Rule[RatioCheck] = Rule(
     kind="update_ratio_high",
     severity="warning",
     monitor="GradientNormLogger",
@@ -218,24 +241,12 @@ UPDATE_RATIO_HIGH = Rule(
         "rewrites a few percent of each matrix by design; one INFO line says so). See [the learning-rate "
         "rule](optimizer.md#the-learning-rate-rule-gradientnormlogger)."
     ),
-    check=ratio_finding,
+    check=_ratio_high,
 )
 
+#: the clipping rules, in the order they are judged (on a :class:`ClipWindow`)
+CLIP_RULES: tuple[Rule[ClipWindow], ...] = declare(CLIPPING_ALWAYS_ACTIVE, CLIPPING_NEVER_ACTIVE)
+#: the update-ratio rule (on a :class:`RatioCheck`)
+RATIO_RULES: tuple[Rule[RatioCheck], ...] = declare(UPDATE_RATIO_HIGH)
 #: every rule of this monitor
-RULES = declare(CLIPPING_ALWAYS_ACTIVE, CLIPPING_NEVER_ACTIVE, UPDATE_RATIO_HIGH)
-#: the clipping rules, in the order they are judged
-CLIP_RULES = (CLIPPING_ALWAYS_ACTIVE, CLIPPING_NEVER_ACTIVE)
-
-
-def clip_verdict(w: ClipWindow) -> Finding | None:
-    """Whether ``gradient_clip_val`` clips nearly every step (it slows learning) or never comes near a
-    norm of a full window (it guards nothing); ``None`` when it does its job.
-
-    Under an adaptive optimizer (``w.adaptive``) the step does not scale with the gradient, so a clip on
-    every step does not slow it down: the usual ``gradient_clip_val=1.0`` of transformer recipes clips
-    nearly every step of a small model, and that is an INFO line, not a warning."""
-    for rule in CLIP_RULES:
-        f = rule.check(w) if rule.check is not None else None
-        if f is not None:
-            return f
-    return None
+RULES = (*CLIP_RULES, *RATIO_RULES)

@@ -71,3 +71,6 @@ CHARTS: tuple[Chart, ...] = (
         "noise_scale",
     ),
 )
+
+#: a chart's ``only`` setting -> the argument that turns it on, in words (docs/tags.md's layout table)
+SWITCHES: dict[str, str] = {"capped": "`max_layers`", "noise_scale": "`log_noise_scale=True`"}

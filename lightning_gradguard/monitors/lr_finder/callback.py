@@ -24,7 +24,6 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.preflight import manual_optimization_note
 from lightning_gradguard.core.runstate import RunField
@@ -34,9 +33,8 @@ from lightning_gradguard.functional.lr_suggest import SUGGESTION_METHODS
 from lightning_gradguard.monitors.lr_finder import engine
 from lightning_gradguard.monitors.lr_finder.output import write_result
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
-from lightning_gradguard.monitors.lr_finder.rules import range_test_failed
+from lightning_gradguard.monitors.lr_finder.rules import RULES, Tested
 from lightning_gradguard.monitors.lr_finder.tags import CHARTS
-from lightning_gradguard.tags import charts_of
 
 #: the search's default budget in optimizer steps (see docs/lr_finder.md for what it costs)
 DEFAULT_SEARCH_STEPS = 300
@@ -149,6 +147,8 @@ class LRFinderPlus(GradGuardCallback):
         print(finder.result.suggestion, finder.result.suggestions)
     """
 
+    charts = CHARTS
+
     state_key_args = ("milestones", "method")
 
     #: the epochs whose range test ran (the same callback reused for a new run tests that run again)
@@ -218,10 +218,6 @@ class LRFinderPlus(GradGuardCallback):
     def suggestion(self) -> float | None:
         return self.result.suggestion if self.result is not None else None
 
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS)
-
     # ------------------------------------------------------------------ hooks
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -272,22 +268,17 @@ class LRFinderPlus(GradGuardCallback):
                 trainer, f"lr_finder_unsupported:{problem.message}", f"{problem.message}; no range test ran."
             )
             self.results.append(test.not_run(epoch, problem.message))
-            self._alert(trainer, range_test_failed(self.results[-1], epoch, self.min_points, problem))
+            tested = Tested(result=self.results[-1], epoch=epoch, min_points=self.min_points, problem=problem)
+            self.run_rules(trainer, RULES, tested)
             return None
         result = test.run(trainer, pl_module, epoch=epoch, apply=self.apply)
         self.results.append(result)
-        self._alert(trainer, range_test_failed(result, epoch, self.min_points))
+        self.run_rules(trainer, RULES, Tested(result=result, epoch=epoch, min_points=self.min_points))
         # lr_find's throwaway fit has no logger on purpose: no "the trainer has no logger" line for it
         write_result(
             trainer, result, plot=self.plot, log_curve=not (self._stop_after and not trainer.loggers)
         )
         return result
-
-    def _alert(self, trainer: pl.Trainer, finding: Finding | None) -> None:
-        """The ``lr_finder_failed`` alert, when its check found that no LR was applied (an unsupported
-        setup, or no suggestion)."""
-        if finding is not None:
-            self.report_finding(trainer, finding)
 
 
 def lr_find(

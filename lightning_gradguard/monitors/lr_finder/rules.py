@@ -1,7 +1,10 @@
 """LRFinderPlus's rule: its declaration, and its check right above it (a range test that applied no
-learning rate: an unsupported setup, or a sweep that gave no suggestion, and what to change then)."""
+learning rate: an unsupported setup, or a sweep that gave no suggestion, and what to change then). The check
+reads a :class:`Tested`; the callback runs :data:`RULES` after each test (``run_rules``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from lightning_gradguard.alerts import Finding, Rule, declare
 from lightning_gradguard.monitors.lr_finder.engine import Unsupported
@@ -11,13 +14,22 @@ from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
 FLAT_SHARE = 0.02
 
 
+@dataclass(frozen=True, kw_only=True)
+class Tested:
+    """A range test: its ``result`` (the test that did not run, with ``problem``), its ``epoch``, and the
+    callback's ``min_points``."""
+
+    result: LRFinderResult
+    epoch: int
+    min_points: int
+    problem: Unsupported | None = None
+
+
 # ------------------------------------------------------------------ lr_finder_failed
-def range_test_failed(
-    result: LRFinderResult, epoch: int, min_points: int, problem: Unsupported | None = None
-) -> Finding | None:
-    """The check of the test of ``epoch``: no LR was applied because the setup is unsupported
-    (``problem``, ``result`` the test that did not run) or the sweep gave no suggestion; ``None`` when it
-    gave one."""
+def range_test_failed(test: Tested) -> Finding | None:
+    """The check of a test: no LR was applied because the setup is unsupported (``problem``) or the sweep
+    gave no suggestion; ``None`` when it gave one."""
+    result, epoch, min_points, problem = test.result, test.epoch, test.min_points, test.problem
     if problem is not None:
         message, hint = f"No LR range test: {problem.message}.", problem.hint
     elif result.suggestion is None:
@@ -94,7 +106,7 @@ def _blow_up_lr(result: LRFinderResult) -> float | None:
     return None
 
 
-LR_FINDER_FAILED = Rule(
+LR_FINDER_FAILED: Rule[Tested] = Rule(
     kind="lr_finder_failed",
     severity="warning",
     monitor="LRFinderPlus",
@@ -109,4 +121,4 @@ LR_FINDER_FAILED = Rule(
 )
 
 #: every kind this monitor reports
-RULES = declare(LR_FINDER_FAILED)
+RULES: tuple[Rule[Tested], ...] = declare(LR_FINDER_FAILED)

@@ -13,6 +13,7 @@ and its files are :mod:`lightning_gradguard.monitors.nan.report`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradguard.alerts import NonFiniteError
+from lightning_gradguard.alerts import Alert, NonFiniteError
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback
 from lightning_gradguard.core.buffers import keep_step_buffers, restore_step_buffers
 from lightning_gradguard.core.cadence import every_nth
@@ -30,9 +31,9 @@ from lightning_gradguard.core.skips import skip_update
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.validate import check_bool, check_float, check_int, check_path
 from lightning_gradguard.monitors.nan import measure as _nan
-from lightning_gradguard.monitors.nan.measure import Flags, MicroBatch, NaNReport, SkipCounters
+from lightning_gradguard.monitors.nan.measure import Flags, MicroBatch, SkipCounters
 from lightning_gradguard.monitors.nan.report import Filed, ReportSettings, build_report, write_report
-from lightning_gradguard.monitors.nan.rules import NONFINITE_PARAMETER, Detection, decide, finding_of
+from lightning_gradguard.monitors.nan.rules import NONFINITE_PARAMETER, RULES, Detection, decide
 
 
 def _skips_saved(_: Any, skips: SkipCounters) -> dict[str, int]:
@@ -337,22 +338,40 @@ class NaNSentinel(GradGuardCallback):
             # the bad step is dropped: what its forwards wrote goes, before last_good.ckpt (not before a
             # micro-batch's backward under accumulation, which reads BatchNorm's buffers: at the step)
             restore_step_buffers(trainer)
-        kind = found.rule.kind
-        due = self.would_report(kind, int(trainer.global_step))
+        due = self.would_report(found.rule.kind, int(trainer.global_step))
         filed = self._file(trainer, found, counters, due) if due or self.action == "raise" else None
         self._skips = counters  # last_good.ckpt is written: the counters may count this step now
-        error = None
-        if filed is not None and self.action == "raise":  # "raise" always has its report
-            alerts = [a for a in self.alerts if a.kind == kind][-1:]
-            error = NonFiniteError(filed.message(), alerts, filed.report.to_dict(), filed.folder)
-        # "stop" ends the run after this batch (see the class docstring) without the poisoned update; a NaN
-        # found in the weights after a step (nonfinite_parameter) has no update left to drop
-        poisoned = found.rule is not NONFINITE_PARAMETER
-        optimizer = found.optimizer if poisoned else None  # accumulation, no optimizer: at the step
-        self.apply_action(trainer, self.action, optimizer=optimizer, poisoned=poisoned, error=error)
+        act = self._stop(trainer, found, filed)
+        if (
+            due and filed is not None
+        ):  # its alert, in its rule's words; one per cooldown, wherever it was born
+            self.run_rules(
+                trainer, RULES, filed.report, step=filed.report.step, cooldown=lambda f: f.kind, then=act
+            )
+        else:
+            act([])
+
+    def _stop(
+        self, trainer: pl.Trainer, found: Detection, filed: Filed | None
+    ) -> Callable[[list[Alert]], None]:
+        """The action on what was ``found``, once its alert is recorded (:meth:`run_rules`' last word)."""
+
+        def act(_: list[Alert]) -> None:
+            error = None
+            if filed is not None and self.action == "raise":  # "raise" always has its report
+                alerts = [a for a in self.alerts if a.kind == found.rule.kind][-1:]
+                error = NonFiniteError(filed.message(), alerts, filed.report.to_dict(), filed.folder)
+            # "stop" ends the run after this batch (see the class docstring) without the poisoned update; a
+            # NaN found in the weights after a step (nonfinite_parameter) has no update left to drop
+            poisoned = found.rule is not NONFINITE_PARAMETER
+            optimizer = found.optimizer if poisoned else None  # accumulation, no optimizer: at the step
+            self.apply_action(trainer, self.action, optimizer=optimizer, poisoned=poisoned, error=error)
+
+        return act
 
     def _file(self, trainer: pl.Trainer, found: Detection, counters: SkipCounters, write: bool) -> Filed:
-        """Build the report of what was ``found``; with ``write``, write its files and then record its alert.
+        """Build the report of what was ``found``; with ``write``, write its files (its alert is recorded
+        after them, by :meth:`_fail`).
 
         The files come first: ``last_good.ckpt`` holds this callback as it was before the bad step, without
         this finding in the cooldown (a resumed run that meets the same NaN reports it in full) and with
@@ -372,11 +391,5 @@ class NaNSentinel(GradGuardCallback):
         if not write:
             return Filed(report=report, folder=None)
         filed = write_report(trainer, report, found.micro, settings)
-        self._alert(trainer, report)
         self.last_report_dir = filed.folder
         return filed
-
-    def _alert(self, trainer: pl.Trainer, report: NaNReport) -> None:
-        """Record the alert of ``report`` (its rule's words): one finding of a kind per cooldown, wherever
-        the origin moves."""
-        self.report_finding(trainer, finding_of(report), step=report.step, cooldown_key=report.kind)

@@ -385,7 +385,7 @@ class NaNReport:
     :mod:`~lightning_gradguard.monitors.nan.rules`); :meth:`to_dict` gives it as ``report.json`` and
     ``NonFiniteError.report``."""
 
-    rule: Rule
+    rule: Rule[Any]
     step: int
     epoch: int
     batch_idx: int | None

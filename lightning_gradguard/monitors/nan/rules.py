@@ -6,7 +6,8 @@ micro-batch) into a :class:`Verdict`, a pure function of them and the skip count
 :mod:`~lightning_gradguard.monitors.nan.report`, reports), and the skip counters the step implies. The
 alert is worded once the forensic report is gathered (the replay names where the value was born): a
 rule's check takes the :class:`~lightning_gradguard.monitors.nan.measure.NaNReport` and returns its
-:class:`~lightning_gradguard.alerts.Finding` (:func:`finding_of` runs it); a rule's own hint is in its
+:class:`~lightning_gradguard.alerts.Finding` when the report is its rule's (the callback runs :data:`RULES`;
+:func:`finding_of` gives the words for the error); a rule's own hint is in its
 declaration, sharpened by the origin when the replay found one.
 """
 
@@ -32,7 +33,7 @@ class Detection:
     an origin. ``optimizer`` is ``None`` for a micro-batch judged under accumulation.
     """
 
-    rule: Rule
+    rule: Rule[NaNReport]
     culprit: int | None
     micro: MicroBatch
     optimizer: Any = None
@@ -126,11 +127,13 @@ def _forward_hint(origin: dict[str, Any], general: str) -> str:
 
 
 # ------------------------------------------------------------------ nonfinite_loss
-def _nonfinite_loss(r: NaNReport) -> Finding:
+def _nonfinite_loss(r: NaNReport) -> Finding | None:
+    if r.rule is not NONFINITE_LOSS:  # the verdict (:func:`decide`) named another rule
+        return None
     return _finding(r, f"the loss is {r.loss}")
 
 
-NONFINITE_LOSS = Rule(
+NONFINITE_LOSS: Rule[NaNReport] = Rule(
     kind="nonfinite_loss",
     severity="critical",
     monitor="NaNSentinel",
@@ -150,13 +153,15 @@ NONFINITE_LOSS = Rule(
 
 
 # ------------------------------------------------------------------ nonfinite_gradient
-def _nonfinite_gradient(r: NaNReport) -> Finding:
+def _nonfinite_gradient(r: NaNReport) -> Finding | None:
+    if r.rule is not NONFINITE_GRADIENT:  # the verdict (:func:`decide`) named another rule
+        return None
     # the loss went unchecked (check_loss=False): never claim it was finite
     unchecked = r.loss is not None and not math.isfinite(r.loss)
     return _finding(r, "gradients hold NaN/inf", NONFINITE_LOSS.hint if unchecked else "")
 
 
-NONFINITE_GRADIENT = Rule(
+NONFINITE_GRADIENT: Rule[NaNReport] = Rule(
     kind="nonfinite_gradient",
     severity="critical",
     monitor="NaNSentinel",
@@ -175,11 +180,13 @@ NONFINITE_GRADIENT = Rule(
 
 
 # ------------------------------------------------------------------ nonfinite_parameter
-def _nonfinite_parameter(r: NaNReport) -> Finding:
+def _nonfinite_parameter(r: NaNReport) -> Finding | None:
+    if r.rule is not NONFINITE_PARAMETER:  # the verdict (:func:`decide`) named another rule
+        return None
     return _finding(r, "parameters hold NaN/inf after the update", label="parameters")
 
 
-NONFINITE_PARAMETER = Rule(
+NONFINITE_PARAMETER: Rule[NaNReport] = Rule(
     kind="nonfinite_parameter",
     severity="critical",
     monitor="NaNSentinel",
@@ -194,11 +201,13 @@ NONFINITE_PARAMETER = Rule(
 
 
 # ------------------------------------------------------------------ loss_scale_collapse
-def _loss_scale_collapse(r: NaNReport) -> Finding:
+def _loss_scale_collapse(r: NaNReport) -> Finding | None:
+    if r.rule is not LOSS_SCALE_COLLAPSE:  # the verdict (:func:`decide`) named another rule
+        return None
     return _finding(r, "the GradScaler keeps skipping steps")
 
 
-LOSS_SCALE_COLLAPSE = Rule(
+LOSS_SCALE_COLLAPSE: Rule[NaNReport] = Rule(
     kind="loss_scale_collapse",
     severity="error",
     monitor="NaNSentinel",
@@ -215,15 +224,16 @@ LOSS_SCALE_COLLAPSE = Rule(
     check=_loss_scale_collapse,
 )
 
-#: every kind this monitor reports
-RULES = declare(NONFINITE_LOSS, NONFINITE_GRADIENT, NONFINITE_PARAMETER, LOSS_SCALE_COLLAPSE)
+#: every kind this monitor reports; a check words the report of its own rule (the one :func:`decide` named)
+RULES: tuple[Rule[NaNReport], ...] = declare(
+    NONFINITE_LOSS, NONFINITE_GRADIENT, NONFINITE_PARAMETER, LOSS_SCALE_COLLAPSE
+)
 
 
 def finding_of(report: NaNReport) -> Finding:
-    """The alert of ``report``, in its rule's words (the rule's check)."""
-    check = report.rule.check
-    assert check is not None  # every rule of this monitor declares its check
-    found: Finding = check(report)
+    """The alert of ``report``, in its rule's words (its check, run from :data:`RULES` as
+    ``NaNSentinel`` runs them): the error's message."""
+    (found,) = [f for rule in RULES for f in rule.findings(report)]
     return found
 
 

@@ -14,7 +14,6 @@ consecutive checks a finding must persist are here.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +21,6 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import (
@@ -40,8 +38,6 @@ from lightning_gradguard.core.state import info_once, trainer_state, warn_once
 from lightning_gradguard.core.stats import active_scaler, step_stats
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.core.validate import check_float, check_int
-from lightning_gradguard.functional.health import sizeable_share
-from lightning_gradguard.functional.optimizer_state import epsilon_dominated, ratio_outliers
 from lightning_gradguard.monitors.optimizer.measure import (
     OptimizerReading,
     OptimizerSample,
@@ -50,13 +46,12 @@ from lightning_gradguard.monitors.optimizer.measure import (
 )
 from lightning_gradguard.monitors.optimizer.rules import (
     ADAM_STEP_TOO_LARGE,
-    adam_step_finding,
-    epsilon_finding,
-    orphans_finding,
-    outlier_finding,
+    HELD_RULES,
+    STEP_RULES,
+    Measured,
+    Orphans,
 )
 from lightning_gradguard.monitors.optimizer.tags import CHARTS, OPTIMIZER
-from lightning_gradguard.tags import charts_of
 
 #: with periodic logging off (``log_every_n_steps=0``), the rules are still checked this often
 _CHECK_EVERY = 100
@@ -150,6 +145,9 @@ class OptimizerMonitor(GradGuardCallback):
         trainer.fit(model)   # TensorBoard: Custom Scalars, "GradGuard": the optimizer charts
     """
 
+    charts = CHARTS
+    chart_switches = {"capped": "layers.capped"}
+
     state_key_args = ("log_every_n_steps",)
     #: checked on the logging steps (every 100 steps with logging off), and every step below ``dense_steps``
     cadence_every = "_check_every"
@@ -198,10 +196,6 @@ class OptimizerMonitor(GradGuardCallback):
         self._rank_zero, self._every, self._scaler_on = True, 0, False  # fixed per fit (on_train_start)
         self._check_every = _CHECK_EVERY  # the logging interval, or _CHECK_EVERY with logging off
         self._held_checked = False  # the parameters an optimizer holds were checked in this fit
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS, capped=self.layers.max_layers is not None)
 
     # ------------------------------------------------------------------ hooks
     @override
@@ -319,39 +313,28 @@ class OptimizerMonitor(GradGuardCallback):
         )
 
     # ------------------------------------------------------------------ rules
-    def _strike(self, rule: str, suffix: str, found: set[str]) -> dict[str, int]:
-        """Consecutive checks per layer, for the layers found this time (the others start over)."""
-        streaks = self._strikes.setdefault(rule + suffix, Streaks())
-        streaks.advance(found)
-        return streaks.reached(self.patience)
-
     def _judge(self, trainer: pl.Trainer, reading: OptimizerReading, suffix: str, layers: bool) -> None:
-        m = reading.moments
-        rms = self.layers.keep(m.exp_avg_sq_rms)
-        dominated = {k for k, v in rms.items() if epsilon_dominated(v, m.eps[k], self.epsilon_ratio)}
-        if not layers and 2 * len(dominated) < len(rms):
-            # the dense start judges eps as a setting, over most of the model (eps=0.1 dominates every
-            # layer from step 0); a few layers whose gradient starts tiny (LayerScale's branches, ELECTRA's
-            # first query and key) grow out of it within steps: they are judged on the logging steps
-            dominated = set()
-        if not _sizeable(dominated, rms, m.entries):
-            # a sliver whose gradient is tiny by design (Mamba's A_log, a router, a forget gate, a key
-            # bias that softmax ignores) learns slowly while the model learns: the same share as
-            # vanishing_gradient's under Adam, of the entries Adam holds (Muon may hold the rest)
-            dominated = set()
-        findings = [
-            epsilon_finding(layer, rms[layer], m.eps[layer], n)
-            for layer, n in self._strike("epsilon", suffix, dominated).items()
-        ]
-        if layers:
-            findings += self._outliers(reading, suffix)
-        steps = {k: s for k, s in reading.adam_steps.items() if self.layers.watches(k)}
-        adam = adam_step_finding(steps, self.max_adam_step)
-        findings += [adam] if adam is not None else []
-        for f in findings:
-            # the Adam step is the optimizer's setting: one cooldown whichever layer went furthest
-            key = f"{f.kind}{suffix}" if f.rule is ADAM_STEP_TOO_LARGE else None
-            self.report_finding(trainer, f, step=reading.step, cooldown_key=key)
+        """Run the rules of a check on ``reading`` (:data:`STEP_RULES`), report and act."""
+        evidence = Measured(
+            reading=reading,
+            suffix=suffix,
+            layers=layers,
+            selection=self.layers,
+            epsilon_ratio=self.epsilon_ratio,
+            outlier_factor=self.outlier_factor,
+            max_adam_step=self.max_adam_step,
+            patience=self.patience,
+            strikes=self._strikes,
+            born_zero=self._born_zero,
+        )
+        # the Adam step is the optimizer's setting: one cooldown whichever layer went furthest
+        self.run_rules(
+            trainer,
+            STEP_RULES,
+            evidence,
+            step=reading.step,
+            cooldown=lambda f: f"{f.kind}{suffix}" if f.rule is ADAM_STEP_TOO_LARGE else None,
+        )
 
     def _check_held(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``parameters_not_in_optimizer``: trainable parameters that got a gradient but that no optimizer
@@ -364,39 +347,5 @@ class OptimizerMonitor(GradGuardCallback):
             if p.requires_grad and p.grad is not None and id(p) not in held
         }
         if orphans:
-            f = orphans_finding(orphans, sum(p.numel() for p in pl_module.parameters()))
-            self.report_finding(trainer, f, step=log_step(trainer))
-
-    def _outliers(self, reading: OptimizerReading, suffix: str) -> list[Finding]:
-        """``update_ratio_outlier`` for the layers beyond ``outlier_factor`` of the median layer's ratio on
-        ``patience`` checks in a row."""
-        graded = reading.graded
-        ratios = {k: v for k, v in self.layers.keep(reading.geometry.update_ratio).items() if k in graded}
-        median, outliers = ratio_outliers(ratios, self.outlier_factor)
-        # a layer whose weights were exactly 0 (MultiheadAttention's in_proj_bias, LoRA's B) moves by ~1/t of
-        # its norm at step t, whatever its lr: far above the median for its first steps, never an lr to blame
-        born = self._born_zero.setdefault(suffix, set())
-        born |= {k for k in graded if k not in reading.geometry.update_ratio}  # weight norm 0 before the step
-        outliers = {k: x for k, x in outliers.items() if x < 1.0 or k not in born}
-        slow = {k for k, x in outliers.items() if 0.0 < x < 1.0}
-        if not _sizeable(slow, ratios, reading.numels):
-            # layers that move, only far slower than the median, on a sliver of the model: a gradient tiny
-            # by design (a state-space layer's A_log, a router's gate) or weights large by design, not an
-            # lr to blame; a layer that does not move at all (lr 0) and one far above are named whatever
-            # their size
-            outliers = {k: x for k, x in outliers.items() if k not in slow}
-        return [
-            outlier_finding(layer, ratios[layer], median, self.outlier_factor, n)
-            for layer, n in self._strike("outlier", suffix, set(outliers)).items()
-        ]
-
-
-def _sizeable(found: Collection[str], checked: Collection[str], numels: Mapping[str, int]) -> bool:
-    """Whether the layers ``found`` hold a sizeable share of the entries of the layers ``checked``
-    (:func:`~lightning_gradguard.functional.health.sizeable_share`); without their sizes, yes (the rule
-    judges as before)."""
-    if not found:
-        return False
-    if not numels:
-        return True
-    return sizeable_share(sum(numels.get(k, 0) for k in found), sum(numels.get(k, 0) for k in checked))
+            evidence = Orphans(orphans=orphans, total=sum(p.numel() for p in pl_module.parameters()))
+            self.run_rules(trainer, HELD_RULES, evidence, step=log_step(trainer))

@@ -6,18 +6,102 @@ Whether a layer is dominated by ``eps`` or an outlier is decided by
 :func:`~lightning_gradguard.functional.optimizer_state.epsilon_dominated` and
 :func:`~lightning_gradguard.functional.optimizer_state.ratio_outliers` over the callback's consecutive
 checks, how large an Adam step may be by
-:func:`~lightning_gradguard.functional.optimizer_state.adam_step_threshold`; a check here says the
-:class:`~lightning_gradguard.alerts.Finding` (always a warning), with the numbers and the setting to change.
+:func:`~lightning_gradguard.functional.optimizer_state.adam_step_threshold`. A check reads a
+:class:`Measured` (one check of an optimizer and what the rules remember: their streaks, the layers born
+at zero) or, for the parameters no optimizer holds, an :class:`Orphans`, and returns the
+:class:`~lightning_gradguard.alerts.Finding` (always a warning, one per layer where the rule names layers),
+with the numbers and the setting to change. The callback runs them from :data:`STEP_RULES` and
+:data:`HELD_RULES` (``run_rules``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from lightning_gradguard.alerts import Finding, Rule, declare
-from lightning_gradguard.functional.optimizer_state import adam_step_threshold
-from lightning_gradguard.monitors.optimizer.measure import AdamStep
+from lightning_gradguard.core.layers import LayerSelection
+from lightning_gradguard.core.runstate import Streaks
+from lightning_gradguard.functional.health import sizeable_share
+from lightning_gradguard.functional.optimizer_state import (
+    adam_step_threshold,
+    epsilon_dominated,
+    ratio_outliers,
+)
+from lightning_gradguard.monitors.optimizer.measure import AdamStep, OptimizerReading
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What the rules read on a check of one optimizer.
+
+    Attributes:
+        reading: what the check measured (its moments, update geometry, Adam steps).
+        suffix: the optimizer's suffix (``""`` for the first), in the streaks' and cooldowns' keys.
+        layers: the layers are compared with each other (a logging step, or past the dense start).
+        selection: the layers watched (``include`` / ``exclude`` / ``max_layers``).
+        epsilon_ratio, outlier_factor, max_adam_step, patience: the callback's thresholds.
+        strikes: the consecutive checks per rule and layer (``"epsilon<suffix>"``, ``"outlier<suffix>"``).
+        born_zero: per optimizer, the layers whose weights were exactly 0 before a step.
+    """
+
+    reading: OptimizerReading
+    suffix: str
+    layers: bool
+    selection: LayerSelection
+    epsilon_ratio: float
+    outlier_factor: float
+    max_adam_step: float
+    patience: int
+    strikes: dict[str, Streaks]
+    born_zero: dict[str, set[str]]
+
+    def strike(self, name: str, found: set[str]) -> dict[str, int]:
+        """Consecutive checks per layer, for the layers ``found`` this time (the others start over)."""
+        streaks = self.strikes.setdefault(name + self.suffix, Streaks())
+        streaks.advance(found)
+        return streaks.reached(self.patience)
+
+
+@dataclass(frozen=True)
+class Orphans:
+    """Trainable parameters that got a gradient but that no optimizer holds (name -> entries), and the
+    model's entries."""
+
+    orphans: Mapping[str, int]
+    total: int
+
+
+def sizeable(found: Collection[str], checked: Collection[str], numels: Mapping[str, int]) -> bool:
+    """Whether the layers ``found`` hold a sizeable share of the entries of the layers ``checked``
+    (:func:`~lightning_gradguard.functional.health.sizeable_share`); without their sizes, yes (the rule
+    judges as before)."""
+    if not found:
+        return False
+    if not numels:
+        return True
+    return sizeable_share(sum(numels.get(k, 0) for k in found), sum(numels.get(k, 0) for k in checked))
+
+
+def _epsilon(ev: Measured) -> list[Finding]:
+    m = ev.reading.moments
+    rms = ev.selection.keep(m.exp_avg_sq_rms)
+    dominated = {k for k, v in rms.items() if epsilon_dominated(v, m.eps[k], ev.epsilon_ratio)}
+    if not ev.layers and 2 * len(dominated) < len(rms):
+        # the dense start judges eps as a setting, over most of the model (eps=0.1 dominates every
+        # layer from step 0); a few layers whose gradient starts tiny (LayerScale's branches, ELECTRA's
+        # first query and key) grow out of it within steps: they are judged on the logging steps
+        dominated = set()
+    if not sizeable(dominated, rms, m.entries):
+        # a sliver whose gradient is tiny by design (Mamba's A_log, a router, a forget gate, a key
+        # bias that softmax ignores) learns slowly while the model learns: the same share as
+        # vanishing_gradient's under Adam, of the entries Adam holds (Muon may hold the rest)
+        dominated = set()
+    return [
+        epsilon_finding(layer, rms[layer], m.eps[layer], n)
+        for layer, n in ev.strike("epsilon", dominated).items()
+    ]
 
 
 # ------------------------------------------------------------------ adam_epsilon_dominates
@@ -34,7 +118,7 @@ def epsilon_finding(layer: str, rms: float, eps: float, checks: int) -> Finding:
     )
 
 
-ADAM_EPSILON_DOMINATES = Rule(
+ADAM_EPSILON_DOMINATES: Rule[Measured] = Rule(
     kind="adam_epsilon_dominates",
     severity="warning",
     monitor="OptimizerMonitor",
@@ -52,11 +136,38 @@ ADAM_EPSILON_DOMINATES = Rule(
         "optimizer states), or fix the gradient's scale: a loss that is divided down, a vanishing signal "
         "upstream (see grad_norm/<layer>)."
     ),
-    check=epsilon_finding,
+    check=_epsilon,
 )
 
 
 # ------------------------------------------------------------------ update_ratio_outlier
+def _outliers(ev: Measured) -> list[Finding]:
+    """The layers beyond ``outlier_factor`` of the median layer's ratio on ``patience`` checks in a row
+    (judged when the layers are compared)."""
+    if not ev.layers:
+        return []
+    reading = ev.reading
+    graded = reading.graded
+    ratios = {k: v for k, v in ev.selection.keep(reading.geometry.update_ratio).items() if k in graded}
+    median, outliers = ratio_outliers(ratios, ev.outlier_factor)
+    # a layer whose weights were exactly 0 (MultiheadAttention's in_proj_bias, LoRA's B) moves by ~1/t of
+    # its norm at step t, whatever its lr: far above the median for its first steps, never an lr to blame
+    born = ev.born_zero.setdefault(ev.suffix, set())
+    born |= {k for k in graded if k not in reading.geometry.update_ratio}  # weight norm 0 before the step
+    outliers = {k: x for k, x in outliers.items() if x < 1.0 or k not in born}
+    slow = {k for k, x in outliers.items() if 0.0 < x < 1.0}
+    if not sizeable(slow, ratios, reading.numels):
+        # layers that move, only far slower than the median, on a sliver of the model: a gradient tiny
+        # by design (a state-space layer's A_log, a router's gate) or weights large by design, not an
+        # lr to blame; a layer that does not move at all (lr 0) and one far above are named whatever
+        # their size
+        outliers = {k: x for k, x in outliers.items() if k not in slow}
+    return [
+        outlier_finding(layer, ratios[layer], median, ev.outlier_factor, n)
+        for layer, n in ev.strike("outlier", set(outliers)).items()
+    ]
+
+
 def outlier_finding(layer: str, ratio: float, median: float, factor: float, checks: int) -> Finding:
     """``layer``'s update/weight ``ratio`` is beyond ``factor`` from the ``median`` layer's."""
     x = ratio / median
@@ -80,7 +191,7 @@ def outlier_finding(layer: str, ratio: float, median: float, factor: float, chec
     )
 
 
-UPDATE_RATIO_OUTLIER = Rule(
+UPDATE_RATIO_OUTLIER: Rule[Measured] = Rule(
     kind="update_ratio_outlier",
     severity="warning",
     monitor="OptimizerMonitor",
@@ -92,11 +203,15 @@ UPDATE_RATIO_OUTLIER = Rule(
         "named whatever its size); the hint names the likely cause (its"
         " param group's lr, a frozen-by-mistake layer, weight decay, a sparse layer)."
     ),
-    check=outlier_finding,
+    check=_outliers,
 )
 
 
 # ------------------------------------------------------------------ parameters_not_in_optimizer
+def _orphans(ev: Orphans) -> Finding | None:
+    return orphans_finding(dict(ev.orphans), ev.total) if ev.orphans else None
+
+
 def orphans_finding(orphans: dict[str, int], total: int) -> Finding:
     """Trainable parameters with a gradient that no optimizer holds (name -> entries)."""
     names = sorted(orphans)
@@ -113,7 +228,7 @@ def orphans_finding(orphans: dict[str, int], total: int) -> Finding:
     )
 
 
-PARAMETERS_NOT_IN_OPTIMIZER = Rule(
+PARAMETERS_NOT_IN_OPTIMIZER: Rule[Orphans] = Rule(
     kind="parameters_not_in_optimizer",
     severity="warning",
     monitor="OptimizerMonitor",
@@ -129,7 +244,7 @@ PARAMETERS_NOT_IN_OPTIMIZER = Rule(
         "on_train_start or a callback, a module added later). Build the model completely before "
         "configure_optimizers, or add them to the optimizer (optimizer.add_param_group)."
     ),
-    check=orphans_finding,
+    check=_orphans,
 )
 
 
@@ -184,6 +299,11 @@ def _adam_step_words(layer: str, s: AdamStep, others: int) -> Finding:
     return Finding(ADAM_STEP_TOO_LARGE, moved + why, data, hint=hint, where=layer)
 
 
+def _adam_step(ev: Measured) -> Finding | None:
+    watched = {k: s for k, s in ev.reading.adam_steps.items() if ev.selection.watches(k)}
+    return adam_step_finding(watched, ev.max_adam_step)
+
+
 def adam_step_finding(steps: Mapping[str, AdamStep], max_adam_step: float) -> Finding | None:
     """The layer whose Adam step went furthest past its limit (a setting, not a layer, is at fault: the
     others are counted in it), or ``None`` when no layer's step did. At once: no healthy Adam step comes
@@ -201,7 +321,7 @@ def adam_step_finding(steps: Mapping[str, AdamStep], max_adam_step: float) -> Fi
     return _adam_step_words(worst, steps[worst], len(over) - 1)
 
 
-ADAM_STEP_TOO_LARGE = Rule(
+ADAM_STEP_TOO_LARGE: Rule[Measured] = Rule(
     kind="adam_step_too_large",
     severity="warning",
     monitor="OptimizerMonitor",
@@ -215,10 +335,14 @@ ADAM_STEP_TOO_LARGE = Rule(
         "0.1) passed 10 x at step 4, (0.9, 0.5) at step 16. Names beta2, and eps when below 1e-10. "
         "See [OptimizerMonitor](optimizer.md#the-adam-step-rule)."
     ),
-    check=adam_step_finding,
+    check=_adam_step,
 )
 
-#: every kind this monitor reports
-RULES = declare(
-    ADAM_EPSILON_DOMINATES, UPDATE_RATIO_OUTLIER, PARAMETERS_NOT_IN_OPTIMIZER, ADAM_STEP_TOO_LARGE
+#: the rules of a check, in the order they are judged (on a :class:`Measured`)
+STEP_RULES: tuple[Rule[Measured], ...] = declare(
+    ADAM_EPSILON_DOMINATES, UPDATE_RATIO_OUTLIER, ADAM_STEP_TOO_LARGE
 )
+#: the rule of the first measured step (on :class:`Orphans`)
+HELD_RULES: tuple[Rule[Orphans], ...] = declare(PARAMETERS_NOT_IN_OPTIMIZER)
+#: every kind this monitor reports
+RULES = (ADAM_EPSILON_DOMINATES, UPDATE_RATIO_OUTLIER, PARAMETERS_NOT_IN_OPTIMIZER, ADAM_STEP_TOO_LARGE)

@@ -58,3 +58,6 @@ CHARTS: tuple[Chart, ...] = (
         "OptimizerMonitor",
     ),
 )
+
+#: a chart's ``only`` setting -> the argument that turns it on, in words (docs/tags.md's layout table)
+SWITCHES: dict[str, str] = {"capped": "`max_layers`"}

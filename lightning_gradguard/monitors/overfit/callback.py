@@ -22,20 +22,19 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_gradguard.alerts import Finding
+from lightning_gradguard.alerts import Finding, judge
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.batch import first_train_batch, redraw_first_samples, slice_batch
 from lightning_gradguard.core.compile import Uncompiled
-from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck, PreflightFinding
+from lightning_gradguard.core.preflight import OTHER_RANKS, PreflightCheck
 from lightning_gradguard.core.runstate import LEFT_OUT, RunField, nothing
 from lightning_gradguard.core.snapshot import TrainingSnapshot
 from lightning_gradguard.core.validate import check_bool, check_choice, check_float, check_int, check_str_list
 from lightning_gradguard.monitors.overfit.check import OverfitSettings, run_overfit_check
 from lightning_gradguard.monitors.overfit.diagnosis import blow_up
 from lightning_gradguard.monitors.overfit.findings import OverfitResult
-from lightning_gradguard.monitors.overfit.rules import OVERFIT_FAILED, label_stability
+from lightning_gradguard.monitors.overfit.rules import OVERFIT_FAILED, REFETCH_RULES, Refetched
 from lightning_gradguard.monitors.overfit.tags import CHARTS, PREFLIGHT
-from lightning_gradguard.tags import charts_of
 
 
 class OverfitBatchSanity(PreflightCheck):
@@ -147,6 +146,8 @@ class OverfitBatchSanity(PreflightCheck):
         print(check.result)       # passed, steps, initial/final loss, curve, seconds
     """
 
+    charts = CHARTS
+
     sharded_reason = (
         "its trial steps train this rank's first batch alone, for as many steps as this rank needs, so the "
         "strategy's all-gathers would run out of step with the other ranks"
@@ -196,10 +197,6 @@ class OverfitBatchSanity(PreflightCheck):
         self.fallback_lr: float = check_float("fallback_lr", fallback_lr, 0.0, low_open=True)
 
     @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS)
-
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.applies(trainer, pl_module):
             return
@@ -217,7 +214,9 @@ class OverfitBatchSanity(PreflightCheck):
             with Uncompiled(pl_module):
                 result = run_overfit_check(trainer, pl_module, batch, self._settings())
             if again is not None:
-                result.findings[:0] = label_stability(batch, slice_batch(again, self.max_samples))
+                result.findings[:0] = judge(
+                    REFETCH_RULES, Refetched(batch, slice_batch(again, self.max_samples))
+                )
                 result.passed = result.passed and not any(f.severity == "error" for f in result.findings)
         except Exception as err:  # a model or loader shape we cannot drive: warn, never crash
             self.could_not_run(trainer, err)  # our own failure: raised under GRADGUARD_STRICT=1
@@ -276,7 +275,7 @@ def _result_numbers(result: OverfitResult) -> dict[str, Any]:
     }
 
 
-def _failure_summary(result: OverfitResult, summary: PreflightFinding | None) -> Finding:
+def _failure_summary(result: OverfitResult, summary: Finding | None) -> Finding:
     """The closing error when the check failed on some rank: this rank's ``overfit_failed`` finding with
     the kinds of the other errors; the errors alone when the batch was learned; or, when this rank
     passed, a pointer to the other ranks."""

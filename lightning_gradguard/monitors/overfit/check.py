@@ -4,11 +4,11 @@
 batch (drawn, cut and restored afterwards by the callback), with the callback's arguments as an
 :class:`OverfitSettings`. It trains on the batch with the user's optimizer
 (:func:`~lightning_gradguard.monitors.overfit.trial.train_on_batch`), collects the findings of its
-rules (the checks in :mod:`~lightning_gradguard.monitors.overfit.rules`, called where the check reaches
-them) and, when the target was missed, tries ``Adam(fallback_lr)`` from the same weights to tell a slow
-LR from a broken pipeline. The verdict: the batch was learned (the target reached, the batch memorised,
-the loss on a floor, or a slow learner as :func:`~lightning_gradguard.monitors.overfit.rules.missed_target`
-judges it) and no finding is an error.
+rules (:mod:`~lightning_gradguard.monitors.overfit.rules`, run from their declarations where the check
+reaches their phase) and, when the target was missed, tries ``Adam(fallback_lr)`` from the same weights
+to tell a slow LR from a broken pipeline. The verdict: the batch was learned (the target reached, the
+batch memorised, the loss on a floor, or a slow learner as
+:func:`~lightning_gradguard.monitors.overfit.rules.missed_target` judges it) and no finding is an error.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_gradguard.alerts import Finding, judge
 from lightning_gradguard.core.batch import batch_size_of
-from lightning_gradguard.core.preflight import PreflightFinding
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import configured_lr
 from lightning_gradguard.functional.overfit import at_floor
@@ -30,13 +30,12 @@ from lightning_gradguard.monitors.overfit.diagnosis import chance_loss, labels_o
 from lightning_gradguard.monitors.overfit.findings import OverfitResult, ParameterRecord
 from lightning_gradguard.monitors.overfit.modules import used_outside_training
 from lightning_gradguard.monitors.overfit.rules import (
+    OUTCOME_RULES,
     OVERFIT_FAILED,
-    batch_mixing,
+    TRIAL_RULES,
+    Outcome,
+    Trial,
     failed_finding,
-    initial_loss_finding,
-    missed_target,
-    not_shrinking,
-    overshot,
     parameter_findings,
 )
 from lightning_gradguard.monitors.overfit.trial import (
@@ -125,18 +124,17 @@ def run_overfit_check(
         result.losses, result.grad_norms, result.chance_loss, result.num_classes
     )
     learned = learned or result.converged
-    if learned:  # learned, but did the loss blow up on the way? (a too-high LR that landed on the target)
-        result.findings.extend(overshot(result.losses))
     if not learned and any(o is check.optimizer for o in trainer.optimizers):
         # The user's optimizer missed the target. Is it the pipeline, or only the optimizer's LR (a
         # fine-tuning LR such as 2e-5, a warm-up the check does not run)? Try again from the same
         # weights with Adam(fallback_lr): if that memorises the batch, the model, the loss and the data
         # are fine, and the finding is a warning.
         result.fallback_reached = _fallback_trial(check, labels, result)
-    if not learned:
-        failed = missed_target(result, settings.fallback_lr)
-        result.findings.append(failed)
-        learned = failed.severity != "error"  # the model learns after all: a slow LR or objective
+    # learned: did the loss blow up on the way (a too-high LR that landed on the target)? Not: why not?
+    outcome = judge(OUTCOME_RULES, Outcome(result=result, learned=learned, fallback_lr=settings.fallback_lr))
+    result.findings.extend(outcome)
+    if not learned:  # the model learns after all (a slow LR or objective) unless overfit_failed is an error
+        learned = not any(f.rule is OVERFIT_FAILED and f.severity == "error" for f in outcome)
     result.passed = verdict(result, learned)
     return result
 
@@ -158,7 +156,7 @@ def verdict(result: OverfitResult, learned: bool) -> bool:
     the loss it judged is finite. A non-finite initial or final loss makes ``overfit_failed`` an error (a
     warning about a slow or warmed-up LR cannot stand on NaN), so the verdict never contradicts it."""
     if not (math.isfinite(result.initial_loss) and math.isfinite(result.final_loss)):
-        failed = [f for f in result.findings if f.rule is OVERFIT_FAILED]
+        failed: list[Finding] = [f for f in result.findings if f.rule is OVERFIT_FAILED]
         if not failed:
             failed = [failed_finding(result)]
             result.findings.append(failed[0])
@@ -243,8 +241,10 @@ def _result(check: _Check, curve: TrialCurve) -> OverfitResult:
     )
 
 
-def _findings(check: _Check, curve: TrialCurve, result: OverfitResult) -> list[PreflightFinding]:
-    """What the user's trial showed besides the loss reaching the target, in the order it is reported."""
+def _findings(check: _Check, curve: TrialCurve, result: OverfitResult) -> list[Finding]:
+    """What the user's trial showed besides the loss reaching the target, in the order it is reported: the
+    parameter rules, then the rules on the trial
+    (:data:`~lightning_gradguard.monitors.overfit.rules.TRIAL_RULES`)."""
     settings, findings = check.settings, []
     if result.steps > 0:
         nonzero = curve.nonzero_grad
@@ -261,22 +261,18 @@ def _findings(check: _Check, curve: TrialCurve, result: OverfitResult) -> list[P
             elsewhere=lambda: used_outside_training(check.pl_module),
         )
         findings.extend(parameter_findings(check.optimizer, record, settings.ignore_parameters))
-    if settings.check_initial_loss:  # the check runs only when a run starts: the model is a fresh one
-        findings.extend(
-            initial_loss_finding(
-                check.batch,
-                curve.logits,
-                result.initial_loss,
-                result.num_samples,
-                num_classes=settings.num_classes,
-                tolerance=settings.initial_loss_tolerance,
-            )
-        )
-    if result.reached_target or result.memorised:
-        findings.extend(not_shrinking(result.losses, result.grad_norms))
-    if settings.check_batch_mixing:
-        findings.extend(batch_mixing(check.trainer, check.pl_module, check.batch))
-    return findings
+    trial = Trial(
+        result=result,
+        batch=check.batch,
+        logits=curve.logits,
+        trainer=check.trainer,
+        pl_module=check.pl_module,
+        check_initial_loss=settings.check_initial_loss,
+        num_classes=settings.num_classes,
+        tolerance=settings.initial_loss_tolerance,
+        check_batch_mixing=settings.check_batch_mixing,
+    )
+    return findings + judge(TRIAL_RULES, trial)
 
 
 def _fallback_trial(check: _Check, labels: Tensor | None, result: OverfitResult) -> bool:

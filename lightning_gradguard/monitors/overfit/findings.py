@@ -27,9 +27,10 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor, nn
 
+from lightning_gradguard.alerts import Finding
 from lightning_gradguard.core.batch import batch_size_of, tensors_in
 from lightning_gradguard.core.lr import group_lr
-from lightning_gradguard.core.preflight import MAX_LISTED, PreflightFinding
+from lightning_gradguard.core.preflight import MAX_LISTED
 from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.trial import quiet_logging, training_step_of
 from lightning_gradguard.functional.updates import dtype_spacing
@@ -89,7 +90,7 @@ class OverfitResult:
     seconds: float
     num_samples: int
     optimizer: str
-    findings: list[PreflightFinding] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
     randomness: str = "none"
     converged: bool = False
     fallback_reached: bool | None = None

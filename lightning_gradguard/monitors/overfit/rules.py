@@ -7,23 +7,28 @@ numbers is the declaration's. What the checks read is measured elsewhere: the tr
 :class:`~lightning_gradguard.monitors.overfit.findings.ParameterRecord` and the parameters that never
 changed (:class:`~lightning_gradguard.monitors.overfit.findings.ParameterEvidence`), the batch mixing
 (:func:`~lightning_gradguard.monitors.overfit.findings.mixing_of`), the loss curve's shape and the
-chance level (:mod:`~lightning_gradguard.monitors.overfit.diagnosis`). The three rules about the
-parameters are judged in sequence from their declarations (:func:`parameter_findings`); the others are
-called where the check reaches them (:func:`~lightning_gradguard.monitors.overfit.check.run_overfit_check`).
+chance level (:mod:`~lightning_gradguard.monitors.overfit.diagnosis`). Every check reads one evidence
+object of the phase of the check it judges, and the check runs them from their declarations
+(:func:`~lightning_gradguard.alerts.judge`) where it reaches that phase
+(:func:`~lightning_gradguard.monitors.overfit.check.run_overfit_check`): :data:`PARAMETER_RULES` on a
+:class:`~lightning_gradguard.monitors.overfit.findings.ParameterEvidence`, :data:`TRIAL_RULES` on a
+:class:`Trial`, :data:`OUTCOME_RULES` on an :class:`Outcome`, :data:`REFETCH_RULES` on a
+:class:`Refetched` (the callback's second draw of the batch). They are reported after the run is
+restored, by the pre-flight base (``PreflightCheck.conclude``).
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from lightning_gradguard.alerts import Rule, Severity, declare
+from lightning_gradguard.alerts import Finding, Rule, Severity, declare, judge
 from lightning_gradguard.core.batch import tensors_in
 from lightning_gradguard.core.preflight import MAX_LISTED, PreflightFinding
 from lightning_gradguard.functional.overfit import still_learning
@@ -44,6 +49,42 @@ from lightning_gradguard.monitors.overfit.findings import (
     mixing_of,
     used_elsewhere,
 )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trial:
+    """What the user's trial showed, as the rules judged after it read it: its ``result`` so far (losses,
+    gradient norms, whether the target was reached or the batch memorised), the batch and the logits of its
+    first forward, and the settings of the rules that may be off."""
+
+    result: OverfitResult
+    batch: Any
+    logits: Tensor | None
+    trainer: pl.Trainer
+    pl_module: pl.LightningModule
+    check_initial_loss: bool
+    num_classes: int | None
+    tolerance: float
+    check_batch_mixing: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """The trial's end: whether the batch was ``learned`` (the target reached, memorised or a floor), the
+    result (with the fallback trial's, when it ran) and the fallback's learning rate."""
+
+    result: OverfitResult
+    learned: bool
+    fallback_lr: float
+
+
+@dataclass(frozen=True)
+class Refetched:
+    """The first batch's samples, drawn twice from the loader (``first``, ``second``)."""
+
+    first: Any
+    second: Any
+
 
 # ------------------------------------------------------------------ overfit_failed
 #: the likely causes of a batch not learned, by the shape of its loss curve
@@ -196,7 +237,7 @@ def missed_target(result: OverfitResult, fallback_lr: float) -> PreflightFinding
     return failed
 
 
-OVERFIT_FAILED = Rule(
+OVERFIT_FAILED: Rule[Outcome] = Rule(
     kind="overfit_failed",
     severity="error",
     monitor="OverfitBatchSanity",
@@ -214,7 +255,7 @@ OVERFIT_FAILED = Rule(
         "warm-up the check skipped). See [pre-flight "
         "checks](preflight.md#a-too-high-learning-rate)."
     ),
-    check=missed_target,
+    check=lambda o: None if o.learned else missed_target(o.result, o.fallback_lr),
 )
 
 
@@ -360,7 +401,7 @@ def unused_parameters(ev: ParameterEvidence) -> list[PreflightFinding]:
     return [*_without_gradient(ev), *_zero_gradient(ev)]
 
 
-UNUSED_PARAMETER = Rule(
+UNUSED_PARAMETER: Rule[ParameterEvidence] = Rule(
     kind="unused_parameter",
     severity="error",
     monitor="OverfitBatchSanity",
@@ -425,7 +466,7 @@ def not_updated(ev: ParameterEvidence) -> list[PreflightFinding]:
     ]
 
 
-PARAMETER_NOT_UPDATED = Rule(
+PARAMETER_NOT_UPDATED: Rule[ParameterEvidence] = Rule(
     kind="parameter_not_updated",
     severity="error",
     monitor="OverfitBatchSanity",
@@ -485,7 +526,7 @@ def below_precision(ev: ParameterEvidence) -> list[PreflightFinding]:
     return [_below_precision(ev.record, lost, indices) for indices in by_dtype.values()]
 
 
-UPDATE_BELOW_PRECISION = Rule(
+UPDATE_BELOW_PRECISION: Rule[ParameterEvidence] = Rule(
     kind="update_below_precision",
     severity="warning",
     monitor="OverfitBatchSanity",
@@ -565,7 +606,7 @@ def initial_loss_finding(
     ]
 
 
-INITIAL_LOSS_MISMATCH = Rule(
+INITIAL_LOSS_MISMATCH: Rule[Trial] = Rule(
     kind="initial_loss_mismatch",
     severity="error",
     monitor="OverfitBatchSanity",
@@ -580,7 +621,18 @@ INITIAL_LOSS_MISMATCH = Rule(
         " below ln C (a pretrained model). No verdict when the loss is not the plain cross-entropy "
         "(label smoothing, focal, multi-label)."
     ),
-    check=initial_loss_finding,
+    check=lambda t: (
+        initial_loss_finding(
+            t.batch,
+            t.logits,
+            t.result.initial_loss,
+            t.result.num_samples,
+            num_classes=t.num_classes,
+            tolerance=t.tolerance,
+        )
+        if t.check_initial_loss  # the check runs only when a run starts: the model is a fresh one
+        else None
+    ),
 )
 
 
@@ -602,7 +654,7 @@ def batch_mixing(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any)
     ]
 
 
-BATCH_MIXING = Rule(
+BATCH_MIXING: Rule[Trial] = Rule(
     kind="batch_mixing",
     severity="error",
     monitor="OverfitBatchSanity",
@@ -613,7 +665,7 @@ BATCH_MIXING = Rule(
         "`x.view(batch, features)` was meant, or a transpose before a flatten), or an op reduces over "
         "dim 0. Every sample's output must depend only on that sample's input."
     ),
-    check=batch_mixing,
+    check=lambda t: batch_mixing(t.trainer, t.pl_module, t.batch) if t.check_batch_mixing else None,
 )
 
 
@@ -650,7 +702,7 @@ def label_stability(first: Any, second: Any) -> list[PreflightFinding]:
     return []
 
 
-LABELS_UNSTABLE = Rule(
+LABELS_UNSTABLE: Rule[Refetched] = Rule(
     kind="labels_unstable",
     severity="error",
     monitor="OverfitBatchSanity",
@@ -661,7 +713,7 @@ LABELS_UNSTABLE = Rule(
         "from the inputs (an index into the label array that is not the sample's index, a shuffle applied "
         "to one array only, a random label transform). A model cannot learn labels that change under it."
     ),
-    check=label_stability,
+    check=lambda r: label_stability(r.first, r.second),
 )
 
 
@@ -692,7 +744,7 @@ def not_shrinking(losses: list[float], grad_norms: list[float]) -> list[Prefligh
     ]
 
 
-GRADIENT_NOT_SHRINKING = Rule(
+GRADIENT_NOT_SHRINKING: Rule[Trial] = Rule(
     kind="gradient_not_shrinking",
     severity="warning",
     monitor="OverfitBatchSanity",
@@ -709,7 +761,11 @@ GRADIENT_NOT_SHRINKING = Rule(
         "not vanish (a regularisation term, label noise within the batch), or the LR is so high that the "
         "optimizer bounces around the minimum."
     ),
-    check=not_shrinking,
+    check=lambda t: (
+        not_shrinking(t.result.losses, t.result.grad_norms)
+        if t.result.reached_target or t.result.memorised
+        else None
+    ),
 )
 
 
@@ -732,7 +788,7 @@ def overshot(losses: list[float]) -> list[PreflightFinding]:
     ]
 
 
-OVERFIT_UNSTABLE = Rule(
+OVERFIT_UNSTABLE: Rule[Outcome] = Rule(
     kind="overfit_unstable",
     severity="warning",
     monitor="OverfitBatchSanity",
@@ -748,11 +804,21 @@ OVERFIT_UNSTABLE = Rule(
         "without warm-up or gradient clipping, on one batch. A run at this LR may blow up the same way "
         "(dead ReLUs, a loss stuck at chance)."
     ),
-    check=overshot,
+    check=lambda o: overshot(o.result.losses) if o.learned else None,  # learned, but did it blow up?
 )
 
+#: the rules about the trial's parameters, in the order they are judged and reported
+PARAMETER_RULES: tuple[Rule[ParameterEvidence], ...] = declare(
+    UNUSED_PARAMETER, PARAMETER_NOT_UPDATED, UPDATE_BELOW_PRECISION
+)
+#: the rules judged after the user's trial, in the order they are reported (after the parameter rules)
+TRIAL_RULES: tuple[Rule[Trial], ...] = declare(INITIAL_LOSS_MISMATCH, GRADIENT_NOT_SHRINKING, BATCH_MIXING)
+#: the rules of the trial's end: a batch learned after a blow-up, or not learned
+OUTCOME_RULES: tuple[Rule[Outcome], ...] = declare(OVERFIT_UNSTABLE, OVERFIT_FAILED)
+#: the rule of the batch drawn a second time
+REFETCH_RULES: tuple[Rule[Refetched], ...] = declare(LABELS_UNSTABLE)
 #: every kind this monitor reports
-RULES = declare(
+RULES = (
     OVERFIT_FAILED,
     UNUSED_PARAMETER,
     PARAMETER_NOT_UPDATED,
@@ -763,15 +829,12 @@ RULES = declare(
     GRADIENT_NOT_SHRINKING,
     OVERFIT_UNSTABLE,
 )
-#: the rules about the trial's parameters, in the order they are judged and reported
-PARAMETER_RULES = (UNUSED_PARAMETER, PARAMETER_NOT_UPDATED, UPDATE_BELOW_PRECISION)
 
 
 def parameter_findings(
     optimizer: torch.optim.Optimizer, record: ParameterRecord, ignore: list[str]
-) -> list[PreflightFinding]:
+) -> list[Finding]:
     """The parameters that got no gradient (``unused_parameter``) or never moved although they had one:
     not updated (``parameter_not_updated``), or updated by less than their dtype resolves
     (``update_below_precision``); names matching an ``fnmatch`` pattern of ``ignore`` are left out."""
-    evidence = ParameterEvidence(optimizer, record, ignore)
-    return [f for rule in PARAMETER_RULES if rule.check is not None for f in rule.check(evidence)]
+    return judge(PARAMETER_RULES, ParameterEvidence(optimizer, record, ignore))

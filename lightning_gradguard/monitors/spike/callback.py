@@ -21,6 +21,7 @@ import math
 import statistics
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,7 +29,7 @@ import lightning.pytorch as pl
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradguard.alerts import LossSpikeError
+from lightning_gradguard.alerts import Alert, LossSpikeError
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import GradGuardCallback
 from lightning_gradguard.core.buffers import keep_step_buffers, step_buffers
@@ -43,16 +44,16 @@ from lightning_gradguard.monitors.spike.early import EarlyWatch
 from lightning_gradguard.monitors.spike.measure import StepInputs, read_step_values
 from lightning_gradguard.monitors.spike.records import SpikeRecord, read_skip_batches, record_spike
 from lightning_gradguard.monitors.spike.rules import (
+    EARLY_RULES,
+    STEP_RULES,
+    Diverged,
+    Spiked,
     batch_variance_outlier,
-    early_finding,
     escalated_action,
-    outlier_finding,
     snapshot_due,
-    spike_finding,
     step_verdict,
 )
 from lightning_gradguard.monitors.spike.tags import CHARTS, SPIKE
-from lightning_gradguard.tags import charts_of
 
 #: the accepted steps whose inputs must be seen before a batch's inputs are judged against them
 _INPUTS_WARM = 8
@@ -152,6 +153,8 @@ class LossSpikeGuard(GradGuardCallback):
         print(guard.dropped_steps, guard.rollbacks, guard.records)
     """
 
+    charts = CHARTS
+
     error_type = LossSpikeError
     skip_cause = "loss_spike"
     allowed_actions = ("skip", "rollback", "warn", "raise")
@@ -239,10 +242,6 @@ class LossSpikeGuard(GradGuardCallback):
         self._snapshot: TrainingSnapshot | None = None
         self._step.clear()  # keeps `full`, the most samples a step has had
         self._outcome: str | None = None  # this step: "calm", "applied" (a warned spike) or "dropped"
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -387,30 +386,38 @@ class LossSpikeGuard(GradGuardCallback):
             trainer, self.records, batches=judged.batches, values=values, scores=judged.scores, action=action
         )
         self._log_scalars(trainer, judged.scores, force=True)
-        step = int(trainer.global_step)
-        if judged.verdict == "spike":
-            found = spike_finding(
-                step=step, action=action, values=values, scores=judged.scores, streak=streak
-            )
-        else:
-            found = outlier_finding(step=step, action=action, values=values, streak=streak)
-        self.report_finding(trainer, found)
-        self._act(trainer, optimizer, action)
+        spiked = Spiked(
+            step=int(trainer.global_step),
+            spike=judged.verdict == "spike",
+            action=action,
+            values=values,
+            scores=judged.scores,
+            streak=streak,
+        )
+        self.run_rules(trainer, STEP_RULES, spiked, then=lambda _: self._act(trainer, optimizer, action))
 
     def _on_early_divergence(self, trainer: pl.Trainer, optimizer: Any, loss: float) -> None:
         """The loss has stayed far above the run's start: say so, with the learning rate; raise under
         ``action="raise"``. Nothing is dropped: before the warm-up ends no good state exists to return to."""
         groups = getattr(optimizer, "param_groups", None) or [{}]
-        found = early_finding(
+        diverged = Diverged(
             step=int(trainer.global_step),
             first=self._early.first,
             loss=loss,
             factor=self.early_divergence_factor or 0.0,
             lr=group_lr(groups[0]),
         )
-        reported = self.report_finding(trainer, found)
-        if self.action == "raise":
-            raise LossSpikeError(found.message, [reported] if reported is not None else [])
+        self.run_rules(trainer, EARLY_RULES, diverged, then=self._early_action(trainer))
+
+    def _early_action(self, trainer: pl.Trainer) -> Callable[[list[Alert]], None]:
+        """After an early divergence: ``action="raise"`` raises; nothing else is done (nothing dropped)."""
+
+        def act(alerts: list[Alert]) -> None:
+            if self.action == "raise":
+                message = alerts[0].message if alerts else "early divergence (within the cooldown)"
+                self.apply_action(trainer, "raise", error=LossSpikeError(message, alerts))
+
+        return act
 
     def _lengthen_streak(self, judged: _Judged) -> int:
         """The spike's place in its streak: the optimizer's own under manual optimization, else the run's

@@ -4,16 +4,19 @@ per alert kind with its check right above it.
 :func:`step_verdict` says whether a step's scores make it a spike (a gradient-norm spike counts only when
 the loss confirms it, :data:`LOSS_CONFIRMS_Z`); :func:`escalated_action` is how a run of spikes climbs
 ``skip -> rollback -> raise``; :func:`snapshot_due` says when a rollback point is taken. A rule's check
-puts what was found into words, as the :class:`~lightning_gradguard.alerts.Finding` of its declaration:
-:func:`spike_finding` a spike (with :data:`SPIKE_HINTS`), :func:`outlier_finding` a batch whose statistics
-are far out (:func:`batch_variance_outlier`), :func:`early_finding` an early divergence (its rule is
-:class:`~lightning_gradguard.monitors.spike.early.EarlyWatch`). Whether one value is a spike is the pure
+reads its evidence (a :class:`Spiked` step, a :class:`Diverged` start) and puts what was found into words,
+as the :class:`~lightning_gradguard.alerts.Finding` of its declaration: :func:`spike_finding` a spike (with
+:data:`SPIKE_HINTS`), :func:`outlier_finding` a batch whose statistics are far out
+(:func:`batch_variance_outlier`), :func:`early_finding` an early divergence (its rule is
+:class:`~lightning_gradguard.monitors.spike.early.EarlyWatch`). The callback runs them from
+:data:`STEP_RULES` and :data:`EARLY_RULES` (``run_rules``). Whether one value is a spike is the pure
 score of :mod:`lightning_gradguard.functional.spikes`.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from lightning_gradguard.alerts import Finding, Rule, declare
 from lightning_gradguard.functional.spikes import SpikeScore, is_spike, start_level
@@ -93,13 +96,39 @@ def batch_variance_outlier(value: float | None, limit: float | None) -> bool:
     return value is not None and limit is not None and max(value, 1 / max(value, 1e-300)) > limit
 
 
+@dataclass(frozen=True, kw_only=True)
+class Spiked:
+    """A step that got an action: its verdict (``"spike"``, or a batch far out), the action its streak
+    escalated to, its judged values (and the batch statistics far out), their scores, its place in the
+    streak."""
+
+    step: int
+    spike: bool
+    action: str
+    values: dict[str, float]
+    scores: dict[str, SpikeScore]
+    streak: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Diverged:
+    """The early-divergence watch fired: the step, the run's first losses, the loss now, the factor of the
+    start it stood at, the learning rate of param group 0."""
+
+    step: int
+    first: list[float]
+    loss: float
+    factor: float
+    lr: float | None
+
+
 def _times(factor: float) -> str:
     """``"1e+06x over"`` / ``"100x under"``."""
     return f"{factor:.3g}x over" if factor >= 1 else f"{1 / max(factor, 1e-300):.3g}x under"
 
 
 def _step_finding(
-    rule: Rule,
+    rule: Rule[Any],
     what: str,
     parts: list[str],
     zscores: dict[str, float],
@@ -150,7 +179,7 @@ def spike_finding(
     )
 
 
-LOSS_SPIKE = Rule(
+LOSS_SPIKE: Rule[Spiked] = Rule(
     kind="loss_spike",
     severity="warning",
     monitor="LossSpikeGuard",
@@ -162,7 +191,11 @@ LOSS_SPIKE = Rule(
         " taken (warning for warn / skip / rollback, error when spikes kept coming until it raised "
         "`LossSpikeError`). See [LossSpikeGuard](loss_spike.md)."
     ),
-    check=spike_finding,
+    check=lambda ev: (
+        spike_finding(step=ev.step, action=ev.action, values=ev.values, scores=ev.scores, streak=ev.streak)
+        if ev.spike
+        else None
+    ),
 )
 
 
@@ -192,7 +225,7 @@ def early_finding(*, step: int, first: list[float], loss: float, factor: float, 
     return Finding(EARLY_DIVERGENCE, message, data)
 
 
-EARLY_DIVERGENCE = Rule(
+EARLY_DIVERGENCE: Rule[Diverged] = Rule(
     kind="early_divergence",
     severity="error",
     monitor="LossSpikeGuard",
@@ -211,7 +244,7 @@ EARLY_DIVERGENCE = Rule(
         "finds a rate that trains. No update was skipped: this early there is no good state to go back to "
         "(action='raise' stops the run here)."
     ),
-    check=early_finding,
+    check=lambda ev: early_finding(step=ev.step, first=ev.first, loss=ev.loss, factor=ev.factor, lr=ev.lr),
 )
 
 
@@ -227,7 +260,7 @@ def outlier_finding(*, step: int, action: str, values: dict[str, float], streak:
     )
 
 
-BATCH_STATISTICS_OUTLIER = Rule(
+BATCH_STATISTICS_OUTLIER: Rule[Spiked] = Rule(
     kind="batch_statistics_outlier",
     severity="warning",
     monitor="LossSpikeGuard",
@@ -244,8 +277,16 @@ BATCH_STATISTICS_OUTLIER = Rule(
         "put back). See [LossSpikeGuard](loss_spike.md#what-is-judged-and-when). An error when it "
         'raises (`action="raise"`).'
     ),
-    check=outlier_finding,
+    check=lambda ev: (
+        None
+        if ev.spike
+        else outlier_finding(step=ev.step, action=ev.action, values=ev.values, streak=ev.streak)
+    ),
 )
 
+#: the rules of a step that got an action, in the order they are judged (on a :class:`Spiked`)
+STEP_RULES: tuple[Rule[Spiked], ...] = declare(LOSS_SPIKE, BATCH_STATISTICS_OUTLIER)
+#: the rule of the early-divergence watch (on a :class:`Diverged`)
+EARLY_RULES: tuple[Rule[Diverged], ...] = declare(EARLY_DIVERGENCE)
 #: every kind this monitor reports
-RULES = declare(LOSS_SPIKE, EARLY_DIVERGENCE, BATCH_STATISTICS_OUTLIER)
+RULES = (LOSS_SPIKE, EARLY_DIVERGENCE, BATCH_STATISTICS_OUTLIER)

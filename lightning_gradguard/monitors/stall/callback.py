@@ -46,10 +46,9 @@ from lightning_gradguard.monitors.stall.measure import (
     lr_configured,
     lr_now,
 )
-from lightning_gradguard.monitors.stall.rules import evidence_wanted, observe
+from lightning_gradguard.monitors.stall.rules import RULES, Judged, evidence_wanted
 from lightning_gradguard.monitors.stall.state import StallState
 from lightning_gradguard.monitors.stall.tags import CHARTS, STALL
-from lightning_gradguard.tags import charts_of
 
 
 class StallDetector(GradGuardCallback):
@@ -110,6 +109,8 @@ class StallDetector(GradGuardCallback):
         Trainer(callbacks=[stall := StallDetector()]).fit(model)
         print(stall.alerts)
     """
+
+    charts = CHARTS
 
     allowed_actions = ("warn", "stop", "raise")
     state_key_args = ("check_every_n_steps",)
@@ -303,16 +304,13 @@ class StallDetector(GradGuardCallback):
             class_profile=reading.class_profile,
         )
         self.last_check = check
-        found = observe(self.state, check)
+        self.state.update(check)
+        self._emit(trainer, check)
+        # each kind once per run; the symptoms read the causes named before them (``state.fired``)
+        evidence = Judged(state=self.state, check=check)
+        self.run_rules(trainer, RULES, evidence, step=check.step, admit=self.state.first_time)
         self._leaning = evidence_wanted(self.state) and self._lean.off is None
         self._lean.want(self._leaning)
-        self._emit(trainer, check)
-        alerts = []
-        for f in found:
-            alert = self.report_finding(trainer, f, step=check.step)
-            if alert is not None:
-                alerts.append(alert)
-        self.act(trainer, alerts)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -338,10 +336,6 @@ class StallDetector(GradGuardCallback):
         }
         self.last_logged = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
         _emit.log_scalars(trainer, self.last_logged, c.step)
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS)
 
 
 def _without_update(reading: StallReading) -> StallReading:

@@ -2,14 +2,18 @@
 check itself), in the order they are judged (causes first; the symptoms, a loss at chance or on a plateau,
 last: they defer to a cause found). Adding a rule is one more declaration here.
 
-A check is ``check(state, c)``: it reads the :class:`~lightning_gradguard.monitors.stall.state.StallState`
-(what earlier checks left, the streaks) and the new :class:`StallCheck`, and returns the
-:class:`Finding` that holds, or ``None``. Pure host math: no Trainer, no device.
+A check is ``check(evidence)`` (:class:`~lightning_gradguard.alerts.Check`): its evidence, a
+:class:`Judged`, holds the :class:`~lightning_gradguard.monitors.stall.state.StallState` (what earlier
+checks left, the streaks, the kinds named) and the new :class:`StallCheck`; it returns the :class:`Finding`
+that holds, or ``None``. The callback runs :data:`RULES` in their declared order
+(``GradGuardCallback.run_rules``). Pure host math: no Trainer, no device.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +28,15 @@ from lightning_gradguard.monitors.stall.check import (
 )
 from lightning_gradguard.monitors.stall.state import StallState
 
+
+@dataclass(frozen=True)
+class Judged:
+    """What a stall check reads: the run's state (already holding ``check``) and the check itself."""
+
+    state: StallState
+    check: StallCheck
+
+
 _LR_ZERO_HINT = "The LR is 0: check the scheduler and the optimizer's lr."
 _NO_GRADIENT_HINT = (
     "The optimizer stepped without gradients. In manual optimization, call `opt.zero_grad()` before "
@@ -33,7 +46,8 @@ _NO_GRADIENT_HINT = (
 
 
 # ------------------------------------------------------------------ update_below_precision
-def _below_precision(s: StallState, c: StallCheck) -> Finding | None:
+def _below_precision(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     r, rounding = s.thresholds, c.rounding
     # a run that learned is not stalled (16-bit weights stop moving once the steps shrink near the end)
     learning = s.smoothed is None or s.far_from_done()
@@ -107,7 +121,8 @@ UPDATE_BELOW_PRECISION = Rule(
 
 
 # ------------------------------------------------------------------ no_update
-def _no_update(s: StallState, c: StallCheck) -> Finding | None:
+def _no_update(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     if c.update_total is None or not s.streak(NO_UPDATE, c.update_total == 0.0):
         return None
     if s.checks_in_a_row(UPDATE_BELOW_PRECISION):
@@ -143,7 +158,8 @@ NO_UPDATE = Rule(
 
 
 # ------------------------------------------------------------------ clipped_updates
-def _clipped(s: StallState, c: StallCheck) -> Finding | None:
+def _clipped(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     # under an adaptive optimizer a gradient clipped 500x moves the weights as far as the raw one (the
     # usual AdamW + gradient_clip_val=1 of a MobileNetV2 or a small transformer): no finding
     shrunk = not c.adaptive and c.clip_ratio is not None and c.clip_ratio < 1.0 / s.thresholds.clip_factor
@@ -201,7 +217,8 @@ def _lr_finding(s: StallState, c: StallCheck, share: float, why: str) -> Finding
 _MIN_SPAN = 20
 
 
-def _schedule_collapse(s: StallState, c: StallCheck) -> Finding | None:
+def _schedule_collapse(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     """Read ahead: the schedule keeps the LR ``collapse_factor`` times below its peak for all but the
     first ``early_phase`` of the planned run (a per-epoch schedule stepped per batch)."""
     r, a = s.thresholds, c.ahead
@@ -260,7 +277,8 @@ LR_DECAYED = Rule(
 
 
 # ------------------------------------------------------------------ updates_collapsed
-def _collapse(s: StallState, c: StallCheck) -> Finding | None:
+def _collapse(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     r = s.thresholds
     ratios = {k: v for k, v in c.update_ratios.items() if math.isfinite(v)}
     if not ratios:
@@ -323,7 +341,8 @@ UPDATES_COLLAPSED = Rule(
 
 
 # ------------------------------------------------------------------ weight_decay_collapse
-def _weight_decay(s: StallState, c: StallCheck) -> Finding | None:
+def _weight_decay(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     r = s.thresholds
     layers = {
         k: dr for k, dr in c.decay.items() if dr[0] > 0 and math.isfinite(c.weight_norms.get(k, math.nan))
@@ -429,7 +448,8 @@ WEIGHT_DECAY_COLLAPSE = Rule(
 
 
 # ------------------------------------------------------------------ lr_jump
-def _lr_jump(s: StallState, c: StallCheck) -> Finding | None:
+def _lr_jump(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     factor = c.lr_max / c.lr_configured if c.lr_configured > 0 else 0.0
     if factor < s.thresholds.lr_jump_factor:
         return None
@@ -463,7 +483,8 @@ LR_JUMP = Rule(
 
 
 # ------------------------------------------------------------------ warmup_never_ends
-def _warmup(s: StallState, c: StallCheck) -> Finding | None:
+def _warmup(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     r, a = s.thresholds, c.ahead
     if (
         a is not None
@@ -532,7 +553,8 @@ WARMUP_NEVER_ENDS = Rule(
 
 
 # ------------------------------------------------------------------ warmup_missing
-def _no_warmup(s: StallState, c: StallCheck) -> Finding | None:
+def _no_warmup(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     """A transformer under an adaptive optimizer at its full LR from step 0, whose first updates rewrite
     ``warmup_ratio`` of the weights a step, on ``patience`` checks of the dense start."""
     r, ratio = s.thresholds, c.update_ratio_total
@@ -583,7 +605,8 @@ WARMUP_MISSING = Rule(
 
 
 # ------------------------------------------------------------------ dropout_too_high
-def _dropout(s: StallState, c: StallCheck) -> Finding | None:
+def _dropout(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     r, a = s.thresholds, c.ahead
     high = [(where, p) for where, p in a.dropouts if p >= r.dropout_note] if a is not None else []
     if not high:
@@ -626,7 +649,8 @@ DROPOUT_TOO_HIGH = Rule(
 
 
 # ------------------------------------------------------------------ sorted_labels
-def _sorted(s: StallState, c: StallCheck) -> Finding | None:
+def _sorted(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     r, labels = s.thresholds, c.labels
     if labels is None or not labels or sum(labels) < 8:
         return None
@@ -688,7 +712,8 @@ SORTED_LABELS = Rule(
 
 
 # ------------------------------------------------------------------ chance_level
-def _chance(s: StallState, c: StallCheck) -> Finding | None:
+def _chance(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     r, chance = s.thresholds, s.chance()
     low, high = s.chance_band()
     warm = c.lr_configured <= 0 or c.lr_max > r.warmup_lr_fraction * c.lr_configured
@@ -809,7 +834,8 @@ CHANCE_LEVEL = Rule(
 
 
 # ------------------------------------------------------------------ loss_plateau
-def _plateau(s: StallState, c: StallCheck) -> Finding | None:
+def _plateau(e: Judged) -> Finding | None:
+    s, c = e.state, e.check
     r = s.thresholds
     if s.smoothed is None or s.first_loss is None or c.step < r.warmup_steps:
         return None
@@ -852,8 +878,9 @@ LOSS_PLATEAU = Rule(
 )
 
 
-#: every stall rule, in the order they are judged
-RULES = declare(
+#: every stall rule, in the order they are judged: the causes first, the symptoms (a loss at chance or on a
+#: plateau) last, since they defer to a cause found
+RULES: tuple[Rule[Judged], ...] = declare(
     UPDATE_BELOW_PRECISION,  # before no_update: updates rounded away are not missing gradients
     NO_UPDATE,
     CLIPPED_UPDATES,
@@ -883,12 +910,12 @@ def evidence_wanted(s: StallState) -> bool:
 
 
 def observe(state: StallState, c: StallCheck) -> list[Finding]:
-    """Take one check into ``state`` and judge it: the findings that hold now (each kind once per run)."""
+    """Take one check into ``state`` and judge it, without reporting: the findings that hold now (each kind
+    once per run), as ``StallDetector`` reports them (its ``run_rules`` runs the same declarations)."""
     state.update(c)
-    found = []
-    for rule in sorted(RULES, key=lambda r: not r.cause):  # symptoms last: they defer to a cause found
-        f = rule.check(state, c) if rule.check is not None else None
-        if f is not None and f.kind not in state.fired:
-            found.append(f)
-            state.fired.add(f.kind)
-    return found
+    evidence = Judged(state=state, check=c)
+    return [f for rule in RULES for f in rule.findings(evidence) if state.first_time(f)]
+
+
+if any(a.cause < b.cause for a, b in itertools.pairwise(RULES)):  # a symptom before a cause
+    raise ValueError("stall RULES: declare the causes before the symptoms")

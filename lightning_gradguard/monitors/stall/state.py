@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from lightning_gradguard.alerts import Rule
+from lightning_gradguard.alerts import Finding, Rule
 from lightning_gradguard.core.runstate import LEFT_OUT, RunField, Stateful, Streaks, nothing
 from lightning_gradguard.functional.health import label_lean
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds, label_entropy, token_entropy
@@ -98,15 +98,22 @@ class StallState(Stateful):
     def __init__(self, thresholds: StallThresholds, num_classes: int | None = None) -> None:
         self.thresholds, self.num_classes = thresholds, num_classes
 
-    def count(self, rule: Rule, holds: bool) -> int:
+    def count(self, rule: Rule[Any], holds: bool) -> int:
         """The checks in a row on which ``rule``'s condition held, this one counted (0 when it does not)."""
         return self.streaks.update(rule.kind, holds)
 
-    def streak(self, rule: Rule, holds: bool) -> bool:
+    def first_time(self, finding: Finding) -> bool:
+        """Whether ``finding``'s kind is named for the first time this run (then it is noted as named)."""
+        if finding.kind in self.fired:
+            return False
+        self.fired.add(finding.kind)
+        return True
+
+    def streak(self, rule: Rule[Any], holds: bool) -> bool:
         """Count this check for ``rule`` (:meth:`count`): whether it held on ``patience`` checks in a row."""
         return self.count(rule, holds) >= self.thresholds.patience
 
-    def checks_in_a_row(self, rule: Rule) -> int:
+    def checks_in_a_row(self, rule: Rule[Any]) -> int:
         """The checks in a row on which ``rule``'s condition held, up to the last one counted."""
         return self.streaks.get(rule.kind, 0)
 

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_gradguard.alerts import Alert
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallback, guarded
 from lightning_gradguard.core.cadence import log_step, logging_interval, on_logging_step, optimizer_index
@@ -35,6 +34,7 @@ from lightning_gradguard.monitors.vanishing.rules import (
     EXPLODING_GRADIENT,
     RULES,
     VANISHING_GRADIENT,
+    Checked,
     GradientVerdict,
     Held,
     StepContext,
@@ -43,7 +43,6 @@ from lightning_gradguard.monitors.vanishing.rules import (
     opening_layers,
 )
 from lightning_gradguard.monitors.vanishing.tags import CHARTS, GRAD_FLOW
-from lightning_gradguard.tags import charts_of
 
 #: the detector's arguments that are :class:`VerdictRules`' thresholds (read once, not per check)
 _RULE_NAMES = tuple(f.name for f in fields(VerdictRules))
@@ -109,6 +108,8 @@ class VanishingExplodingDetector(GradGuardCallback):
         Trainer(callbacks=[detector := VanishingExplodingDetector()]).fit(model)
         # alerts: detector.alerts; chart: grad_flow/<layer> in the GradGuard custom-scalars section
     """
+
+    charts = CHARTS
 
     allowed_actions = ("warn", "stop", "raise")
     state_key_args = ("check_every_n_steps",)
@@ -184,10 +185,6 @@ class VanishingExplodingDetector(GradGuardCallback):
     def state_changed(self) -> None:
         """The forward order is watched once per run: again after a reset, or a checkpoint without it."""
         self._order_seen = bool(self.forward_order)
-
-    @override
-    def layout_charts(self) -> dict[str, list[str]]:
-        return charts_of(CHARTS)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -273,7 +270,7 @@ class VanishingExplodingDetector(GradGuardCallback):
             # are all-reduced, so every rank takes this branch together.)
             return
         self._log_flow(trainer, norms, verdict.flow, opt_idx)
-        alerts = self._strike(trainer, verdict, flags, opt_idx, rules, context)
+        self._strike(trainer, verdict, flags, opt_idx, rules, context)  # reports and acts
         # a spike does not move the baseline it is measured against, until it has been reported
         spiked = self.strikes.get(f"{opt_idx}:{EXPLODING_GRADIENT.kind}", 0) >= self.patience
         adopt = not verdict.spike or spiked
@@ -281,7 +278,6 @@ class VanishingExplodingDetector(GradGuardCallback):
             hist = self.history.setdefault(opt_idx, [])
             hist.append(verdict.total)
             del hist[: -self.history_size]
-        self.act(trainer, alerts)
 
     def _rules(self) -> VerdictRules:
         return VerdictRules(**{name: getattr(self, name) for name in _RULE_NAMES})
@@ -342,26 +338,14 @@ class VanishingExplodingDetector(GradGuardCallback):
         opt_idx: int,
         rules: VerdictRules,
         context: StepContext,
-    ) -> list[Alert]:
-        """Count the consecutive checks each condition held; report those that reached ``patience``."""
-        alerts: list[Alert] = []
-        for rule in RULES:
-            key = f"{opt_idx}:{rule.kind}"
-            if self.strikes.update(key, flags[rule.kind]) < self.patience or rule.check is None:
-                continue
-            held = Held(
-                verdict=verdict,
-                patience=self.patience,
-                history=self.history.get(opt_idx, []),
-                rules=rules,
-                context=context,
-            )
-            finding = rule.check(held)
-            # one cooldown per optimizer and kind: ``where`` (the top layers) moves from check to check
-            alert = self.report_finding(trainer, finding, step=int(trainer.global_step), cooldown_key=key)
-            if alert is not None:
-                alerts.append(alert)
-        return alerts
+    ) -> None:
+        """Count the consecutive checks each condition held; report those that reached ``patience``, then
+        act (:meth:`run_rules`)."""
+        history = self.history.get(opt_idx, [])
+        held = Held(verdict=verdict, patience=self.patience, history=history, rules=rules, context=context)
+        evidence = Checked(held=held, flags=flags, strikes=self.strikes, opt_idx=opt_idx)
+        # one cooldown per optimizer and kind: ``where`` (the top layers) moves from check to check
+        self.run_rules(trainer, RULES, evidence, cooldown=lambda f: f"{opt_idx}:{f.kind}")
 
     def _log_flow(self, trainer: pl.Trainer, norms: LayerNorms, flow: list[float], opt_idx: int) -> None:
         at, every = log_step(trainer), logging_interval(trainer, self.log_every_n_steps)

@@ -65,6 +65,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from lightning_gradguard.alerts import Finding, Rule, declare
+from lightning_gradguard.core.runstate import Streaks
 from lightning_gradguard.functional.health import (
     depth_ratio,
     flow_values,
@@ -327,6 +328,23 @@ class Held:
     context: StepContext = field(default_factory=StepContext)
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What the rules read on a check: the conditions it found (``flags``: kind -> held, agreed across
+    ranks), the streaks they remember (``strikes``, keyed ``"<optimizer>:<kind>"``) and, for the words,
+    :class:`Held`. A rule's check counts its condition once and words it when it held ``patience``
+    checks in a row."""
+
+    held: Held
+    flags: Mapping[str, bool]
+    strikes: Streaks
+    opt_idx: int
+
+    def reached(self, rule: Rule[Checked]) -> bool:
+        """Count ``rule``'s condition on this check; whether it has held ``patience`` checks in a row."""
+        return self.strikes.update(f"{self.opt_idx}:{rule.kind}", self.flags[rule.kind]) >= self.held.patience
+
+
 def exploding_finding(held: Held) -> Finding:
     """``exploding_gradient`` in words: message, hint, ``where`` (the largest layer) and data.
 
@@ -354,7 +372,11 @@ def exploding_finding(held: Held) -> Finding:
     return Finding(EXPLODING_GRADIENT, message, data, hint=hint, where=_where(verdict.top[:1]))
 
 
-EXPLODING_GRADIENT = Rule(
+def _exploding_held(ev: Checked) -> Finding | None:
+    return exploding_finding(ev.held) if ev.reached(EXPLODING_GRADIENT) else None
+
+
+EXPLODING_GRADIENT: Rule[Checked] = Rule(
     kind="exploding_gradient",
     severity="error",
     monitor="VanishingExplodingDetector",
@@ -366,7 +388,7 @@ EXPLODING_GRADIENT = Rule(
         "(the clip already bounds every update); the sustained rise stays. The hint suggests a "
         "`gradient_clip_val`, or under one a lower LR. See [detectors](detectors.md)."
     ),
-    check=exploding_finding,
+    check=_exploding_held,
 )
 
 
@@ -517,7 +539,11 @@ def vanishing_finding(held: Held) -> Finding:
     )
 
 
-VANISHING_GRADIENT = Rule(
+def _vanishing_held(ev: Checked) -> Finding | None:
+    return vanishing_finding(ev.held) if ev.reached(VANISHING_GRADIENT) else None
+
+
+VANISHING_GRADIENT: Rule[Checked] = Rule(
     kind="vanishing_gradient",
     severity="error",
     monitor="VanishingExplodingDetector",
@@ -536,8 +562,9 @@ VANISHING_GRADIENT = Rule(
         "BatchNorm/LayerNorm between layers and residual connections in deep nets; raise the learning rate "
         "only after those fixes."
     ),
-    check=vanishing_finding,
+    check=_vanishing_held,
 )
 
-#: every kind this monitor reports
-RULES = declare(EXPLODING_GRADIENT, VANISHING_GRADIENT)
+
+#: every kind this monitor reports, in the order they are judged
+RULES: tuple[Rule[Checked], ...] = declare(EXPLODING_GRADIENT, VANISHING_GRADIENT)

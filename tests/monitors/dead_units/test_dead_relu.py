@@ -18,12 +18,20 @@ from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_gradguard.alerts import GradGuardError
+from lightning_gradguard.alerts import Finding, GradGuardError
 from lightning_gradguard.core.sampling import NextCall
 from lightning_gradguard.functional.health import activity_counts, dead_units, saturation_counts, unit_dim
 from lightning_gradguard.monitors.dead_units.callback import DeadReLUMonitor
 from lightning_gradguard.monitors.dead_units.measure import MODE_ORDER, OUTSIDE_MODULES, ActivationCapture
-from lightning_gradguard.monitors.dead_units.rules import UnitCounts, UnitWindows, pool, window_summary
+from lightning_gradguard.monitors.dead_units.rules import (
+    RULES,
+    Sampled,
+    StepVerdict,
+    UnitCounts,
+    UnitWindows,
+    pool,
+    window_summary,
+)
 
 F = nn.functional
 DEAD, UNITS = 12, 16
@@ -77,17 +85,24 @@ def test_window_summary_and_pooling() -> None:
     assert step["a"].counts.tolist() == [1, 1, 1] and step["a"].samples == 4
 
 
+def _found(verdict: StepVerdict, learning: bool = False) -> list[Finding]:
+    """What the monitor's rules find in ``verdict``, run from their declarations."""
+    return [f for rule in RULES for f in rule.findings(Sampled(verdict=verdict, learning=learning))]
+
+
 def test_unit_windows_strikes_patience_and_state() -> None:
     windows = UnitWindows(size=2)
     dead = {"l": UnitCounts(saturation=False, counts=torch.tensor([0.0, 0.0, 5.0]), samples=8.0)}
     first = windows.update(dead, 0.5, 0.5, 2)
-    assert first.checks[0].full is False and first.dead_fractions == {} and first.findings == []
+    assert first.checks[0].full is False and first.dead_fractions == {} and _found(first) == []
     assert first.scalars == {"dead_relu/l": pytest.approx(2 / 3)} and first.suspicious
     assert list(first.rates) == ["activation_rate/l"]
     second = windows.update(dead, 0.5, 0.5, 2)
-    assert second.dead_fractions == {"l": pytest.approx(2 / 3)} and second.findings == []
+    assert second.dead_fractions == {"l": pytest.approx(2 / 3)} and _found(second) == []
     assert windows.strikes == {"dead_relu@l": 1}
-    (finding,) = windows.update(dead, 0.5, 0.5, 2).findings
+    verdict = windows.update(dead, 0.5, 0.5, 2)
+    assert _found(verdict, learning=True) == []  # a run that learns: dead units cost it nothing
+    (finding,) = _found(verdict)
     assert (finding.kind, finding.severity, finding.where) == ("dead_relu", "error", "l")
     assert finding.message.startswith("67% of the 3 units of l output 0") and "LeakyReLU" in finding.hint
     assert finding.data == {"fraction": pytest.approx(2 / 3), "threshold": 0.5, "units": 3.0, "window": 2.0}

@@ -28,6 +28,7 @@ from lightning_gradguard.core.base import DEFAULT_COOLDOWN_STEPS, GradGuardCallb
 from lightning_gradguard.core.cadence import DENSE_STEPS, log_step, optimizer_index
 from lightning_gradguard.core.lr import adaptive_eps, orthogonalized_share
 from lightning_gradguard.core.runstate import RunField, nothing
+from lightning_gradguard.core.state import warn_once
 from lightning_gradguard.core.stats import StepStats, step_stats
 from lightning_gradguard.core.validate import check_float, check_int
 from lightning_gradguard.monitors.stall.ahead import (
@@ -38,7 +39,7 @@ from lightning_gradguard.monitors.stall.ahead import (
     lr_ahead,
 )
 from lightning_gradguard.monitors.stall.check import StallCheck, StallThresholds
-from lightning_gradguard.monitors.stall.evidence import LabelLean
+from lightning_gradguard.monitors.stall.evidence import NO_EVIDENCE, LabelLean
 from lightning_gradguard.monitors.stall.measure import (
     StallProbe,
     StallReading,
@@ -309,8 +310,11 @@ class StallDetector(GradGuardCallback):
         # each kind once per run; the symptoms read the causes named before them (``state.fired``)
         evidence = Judged(state=self.state, check=check)
         self.run_rules(trainer, RULES, evidence, step=check.step, admit=self.state.first_time)
-        self._leaning = evidence_wanted(self.state) and self._lean.off is None
+        # from the state alone (the same on every rank, so that the ranks queue the same transfer)
+        self._leaning = evidence_wanted(self.state)
         self._lean.want(self._leaning)
+        if self._lean.error is not None:
+            warn_once(trainer, "stall:evidence", f"StallDetector: {self._lean.off}; {NO_EVIDENCE}")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

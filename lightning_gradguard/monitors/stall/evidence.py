@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_gradguard.core.compile import holds_compiled
 from lightning_gradguard.core.runstate import RunField, Stateful, nothing
+from lightning_gradguard.core.state import strict_mode
 from lightning_gradguard.core.transfer import HostTransfer
 from lightning_gradguard.functional.health import class_profile
 from lightning_gradguard.monitors.stall.measure import LEAN_KEY, class_targets
@@ -38,6 +39,11 @@ from lightning_gradguard.monitors.stall.measure import LEAN_KEY, class_targets
 MAX_CLASSES = 128
 #: the narrowest: among the relabelings of 2 or 3 classes no diagonal is rare (see ``label_lean``)
 MIN_CLASSES = 4
+#: what a failure of the measuring means for the run (said once)
+NO_EVIDENCE = (
+    "the outputs' lean toward the labels is not measured for the rest of the run (the chance rules judge "
+    "the loss alone). Please report this to lightning_gradguard with the model's layout."
+)
 
 
 def _logits(output: Any) -> Tensor | None:
@@ -75,6 +81,7 @@ class LabelLean(Stateful):
 
     def __init__(self) -> None:
         self.off: str | None = None
+        self.error: Exception | None = None  # what ended the measuring, if our code failed (said once)
         self.width = 0
         self._head: nn.Module | None = None
         self._handles: list[RemovableHandle] = []
@@ -86,10 +93,12 @@ class LabelLean(Stateful):
     # ------------------------------------------------------------------ every step, while wanted
     def batch_start(self, model: nn.Module, batch: Any) -> None:
         """A training batch begins: keep its class targets; on the first one that has them, find the head."""
+        if self.off is not None:
+            return
         self._targets = class_targets(batch)
-        if self._head is not None and not self._handles and self.off is None:  # a fit after the first
+        if self._head is not None and not self._handles:  # a fit after the first
             self._handles = [self._head.register_forward_hook(self._measure)]
-        if self._targets is not None and self._head is None and not self._finding and self.off is None:
+        if self._targets is not None and self._head is None and not self._finding:
             if holds_compiled(model):
                 self.off = "the model runs compiled code"
                 return
@@ -121,15 +130,29 @@ class LabelLean(Stateful):
         self._handles = [head.register_forward_hook(self._measure)]
 
     def _candidate(self, module: nn.Module, args: Any, output: Any) -> None:
-        z, y = _logits(output), self._targets
-        if z is not None and y is not None and z.shape[0] == y.shape[0]:
-            self._found = [(module, output)]  # the last one is the head: only its output is kept
+        try:  # inside the user's forward: a failure of ours ends the finding, never their step
+            z, y = _logits(output), self._targets
+            if z is not None and y is not None and z.shape[0] == y.shape[0]:
+                self._found = [(module, output)]  # the last one is the head: only its output is kept
+        except Exception as err:
+            self._fail(err)
+
+    def _fail(self, err: Exception) -> None:
+        if strict_mode():
+            raise err
+        self.error, self.off = err, f"it failed ({type(err).__name__}: {err})"
+        self._finding, self._found = False, []
+        self._remove()  # (PyTorch iterates over a copy of the module's hooks: removing one here is safe)
 
     def _measure(self, module: nn.Module, args: Any, output: Any) -> None:
         z, y = _logits(output), self._targets
         if z is None or y is None or z.shape[0] != y.shape[0] or z.shape[1] != self.width:
             return
-        sums, counts = class_profile(z, y)
+        try:  # inside the user's forward: a failure of ours ends the measuring, never their step
+            sums, counts = class_profile(z, y)
+        except Exception as err:
+            self._fail(err)
+            return
         if self._sums is None or self._counts is None or self._sums.shape != sums.shape:
             self._sums, self._counts = sums, counts
         elif self._sums.device != sums.device:  # read back from a checkpoint: on the CPU until now
@@ -154,17 +177,19 @@ class LabelLean(Stateful):
             self._remove()
 
     def queue(self, transfer: HostTransfer, world: bool, device: torch.device) -> None:
-        """Add the profile since the last check to the check's transfer (summed over the ranks: every rank
-        adds it under DDP, zeros where it measured nothing)."""
+        """Add the profile since the last check to the check's transfer. Under DDP every rank adds one of
+        the same size, ``MAX_CLASSES`` wide, whatever it measured (zeros where nothing, or where finding the
+        head failed on it alone), to be summed: the ranks' collective never depends on a rank's own luck."""
         sums, counts, self._sums, self._counts = self._sums, self._counts, None, None
-        if self._head is None or (sums is None and not world):
-            return
-        if sums is None or counts is None:
-            sums, counts = (
-                torch.zeros(self.width, self.width, device=device),
-                torch.zeros(self.width, device=device),
-            )
-        transfer.add(LEAN_KEY, torch.cat([sums.reshape(-1), counts]), reduce="sum" if world else None)
+        if world:
+            block = torch.zeros(MAX_CLASSES + 1, MAX_CLASSES, device=device)  # the sums, then the counts
+            if sums is not None and counts is not None:
+                k = sums.shape[0]
+                block[:k, :k] = sums
+                block[MAX_CLASSES, :k] = counts
+            transfer.add(LEAN_KEY, torch.cat([block[:MAX_CLASSES].reshape(-1), block[MAX_CLASSES]]), "sum")
+        elif sums is not None and counts is not None:
+            transfer.add(LEAN_KEY, torch.cat([sums.reshape(-1), counts]))
 
     def close(self) -> None:
         """Remove every hook of ours (the fit ended or failed)."""

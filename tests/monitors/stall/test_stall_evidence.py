@@ -11,6 +11,7 @@ The lean and its p are read back from the TensorBoard event file; the hooks are 
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -150,3 +151,27 @@ def test_a_compiled_model_is_recognized_without_running_it() -> None:
     other = nn.Linear(3, 2)
     other.compile()  # Module.compile(): its calls go through a compiled impl
     assert holds_compiled(nn.Sequential(other))
+
+
+def test_a_failure_of_the_measuring_inside_the_forward_is_one_warning_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lightning_gradguard.monitors.stall.evidence as evidence
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("an output we did not expect")
+
+    monkeypatch.delenv("GRADGUARD_STRICT", raising=False)  # a user's run, not the tests' strict mode
+    monkeypatch.setattr(evidence, "class_profile", broken)
+    model = Saddle()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        detector, hooks = run(model, 70)
+    assert len(model.losses) == 70  # every step of the user's forward ran
+    said = [str(w.message) for w in caught if "an output we did not expect" in str(w.message)]
+    assert len(said) == 1 and "judge the loss alone" in said[0]
+    # no evidence: the plateau is judged on its loss, as before the evidence existed
+    assert (
+        kinds(detector)[0] == ("chance_level", 59) and "Nor do its outputs" not in detector.alerts[0].message
+    )
+    assert hooks.seen["end"] == 0

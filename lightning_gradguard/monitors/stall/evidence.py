@@ -16,7 +16,7 @@ tensor (or carries one as ``.logits``: a Hugging Face output): found once, on th
 targets, by a hook on every module for that one forward; then one forward hook on that module, attached
 only while a chance rule may still judge (the loss at chance, no cause named), so a run that learns pays
 nothing after its first checks. Not measured for a compiled model (dynamo would trace our hook into its
-graph), for fewer than 4 or more than :data:`MAX_CLASSES` classes, or without class targets (token
+graph), for fewer than 4 or more than :data:`MAX_PROFILE` classes, or without class targets (token
 targets, a regression): the chance rules then judge the loss alone.
 """
 
@@ -36,9 +36,9 @@ from lightning_gradguard.functional.health import class_profile
 from lightning_gradguard.monitors.stall.measure import LEAN_KEY, class_targets
 
 #: the widest head whose class profile is measured (its ``K x K`` sums cross to the host at each check)
-MAX_CLASSES = 128
+MAX_PROFILE = 128
 #: the narrowest: among the relabelings of 2 or 3 classes no diagonal is rare (see ``label_lean``)
-MIN_CLASSES = 4
+MIN_PROFILE = 4
 #: what a failure of the measuring means for the run (said once)
 NO_EVIDENCE = (
     "the outputs' lean toward the labels is not measured for the rest of the run (the chance rules judge "
@@ -122,8 +122,8 @@ class LabelLean(Stateful):
             return
         head, output = found[-1]
         width = _logits(output).shape[1]  # type: ignore[union-attr]
-        if not MIN_CLASSES <= width <= MAX_CLASSES:
-            self.off = f"the classifier's {width} classes (measured: {MIN_CLASSES} to {MAX_CLASSES})"
+        if not MIN_PROFILE <= width <= MAX_PROFILE:
+            self.off = f"the classifier's {width} classes (measured: {MIN_PROFILE} to {MAX_PROFILE})"
             return
         self._head, self.width = head, width
         self._measure(head, None, output)
@@ -178,16 +178,16 @@ class LabelLean(Stateful):
 
     def queue(self, transfer: HostTransfer, world: bool, device: torch.device) -> None:
         """Add the profile since the last check to the check's transfer. Under DDP every rank adds one of
-        the same size, ``MAX_CLASSES`` wide, whatever it measured (zeros where nothing, or where finding the
+        the same size, ``MAX_PROFILE`` wide, whatever it measured (zeros where nothing, or where finding the
         head failed on it alone), to be summed: the ranks' collective never depends on a rank's own luck."""
         sums, counts, self._sums, self._counts = self._sums, self._counts, None, None
         if world:
-            block = torch.zeros(MAX_CLASSES + 1, MAX_CLASSES, device=device)  # the sums, then the counts
+            block = torch.zeros(MAX_PROFILE + 1, MAX_PROFILE, device=device)  # the sums, then the counts
             if sums is not None and counts is not None:
                 k = sums.shape[0]
                 block[:k, :k] = sums
-                block[MAX_CLASSES, :k] = counts
-            transfer.add(LEAN_KEY, torch.cat([block[:MAX_CLASSES].reshape(-1), block[MAX_CLASSES]]), "sum")
+                block[MAX_PROFILE, :k] = counts
+            transfer.add(LEAN_KEY, torch.cat([block[:MAX_PROFILE].reshape(-1), block[MAX_PROFILE]]), "sum")
         elif sums is not None and counts is not None:
             transfer.add(LEAN_KEY, torch.cat([sums.reshape(-1), counts]))
 

@@ -224,12 +224,16 @@ class StallDetector(GradGuardCallback):
         at = log_step(trainer)
         if self.due(at) and at != self._checked_at:
             self._note_labels(trainer, batch)  # the labels of every micro-batch of the check's step
-        if self._leaning:
+        if self._leaning and self._lean.off is None:  # a head it cannot measure costs no call per step
             self._lean_batch(trainer, pl_module, batch)
 
     @guarded
     def _note_labels(self, trainer: pl.Trainer, batch: Any) -> None:
         self._probe.note_labels(batch, self.num_classes)
+
+    @guarded
+    def _lean_end(self, trainer: pl.Trainer) -> None:
+        self._lean.batch_end()  # (on the first batch: the head is chosen here)
 
     @guarded
     def _lean_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
@@ -258,8 +262,8 @@ class StallDetector(GradGuardCallback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._leaning:
-            self._lean.batch_end()
+        if self._leaning and self._lean.off is None:
+            self._lean_end(trainer)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             scale = trainer.accumulate_grad_batches if self._automatic else 1

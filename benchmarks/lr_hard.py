@@ -41,6 +41,12 @@ Tasks (offline data only):
 * ``mlp_adam_b4_cls``: a classification MLP under Adam at batch 4 (make_classification, 4 classes);
 * ``cnn_bn``, ``logreg``: the easy tasks of ``benchmarks/lr_finder.py``, as a check that nothing regresses.
 
+Held-out sets (``--set heldout``, ``heldout2``, ``heldout3``), written as checks on ourselves and never used
+to choose a rule; ``heldout3``: a post-LN transformer encoder under AdamW with linear warm-up and decay to 0,
+a small ResNet (BatchNorm) under SGD Nesterov with weight decay and LR / 10 steps, a GRU forecaster under
+Adam with clipping, a tabular MLP (LayerNorm, dropout) under SGD momentum at batch 8, and a multi-label
+classifier (BCE) under NAdam with a cosine schedule.
+
 Optionally (``--real``, not scored) whether ``ours`` suggests anything on the ``mobilenet_v2`` and ``vit``
 entries of ``benchmarks/real_models.py`` with their recipes.
 
@@ -89,7 +95,13 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.tuner import Tuner
-from sklearn.datasets import load_digits, make_classification, make_friedman1, make_regression
+from sklearn.datasets import (
+    load_digits,
+    make_classification,
+    make_friedman1,
+    make_multilabel_classification,
+    make_regression,
+)
 from sklearn.model_selection import train_test_split
 from torch import nn
 
@@ -906,6 +918,363 @@ HELD_OUT_2 = {
 }
 
 
+# ------------------------------------------------------------------------------------------- held-out set 3
+# Written as a third check on ourselves, before any finder's result on it was seen: evaluated once (``--set
+# heldout3``), never used to choose a rule. Each task is a common recipe of its kind, unlike the 18 above:
+# a post-LN transformer encoder under the transformers recipe, a residual BatchNorm CNN under the ResNet
+# recipe, a GRU forecaster, a tabular MLP with LayerNorm and dropout at batch 8, a multi-label classifier.
+class WarmupLinear:
+    """LR multiplier: linear warm-up from 0 over ``warmup`` of ``total`` steps, then linear decay to 0 (the
+    transformers library's ``get_linear_schedule_with_warmup``)."""
+
+    def __init__(self, total: int, warmup: float = 0.1) -> None:
+        self.total = total
+        self.warm = max(1, round(warmup * total))
+
+    def __call__(self, step: int) -> float:
+        if step < self.warm:
+            return step / self.warm
+        return max(0.0, (self.total - step) / max(1, self.total - self.warm))
+
+    def __repr__(self) -> str:
+        return f"WarmupLinear(total={self.total}, warm={self.warm})"
+
+
+class TenthSteps:
+    """LR multiplier: divided by 10 at 50 % and again at 75 % of ``total`` steps (the ResNet step recipe,
+    ``MultiStepLR(gamma=0.1)``)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+
+    def __call__(self, step: int) -> float:
+        return 0.01 if step >= 0.75 * self.total else 0.1 if step >= 0.5 * self.total else 1.0
+
+    def __repr__(self) -> str:
+        return f"TenthSteps(total={self.total})"
+
+
+# ----- k. sorted_transformer_adamw: is a sequence of digits sorted? A post-LN encoder, transformers recipe
+SORT_LEN = 12
+
+
+def _sorted_data() -> Data:
+    """Sequences of 12 tokens 0..9; half sorted (non-decreasing), half not: a sorted sequence shuffled (half
+    of them) or with two neighbours of different values swapped (the other half, the hard negatives); the
+    label, whether it is sorted."""
+    rng = np.random.default_rng(31)
+    n = 3000
+    x = np.sort(rng.integers(0, 10, size=(n, SORT_LEN)), axis=1)
+    y = rng.integers(0, 2, size=n)
+    for i in np.flatnonzero(y == 0):
+        while not np.any(np.diff(x[i]) < 0):
+            if rng.random() < 0.5:
+                x[i] = rng.permutation(x[i])
+            else:
+                a = int(rng.integers(0, SORT_LEN - 1))
+                x[i, a], x[i, a + 1] = x[i, a + 1], x[i, a]
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=31, stratify=y)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+class SortedEncoder(nn.Module):
+    """Token embedding + learned positions, ``nn.TransformerEncoder`` (2 post-LN layers d32 h4, ff 64,
+    dropout 0.1: PyTorch's defaults but the sizes), mean pool, a linear head."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, d)
+        self.pos = nn.Parameter(0.02 * torch.randn(SORT_LEN, d))
+        layer = nn.TransformerEncoderLayer(d, 4, 64, dropout=0.1, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x) + self.pos).mean(1))
+
+
+def sorted_transformer_adamw() -> Task:
+    data = _sorted_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(p, lr=lr, weight_decay=0.01)
+
+    return Task(
+        "sorted_transformer_adamw",
+        data,
+        SortedEncoder,
+        opt,
+        _ce,
+        steps=300,
+        batch=32,
+        chance=_prior_chance(data, 2),
+        grid=(-14, -2),
+        schedule=WarmupLinear,
+        what=f"is a sequence of {SORT_LEN} digits sorted (negatives: shuffled, or 2 neighbours swapped): "
+        "nn.TransformerEncoder 2 post-LN layers d32 h4 ff64 dropout 0.1, mean pool, AdamW wd 0.01, 10 % "
+        "linear warm-up then linear decay to 0, batch 32, 300 steps; a suggestion is the peak LR",
+        chance_what="predict the training class frequencies",
+    )
+
+
+# ----- l. resnet_bn_nesterov_step: a small ResNet on synthetic shapes, the ResNet recipe
+SHAPE_SIZE = 12
+
+
+def _shapes_data() -> Data:
+    """12x12 images of one of 4 shapes (a filled square, a square's outline, a plus, an X) of random size
+    and position, random brightness, on Gaussian noise 0.4; the label, the shape."""
+    rng = np.random.default_rng(37)
+    n = 2400
+    x = rng.normal(0.0, 0.4, size=(n, 1, SHAPE_SIZE, SHAPE_SIZE)).astype(np.float32)
+    y = rng.integers(0, 4, size=n)
+    for i in range(n):
+        s = int(rng.integers(2, 4))  # half-size: the shape spans 2 s + 1 pixels
+        r, c = rng.integers(s, SHAPE_SIZE - s, size=2)
+        v = rng.uniform(0.6, 1.4)
+        rows, cols = np.arange(r - s, r + s + 1), np.arange(c - s, c + s + 1)
+        patch = np.zeros((2 * s + 1, 2 * s + 1), dtype=np.float32)
+        if y[i] == 0:
+            patch[:] = 1.0
+        elif y[i] == 1:
+            patch[[0, -1], :] = 1.0
+            patch[:, [0, -1]] = 1.0
+        elif y[i] == 2:
+            patch[s, :] = 1.0
+            patch[:, s] = 1.0
+        else:
+            patch[np.arange(2 * s + 1), np.arange(2 * s + 1)] = 1.0
+            patch[np.arange(2 * s + 1), np.arange(2 * s, -1, -1)] = 1.0
+        x[i, 0, rows[:, None], cols[None, :]] += v * patch
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=37, stratify=y)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+class _ResBlock(nn.Module):
+    """conv-BN-ReLU-conv-BN plus the identity, then ReLU (a ResNet basic block, 3x3, same width)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            nn.Conv2d(c, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+class SmallResNet(nn.Module):
+    """A conv-BN-ReLU stem of 16 channels, two basic blocks, a 2x2 max-pool between, global average pool,
+    a linear head."""
+
+    def __init__(self, c: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, c, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            _ResBlock(c),
+            nn.MaxPool2d(2),
+            _ResBlock(c),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(c, classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def resnet_bn_nesterov_step() -> Task:
+    data = _shapes_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+
+    return Task(
+        "resnet_bn_nesterov_step",
+        data,
+        SmallResNet,
+        opt,
+        _ce,
+        steps=300,
+        batch=32,
+        chance=_prior_chance(data, 4),
+        grid=(-13, 3),
+        schedule=TenthSteps,
+        what=f"4 noisy shapes in {SHAPE_SIZE}x{SHAPE_SIZE} images: ResNet (BN stem 16, 2 basic blocks), SGD "
+        "Nesterov momentum 0.9 wd 5e-4, LR / 10 at 50 % and 75 %, batch 32, 300 steps; a suggestion is the "
+        "initial LR",
+        chance_what="predict the training class frequencies",
+    )
+
+
+# ----- m. gru_forecast_adam_clip: forecasting the next values of noisy sine mixtures, GRU, Adam, clipping
+FORECAST_IN, FORECAST_OUT = 32, 5
+
+
+def _forecast_data() -> Data:
+    """Windows of 32 values of a series (two sines of random periods 8..40 and phases, plus AR(1) noise
+    with coefficient 0.8) and the 5 values after them, as the target; standardised by the training series'
+    statistics."""
+    rng = np.random.default_rng(41)
+    n, length = 2400, FORECAST_IN + FORECAST_OUT
+    t = np.arange(length)
+    periods = rng.uniform(8, 40, size=(n, 2, 1))
+    phases = rng.uniform(0, 2 * np.pi, size=(n, 2, 1))
+    amps = rng.uniform(0.5, 1.5, size=(n, 2, 1))
+    series = (amps * np.sin(2 * np.pi * t / periods + phases)).sum(1)
+    noise = np.zeros((n, length))
+    eps = rng.normal(0.0, 0.3, size=(n, length))
+    for k in range(length):
+        noise[:, k] = (0.8 * noise[:, k - 1] if k else 0.0) + eps[:, k]
+    series = series + noise
+    xtr, xva, ytr, yva = train_test_split(
+        series[:, :FORECAST_IN], series[:, FORECAST_IN:], test_size=0.25, random_state=41
+    )
+    mu, sd = xtr.mean(), xtr.std()
+
+    def scaled(a: np.ndarray) -> torch.Tensor:
+        return torch.tensor(((a - mu) / sd).astype(np.float32))
+
+    return scaled(xtr), scaled(ytr), scaled(xva), scaled(yva)
+
+
+class GRUForecaster(nn.Module):
+    """A one-layer GRU of 32 over the window (one input per step); a linear head on its last state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(1, 32, batch_first=True)
+        self.head = nn.Linear(32, FORECAST_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x.unsqueeze(-1))
+        return self.head(out[:, -1])
+
+
+def gru_forecast_adam_clip() -> Task:
+    data = _forecast_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr)
+
+    return Task(
+        "gru_forecast_adam_clip",
+        data,
+        GRUForecaster,
+        opt,
+        _image_mse,
+        steps=300,
+        batch=32,
+        chance=_mse_chance(data),
+        grid=(-18, 0),
+        clip=1.0,
+        what=f"forecast the next {FORECAST_OUT} values from {FORECAST_IN} of sine mixtures + AR(1) noise: "
+        "GRU 32, last state, Adam, gradient_clip_val=1, MSE, batch 32, 300 steps",
+        chance_what="predict the training targets' mean",
+    )
+
+
+# ----- n. tabular_ln_dropout_sgd_b8: a tabular MLP with LayerNorm and dropout, 12 classes, momentum, batch 8
+def tabular_ln_dropout_sgd_b8() -> Task:
+    x, y = make_classification(
+        n_samples=2400,
+        n_features=30,
+        n_informative=16,
+        n_redundant=6,
+        n_classes=12,
+        n_clusters_per_class=1,
+        class_sep=1.5,
+        random_state=43,
+    )
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=43, stratify=y)
+    xtr, xva = _standardise(xtr, xva)
+    data = (torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva))
+
+    def mlp() -> nn.Module:
+        def block(i: int, o: int) -> list[nn.Module]:
+            return [nn.Linear(i, o), nn.LayerNorm(o), nn.ReLU(), nn.Dropout(0.2)]
+
+        return nn.Sequential(*block(30, 128), *block(128, 128), nn.Linear(128, 12))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr, momentum=0.9)
+
+    return Task(
+        "tabular_ln_dropout_sgd_b8",
+        data,
+        mlp,
+        opt,
+        _ce,
+        steps=400,
+        batch=8,
+        chance=_prior_chance(data, 12),
+        grid=(-16, 4),
+        what="make_classification 30 features (16 informative), 12 classes: MLP 128-128 with LayerNorm and "
+        "dropout 0.2, SGD momentum 0.9, batch 8, 400 steps",
+        chance_what="predict the training class frequencies",
+    )
+
+
+# ----- o. multilabel_nadam_cosine: multi-label classification (BCE) under NAdam and a cosine schedule
+def _bce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.binary_cross_entropy_with_logits(out, y)
+
+
+def _label_prior_chance(data: Data) -> float:
+    """Held-out binary cross-entropy (mean over the labels) of predicting each label's training frequency."""
+    ytr, yva = data[1], data[3]
+    p = ((ytr.sum(0) + 1.0) / (len(ytr) + 2.0)).double()  # add-one: no label has probability 0 or 1
+    return float(-(yva * torch.log(p) + (1 - yva) * torch.log(1 - p)).mean())
+
+
+def multilabel_nadam_cosine() -> Task:
+    x, y = make_multilabel_classification(
+        n_samples=2400, n_features=40, n_classes=15, n_labels=3, length=60, random_state=47
+    )
+    xtr, xva, ytr, yva = train_test_split(np.log1p(x), y, test_size=0.25, random_state=47)
+    xtr, xva = _standardise(xtr, xva)
+    f = np.float32
+    data = (torch.tensor(xtr), torch.tensor(ytr.astype(f)), torch.tensor(xva), torch.tensor(yva.astype(f)))
+
+    def mlp() -> nn.Module:
+        return nn.Sequential(nn.Linear(40, 256), nn.ReLU(), nn.Linear(256, 15))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.NAdam(p, lr=lr)
+
+    return Task(
+        "multilabel_nadam_cosine",
+        data,
+        mlp,
+        opt,
+        _bce,
+        steps=250,
+        batch=64,
+        chance=_label_prior_chance(data),
+        grid=(-20, 0),
+        schedule=Cosine,
+        what="make_multilabel_classification 40 count features (log1p, standardised), 15 labels (3 on "
+        "average): MLP 256, NAdam, BCE with logits, cosine to 0 per step, batch 64, 250 steps; a suggestion "
+        "is the peak LR",
+        chance_what="predict each label's training frequency",
+    )
+
+
+HELD_OUT_3 = {
+    "sorted_transformer_adamw": sorted_transformer_adamw,
+    "resnet_bn_nesterov_step": resnet_bn_nesterov_step,
+    "gru_forecast_adam_clip": gru_forecast_adam_clip,
+    "tabular_ln_dropout_sgd_b8": tabular_ln_dropout_sgd_b8,
+    "multilabel_nadam_cosine": multilabel_nadam_cosine,
+}
+
+
 # ----- f. the easy tasks of benchmarks/lr_finder.py
 def easy_tasks() -> list[Task]:
     from lr_finder import BATCH, tasks  # imported here: only these two tasks need that script
@@ -951,12 +1320,13 @@ SETS = {
     "main": TASK_NAMES,
     "heldout": tuple(HELD_OUT),
     "heldout2": tuple(HELD_OUT_2),
-    "all": (*TASK_NAMES, *HELD_OUT, *HELD_OUT_2),
+    "heldout3": tuple(HELD_OUT_3),
+    "all": (*TASK_NAMES, *HELD_OUT, *HELD_OUT_2, *HELD_OUT_3),
 }
 
 
 def build_tasks(names: list[str]) -> list[Task]:
-    builders = {**HARD, **HELD_OUT, **HELD_OUT_2}
+    builders = {**HARD, **HELD_OUT, **HELD_OUT_2, **HELD_OUT_3}
     out = [builders[n]() for n in names if n in builders]
     if any(n in EASY for n in names):
         out += [t for t in easy_tasks() if t.name in names]

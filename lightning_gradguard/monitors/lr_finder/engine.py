@@ -48,6 +48,7 @@ from lightning_gradguard.functional.lr_suggest import (
     sweep_lrs,
 )
 from lightning_gradguard.monitors.lr_finder.divergence import DivergenceMonitor
+from lightning_gradguard.monitors.lr_finder.holdout import split
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult, SearchResult
 from lightning_gradguard.monitors.lr_finder.schedule import Schedule, read_schedule, schedule_factors
 from lightning_gradguard.monitors.lr_finder.search import (
@@ -426,7 +427,16 @@ class RangeTest:
         first = take(training(), 1)
         count = eval_batch_count(first[0][0] if first else None, steps)
         held_out, skip, where = take(_validation_batches(trainer), count), 0, "validation batches"
-        if not held_out:  # the first batches of a pass from the snapshot's state: each trial skips them
+        by_sample = None if held_out or per_pass is not None else split(trainer.train_dataloader, count)
+        if by_sample is not None:  # samples the trials never train on (holdout.py)
+            trial_loader = by_sample.training
+
+            def training() -> Iterator[tuple[Any, int]]:
+                return _batches(trial_loader())
+
+            held_out = take(_batches(by_sample.held_out), len(by_sample.held_out))
+            where = f"{by_sample.samples} held-out training samples"
+        elif not held_out:  # the first batches of a pass from the snapshot's state: each trial skips them
             snapshot.restore()
             held_out, skip, where = take(training(), count), count, "held-out training batches"
         return CandidateSearch(

@@ -43,7 +43,9 @@ class SearchResult:
             batch-by-batch difference to it), the one nearest the sweep's suggestion (``None``: see
             ``reason``).
         bracket: the lowest and highest candidate of the first round.
-        evaluated_on: ``"validation batches"`` or ``"held-out training batches"``.
+        evaluated_on: ``"validation batches"``, ``"N held-out training samples"`` (a subset of the dataset
+            that the trials never train on) or ``"held-out training batches"`` (the first batches of a
+            pass, where the loader cannot be split by sample: ``holdout.py``).
         steps: optimizer steps the search took in all.
         seconds: its wall time.
         reason: why it chose nothing (empty when it chose): every candidate diverged, or none got its

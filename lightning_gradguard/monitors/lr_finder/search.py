@@ -7,8 +7,8 @@ bracket, each for the same short number of optimizer steps from the same start (
 before the sweep: same parameters, optimizer state, random numbers and batches), with the run's own
 optimizer, clipping, precision and accumulation, and its LR schedule compressed to the trial's length. Each
 candidate is scored by the loss it reached: the mean of ``training_step``'s loss over a fixed set of
-held-out batches (the validation loader's when the run has one, else training batches the trials never
-train on), in eval mode and without gradients.
+held-out batches (the validation loader's when the run has one, else training samples the trials never
+train on: :mod:`.holdout`), in eval mode and without gradients.
 
 Successive halving keeps the cost small: every candidate trains ``r`` steps; the best two, and one more
 point (between them where the losses' parabola in log-LR has its low, or half a grid step past the

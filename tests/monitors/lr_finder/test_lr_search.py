@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_gradguard import LRFinderPlus, lr_find
+from lightning_gradguard.monitors.lr_finder.holdout import split
 from lightning_gradguard.monitors.lr_finder.result import Trial
 from lightning_gradguard.monitors.lr_finder.schedule import compressed, schedule_factors
 from lightning_gradguard.monitors.lr_finder.search import choose, log_spaced, refinement
@@ -110,7 +111,7 @@ def test_the_search_trains_better_than_the_curves_steep_point() -> None:
     assert [t.steps for t in trials if t.round == 0] == [8] * 5
     assert all(t.steps == 16 for t in trials if t.round == 1) and 2 <= sum(t.round for t in trials) <= 3
     assert result.search.steps == sum(t.steps for t in trials) <= 90
-    assert result.search.evaluated_on == "held-out training batches"
+    assert result.search.evaluated_on == "256 held-out training samples"
 
 
 def test_a_sweep_still_falling_at_max_lr_is_extended_or_said(caplog: pytest.LogCaptureFixture) -> None:
@@ -437,3 +438,89 @@ def test_the_second_round_must_learn_more_than_the_first() -> None:
     assert plateau_note(first, lower) == ""
     assert _nothing_learned(lower[0], start) == ""
     assert "fell clearly below" in _nothing_learned(first[0], [1.0, 1.2, 0.8, 1.0])
+
+
+# ----------------------------------------------------------------------------------------- held out by sample
+class Recorder(LinReg):
+    """LinReg whose batches carry their samples' indices: it records, in order, which samples each call
+    of ``training_step`` saw and whether it trained (train mode, gradients on) or scored (eval mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[bool, list[int]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, ids = batch
+        self.calls.append((self.training and torch.is_grad_enabled(), ids.tolist()))
+        return super().training_step((x, y), batch_idx)
+
+
+def _indexed_loader(dataset: Any = None) -> Any:
+    x, y = _regression()
+    data = dataset or torch.utils.data.TensorDataset(x, y, torch.arange(len(x)))
+    return torch.utils.data.DataLoader(
+        data, batch_size=32, shuffle=dataset is None, generator=torch.Generator()
+    )
+
+
+def test_trials_longer_than_a_pass_never_train_on_the_samples_that_score_them() -> None:
+    """Without a validation loader the candidates are scored on training data. Trials of 36 and 72 steps
+    over a 32-batch pass start new, reshuffled passes: held out by batch, the scoring samples came back in
+    those passes and the trials trained on them (all 512, on main 0c8d888). Held out by
+    sample, no trial ever sees one."""
+    torch.manual_seed(0)
+    model = Recorder()
+    result = lr_find(
+        model,
+        _indexed_loader(),
+        trainer_kwargs={"accelerator": "cpu"},
+        progress=False,
+        search_steps=400,
+        max_lr=10.0,
+    )
+    assert result is not None and result.search is not None and result.search.trials
+    assert max(t.steps for t in result.search.trials) > 32  # longer than a pass
+    first_score = next(i for i, (trained, _) in enumerate(model.calls) if not trained)
+    scored = {i for trained, ids in model.calls if not trained for i in ids}
+    trained_in_trials = {i for trained, ids in model.calls[first_score:] if trained for i in ids}
+    assert trained_in_trials and not scored & trained_in_trials
+    assert len(scored) == 256  # eight batches' worth, a quarter of the data at most
+    assert len(trained_in_trials) == 1024 - 256  # the trials still train on all the rest
+    assert result.search.evaluated_on == "256 held-out training samples"
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self) -> Any:
+        x, y = _regression()
+        return iter(zip(x, y, torch.arange(len(x)), strict=True))
+
+
+def test_a_loader_that_cannot_be_split_by_sample_keeps_the_hold_out_by_batch() -> None:
+    torch.manual_seed(0)
+    result = lr_find(
+        Recorder(),
+        _indexed_loader(_Stream()),
+        trainer_kwargs={"accelerator": "cpu"},
+        progress=False,
+        search_steps=90,
+        max_lr=10.0,
+    )
+    assert result is not None and result.search is not None and result.search.trials
+    assert result.search.evaluated_on == "held-out training batches"
+
+
+def test_the_split_holds_out_at_most_a_quarter_and_gives_every_trial_the_same_passes() -> None:
+    x, y = _regression()
+    small = torch.utils.data.TensorDataset(x[:200], y[:200])
+    loader = torch.utils.data.DataLoader(small, batch_size=16, shuffle=True)
+    cut = split(loader, 32)
+    assert cut is not None and cut.samples == 50 and len(cut.rest) == 150
+    held = torch.cat([b[0] for b in cut.held_out])
+    assert len(held) == 50
+    a, b = ([batch[0] for loader in [cut.training()] for _ in range(2) for batch in loader] for _ in range(2))
+    assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)) and not torch.equal(a[0], a[10])
+    trained = torch.cat(a)
+    assert len(trained) == 300 and not (trained[:, None, :] == held[None, :, :]).all(-1).any()
+    assert split(torch.utils.data.DataLoader(small, batch_size=64), 32) is None  # two batches > a quarter
+    weighted = torch.utils.data.WeightedRandomSampler([1.0] * 200, 200)
+    assert split(torch.utils.data.DataLoader(small, batch_size=16, sampler=weighted), 4) is None

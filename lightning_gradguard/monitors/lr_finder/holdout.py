@@ -1,0 +1,105 @@
+"""Training samples that the search's trials never train on, for a run without a validation loader.
+
+Without a validation loader, the search scores its candidates on training data. Holding out the first
+batches of one pass is not enough: a trial longer than a pass starts a new, reshuffled pass, and the
+held-out samples come back inside its batches. From then on the trial trains on the samples that score
+it. The score then rewards the candidate that memorises them fastest, usually the largest LR, and it
+cannot show the overfitting that a long run at that LR ends in. 15 of the 23 tasks of
+``benchmarks/lr_hard.py`` ran trials of more than one pass.
+
+So where the training loader allows it, the split is by sample: a fixed random subset of the dataset's
+indices is held out. The trials draw their batches from a copy of the loader, re-created by Lightning's
+own helper with a sampler over the other indices (shuffled when the run's loader shuffles), and the
+same order is used for every candidate. A single ``DataLoader`` over a sized, map-style dataset with a
+``RandomSampler`` or a ``SequentialSampler`` qualifies. An iterable dataset, a custom sampler, a distributed
+sampler, several loaders or a batch limit do not, and there the first batches of a pass are held out as
+before (:func:`split` returns ``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
+
+#: at most this share of the dataset is held out (the trials keep the rest to train on)
+MAX_HELD_SHARE = 0.25
+
+#: the held-out subset and the trials' order are drawn from generators seeded with this (no global RNG)
+SEED = 0
+
+
+class IndexSampler(Sampler[int]):
+    """``indices`` in order, or (``shuffle``) in a new random order each pass, drawn from a generator
+    seeded when the sampler is made: every sampler made with the same arguments yields the same passes."""
+
+    def __init__(self, indices: Sequence[int], shuffle: bool, seed: int = SEED) -> None:
+        self.indices = list(indices)
+        self.shuffle = shuffle
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(self.indices)
+        order = torch.randperm(len(self.indices), generator=self.generator).tolist()
+        return iter([self.indices[i] for i in order])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+@dataclass(frozen=True)
+class Split:
+    """The held-out samples (``held_out``: a loader over them) and the rest (:meth:`training` makes a
+    fresh loader over them, the same passes each time)."""
+
+    loader: DataLoader
+    rest: list[int]
+    shuffle: bool
+    held_out: DataLoader
+    samples: int
+
+    def training(self) -> DataLoader:
+        return _update_dataloader(self.loader, IndexSampler(self.rest, self.shuffle))
+
+
+def split(loader: Any, batches: int) -> Split | None:
+    """Hold out ``batches`` batches' worth of samples of ``loader``'s dataset (at most
+    :data:`MAX_HELD_SHARE` of it, and at least two batches). ``None`` where the loader does not allow a
+    split by sample (see the module's docstring) or the dataset is too small for two held-out batches."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None
+    sampler, batch_size = loader.sampler, loader.batch_size
+    if type(sampler) not in (RandomSampler, SequentialSampler) or batch_size is None:
+        return None
+    if type(loader.batch_sampler) is not BatchSampler:
+        return None
+    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None):
+        return None
+    try:
+        size = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    count = min(batches * batch_size, int(MAX_HELD_SHARE * size))
+    if count < 2 * batch_size:
+        return None
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(SEED)).tolist()
+    held, rest = sorted(order[:count]), sorted(order[count:])
+    shuffle = isinstance(sampler, RandomSampler)
+    try:
+        held_out = _update_dataloader(loader, IndexSampler(held, shuffle=False))
+        _update_dataloader(loader, IndexSampler(rest, shuffle))  # fails here, not in a trial
+    except Exception:  # a loader that Lightning cannot re-create keeps the hold-out by batch
+        return None
+    return Split(loader=loader, rest=rest, shuffle=shuffle, held_out=held_out, samples=count)

@@ -15,16 +15,20 @@ LightningModule configures a warm-up + cosine schedule (``lm_warmup_cosine``) or
 gradients (``gru_lm_sgd_clip``), ours and Lightning's run on a Trainer with that ``gradient_clip_val``
 (torch-lr-finder has no clipping setting: it sweeps unclipped, as its users would).
 
-Scoring. Each task has a training budget (optimizer steps) and a held-out loss. A log grid of constant
-(or peak) learning rates, 4 points per decade, 3 seeds each, is trained; the best LR is the one with the
-lowest 3-seed mean. Each finder runs once per seed (0, 1, 2) and the task is trained at that seed's
-suggestion with that seed. A finder's ratio is the mean held-out loss of those trainings over the best
-grid mean (1.0: as good as the brute-force best). A refusal (no suggestion), and a training that ends no
-better than chance (a blow-up, whether its loss became non-finite or stayed finite), score the task's
-chance loss: the held-out loss of predicting the training prior (the training mean for a regression, the
-training class frequencies for a classification, the training characters' frequencies for the language
-model). Capping a finite blow-up at chance keeps one diverged training (a held-out loss of 250 nats) from
-deciding the mean over all tasks; ``ratio_uncapped`` in the JSON scores only non-finite losses as chance.
+Scoring. Each task has a training budget (optimizer steps) and a held-out loss. A log grid of constant (or
+peak) learning rates, 4 points per decade, 3 seeds each, is trained; the best LR is the one with the lowest
+3-seed mean. Each finder runs once per seed (0, 1, 2; ``--finder-seeds 6``: 0..5, as ``make bench-lr-hard``
+runs it, since three seeds of a finder's choices were too few to tell rules apart) and the task is trained at
+that seed's suggestion with that seed. A finder's ratio is the mean held-out loss of those trainings over the
+best grid mean (1.0: as good as the brute-force best). A refusal (no suggestion), and a training that ends no
+better than chance (a blow-up, whether its loss became non-finite or stayed finite), score the task's chance
+loss: the held-out loss of predicting the training prior (the training mean for a regression, the training
+class frequencies for a classification, the training characters' frequencies for the language model). Capping
+a finite blow-up at chance keeps one diverged training (a held-out loss of 250 nats) from deciding the mean
+over all tasks; ``ratio_uncapped`` in the JSON scores only non-finite losses as chance. ``ratio_expected``
+scores each suggestion by the grid's mean loss at it instead (linear in log-LR between grid points): how good
+that LR is over the grid's seeds, without the chaos of the one seed it is trained with (a digits CNN at a good
+LR blew up on one seed of six).
 
 Tasks (offline data only):
 

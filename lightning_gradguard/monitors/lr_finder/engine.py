@@ -427,7 +427,12 @@ class RangeTest:
         first = take(training(), 1)
         count = eval_batch_count(first[0][0] if first else None, steps)
         held_out, skip, where = take(_validation_batches(trainer), count), 0, "validation batches"
-        by_sample = None if held_out or per_pass is not None else split(trainer.train_dataloader, count)
+        # the micro-batches the longest trial draws after skipping held-out ones: past a pass, a held-out
+        # batch of the first pass comes back inside a later one, so the hold-out is by sample
+        drawn = count + 2 * steps * max(1, int(trainer.accumulate_grad_batches))
+        by_sample = (
+            None if held_out or per_pass is not None else split(trainer.train_dataloader, count, drawn)
+        )
         if by_sample is not None:  # samples the trials never train on (holdout.py)
             trial_loader = by_sample.training
 

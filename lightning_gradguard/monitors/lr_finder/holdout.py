@@ -1,19 +1,18 @@
 """Training samples that the search's trials never train on, for a run without a validation loader.
 
-Without a validation loader, the search scores its candidates on training data. Holding out the first
-batches of one pass is not enough: a trial longer than a pass starts a new, reshuffled pass, and the
-held-out samples come back inside its batches. From then on the trial trains on the samples that score
-it. The score then rewards the candidate that memorises them fastest, usually the largest LR, and it
-cannot show the overfitting that a long run at that LR ends in. 15 of the 23 tasks of
-``benchmarks/lr_hard.py`` ran trials of more than one pass.
+Without a validation loader, the search scores its candidates on training data. Holding out the first batches
+of one pass is not enough: a trial longer than a pass starts a new, reshuffled pass, and the held-out samples
+come back inside its batches. From then on the trial trains on the samples that score it. The score then
+rewards the candidate that memorises them fastest, and it cannot show the overfitting that a long run at that
+LR ends in. 15 of the 23 tasks of ``benchmarks/lr_hard.py`` ran trials of more than one pass.
 
-So where the training loader allows it, the split is by sample: a fixed random subset of the dataset's
-indices is held out. The trials draw their batches from a copy of the loader, re-created by Lightning's
-own helper with a sampler over the other indices (shuffled when the run's loader shuffles), and the
-same order is used for every candidate. A single ``DataLoader`` over a sized, map-style dataset with a
-``RandomSampler`` or a ``SequentialSampler`` qualifies. An iterable dataset, a custom sampler, a distributed
-sampler, several loaders or a batch limit do not, and there the first batches of a pass are held out as
-before (:func:`split` returns ``None``).
+So where a trial reaches a second pass and the training loader allows it, the split is by sample: a fixed
+random subset of the dataset's indices is held out. The trials draw their batches from a copy of the loader,
+re-created by Lightning's own helper with a sampler over the other indices (shuffled when the run's loader
+shuffles), and the same order is used for every candidate. A single ``DataLoader`` over a sized, map-style
+dataset with a ``RandomSampler`` or a ``SequentialSampler`` qualifies. An iterable dataset, a custom sampler,
+a distributed sampler, several loaders or a batch limit do not, and there the first batches of a pass are held
+out as before (:func:`split` returns ``None``).
 """
 
 from __future__ import annotations
@@ -74,11 +73,20 @@ class Split:
         return _update_dataloader(self.loader, IndexSampler(self.rest, self.shuffle))
 
 
-def split(loader: Any, batches: int) -> Split | None:
+def split(loader: Any, batches: int, drawn: int) -> Split | None:
     """Hold out ``batches`` batches' worth of samples of ``loader``'s dataset (at most
-    :data:`MAX_HELD_SHARE` of it, and at least two batches). ``None`` where the loader does not allow a
-    split by sample (see the module's docstring) or the dataset is too small for two held-out batches."""
+    :data:`MAX_HELD_SHARE` of it, and at least two batches), for trials that draw up to ``drawn`` batches
+    of a pass (the held-out ones included).
+
+    ``None`` where one pass holds them all (the first batches of a pass are then held out cleanly, and
+    the trials keep the run's own loader), where the loader does not allow a split by sample (see the
+    module's docstring), or where the dataset is too small for two held-out batches."""
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None
+    try:
+        if drawn <= len(loader):
+            return None
+    except TypeError:
         return None
     sampler, batch_size = loader.sampler, loader.batch_size
     if type(sampler) not in (RandomSampler, SequentialSampler) or batch_size is None:

@@ -111,7 +111,7 @@ def test_the_search_trains_better_than_the_curves_steep_point() -> None:
     assert [t.steps for t in trials if t.round == 0] == [8] * 5
     assert all(t.steps == 16 for t in trials if t.round == 1) and 2 <= sum(t.round for t in trials) <= 3
     assert result.search.steps == sum(t.steps for t in trials) <= 90
-    assert result.search.evaluated_on == "256 held-out training samples"
+    assert result.search.evaluated_on == "held-out training batches"  # 8 + 16 batches: within one pass
 
 
 def test_a_sweep_still_falling_at_max_lr_is_extended_or_said(caplog: pytest.LogCaptureFixture) -> None:
@@ -513,7 +513,7 @@ def test_the_split_holds_out_at_most_a_quarter_and_gives_every_trial_the_same_pa
     x, y = _regression()
     small = torch.utils.data.TensorDataset(x[:200], y[:200])
     loader = torch.utils.data.DataLoader(small, batch_size=16, shuffle=True)
-    cut = split(loader, 32)
+    cut = split(loader, 32, 100)
     assert cut is not None and cut.samples == 50 and len(cut.rest) == 150
     held = torch.cat([b[0] for b in cut.held_out])
     assert len(held) == 50
@@ -521,6 +521,7 @@ def test_the_split_holds_out_at_most_a_quarter_and_gives_every_trial_the_same_pa
     assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)) and not torch.equal(a[0], a[10])
     trained = torch.cat(a)
     assert len(trained) == 300 and not (trained[:, None, :] == held[None, :, :]).all(-1).any()
-    assert split(torch.utils.data.DataLoader(small, batch_size=64), 32) is None  # two batches > a quarter
+    assert split(loader, 2, 13) is None  # trials that stay within the pass of 13 batches need no split
+    assert split(torch.utils.data.DataLoader(small, batch_size=64), 32, 100) is None  # 2 batches > 1/4
     weighted = torch.utils.data.WeightedRandomSampler([1.0] * 200, 200)
-    assert split(torch.utils.data.DataLoader(small, batch_size=16, sampler=weighted), 4) is None
+    assert split(torch.utils.data.DataLoader(small, batch_size=16, sampler=weighted), 4, 100) is None

@@ -4,7 +4,8 @@ Without a validation loader, the search scores its candidates on training data. 
 of one pass is not enough: a trial longer than a pass starts a new, reshuffled pass, and the held-out samples
 come back inside its batches. From then on the trial trains on the samples that score it. The score then
 rewards the candidate that memorises them fastest, and it cannot show the overfitting that a long run at that
-LR ends in. 15 of the 23 tasks of ``benchmarks/lr_hard.py`` ran trials of more than one pass.
+LR ends in. On 13 of the 20 tasks of ``benchmarks/lr_hard.py`` whose sweep led to a search, the trials ran
+past one pass.
 
 So where a trial reaches a second pass and the training loader allows it, the split is by sample: a fixed
 random subset of the dataset's indices is held out. The trials draw their batches from a copy of the loader,

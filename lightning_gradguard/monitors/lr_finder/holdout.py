@@ -11,9 +11,10 @@ So where a trial reaches a second pass and the training loader allows it, the sp
 random subset of the dataset's indices is held out. The trials draw their batches from a copy of the loader,
 re-created by Lightning's own helper with a sampler over the other indices (shuffled when the run's loader
 shuffles), and the same order is used for every candidate. A single ``DataLoader`` over a sized, map-style
-dataset with a ``RandomSampler`` or a ``SequentialSampler`` qualifies. An iterable dataset, a custom sampler,
-a distributed sampler, several loaders or a batch limit do not, and there the first batches of a pass are held
-out as before (:func:`split` returns ``None``).
+dataset with a ``RandomSampler`` or a ``SequentialSampler`` qualifies, and so does the ``DistributedSampler``
+Lightning puts in their place under DDP (every rank holds out the same samples and takes its share of
+both sides). An iterable dataset, a custom sampler, several loaders or a batch limit do not, and there the
+first batches of a pass are held out as before (:func:`split` returns ``None``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    DistributedSampler,
     IterableDataset,
     RandomSampler,
     Sampler,
@@ -42,21 +44,29 @@ SEED = 0
 
 class IndexSampler(Sampler[int]):
     """``indices`` in order, or (``shuffle``) in a new random order each pass, drawn from a generator
-    seeded when the sampler is made: every sampler made with the same arguments yields the same passes."""
+    seeded when the sampler is made: every sampler made with the same arguments yields the same passes.
 
-    def __init__(self, indices: Sequence[int], shuffle: bool, seed: int = SEED) -> None:
+    Under DDP (``replicas`` > 1) every rank draws the same order and takes its share, every
+    ``replicas``-th index from its ``rank`` on, the order padded with its first indices to a multiple of
+    ``replicas`` as ``DistributedSampler`` pads it: every rank gets as many batches as the others."""
+
+    def __init__(
+        self, indices: Sequence[int], shuffle: bool, seed: int = SEED, replicas: int = 1, rank: int = 0
+    ) -> None:
         self.indices = list(indices)
         self.shuffle = shuffle
         self.generator = torch.Generator().manual_seed(seed)
+        self.replicas, self.rank = replicas, rank
 
     def __iter__(self) -> Iterator[int]:
-        if not self.shuffle:
-            return iter(self.indices)
-        order = torch.randperm(len(self.indices), generator=self.generator).tolist()
-        return iter([self.indices[i] for i in order])
+        order = self.indices
+        if self.shuffle:
+            order = [self.indices[i] for i in torch.randperm(len(order), generator=self.generator).tolist()]
+        padded = order + order[: len(self) * self.replicas - len(order)]
+        return iter(padded[self.rank :: self.replicas])
 
     def __len__(self) -> int:
-        return len(self.indices)
+        return -(-len(self.indices) // self.replicas)
 
 
 @dataclass(frozen=True)
@@ -70,8 +80,14 @@ class Split:
     held_out: DataLoader
     samples: int
 
+    replicas: int = 1
+    rank: int = 0
+
     def training(self) -> DataLoader:
-        return _update_dataloader(self.loader, IndexSampler(self.rest, self.shuffle))
+        return _update_dataloader(self.loader, self.sampler(self.rest, self.shuffle))
+
+    def sampler(self, indices: list[int], shuffle: bool) -> IndexSampler:
+        return IndexSampler(indices, shuffle, replicas=self.replicas, rank=self.rank)
 
 
 def split(loader: Any, batches: int, drawn: int) -> Split | None:
@@ -90,25 +106,36 @@ def split(loader: Any, batches: int, drawn: int) -> Split | None:
     except TypeError:
         return None
     sampler, batch_size = loader.sampler, loader.batch_size
-    if type(sampler) not in (RandomSampler, SequentialSampler) or batch_size is None:
-        return None
-    if type(loader.batch_sampler) is not BatchSampler:
-        return None
-    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None):
+    shards = _shards(sampler)
+    if shards is None or batch_size is None or type(loader.batch_sampler) is not BatchSampler:
         return None
     try:
         size = len(loader.dataset)  # type: ignore[arg-type]
     except TypeError:
         return None
-    count = min(batches * batch_size, int(MAX_HELD_SHARE * size))
-    if count < 2 * batch_size:
+    shuffle, replicas, rank = shards
+    count = min(batches * batch_size * replicas, int(MAX_HELD_SHARE * size))
+    if count < 2 * batch_size * replicas:
         return None
     order = torch.randperm(size, generator=torch.Generator().manual_seed(SEED)).tolist()
-    held, rest = sorted(order[:count]), sorted(order[count:])
-    shuffle = isinstance(sampler, RandomSampler)
+    cut = Split(loader, sorted(order[count:]), shuffle, loader, count, replicas, rank)
     try:
-        held_out = _update_dataloader(loader, IndexSampler(held, shuffle=False))
-        _update_dataloader(loader, IndexSampler(rest, shuffle))  # fails here, not in a trial
+        held_out = _update_dataloader(loader, cut.sampler(sorted(order[:count]), shuffle=False))
+        cut.training()  # fails here, not in a trial
     except Exception:  # a loader that Lightning cannot re-create keeps the hold-out by batch
         return None
-    return Split(loader=loader, rest=rest, shuffle=shuffle, held_out=held_out, samples=count)
+    return Split(loader, cut.rest, shuffle, held_out, count, replicas, rank)
+
+
+def _shards(sampler: Any) -> tuple[bool, int, int] | None:
+    """Whether ``sampler`` shuffles, and over how many ranks it shards and which one this is: ``None``
+    for a sampler this module does not replace (one that draws with replacement, a subset of its
+    samples, weights or a custom order)."""
+    if type(sampler) is SequentialSampler:
+        return False, 1, 0
+    if type(sampler) is RandomSampler:
+        plain = not sampler.replacement and sampler._num_samples is None
+        return (True, 1, 0) if plain else None
+    if type(sampler) is DistributedSampler and not sampler.drop_last:
+        return bool(sampler.shuffle), int(sampler.num_replicas), int(sampler.rank)
+    return None

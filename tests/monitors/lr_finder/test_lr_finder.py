@@ -1064,10 +1064,12 @@ def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     keys = ["lrs", "losses", "suggestions", "stop_reason", "applied_lr", "applied_lrs", "global_step"]
-    keys += ["epochs", "later", "search"]
+    keys += ["epochs", "later", "search", "evaluated_on"]
     for key in keys:
         assert ranks[0][key] == ranks[1][key], key
-    assert ranks[0]["epochs"] == [0, 1] and ranks[0]["global_step"] == 8  # the sweeps did not count
+    # 10-step trials over 8 batches a rank: held out by sample, a quarter of the 512 (64 on each rank)
+    assert ranks[0]["evaluated_on"] == "128 held-out training samples"
+    assert ranks[0]["epochs"] == [0, 1] and ranks[0]["global_step"] == 16  # the sweeps did not count
     # the sweep's steep point bracketed the search (same on both ranks: every loss is the ranks' mean)
     assert ranks[0]["suggestions"]["steep"] == ranks[0]["sweep_suggestion"] and len(ranks[0]["search"]) >= 4
     assert ranks[0]["first_applied"] in [lr for lr, _, _ in ranks[0]["search"]]

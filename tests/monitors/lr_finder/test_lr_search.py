@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_gradguard import LRFinderPlus, lr_find
-from lightning_gradguard.monitors.lr_finder.holdout import split
+from lightning_gradguard.monitors.lr_finder.holdout import IndexSampler, split
 from lightning_gradguard.monitors.lr_finder.result import Trial
 from lightning_gradguard.monitors.lr_finder.schedule import compressed, schedule_factors
 from lightning_gradguard.monitors.lr_finder.search import choose, log_spaced, refinement
@@ -525,3 +525,12 @@ def test_the_split_holds_out_at_most_a_quarter_and_gives_every_trial_the_same_pa
     assert split(torch.utils.data.DataLoader(small, batch_size=64), 32, 100) is None  # 2 batches > 1/4
     weighted = torch.utils.data.WeightedRandomSampler([1.0] * 200, 200)
     assert split(torch.utils.data.DataLoader(small, batch_size=16, sampler=weighted), 4, 100) is None
+
+
+def test_under_ddp_every_rank_takes_its_share_of_the_same_order() -> None:
+    shares = [list(IndexSampler(range(10), shuffle=True, replicas=3, rank=r)) for r in range(3)]
+    assert [len(s) for s in shares] == [4, 4, 4]  # padded, as DistributedSampler pads: equal batches
+    assert sorted(set().union(*shares)) == list(range(10))
+    order = [i for row in zip(*shares, strict=True) for i in row]  # the one order all ranks drew
+    assert sorted(order[:10]) == list(range(10)) and order[10:] == order[:2]
+    assert order != list(range(10))  # shuffled

@@ -79,7 +79,6 @@ class Split:
     shuffle: bool
     held_out: DataLoader
     samples: int
-
     replicas: int = 1
     rank: int = 0
 
@@ -92,12 +91,12 @@ class Split:
 
 def split(loader: Any, batches: int, drawn: int) -> Split | None:
     """Hold out ``batches`` batches' worth of samples of ``loader``'s dataset (at most
-    :data:`MAX_HELD_SHARE` of it, and at least two batches), for trials that draw up to ``drawn`` batches
-    of a pass (the held-out ones included).
+    :data:`MAX_HELD_SHARE` of it, and at least two batches on each rank), for trials that draw up to
+    ``drawn`` batches of a pass (the held-out ones included).
 
     ``None`` where one pass holds them all (the first batches of a pass are then held out cleanly, and
     the trials keep the run's own loader), where the loader does not allow a split by sample (see the
-    module's docstring), or where the dataset is too small for two held-out batches."""
+    module's docstring), or where the dataset is too small for two held-out batches a rank."""
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return None
     try:

@@ -83,10 +83,9 @@ class Split:
     rank: int = 0
 
     def training(self) -> DataLoader:
-        return _update_dataloader(self.loader, self.sampler(self.rest, self.shuffle))
-
-    def sampler(self, indices: list[int], shuffle: bool) -> IndexSampler:
-        return IndexSampler(indices, shuffle, replicas=self.replicas, rank=self.rank)
+        return _update_dataloader(
+            self.loader, IndexSampler(self.rest, self.shuffle, replicas=self.replicas, rank=self.rank)
+        )
 
 
 def split(loader: Any, batches: int, drawn: int) -> Split | None:
@@ -117,13 +116,15 @@ def split(loader: Any, batches: int, drawn: int) -> Split | None:
     if count < 2 * batch_size * replicas:
         return None
     order = torch.randperm(size, generator=torch.Generator().manual_seed(SEED)).tolist()
-    cut = Split(loader, sorted(order[count:]), shuffle, loader, count, replicas, rank)
+    held = IndexSampler(sorted(order[:count]), shuffle=False, replicas=replicas, rank=rank)
     try:
-        held_out = _update_dataloader(loader, cut.sampler(sorted(order[:count]), shuffle=False))
+        cut = Split(
+            loader, sorted(order[count:]), shuffle, _update_dataloader(loader, held), count, replicas, rank
+        )
         cut.training()  # fails here, not in a trial
     except Exception:  # a loader that Lightning cannot re-create keeps the hold-out by batch
         return None
-    return Split(loader, cut.rest, shuffle, held_out, count, replicas, rank)
+    return cut
 
 
 def _shards(sampler: Any) -> tuple[bool, int, int] | None:

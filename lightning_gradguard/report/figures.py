@@ -437,26 +437,27 @@ def lr_range_test(run: RunData, name: str) -> bytes | None:
 
 def _search_marks(ax: Any, search: dict[str, list[float]] | None) -> None:
     """The search after the range test: each candidate's loss against its LR on a right-hand axis
-    (triangles; the last round filled), the one chosen as a star."""
+    (triangles; the last round filled), the winner as a star (``won``; ``chosen`` in folders written before
+    the search suggested the winner's LR over ``SHORT_HORIZON``)."""
     if not search or not search.get("lr") or not search.get("loss"):
         return
     lrs, losses = search["lr"], search["loss"]
     rounds = search.get("round") or [0.0] * len(lrs)
-    chosen = search.get("chosen") or [0.0] * len(lrs)
+    won = search.get("won") or search.get("chosen") or [0.0] * len(lrs)
     points = [
-        (lr, v, r, c) for lr, v, r, c in zip(lrs, losses, rounds, chosen, strict=False) if math.isfinite(v)
+        (lr, v, r, w) for lr, v, r, w in zip(lrs, losses, rounds, won, strict=False) if math.isfinite(v)
     ]
     if not points:
         return
     right = ax.twinx()
     last = max(p[2] for p in points)
-    for lr, loss, round_, was_chosen in points:
+    for lr, loss, round_, was_won in points:
         face = "#7b3294" if round_ == last else "none"
         right.plot(
             [lr],
             [loss],
-            marker="*" if was_chosen else "^",
-            ms=11 if was_chosen else 6,
+            marker="*" if was_won else "^",
+            ms=11 if was_won else 6,
             color="#7b3294",
             mfc=face,
             ls="none",

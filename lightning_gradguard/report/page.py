@@ -277,7 +277,8 @@ def _figures(run: RunData) -> list[str]:
         if name in run.lr_searches:
             caption += (
                 " Purple (right axis): the loss each candidate of the search reached, filled in its last "
-                "round; the star: the one chosen."
+                "round; the star: the winner (the suggestion sits a little below it: short trials favour "
+                "large LRs)."
             )
         parts.append(f"<h2>LR range test</h2>{_img(image, name, caption)}")
     return parts

@@ -451,3 +451,22 @@ def test_the_range_test_chart_marks_no_suggestion_the_finder_rejected_as_noise()
         drawn = range_test_suggestions(columns)
         assert any(drawn.values()) is stands_out, drawn
     assert range_test_suggestions({"lr": lrs, "loss": noise}) == {}  # no smoothed curve: nothing drawn
+
+
+def test_the_search_marks_star_the_winner_in_new_and_old_run_folders() -> None:
+    """The search's CSV marks its winning candidate as ``won``; folders written before the suggestion sat
+    below the winner marked it ``chosen``. Both draw that candidate, and only it, as the star."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from lightning_gradguard.report.figures import _search_marks
+
+    base = {"lr": [0.01, 0.1, 0.05], "loss": [0.9, 0.4, 0.3], "round": [0.0, 0.0, 1.0]}
+    for column in ("won", "chosen"):
+        ax = Figure().add_subplot(1, 1, 1)
+        _search_marks(ax, {**base, column: [0.0, 0.0, 1.0]})
+        right = ax.figure.axes[-1]
+        stars = [line.get_xdata()[0] for line in right.get_lines() if line.get_marker() == "*"]
+        assert stars == [0.05], column

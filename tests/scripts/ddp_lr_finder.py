@@ -84,6 +84,7 @@ def main(out: Path) -> None:
                 "sweep_suggestion": result.sweep_suggestion,
                 "search": [[t.lr, t.steps, t.loss] for t in result.search.trials] if result.search else None,
                 "evaluated_on": result.search.evaluated_on if result.search else None,
+                "winner": result.search.winner if result.search else None,
                 "stop_reason": result.stop_reason,
                 "applied_lr": trainer.optimizers[0].param_groups[0]["lr"],
                 "first_applied": result.suggestion if result.applied else None,

@@ -18,6 +18,7 @@ from lightning_gradguard.alerts import write_atomically
 from lightning_gradguard.core import emit as _emit
 from lightning_gradguard.core.cadence import log_step
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+from lightning_gradguard.monitors.lr_finder.search import SHORT_HORIZON
 from lightning_gradguard.monitors.lr_finder.tags import LR_FINDER, LR_FINDER_CURVE
 
 log = logging.getLogger("lightning_gradguard")
@@ -88,7 +89,10 @@ def search_in_words(result: LRFinderResult) -> str:
     if not search.trials:
         return f"; no search: {search.reason}"
     tried = ", ".join(f"{t.lr:.2e}: {t.loss:.4g}" for t in search.trials)
-    chose = f"chose {search.chosen:.3e}" if search.chosen is not None else f"chose none ({search.reason})"
+    if search.chosen is not None and search.winner is not None:
+        chose = f"won {search.winner:.3e}, chose {search.chosen:.3e} (the winner over {SHORT_HORIZON:g})"
+    else:
+        chose = f"chose none ({search.reason})"
     if search.note:
         chose += f" ({search.note})"
     return (
@@ -154,17 +158,18 @@ def _write_csv(trainer: pl.Trainer, folder: str, result: LRFinderResult, suffix:
 
 def _write_search_csv(trainer: pl.Trainer, folder: str, result: LRFinderResult, suffix: str) -> None:
     """``lr_search<suffix>.csv`` in ``folder``: one row per candidate's training (round, lr, steps, the loss
-    it reached, its last quarter's training loss, whether it was chosen), written atomically."""
+    it reached, its last quarter's training loss, whether it won: the search suggests the winner's LR over
+    ``search.SHORT_HORIZON``), written atomically."""
     search = result.search
     if search is None or not search.trials:
         return
     buf = io.StringIO(newline="")
     writer = csv.writer(buf)
-    writer.writerow(["round", "lr", "steps", "loss", "train_loss", "chosen"])
+    writer.writerow(["round", "lr", "steps", "loss", "train_loss", "won"])
     last = max(t.round for t in search.trials)
     for t in search.trials:
-        chosen = int(t.round == last and search.chosen is not None and t.lr == search.chosen)
-        writer.writerow([t.round, t.lr, t.steps, t.loss, t.train_loss, chosen])
+        won = int(t.round == last and search.winner is not None and t.lr == search.winner)
+        writer.writerow([t.round, t.lr, t.steps, t.loss, t.train_loss, won])
     path = os.path.join(folder, f"lr_search{suffix}.csv")
     _emit.write_file(trainer, path, lambda: write_atomically(path, buf.getvalue()))
 

@@ -39,9 +39,11 @@ class SearchResult:
 
     Attributes:
         trials: every candidate's training, round by round.
-        chosen: of the last round's candidates whose loss is within one standard error of its lowest (their
+        winner: of the last round's candidates whose loss is within one standard error of its lowest (their
             batch-by-batch difference to it), the one nearest the sweep's suggestion (``None``: see
             ``reason``).
+        chosen: the LR the search suggests, ``winner`` over ``search.SHORT_HORIZON`` (1.25): short trials
+            favour large LRs (``None``: see ``reason``).
         bracket: the lowest and highest candidate of the first round.
         evaluated_on: ``"validation batches"``, ``"N held-out training samples"`` (a subset of the dataset
             that the trials never train on) or ``"held-out training batches"`` (the first batches of a
@@ -58,6 +60,7 @@ class SearchResult:
     """
 
     trials: list[Trial] = field(default_factory=list)
+    winner: float | None = None
     chosen: float | None = None
     bracket: tuple[float, float] = (math.nan, math.nan)
     evaluated_on: str = ""
@@ -180,4 +183,8 @@ class LRFinderResult:
                 tried, [1.0] * len(tried), "kv", ms=5, transform=ax.get_xaxis_transform(), label="searched"
             )
         if search.chosen is not None:
-            ax.axvline(search.chosen, color="k", lw=2, label=f"search {search.chosen:.2e} (chosen)")
+            label = f"search {search.chosen:.2e} (chosen)"
+            if search.winner is not None and search.winner != search.chosen:
+                over = search.winner / search.chosen
+                label = f"search {search.chosen:.2e} (chosen: its winner {search.winner:.2e} over {over:.3g})"
+            ax.axvline(search.chosen, color="k", lw=2, label=label)

@@ -41,6 +41,7 @@ from lightning_gradguard.functional.lr_suggest import (
     sweep_lrs,
 )
 from lightning_gradguard.monitors.lr_finder.divergence import DivergenceMonitor
+from lightning_gradguard.monitors.lr_finder.search import SHORT_HORIZON
 from tests.conftest import MemoryLogger, make_trainer
 
 
@@ -1064,7 +1065,7 @@ def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     keys = ["lrs", "losses", "suggestions", "stop_reason", "applied_lr", "applied_lrs", "global_step"]
-    keys += ["epochs", "later", "search", "evaluated_on"]
+    keys += ["epochs", "later", "search", "evaluated_on", "winner"]
     for key in keys:
         assert ranks[0][key] == ranks[1][key], key
     # 10-step trials over 8 batches a rank: held out by sample, a quarter of the 512 (64 on each rank)
@@ -1072,7 +1073,8 @@ def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     assert ranks[0]["epochs"] == [0, 1] and ranks[0]["global_step"] == 16  # the sweeps did not count
     # the sweep's steep point bracketed the search (same on both ranks: every loss is the ranks' mean)
     assert ranks[0]["suggestions"]["steep"] == ranks[0]["sweep_suggestion"] and len(ranks[0]["search"]) >= 4
-    assert ranks[0]["first_applied"] in [lr for lr, _, _ in ranks[0]["search"]]
+    assert ranks[0]["winner"] in [lr for lr, _, _ in ranks[0]["search"]]
+    assert ranks[0]["first_applied"] == pytest.approx(ranks[0]["winner"] / SHORT_HORIZON)
     assert ranks[0]["later"][0][2] == ranks[0]["applied_lr"]  # the mid-training test's LR is in use
     assert len(ranks[0]["lrs"]) >= 10 and len(ranks[0]["later"][0][0]) >= 10
     # the curve is the mean over the ranks of their own shard's loss

@@ -25,7 +25,7 @@ from lightning_gradguard import LRFinderPlus, lr_find
 from lightning_gradguard.monitors.lr_finder.holdout import IndexSampler, split
 from lightning_gradguard.monitors.lr_finder.result import Trial
 from lightning_gradguard.monitors.lr_finder.schedule import compressed, schedule_factors
-from lightning_gradguard.monitors.lr_finder.search import choose, log_spaced, refinement
+from lightning_gradguard.monitors.lr_finder.search import SHORT_HORIZON, choose, log_spaced, refinement
 from lightning_gradguard.report.read import read_run
 from tests.monitors.lr_finder.test_lr_finder import Net, Probe, _equal_nested, _loader, _same_state
 from tests.testkit import make_trainer
@@ -101,6 +101,10 @@ def test_the_search_trains_better_than_the_curves_steep_point() -> None:
     result = _lr_find(search_steps=90, max_lr=10.0)
     assert result is not None and result.search is not None and result.search.chosen is not None
     assert result.suggestion == result.search.chosen
+    # the suggestion sits below the last round's winner: short trials favour large LRs
+    last_round = [t.lr for t in result.search.trials if t.round == 1]
+    assert result.search.winner in last_round
+    assert result.search.chosen == pytest.approx(result.search.winner / SHORT_HORIZON)
     sweep_only = _lr_find(search_steps=0, max_lr=10.0)
     assert sweep_only.search is None and sweep_only.suggestion == result.sweep_suggestion
     assert result.suggestion > 3 * sweep_only.suggestion
@@ -252,7 +256,8 @@ def test_candidates_and_their_losses_go_to_tensorboard_the_csv_and_the_report(tm
     with open(Path(logger.log_dir) / "lr_search.csv") as fh:
         rows = list(csv.DictReader(fh))
     assert [float(r["lr"]) for r in rows] == [t.lr for t in search.trials]
-    assert sum(int(r["chosen"]) for r in rows) == 1
+    won = [float(r["lr"]) for r in rows if int(r["won"])]
+    assert won == [search.winner] and search.chosen == pytest.approx(won[0] / SHORT_HORIZON)
     run = read_run(logger.log_dir)
     assert run.lr_searches["lr_finder"]["lr"] == [t.lr for t in search.trials]
     assert len(run.scalars["lr_finder/search_lr"].values) == len(search.trials)
@@ -393,7 +398,7 @@ def test_the_refinement_is_a_trained_candidate_never_trusted_untrained() -> None
     assert extra is not None and second[:2] == best_two
     if all(max(extra / lr, lr / extra) > 1.1 for lr in best_two):
         assert second[2] == extra
-    assert search.chosen in second
+    assert search.winner in second
 
 
 def test_the_refinement_finds_a_parabolas_low_and_only_within_half_a_step() -> None:

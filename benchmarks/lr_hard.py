@@ -45,11 +45,15 @@ Tasks (offline data only):
 * ``mlp_adam_b4_cls``: a classification MLP under Adam at batch 4 (make_classification, 4 classes);
 * ``cnn_bn``, ``logreg``: the easy tasks of ``benchmarks/lr_finder.py``, as a check that nothing regresses.
 
-Held-out sets (``--set heldout``, ``heldout2``, ``heldout3``), written as checks on ourselves and never used
-to choose a rule; ``heldout3``: a post-LN transformer encoder under AdamW with linear warm-up and decay to 0,
-a small ResNet (BatchNorm) under SGD Nesterov with weight decay and LR / 10 steps, a GRU forecaster under
-Adam with clipping, a tabular MLP (LayerNorm, dropout) under SGD momentum at batch 8, and a multi-label
-classifier (BCE) under NAdam with a cosine schedule.
+Held-out sets (``--set heldout``, ``heldout2``, ``heldout3``, ``heldout4``), written as checks on ourselves
+and never used to choose a rule; ``heldout3``: a post-LN transformer encoder under AdamW with linear warm-up
+and decay to 0, a small ResNet (BatchNorm) under SGD Nesterov with weight decay and LR / 10 steps, a GRU
+forecaster under Adam with clipping, a tabular MLP (LayerNorm, dropout) under SGD momentum at batch 8, and a
+multi-label classifier (BCE) under NAdam with a cosine schedule; ``heldout4``: a MobileNet-style
+depthwise-separable CNN (GroupNorm) under AdamW with label smoothing and warm-up + cosine, a pre-LN
+transformer tagger under Adam (0.9, 0.98) with an inverse-square-root schedule, a convolutional VAE under
+Adam with exponential decay, a Poisson GLM under SGD momentum with poly decay, and a matrix-factorisation
+recommender (sparse embeddings) under SparseAdam.
 
 Optionally (``--real``, not scored) whether ``ours`` suggests anything on the ``mobilenet_v2`` and ``vit``
 entries of ``benchmarks/real_models.py`` with their recipes.
@@ -1279,6 +1283,399 @@ HELD_OUT_3 = {
 }
 
 
+# ------------------------------------------------------------------------------------------- held-out set 4
+# Written as a fourth check on ourselves, before any result of ours on it was seen (only the grid and the two
+# third-party finders were run): evaluated once (``--set heldout4``), never used to choose a rule. Each task
+# is a common recipe of a model family none of the 23 above has: a depthwise-separable CNN (GroupNorm) under
+# AdamW with label smoothing and warm-up + cosine, a pre-LN transformer tagger under the "Attention is all
+# you need" recipe (Adam (0.9, 0.98), inverse square root decay after a warm-up), a convolutional VAE under
+# Adam with exponential decay, a Poisson GLM under SGD momentum with the "poly" decay, and a
+# matrix-factorisation recommender under SparseAdam.
+class InverseSqrt:
+    """LR multiplier: linear warm-up over ``warmup`` of ``total`` steps, then decay as the inverse square root
+    of the step (the "Attention is all you need" schedule, fairseq's ``inverse_sqrt``), 1 at the warm-up's
+    end."""
+
+    def __init__(self, total: int, warmup: float = 0.1) -> None:
+        self.total = total
+        self.warm = max(1, round(warmup * total))
+
+    def __call__(self, step: int) -> float:
+        return min((step + 1) / self.warm, math.sqrt(self.warm / (step + 1)))
+
+    def __repr__(self) -> str:
+        return f"InverseSqrt(total={self.total}, warm={self.warm})"
+
+
+class ExpDecay:
+    """LR multiplier: ``gamma ** step`` with ``gamma`` such that the LR ends at ``final`` of its start
+    (``ExponentialLR``, stepped per step)."""
+
+    def __init__(self, total: int, final: float = 0.1) -> None:
+        self.total = total
+        self.gamma = final ** (1.0 / max(1, total))
+
+    def __call__(self, step: int) -> float:
+        return float(self.gamma**step)
+
+    def __repr__(self) -> str:
+        return f"ExpDecay(total={self.total}, gamma={self.gamma:.6f})"
+
+
+class PolyDecay:
+    """LR multiplier: ``(1 - step / total) ** power`` (``PolynomialLR``; power 0.9: DeepLab's "poly")."""
+
+    def __init__(self, total: int, power: float = 0.9) -> None:
+        self.total = total
+        self.power = power
+
+    def __call__(self, step: int) -> float:
+        return max(0.0, 1.0 - step / max(1, self.total)) ** self.power
+
+    def __repr__(self) -> str:
+        return f"PolyDecay(total={self.total}, power={self.power})"
+
+
+# ----- p. mobilenet_gn_adamw_smooth: a MobileNet-style CNN on digits, AdamW, label smoothing, warm-up, cosine
+SMOOTHING = 0.1
+
+
+def _ce_smooth(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y, label_smoothing=SMOOTHING)
+
+
+def _smoothed_prior_chance(data: Data, classes: int) -> float:
+    """Held-out label-smoothed cross-entropy of predicting the training class frequencies (add-one)."""
+    ytr, yva = data[1], data[3]
+    counts = torch.bincount(ytr, minlength=classes).double() + 1.0
+    logp = torch.log(counts / counts.sum())
+    return float(-((1 - SMOOTHING) * logp[yva] + SMOOTHING * logp.mean()).mean())
+
+
+def _sep(cin: int, cout: int, stride: int) -> list[nn.Module]:
+    """A depthwise 3x3 conv and a pointwise 1x1 conv, each followed by GroupNorm (4 groups) and ReLU6."""
+    return [
+        nn.Conv2d(cin, cin, 3, stride=stride, padding=1, groups=cin, bias=False),
+        nn.GroupNorm(4, cin),
+        nn.ReLU6(),
+        nn.Conv2d(cin, cout, 1, bias=False),
+        nn.GroupNorm(4, cout),
+        nn.ReLU6(),
+    ]
+
+
+class SepCNN(nn.Module):
+    """A MobileNet-v1-style CNN on 8x8 digits: a 3x3 conv stem of 16, three depthwise-separable blocks
+    (16-32, 32-64 at stride 2, 64-64), GroupNorm, global average pool, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 16, 3, padding=1, bias=False),
+            nn.GroupNorm(4, 16),
+            nn.ReLU6(),
+            *_sep(16, 32, 1),
+            *_sep(32, 64, 2),
+            *_sep(64, 64, 1),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def mobilenet_gn_adamw_smooth() -> Task:
+    data = _digits()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(p, lr=lr, weight_decay=0.05)
+
+    return Task(
+        "mobilenet_gn_adamw_smooth",
+        data,
+        SepCNN,
+        opt,
+        _ce_smooth,
+        steps=200,
+        batch=64,
+        chance=_smoothed_prior_chance(data, 10),
+        grid=(-18, 0),
+        schedule=WarmupCosine,
+        what="digits: MobileNet-style CNN (stem 16, 3 depthwise-separable blocks to 64, GroupNorm, ReLU6), "
+        f"AdamW wd 0.05, label smoothing {SMOOTHING}, 10 % warm-up + cosine, batch 64, 200 steps; a "
+        "suggestion is the peak LR",
+        chance_what="predict the training class frequencies (label-smoothed cross-entropy)",
+    )
+
+
+# ----- q. preln_tagger_inverse_sqrt: per-token tagging with a pre-LN transformer, Vaswani et al.'s recipe
+TAG_LEN, TAG_VOCAB = 16, 20
+
+
+def _duplicate_data() -> Data:
+    """Sequences of 16 tokens drawn from 20; each token's tag: whether the same token occurs elsewhere in
+    the sequence."""
+    rng = np.random.default_rng(53)
+    x = rng.integers(0, TAG_VOCAB, size=(3000, TAG_LEN))
+    same = x[:, :, None] == x[:, None, :]
+    y = (same.sum(-1) > 1).astype(np.int64)
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=53)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+class PreLNTagger(nn.Module):
+    """Token embedding + learned positions, 2 pre-LN blocks d32 h4 (no mask), a final LayerNorm, a linear
+    head per token."""
+
+    def __init__(self, d: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(TAG_VOCAB, d)
+        self.pos = nn.Parameter(0.02 * torch.randn(TAG_LEN, d))
+        self.blocks = nn.Sequential(*[_Block(d, heads, causal=False) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embed(x) + self.pos)))
+
+
+def preln_tagger_inverse_sqrt() -> Task:
+    data = _duplicate_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr, betas=(0.9, 0.98), eps=1e-9)
+
+    return Task(
+        "preln_tagger_inverse_sqrt",
+        data,
+        PreLNTagger,
+        opt,
+        _ce,
+        steps=300,
+        batch=32,
+        chance=_prior_chance(data, 2),
+        grid=(-16, 0),
+        schedule=InverseSqrt,
+        what=f"tag each of {TAG_LEN} tokens (of {TAG_VOCAB}) by whether it occurs elsewhere in the sequence: "
+        "pre-LN transformer 2 blocks d32 h4, Adam (0.9, 0.98) eps 1e-9, 10 % linear warm-up then inverse "
+        "square root decay, batch 32, 300 steps; a suggestion is the peak LR",
+        chance_what="predict the training tag frequencies",
+    )
+
+
+# ----- r. conv_vae_adam_exp: a convolutional VAE on digits under Adam and exponential decay
+VAE_LATENT = 8
+
+
+class ConvVAE(nn.Module):
+    """A convolutional VAE of 8x8 digits: conv 16, conv 32 at stride 2, a linear map to the posterior's mean
+    and log-variance (8 latents); a linear map back, a transposed conv, a conv to the pixels' logits. Its
+    output: the 64 logits, the mean and the log-variance, side by side; the latent is sampled in training,
+    its mean in evaluation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 16, 2 * VAE_LATENT),
+        )
+        self.dec = nn.Sequential(
+            nn.Linear(VAE_LATENT, 32 * 16),
+            nn.ReLU(),
+            nn.Unflatten(1, (32, 4, 4)),
+            nn.ConvTranspose2d(32, 16, 4, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 1, 3, padding=1),
+            nn.Flatten(),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, logvar = self.enc(x).chunk(2, dim=-1)
+        z = mu + torch.exp(0.5 * logvar) * torch.randn_like(mu) if self.training else mu
+        return torch.cat([self.dec(z), mu, logvar], dim=-1)
+
+
+def _pixel_entropy(y: torch.Tensor) -> torch.Tensor:
+    """Each image's summed Bernoulli entropy of its pixel intensities: the least cross-entropy any
+    reconstruction of it can reach."""
+    return -(torch.xlogy(y, y) + torch.xlogy(1 - y, 1 - y)).sum(-1)
+
+
+def _vae_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The negative ELBO per image, less the pixels' own entropy (a constant of the data, so that 0 is a
+    perfect reconstruction with the prior as posterior): the Bernoulli cross-entropy of the 64 pixels
+    (intensities in [0, 1]) summed, plus the KL divergence of the posterior from the standard normal; mean
+    over the batch."""
+    logits, mu, logvar = out[:, :64], out[:, 64 : 64 + VAE_LATENT], out[:, 64 + VAE_LATENT :]
+    rec = nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none").sum(-1)
+    kl = 0.5 * (mu**2 + logvar.exp() - 1.0 - logvar).sum(-1)
+    return (rec - _pixel_entropy(y) + kl).mean()
+
+
+def conv_vae_adam_exp() -> Task:
+    xtr, _, xva, _ = _digits()
+    data = (xtr, xtr, xva, xva)
+    mean = xtr.mean(0).clamp(1e-3, 1 - 1e-3)  # a pixel that is 0 in every training image: probability 1e-3
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr)
+
+    bce = nn.functional.binary_cross_entropy(mean.expand_as(xva), xva, reduction="none").sum(-1)
+    chance = float((bce - _pixel_entropy(xva)).mean())
+    return Task(
+        "conv_vae_adam_exp",
+        data,
+        ConvVAE,
+        opt,
+        _vae_loss,
+        steps=300,
+        batch=128,
+        chance=chance,
+        grid=(-18, 0),
+        schedule=ExpDecay,
+        what=f"VAE of digits (pixels / 16): conv encoder 16-32, {VAE_LATENT} latents, transposed-conv "
+        "decoder, Adam, negative ELBO (Bernoulli pixels + KL) less the pixels' entropy, ExponentialLR to 0.1 "
+        "of the LR over the run (per step), batch 128, 300 steps; a suggestion is the initial LR",
+        chance_what="predict the mean training image, posterior = prior (KL 0)",
+    )
+
+
+# ----- s. poisson_glm_sgd_poly: Poisson regression (log link) of counts, SGD momentum, poly decay
+def _count_regression_data() -> Data:
+    """Counts: 4000 rows of 13 features (8 Gaussian, a one-hot of a 4-level category, log-exposure), the
+    log-rate linear in them plus log-exposure (exposure 0.5..2); standardised features, raw counts."""
+    rng = np.random.default_rng(59)
+    n = 4000
+    gauss = rng.normal(size=(n, 8))
+    cat = np.eye(4)[rng.integers(0, 4, size=n)]
+    exposure = rng.uniform(0.5, 2.0, size=n)
+    w = np.array([0.6, -0.4, 0.3, 0.2, -0.2, 0.1, 0.0, 0.0])
+    log_rate = 0.8 + gauss @ w + cat @ np.array([0.0, 0.4, -0.3, 0.7]) + np.log(exposure)
+    y = rng.poisson(np.exp(log_rate)).astype(np.float32)
+    x = np.concatenate([gauss, cat, np.log(exposure)[:, None]], axis=1)
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=59)
+    xtr, xva = _standardise(xtr, xva)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+def _poisson_nll(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Poisson negative log-likelihood of the counts ``y`` under the log-rate ``out`` (exact, with log y!)."""
+    f = out.squeeze(-1)
+    return (torch.exp(f) - y * f + torch.lgamma(y + 1.0)).mean()
+
+
+def poisson_glm_sgd_poly() -> Task:
+    data = _count_regression_data()
+    ytr, yva = data[1], data[3]
+    rate = float(ytr.mean())
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr, momentum=0.9)
+
+    return Task(
+        "poisson_glm_sgd_poly",
+        data,
+        lambda: nn.Linear(13, 1),
+        opt,
+        _poisson_nll,
+        steps=200,
+        batch=64,
+        chance=float((rate - yva * math.log(rate) + torch.lgamma(yva + 1.0)).mean()),
+        grid=(-20, 0),
+        schedule=PolyDecay,
+        what="Poisson regression of synthetic counts (8 Gaussian features, a 4-level category, "
+        "log-exposure): a linear log-rate, SGD momentum 0.9, Poisson NLL, poly decay (power 0.9) to 0, "
+        "batch 64, 200 steps; a suggestion is the initial LR",
+        chance_what="predict the training mean count",
+    )
+
+
+# ----- t. mf_recommender_sparseadam: matrix factorisation of synthetic ratings, sparse embeddings
+MF_USERS, MF_ITEMS, MF_DIM = 400, 300, 16
+
+
+def _ratings_data() -> Data:
+    """Ratings 1..5 (rounded) of a rank-4 model with user and item biases, 20 % of the 400 x 300 pairs
+    observed; the inputs, (user, item) pairs; the target, the rating centred on the training mean."""
+    rng = np.random.default_rng(61)
+    u, v = rng.normal(0.0, 0.6, size=(MF_USERS, 4)), rng.normal(0.0, 0.6, size=(MF_ITEMS, 4))
+    bu, bi = rng.normal(0.0, 0.5, size=MF_USERS), rng.normal(0.0, 0.5, size=MF_ITEMS)
+    pairs = rng.permutation(MF_USERS * MF_ITEMS)[: MF_USERS * MF_ITEMS // 5]
+    users, items = pairs // MF_ITEMS, pairs % MF_ITEMS
+    score = 3.2 + bu[users] + bi[items] + (u[users] * v[items]).sum(1) + rng.normal(0.0, 0.5, size=len(pairs))
+    rating = np.clip(np.round(score), 1, 5)
+    x = np.stack([users, items], axis=1)
+    xtr, xva, ytr, yva = train_test_split(x, rating, test_size=0.25, random_state=61)
+    mu = ytr.mean()
+    f = np.float32
+    return (
+        torch.tensor(xtr),
+        torch.tensor((ytr - mu).astype(f)),
+        torch.tensor(xva),
+        torch.tensor((yva - mu).astype(f)),
+    )
+
+
+class MatrixFactorisation(nn.Module):
+    """User and item embeddings (16, initialised N(0, 0.1)) and biases (0), all ``sparse=True``; the rating:
+    the dot product plus both biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = nn.Embedding(MF_USERS, MF_DIM, sparse=True)
+        self.item = nn.Embedding(MF_ITEMS, MF_DIM, sparse=True)
+        self.user_bias = nn.Embedding(MF_USERS, 1, sparse=True)
+        self.item_bias = nn.Embedding(MF_ITEMS, 1, sparse=True)
+        for e in (self.user, self.item):
+            nn.init.normal_(e.weight, 0.0, 0.1)
+        for e in (self.user_bias, self.item_bias):
+            nn.init.zeros_(e.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u, i = x[:, 0], x[:, 1]
+        dot = (self.user(u) * self.item(i)).sum(-1)
+        return dot + self.user_bias(u).squeeze(-1) + self.item_bias(i).squeeze(-1)
+
+
+def mf_recommender_sparseadam() -> Task:
+    data = _ratings_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SparseAdam(list(p), lr=lr)
+
+    return Task(
+        "mf_recommender_sparseadam",
+        data,
+        MatrixFactorisation,
+        opt,
+        _mse,
+        steps=300,
+        batch=256,
+        chance=_mse_chance(data),
+        grid=(-16, 2),
+        what=f"ratings 1..5 of {MF_USERS} users x {MF_ITEMS} items (rank 4 + biases, 20 % observed): matrix "
+        f"factorisation (dim {MF_DIM}, sparse embeddings and biases), SparseAdam, MSE, batch 256, 300 steps",
+        chance_what="predict the training mean rating",
+    )
+
+
+HELD_OUT_4 = {
+    "mobilenet_gn_adamw_smooth": mobilenet_gn_adamw_smooth,
+    "preln_tagger_inverse_sqrt": preln_tagger_inverse_sqrt,
+    "conv_vae_adam_exp": conv_vae_adam_exp,
+    "poisson_glm_sgd_poly": poisson_glm_sgd_poly,
+    "mf_recommender_sparseadam": mf_recommender_sparseadam,
+}
+
+
 # ----- f. the easy tasks of benchmarks/lr_finder.py
 def easy_tasks() -> list[Task]:
     from lr_finder import BATCH, tasks  # imported here: only these two tasks need that script
@@ -1325,12 +1722,13 @@ SETS = {
     "heldout": tuple(HELD_OUT),
     "heldout2": tuple(HELD_OUT_2),
     "heldout3": tuple(HELD_OUT_3),
-    "all": (*TASK_NAMES, *HELD_OUT, *HELD_OUT_2, *HELD_OUT_3),
+    "heldout4": tuple(HELD_OUT_4),
+    "all": (*TASK_NAMES, *HELD_OUT, *HELD_OUT_2, *HELD_OUT_3, *HELD_OUT_4),
 }
 
 
 def build_tasks(names: list[str]) -> list[Task]:
-    builders = {**HARD, **HELD_OUT, **HELD_OUT_2, **HELD_OUT_3}
+    builders = {**HARD, **HELD_OUT, **HELD_OUT_2, **HELD_OUT_3, **HELD_OUT_4}
     out = [builders[n]() for n in names if n in builders]
     if any(n in EASY for n in names):
         out += [t for t in easy_tasks() if t.name in names]

@@ -38,6 +38,33 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
+#: keys of a dict batch that name its targets (the rest are its inputs): the transformers library's and the
+#: usual hand-written ones
+TARGET_KEYS = ("labels", "label", "targets", "target", "y")
+
+
+def mismatched(batch: Any) -> Any | None:
+    """``batch`` with every sample's inputs paired with another sample's targets (rolled by one along the
+    batch), or ``None`` where inputs and targets cannot be told apart. A tuple or list of two or more:
+    its first element is the inputs; a dict: every key but :data:`TARGET_KEYS`. Only tensors whose
+    leading dimension is the batch size (at least 2) are rolled."""
+    n = batch_size_of(batch)
+    if n is None or n < 2:
+        return None
+
+    def roll(t: Tensor) -> Tensor:
+        return torch.roll(t, 1, dims=0) if t.dim() >= 1 and t.shape[0] == n else t
+
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and any(True for _ in tensors_in(batch[0])):
+        rolled = [apply_to_collection(batch[0], Tensor, roll), *batch[1:]]
+        return tuple(rolled) if isinstance(batch, tuple) else rolled
+    if isinstance(batch, dict):
+        targets = [k for k in batch if k in TARGET_KEYS]
+        if targets and len(targets) < len(batch):
+            return {k: v if k in targets else apply_to_collection(v, Tensor, roll) for k, v in batch.items()}
+    return None
+
+
 def slice_batch(batch: Any, max_samples: int | None) -> Any:
     """Keep the first ``max_samples`` samples of every tensor whose leading dimension is the batch size."""
     n = batch_size_of(batch)

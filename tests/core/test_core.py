@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_gradguard import DeadReLUMonitor, OptimizerMonitor, VanishingExplodingDetector
-from lightning_gradguard.core.batch import batch_size_of, slice_batch, tensors_in
+from lightning_gradguard.core.batch import batch_size_of, mismatched, slice_batch, tensors_in
 from lightning_gradguard.core.cadence import check_due, next_due, on_logging_step, optimizer_index
 from lightning_gradguard.core.collective import gather, reduce_any
 from lightning_gradguard.core.transfer import HostTransfer
@@ -96,6 +96,21 @@ def test_batches_nested_tensors_sizes_and_slices() -> None:
     assert cut["inputs"][0].shape == (5, 3) and cut["labels"].tolist() == [0, 1, 2, 3, 4]
     assert cut["inputs"][1] is mask  # not batch-sized: untouched
     assert slice_batch(batch, None) is batch and slice_batch(batch, 100) is batch
+
+
+def test_mismatched_batches_pair_each_samples_inputs_with_another_samples_targets() -> None:
+    x, y, mask = torch.arange(8.0).reshape(4, 2), torch.arange(4), torch.ones(3)
+    rolled = mismatched((x, y))
+    assert isinstance(rolled, tuple) and rolled[1] is y
+    assert rolled[0][:, 0].tolist() == [6.0, 0.0, 2.0, 4.0]  # sample i's inputs are sample i-1's
+    nested = mismatched([[x, mask], y])
+    assert isinstance(nested, list) and nested[0][1] is mask and nested[0][0][0].tolist() == [6.0, 7.0]
+    named = mismatched({"input_ids": x, "attention_mask": x, "labels": y})
+    assert named is not None and named["labels"] is y
+    assert named["input_ids"][0].tolist() == named["attention_mask"][0].tolist() == [6.0, 7.0]
+    # where inputs and targets cannot be told apart, or one sample has nobody to swap with: nothing
+    assert mismatched(x) is None and mismatched({"a": x, "b": y}) is None and mismatched((x,)) is None
+    assert mismatched((x[:1], y[:1])) is None and mismatched({"labels": y}) is None
 
 
 def test_trial_calls_are_quiet_seeded_and_take_batch_idx_only_when_asked() -> None:

@@ -159,17 +159,18 @@ def _write_csv(trainer: pl.Trainer, folder: str, result: LRFinderResult, suffix:
 def _write_search_csv(trainer: pl.Trainer, folder: str, result: LRFinderResult, suffix: str) -> None:
     """``lr_search<suffix>.csv`` in ``folder``: one row per candidate's training (round, lr, steps, the loss
     it reached, its last quarter's training loss, whether it won: the search suggests the winner's LR over
-    ``search.SHORT_HORIZON``), written atomically."""
+    ``search.SHORT_HORIZON``; how much of its loss rests on its inputs, in the last round), written
+    atomically."""
     search = result.search
     if search is None or not search.trials:
         return
     buf = io.StringIO(newline="")
     writer = csv.writer(buf)
-    writer.writerow(["round", "lr", "steps", "loss", "train_loss", "won"])
+    writer.writerow(["round", "lr", "steps", "loss", "train_loss", "won", "input_dependence"])
     last = max(t.round for t in search.trials)
     for t in search.trials:
         won = int(t.round == last and search.winner is not None and t.lr == search.winner)
-        writer.writerow([t.round, t.lr, t.steps, t.loss, t.train_loss, won])
+        writer.writerow([t.round, t.lr, t.steps, t.loss, t.train_loss, won, t.input_dependence])
     path = os.path.join(folder, f"lr_search{suffix}.csv")
     _emit.write_file(trainer, path, lambda: write_atomically(path, buf.getvalue()))
 

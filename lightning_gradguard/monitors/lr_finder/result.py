@@ -23,6 +23,11 @@ class Trial:
         train_loss: the mean training loss of its last quarter of steps (``inf`` as ``loss``).
         batch_losses: the loss on each evaluation batch (empty when it diverged): the candidates of a
             round are compared batch by batch.
+        input_dependence: the rise of the held-out loss when every sample's inputs meet another sample's
+            targets, as a share of that mismatched loss (the last round only): near 0 for a model that
+            predicts the same for every input (the targets' frequencies), near 1 for one that uses its
+            inputs; ``nan`` where the batches' inputs and targets cannot be told apart, or the rise does
+            not stand out of the loss's noise.
     """
 
     lr: float
@@ -31,6 +36,7 @@ class Trial:
     loss: float
     train_loss: float
     batch_losses: tuple[float, ...] = ()
+    input_dependence: float = math.nan
 
 
 @dataclass(kw_only=True)

@@ -25,7 +25,13 @@ from lightning_gradguard import LRFinderPlus, lr_find
 from lightning_gradguard.monitors.lr_finder.holdout import IndexSampler, split
 from lightning_gradguard.monitors.lr_finder.result import Trial
 from lightning_gradguard.monitors.lr_finder.schedule import compressed, schedule_factors
-from lightning_gradguard.monitors.lr_finder.search import SHORT_HORIZON, choose, log_spaced, refinement
+from lightning_gradguard.monitors.lr_finder.search import (
+    INPUT_SHARE,
+    SHORT_HORIZON,
+    choose,
+    log_spaced,
+    refinement,
+)
 from lightning_gradguard.report.read import read_run
 from tests.monitors.lr_finder.test_lr_finder import Net, Probe, _equal_nested, _loader, _same_state
 from tests.testkit import make_trainer
@@ -104,6 +110,9 @@ def test_the_search_trains_better_than_the_curves_steep_point() -> None:
     # the suggestion sits below the last round's winner: short trials favour large LRs
     last_round = [t.lr for t in result.search.trials if t.round == 1]
     assert result.search.winner in last_round
+    # and it learned the task: pairing each sample's inputs with another's targets undoes most of it
+    won = next(t for t in result.search.trials if t.round == 1 and t.lr == result.search.winner)
+    assert won.input_dependence > 0.5
     assert result.search.chosen == pytest.approx(result.search.winner / SHORT_HORIZON)
     sweep_only = _lr_find(search_steps=0, max_lr=10.0)
     assert sweep_only.search is None and sweep_only.suggestion == result.sweep_suggestion
@@ -258,6 +267,8 @@ def test_candidates_and_their_losses_go_to_tensorboard_the_csv_and_the_report(tm
     assert [float(r["lr"]) for r in rows] == [t.lr for t in search.trials]
     won = [float(r["lr"]) for r in rows if int(r["won"])]
     assert won == [search.winner] and search.chosen == pytest.approx(won[0] / SHORT_HORIZON)
+    depends = [float(r["input_dependence"]) for r in rows]
+    assert depends == pytest.approx([t.input_dependence for t in search.trials], nan_ok=True)
     run = read_run(logger.log_dir)
     assert run.lr_searches["lr_finder"]["lr"] == [t.lr for t in search.trials]
     assert len(run.scalars["lr_finder/search_lr"].values) == len(search.trials)
@@ -384,6 +395,93 @@ def test_trials_that_learn_nothing_more_are_said_to(caplog: pytest.LogCaptureFix
     # a search whose second round learned more says nothing of the kind
     learning = _lr_find(search_steps=90, max_lr=10.0)
     assert learning.search is not None and learning.search.note == ""
+
+
+class Classifier(pl.LightningModule):
+    """A small MLP classifier of 16 features into 3 classes under Adam."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.lr = lr
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def _classes(informative: bool) -> Any:
+    """1,024 samples of 16 features; the labels follow the features (``informative``) or are drawn
+    with frequencies 0.7, 0.2, 0.1 whatever the features are."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 16, generator=g)
+    if informative:
+        y = (x[:, :3] + 0.3 * torch.randn(1024, 3, generator=g)).argmax(1)
+    else:
+        y = torch.multinomial(torch.tensor([0.7, 0.2, 0.1]), 1024, replacement=True, generator=g)
+    data = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, generator=g)
+
+
+def test_trials_that_learn_only_the_label_frequencies_do_not_choose() -> None:
+    """Regression: labels that do not depend on the inputs: all a model can learn is how often each label
+    occurs, from ln 3 = 1.10 down to their entropy, 0.80, at any LR that is not too small. The trials did
+    learn that (30 % below the loss before training), so the search ranked the LRs by noise among them
+    and applied its pick. Their losses barely rise when each sample's inputs meet another sample's
+    targets: the search now says so and the sweep's suggestion stands. Where the labels follow the
+    inputs, the same search chooses."""
+    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
+    torch.manual_seed(0)
+    frequencies = lr_find(Classifier(), _classes(informative=False), **kw)
+    assert frequencies is not None and frequencies.search is not None and frequencies.search.trials
+    last = [t for t in frequencies.search.trials if t.round == 1]
+    assert last and all(t.input_dependence < INPUT_SHARE for t in last if math.isfinite(t.input_dependence))
+    assert frequencies.search.chosen is None and "does not depend on the inputs" in frequencies.search.reason
+    assert frequencies.suggestion == frequencies.sweep_suggestion is not None
+    torch.manual_seed(0)
+    task = lr_find(Classifier(), _classes(informative=True), **kw)
+    assert task is not None and task.search is not None and task.search.chosen is not None
+    won = next(t for t in task.search.trials if t.round == 1 and t.lr == task.search.winner)
+    assert won.input_dependence > 0.5 and task.suggestion == task.search.chosen
+
+
+class AutoEncoder(Classifier):
+    """Reconstructs its 16 features through 4 (the labels in the batch go unused)."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__(lr)
+        self.net = nn.Sequential(nn.Linear(16, 4), nn.Linear(4, 16))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return nn.functional.mse_loss(self.net(x), x)
+
+
+class NoisyInputs(Classifier):
+    """The classifier with noise added to its inputs inside ``training_step``: a loss that differs from one
+    evaluation of the same batch to the next."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x + 0.3 * torch.randn_like(x)), y)
+
+
+@pytest.mark.parametrize("module", [AutoEncoder, NoisyInputs])
+def test_the_inputs_check_stays_silent_where_it_cannot_tell(module: type[pl.LightningModule]) -> None:
+    """An autoencoder's loss does not depend on how inputs and labels are paired; a loss with noise in it
+    differs between two evaluations of the same batches, and on labels that do not follow the inputs its
+    noise could pass for either answer. Neither gives evidence, and the search chooses as it would
+    without the check."""
+    torch.manual_seed(0)
+    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
+    result = lr_find(module(), _classes(informative=False), **kw)
+    assert result is not None and result.search is not None
+    last = [t for t in result.search.trials if t.round == 1]
+    assert last and all(math.isnan(t.input_dependence) for t in last)
+    assert "inputs" not in result.search.reason
 
 
 def test_the_refinement_is_a_trained_candidate_never_trusted_untrained() -> None:

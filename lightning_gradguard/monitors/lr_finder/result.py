@@ -26,8 +26,9 @@ class Trial:
         input_dependence: the rise of the held-out loss when every sample's inputs meet another sample's
             targets, as a share of that mismatched loss (the last round only): near 0 for a model that
             predicts the same for every input (the targets' frequencies), near 1 for one that uses its
-            inputs; ``nan`` where the batches' inputs and targets cannot be told apart, or the rise does
-            not stand out of the loss's noise.
+            inputs; ``nan`` where the batches' inputs and targets cannot be told apart, where the loss
+            does not depend on their pairing, or where a small rise meets a loss that differs between two
+            evaluations of the same batches (its noise could pass for either answer).
     """
 
     lr: float

@@ -247,8 +247,8 @@ class CandidateSearch:
         self.pl_module.eval()
         with torch.no_grad(), quiet_logging(self.pl_module):
             for batch, batch_idx in self.held_out:
-                prepared = prepare_batch(self.trainer, batch)
-                loss = self._loss(mismatched(prepared) if mismatch else prepared, batch_idx)
+                score = self._mismatched_loss if mismatch else self._loss
+                loss = score(prepare_batch(self.trainer, batch), batch_idx)
                 if loss is not None:
                     each.append(loss)
         if not each:
@@ -256,16 +256,25 @@ class CandidateSearch:
         return [float(v) for v in self._mean(torch.stack(each)).cpu()]
 
     def _loss(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
-        """``training_step``'s loss on ``batch`` (a 0-d float tensor); ``nan`` for a mismatched batch that
-        could not be built (``None``) or failed, ``None`` for a step that returned no loss."""
-        if batch is None:
-            return torch.tensor(math.nan, device=self.pl_module.device)
-        try:
-            out = self.trainer.strategy.training_step(batch, batch_idx)
-        except Exception:
-            return torch.tensor(math.nan, device=self.pl_module.device)
+        """``training_step``'s loss on ``batch`` (a 0-d float tensor); ``None`` for a step that returned no
+        loss."""
+        out = self.trainer.strategy.training_step(batch, batch_idx)
         loss = out["loss"] if isinstance(out, dict) else out
         return loss.detach().float().reshape(()) if isinstance(loss, torch.Tensor) else None
+
+    def _mismatched_loss(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The loss on ``batch`` with inputs and targets mismatched; ``nan`` where it cannot be built, the
+        step fails on it (a batch the user's code never meets: ours to absorb, not theirs to see) or
+        returns no loss."""
+        other = mismatched(batch)
+        nan = torch.tensor(math.nan, device=self.pl_module.device)
+        if other is None:
+            return nan
+        try:
+            loss = self._loss(other, batch_idx)
+        except Exception:
+            return nan
+        return nan if loss is None else loss
 
     def input_dependence(self, each: list[float]) -> float:
         """How much of the trained model's loss rests on its inputs: the rise of the held-out loss when

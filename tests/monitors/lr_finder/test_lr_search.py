@@ -484,6 +484,30 @@ def test_the_inputs_check_stays_silent_where_it_cannot_tell(module: type[pl.Ligh
     assert "inputs" not in result.search.reason
 
 
+class PairChecked(Classifier):
+    """Checks that every sample's label is the one it was drawn with (the last feature carries it): a
+    ``training_step`` that raises on any batch the data loader would never make."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if not torch.equal(x[:, -1].long(), y):
+            raise ValueError("a sample's features and label do not belong together")
+        return super().training_step((x[:, :-1], y), batch_idx)
+
+
+def test_a_step_that_fails_on_mismatched_inputs_costs_the_check_not_the_search() -> None:
+    torch.manual_seed(0)
+    x, y = next(iter(torch.utils.data.DataLoader(_classes(True).dataset, batch_size=1024)))
+    data = torch.utils.data.TensorDataset(torch.cat([x[:, :15], y[:, None].float()], 1), y)
+    loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=True)
+    model = PairChecked()
+    model.net[0] = nn.Linear(15, 32)
+    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
+    result = lr_find(model, loader, **kw)
+    assert result is not None and result.search is not None and result.search.chosen is not None
+    assert all(math.isnan(t.input_dependence) for t in result.search.trials)
+
+
 def test_the_refinement_is_a_trained_candidate_never_trusted_untrained() -> None:
     """The parabola's low point between the first round's best and its neighbours is trained in the second
     round beside the best two; the choice is one of the LRs trained there."""

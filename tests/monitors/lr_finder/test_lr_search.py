@@ -336,6 +336,16 @@ def test_the_schedule_is_read_to_its_end_and_compressed_to_a_trial() -> None:
     assert len(schedule_factors(_configs(warm3), opt3, 0.1, 120)) == 120  # type: ignore[arg-type]
     assert schedule_factors(SimpleNamespace(lr_scheduler_configs=[]), opt3, 0.1, None) == [1.0]  # type: ignore[arg-type]
     assert compressed([1.0], 4) == [1.0] * 4 and compressed([0.5, 1.0], 4) == [0.5, 0.5, 1.0, 1.0]
+    # a schedule that never settles, of unknown length: ten times its warm-up, or to a tenth of its peak
+    opt4 = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    inverse_sqrt = torch.optim.lr_scheduler.LambdaLR(opt4, lambda s: min((s + 1) / 30, (30 / (s + 1)) ** 0.5))
+    factors4 = schedule_factors(_configs(inverse_sqrt), opt4, 0.1, None)  # type: ignore[arg-type]
+    assert len(factors4) == 300 and factors4[29] == pytest.approx(1.0)
+    assert factors4[-1] == pytest.approx((30 / 300) ** 0.5, rel=0.01)
+    opt5 = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    exponential = torch.optim.lr_scheduler.ExponentialLR(opt5, gamma=0.1 ** (1 / 200))
+    factors5 = schedule_factors(_configs(exponential), opt5, 0.1, None)  # type: ignore[arg-type]
+    assert len(factors5) in (200, 201, 202) and factors5[-1] == pytest.approx(0.1, rel=0.02)
 
 
 def test_a_winner_that_only_learned_the_class_frequencies_learned_nothing() -> None:
@@ -506,6 +516,46 @@ def test_a_step_that_fails_on_mismatched_inputs_costs_the_check_not_the_search()
     result = lr_find(model, loader, **kw)
     assert result is not None and result.search is not None and result.search.chosen is not None
     assert all(math.isnan(t.input_dependence) for t in result.search.trials)
+
+
+class InverseSqrt(Classifier):
+    """The classifier under an inverse-square-root decay after a 30-step warm-up (the fairseq schedule),
+    which never stops changing; it records the LR of every training step it takes with gradients."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__(lr)
+        self.seen: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.seen.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / 30, (30 / (s + 1)) ** 0.5))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+
+def test_a_schedule_that_never_settles_is_squeezed_from_a_guessed_run_not_100000_steps() -> None:
+    """Regression: ``lr_find`` does not know the run's length, and an inverse-square-root schedule never
+    stops changing, so it was read to its 100,000-step limit and squeezed into each trial: after its first
+    step a trial ran at 2-9 % of the LR it stood for (a held-out transformer tagger's search then picked
+    LRs whose runs end at chance). The run is now taken to be ten times the warm-up: a trial warms up to
+    its candidate's LR and ends at sqrt(30 / 300) of it."""
+    torch.manual_seed(0)
+    model = InverseSqrt()
+    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
+    result = lr_find(model, _classes(informative=True), max_lr=1.0, **kw)
+    assert result is not None and result.search is not None and result.search.trials
+    first = result.search.trials[0]
+    trial = [
+        lr / first.lr for lr in model.seen[len(model.seen) - sum(t.steps for t in result.search.trials) :]
+    ]
+    trial = trial[: first.steps]
+    assert len(trial) == first.steps == 10
+    assert max(trial) > 0.9  # near the warm-up's end (the squeeze samples step 33 of 300): the candidate's LR
+    assert trial[-1] == pytest.approx((30 / 300) ** 0.5, rel=0.05)  # not 30 / 100,000 ** 0.5 = 0.017
 
 
 def test_the_refinement_is_a_trained_candidate_never_trusted_untrained() -> None:

@@ -39,6 +39,12 @@ from lightning_gradguard.monitors.lr_finder.tags import CHARTS
 #: the search's default budget in optimizer steps (see docs/lr_finder.md for what it costs)
 DEFAULT_SEARCH_STEPS = 300
 
+#: how many times the search runs again with trials twice as long when its trials learned nothing it can
+#: rank by: a model that needs longer than the default's 27- and 54-step trials to use its inputs (a ViT, a
+#: transformer tagger; docs/lr_finder.md); paid only there. ``MAX_SEARCH_RETRIES``: 64 times the trials
+DEFAULT_SEARCH_RETRIES = 2
+MAX_SEARCH_RETRIES = 6
+
 
 def _check_search_steps(value: Any) -> int | float:
     """``search_steps``: an int of at least 0 (steps), or a float in (0, 1] (a share of the first epoch)."""
@@ -135,6 +141,12 @@ class LRFinderPlus(GradGuardCallback):
             (0, 1], that share of the first epoch's optimizer steps; ``0``: the range test alone, as
             before the search existed (a sweep still falling at ``max_lr`` is then said, not extended).
         search_candidates: candidate LRs of the search's first round, log-spaced across the bracket.
+        search_retries: when the search's trials learned nothing it can rank the LRs by (no candidate got
+            clearly below the loss before training, or what the best learned does not depend on its inputs,
+            as a model that only learned how often each target occurs), run it again from the start with
+            trials twice as long, up to this many times; each retry costs twice the one before (the
+            default, 2, at most 7 times ``search_steps`` in all). ``0``: say so and keep the sweep's
+            suggestion.
 
     Example::
 
@@ -181,6 +193,7 @@ class LRFinderPlus(GradGuardCallback):
         max_sweeps: int | None = None,
         search_steps: int | float = DEFAULT_SEARCH_STEPS,
         search_candidates: int = 5,
+        search_retries: int = DEFAULT_SEARCH_RETRIES,
     ) -> None:
         # every finding is a warning, and a failed test already leaves the LR alone: nothing to act on
         super().__init__(action="warn", cooldown_steps=0)
@@ -205,6 +218,7 @@ class LRFinderPlus(GradGuardCallback):
         self.max_sweeps: int | None = check_int("max_sweeps", max_sweeps, 1, allow_none=True)
         self.search_steps: int | float = _check_search_steps(search_steps)
         self.search_candidates: int = check_int("search_candidates", search_candidates, 3, maximum=9)
+        self.search_retries: int = check_int("search_retries", search_retries, 0, maximum=MAX_SEARCH_RETRIES)
         self.min_points: int = min_points if min_points is not None else max(5, self.num_training // 10)
         self._stop_after = False  # set by lr_find: end the fit once the sweep is done
         self._standalone_bar = False  # set by lr_find: its Trainer's bars are off by lr_find's choice
@@ -256,6 +270,7 @@ class LRFinderPlus(GradGuardCallback):
             standalone_bar=self._standalone_bar,
             search_steps=self.search_steps,
             search_candidates=self.search_candidates,
+            search_retries=self.search_retries,
             run_length_known=not self._stop_after,
         )
         if not pl_module.automatic_optimization:  # a setup, not a failure: one INFO line for every check

@@ -57,8 +57,10 @@ from lightning_gradguard.monitors.lr_finder.search import (
     CandidateSearch,
     bracket,
     eval_batch_count,
+    joined,
     log_spaced,
     take,
+    too_short,
     trial_steps,
 )
 
@@ -128,6 +130,7 @@ class RangeTest:
     standalone_bar: bool = False  # lr_find's throwaway Trainer: its bars are off by lr_find's choice
     search_steps: int | float = 0  # 0: no search (and no extension of a sweep still falling at max_lr)
     search_candidates: int = 5
+    search_retries: int = 0  # runs of the search again, trials twice as long, while they learned nothing
     run_length_known: bool = True  # False in lr_find: its Trainer's length is not the run's
 
     def run(
@@ -392,17 +395,25 @@ class RangeTest:
             return
         snapshot.restore()
         factors = schedule_factors(trainer, optimizer, base[0], self.horizon(trainer, schedule))
-        search = self.candidate_search(trainer, pl_module, optimizer, base, snapshot, factors, steps)
         grid = log_spaced(*span, self.search_candidates)
-        total = len(grid) * steps + SECOND_ROUND * 2 * steps
-        bar = _progress_bar(trainer, total, "search") if self.shows_bar(trainer) else None
-        if bar is not None:
-            search.on_step = lambda: bar.update(1)
-        try:
-            result.search = search.run(grid, steps, prior=result.suggestion)
-        finally:
+
+        def attempt(steps: int, first_round: int) -> SearchResult:
+            search = self.candidate_search(trainer, pl_module, optimizer, base, snapshot, factors, steps)
+            total = len(grid) * steps + SECOND_ROUND * 2 * steps
+            bar = _progress_bar(trainer, total, "search") if self.shows_bar(trainer) else None
             if bar is not None:
-                bar.close()
+                search.on_step = lambda: bar.update(1)
+            try:
+                return search.run(grid, steps, prior=result.suggestion, first_round=first_round)
+            finally:
+                if bar is not None:
+                    bar.close()
+
+        attempts = [attempt(steps, 0)]
+        # trials that learned nothing the search can rank by: again, from the start, with trials twice as long
+        while too_short(attempts[-1]) and len(attempts) <= self.search_retries:
+            attempts.append(attempt(steps << len(attempts), 2 * len(attempts)))
+        result.search = joined(attempts)
         if result.search.chosen is not None:
             result.suggestion = result.search.chosen
 

@@ -16,7 +16,8 @@ class Trial:
 
     Attributes:
         lr: the candidate: the LR group 0 is configured with (under a schedule, the LR it scales).
-        round: the search round (0: every candidate; 1: the best two and one more point).
+        round: the search round (0: every candidate; 1: the best two and one more point; 2 and 3 the same
+            again with trials twice as long, after a retry: ``SearchResult.retries``).
         steps: optimizer steps it took (fewer than planned when its loss became non-finite).
         loss: the loss it reached: the mean over the evaluation batches after its last step (``inf``:
             its training loss became non-finite).
@@ -57,13 +58,19 @@ class SearchResult:
             pass, where the loader cannot be split by sample: ``holdout.py``).
         steps: optimizer steps the search took in all.
         seconds: its wall time.
-        reason: why it chose nothing (empty when it chose): every candidate diverged, or none got its
+        reason: why it chose nothing (empty when it chose): every candidate diverged, none got its
             loss clearly below the loss before training (two standard errors of the batch-by-batch
-            difference, and 2 % of its level) in its steps; the sweep's suggestion then stands.
-        note: said beside a choice (empty when there is nothing to say): the second round, twice the
-            steps, did not get its best loss clearly below the first round's, so the trials learned nothing
-            more after their first steps (raise ``search_steps`` for a model that learns slowly).
+            difference, and 2 % of its level) in its steps, or what the best learned does not depend on its
+            inputs (``search.INPUT_SHARE``); the sweep's suggestion then stands.
+        note: what is said beside the outcome (empty when there is nothing to say): that the search ran
+            again with longer trials (``retries``), and why; or that the second round, twice the steps, did
+            not get its best loss clearly below the first round's, so the trials learned nothing more after
+            their first steps (raise ``search_steps`` for a model that learns slowly).
         start_loss: the loss on the evaluation batches before any training.
+        retries: how many times the search ran again, its trials twice as long each time, because the
+            trials before chose nothing though a candidate trained without diverging (at most the
+            ``search_retries`` setting); ``steps``, ``seconds`` and ``trials`` count every run, whose
+            rounds follow on (a retry's are 2 and 3, the next one's 4 and 5).
     """
 
     trials: list[Trial] = field(default_factory=list)
@@ -76,6 +83,7 @@ class SearchResult:
     reason: str = ""
     start_loss: float = math.nan
     note: str = ""
+    retries: int = 0
 
 
 @dataclass

@@ -156,13 +156,16 @@ class CandidateSearch:
     evaluated_on: str
     on_step: Callable[[], None] = lambda: None
 
-    def run(self, grid: list[float], steps: int, prior: float | None = None) -> SearchResult:
+    def run(
+        self, grid: list[float], steps: int, prior: float | None = None, first_round: int = 0
+    ) -> SearchResult:
         """Train every LR of ``grid`` for ``steps`` steps, then the best two and a refinement for twice as
-        many; the last round's winner is chosen (:func:`choose`; ``prior``: the sweep's suggestion)."""
+        many; the last round's winner is chosen (:func:`choose`; ``prior``: the sweep's suggestion). The
+        rounds are numbered from ``first_round`` (a retry's follow its predecessor's)."""
         started = time.perf_counter()
         self.snapshot.restore()
         start = self.evaluate()  # the loss before any training: a winner must have learned something
-        first = [self.trial(lr, steps, 0, mismatch=len(grid) == 1) for lr in grid]
+        first = [self.trial(lr, steps, first_round, mismatch=len(grid) == 1) for lr in grid]
         trials, last = list(first), first
         ranked = sorted(first, key=lambda t: t.loss)
         if len(first) > 1 and math.isfinite(ranked[0].loss):
@@ -170,7 +173,7 @@ class CandidateSearch:
             extra = refinement(grid, [t.loss for t in first])
             if extra is not None and all(max(extra / lr, lr / extra) > SAME_LR for lr in second):
                 second.append(extra)
-            last = [self.trial(lr, 2 * steps, 1, mismatch=True) for lr in second]
+            last = [self.trial(lr, 2 * steps, first_round + 1, mismatch=True) for lr in second]
             trials += last
         best = choose(last, prior)
         reason = _nothing_learned(best, start)
@@ -335,16 +338,51 @@ def _nothing_learned(best: Trial, start: list[float]) -> str:
     if not _learned(best, start):
         return (
             f"no candidate's loss fell clearly below the loss before training ({_mean(start):.4g}) in "
-            f"{best.steps} steps: the trials are too short for this model (raise search_steps)"
+            f"{best.steps} steps: the trials are too short for this model"
         )
     if best.input_dependence < INPUT_SHARE:  # False for nan: no evidence either way
         return (
             f"the best candidate's held-out loss rose only {best.input_dependence:.1%} when each sample's "
             "inputs met another sample's targets: in "
             f"{best.steps} steps the trials learned what does not depend on the inputs (such as how often "
-            "each target occurs), not the task, so their losses cannot rank the LRs (raise search_steps)"
+            "each target occurs), not the task, so their losses cannot rank the LRs"
         )
     return ""
+
+
+def too_short(result: SearchResult) -> bool:
+    """Whether longer trials might choose where these could not: the search chose nothing, though a
+    candidate trained without diverging (its loss did not fall clearly below the start, or what it learned
+    does not depend on its inputs)."""
+    return result.chosen is None and any(math.isfinite(t.loss) for t in result.trials)
+
+
+def joined(attempts: list[SearchResult]) -> SearchResult:
+    """The search's outcome from its attempts, each one's trials twice as long as the one before (the
+    engine runs another while :func:`too_short`): the last one's choice and reason, every attempt's
+    trials, steps and seconds, and a note of the retries."""
+    last = attempts[-1]
+    retried = ""
+    if len(attempts) > 1:
+        first = attempts[0]
+        longest = max((t.steps for t in first.trials), default=0)
+        retried = (
+            f"in trials of up to {longest} steps, {first.reason}; the search ran {len(attempts) - 1} more "
+            f"time{'s' if len(attempts) > 2 else ''}, its trials twice as long each time"
+        )
+    return SearchResult(
+        trials=[t for a in attempts for t in a.trials],
+        winner=last.winner,
+        chosen=last.chosen,
+        bracket=attempts[0].bracket,
+        evaluated_on=last.evaluated_on,
+        steps=sum(a.steps for a in attempts),
+        seconds=sum(a.seconds for a in attempts),
+        reason=last.reason + (" (raise search_steps)" if too_short(last) else ""),
+        start_loss=last.start_loss,
+        note="; ".join(n for n in (retried, last.note) if n),
+        retries=len(attempts) - 1,
+    )
 
 
 def plateau_note(first: list[Trial], last: list[Trial]) -> str:

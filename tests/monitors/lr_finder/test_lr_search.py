@@ -441,8 +441,8 @@ def test_trials_that_learn_only_the_label_frequencies_do_not_choose() -> None:
     occurs, from ln 3 = 1.10 down to their entropy, 0.80, at any LR that is not too small. The trials did
     learn that (30 % below the loss before training), so the search ranked the LRs by noise among them
     and applied its pick. Their losses barely rise when each sample's inputs meet another sample's
-    targets: the search now says so and the sweep's suggestion stands. Where the labels follow the
-    inputs, the same search chooses."""
+    targets: the search now says so (after running again with longer trials, which learn no more) and the
+    sweep's suggestion stands. Where the labels follow the inputs, the same search chooses."""
     kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
     torch.manual_seed(0)
     frequencies = lr_find(Classifier(), _classes(informative=False), **kw)
@@ -450,12 +450,57 @@ def test_trials_that_learn_only_the_label_frequencies_do_not_choose() -> None:
     last = [t for t in frequencies.search.trials if t.round == 1]
     assert last and all(t.input_dependence < INPUT_SHARE for t in last if math.isfinite(t.input_dependence))
     assert frequencies.search.chosen is None and "does not depend on the inputs" in frequencies.search.reason
+    assert frequencies.search.retries == 2  # trials 4 times as long learn no more: nothing to learn
     assert frequencies.suggestion == frequencies.sweep_suggestion is not None
     torch.manual_seed(0)
     task = lr_find(Classifier(), _classes(informative=True), **kw)
     assert task is not None and task.search is not None and task.search.chosen is not None
     won = next(t for t in task.search.trials if t.round == 1 and t.lr == task.search.winner)
     assert won.input_dependence > 0.5 and task.suggestion == task.search.chosen
+
+
+class LateStarter(Classifier):
+    """Learns from its labels only after its first 30 training steps: before, every sample of a batch meets
+    the next sample's label (a model that needs longer than short trials to use its inputs, as a ViT or a
+    transformer tagger does). The count is a buffer, so each trial starts it again from the snapshot."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__(lr)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.training:
+            self.seen += 1
+            if int(self.seen) <= 30:
+                y = y.roll(1)
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def test_trials_too_short_to_learn_the_task_run_again_twice_as_long() -> None:
+    """Regression: trials of 10 and 20 steps end before this model meets a label of its own inputs, so none
+    learned the task and the search chose nothing, keeping the sweep's suggestion. It now runs again from
+    the start with trials twice as long, up to ``search_retries`` times, and chooses once they learned; the
+    note says why, every run's trials are kept, and ``search_retries=0`` keeps the old answer."""
+    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
+    torch.manual_seed(0)
+    result = lr_find(LateStarter(), _classes(informative=True), **kw)
+    assert result is not None and result.search is not None
+    search = result.search
+    assert search.retries >= 1 and search.chosen is not None and result.suggestion == search.chosen
+    first = [t for t in search.trials if t.round == 1]
+    assert first and max(t.steps for t in first) == 20
+    assert all(not t.input_dependence >= INPUT_SHARE for t in first)  # nan or below: nothing learned
+    last_round = 2 * search.retries + 1
+    won = next(t for t in search.trials if t.round == last_round and t.lr == search.winner)
+    assert won.steps == 20 << search.retries and won.input_dependence > INPUT_SHARE
+    assert search.steps == sum(t.steps for t in search.trials)
+    assert "the trials are too short" in search.note and "more time" in search.note
+    torch.manual_seed(0)
+    once = lr_find(LateStarter(), _classes(informative=True), search_retries=0, **kw)
+    assert once is not None and once.search is not None and once.search.chosen is None
+    assert once.search.retries == 0 and "raise search_steps" in once.search.reason
+    assert once.suggestion == once.sweep_suggestion
 
 
 class AutoEncoder(Classifier):

@@ -45,15 +45,20 @@ Tasks (offline data only):
 * ``mlp_adam_b4_cls``: a classification MLP under Adam at batch 4 (make_classification, 4 classes);
 * ``cnn_bn``, ``logreg``: the easy tasks of ``benchmarks/lr_finder.py``, as a check that nothing regresses.
 
-Held-out sets (``--set heldout``, ``heldout2``, ``heldout3``, ``heldout4``), written as checks on ourselves
-and never used to choose a rule; ``heldout3``: a post-LN transformer encoder under AdamW with linear warm-up
-and decay to 0, a small ResNet (BatchNorm) under SGD Nesterov with weight decay and LR / 10 steps, a GRU
-forecaster under Adam with clipping, a tabular MLP (LayerNorm, dropout) under SGD momentum at batch 8, and a
-multi-label classifier (BCE) under NAdam with a cosine schedule; ``heldout4``: a MobileNet-style
-depthwise-separable CNN (GroupNorm) under AdamW with label smoothing and warm-up + cosine, a pre-LN
-transformer tagger under Adam (0.9, 0.98) with an inverse-square-root schedule, a convolutional VAE under
-Adam with exponential decay, a Poisson GLM under SGD momentum with poly decay, and a matrix-factorisation
-recommender (sparse embeddings) under SparseAdam.
+Held-out sets (``--set heldout``, ``heldout2``, ``heldout3``, ``heldout4``, ``heldout5``), written as checks
+on ourselves and never used to choose a rule; ``heldout3``: a post-LN transformer encoder under AdamW with
+linear warm-up and decay to 0, a small ResNet (BatchNorm) under SGD Nesterov with weight decay and LR / 10
+steps, a GRU forecaster under Adam with clipping, a tabular MLP (LayerNorm, dropout) under SGD momentum at
+batch 8, and a multi-label classifier (BCE) under NAdam with a cosine schedule; ``heldout4``: a
+MobileNet-style depthwise-separable CNN (GroupNorm) under AdamW with label smoothing and warm-up + cosine, a
+pre-LN transformer tagger under Adam (0.9, 0.98) with an inverse-square-root schedule, a convolutional VAE
+under Adam with exponential decay, a Poisson GLM under SGD momentum with poly decay, and a
+matrix-factorisation recommender (sparse embeddings) under SparseAdam; ``heldout5``: a graph convolutional
+network (node classification in stochastic block model graphs) under Adam with L2 weight decay, a SimCLR-style
+contrastive encoder (NT-Xent) under SGD momentum at batch 256 with warm-up + cosine, a student distilled from
+a fixed teacher (soft targets at temperature 4) under SGD Nesterov with LR / 10 steps, a fastText-style
+bag-of-embeddings text classifier under plain SGD with a linear decay to 0, and a 1-D U-Net denoiser (Huber
+loss) under RAdam.
 
 Optionally (``--real``, not scored) whether ``ours`` suggests anything on the ``mobilenet_v2`` and ``vit``
 entries of ``benchmarks/real_models.py`` with their recipes.
@@ -92,6 +97,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
+from functools import partial
 from typing import Any
 
 import matplotlib
@@ -1676,6 +1682,369 @@ HELD_OUT_4 = {
 }
 
 
+# ------------------------------------------------------------------------------------------- held-out set 5
+# Written as a fifth check on ourselves, before any result of ours on it was seen (only the grid and the two
+# third-party finders were run): evaluated once (``--set heldout5``), never used to choose a rule. Each task
+# is a common recipe of a model family or training setting none of the 28 above has: a graph convolutional
+# network under Kipf and Welling's recipe (Adam, L2 weight decay 5e-4, dropout 0.5, a constant LR), a
+# SimCLR-style contrastive encoder (NT-Xent) under SGD momentum at batch 256 with warm-up + cosine, a
+# distilled student (soft targets at temperature 4) under SGD Nesterov with LR / 10 steps, a fastText-style
+# bag-of-embeddings text classifier under plain SGD with a linear decay to 0, and a 1-D U-Net denoiser
+# (Huber loss) under RAdam.
+def _loss_at_prior(
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], data: Data, k: int
+) -> float:
+    """Held-out ``loss_fn`` of predicting the training class frequencies (add-one) as the logits of every
+    sample."""
+    ytr, yva = data[1], data[3]
+    labels = ytr[:, -1].long() if ytr.dim() > 1 else ytr
+    counts = torch.bincount(labels, minlength=k).double() + 1.0
+    logits = torch.log(counts / counts.sum()).float()
+    return float(loss_fn(logits.expand(len(yva), k), yva))
+
+
+# ----- u. gcn_csbm_adam_l2: node classification in contextual stochastic block model graphs, a 2-layer GCN
+GCN_NODES, GCN_CLASSES, GCN_FEATURES = 20, 3, 8
+
+
+def _csbm_data() -> Data:
+    """2000 graphs of 20 nodes in 3 communities (edge probability 0.3 within, 0.03 across), each node's
+    features its community's mean (fixed, norm 1) plus Gaussian noise 1: a node's label, its community. A
+    graph's input: its symmetrically normalised adjacency with self-loops (20 columns) beside the features."""
+    rng = np.random.default_rng(67)
+    n = 2000
+    means = rng.normal(size=(GCN_CLASSES, GCN_FEATURES))
+    means /= np.linalg.norm(means, axis=1, keepdims=True)
+    y = rng.integers(0, GCN_CLASSES, size=(n, GCN_NODES))
+    same = y[:, :, None] == y[:, None, :]
+    upper = np.triu(rng.random((n, GCN_NODES, GCN_NODES)) < np.where(same, 0.3, 0.03), 1)
+    adj = upper | upper.transpose(0, 2, 1) | np.eye(GCN_NODES, dtype=bool)
+    inv_sqrt = 1.0 / np.sqrt(adj.sum(-1))
+    norm = adj * inv_sqrt[:, :, None] * inv_sqrt[:, None, :]
+    feats = means[y] + rng.normal(size=(n, GCN_NODES, GCN_FEATURES))
+    x = np.concatenate([norm, feats], axis=-1).astype(np.float32)
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=67)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+class GCN(nn.Module):
+    """Kipf and Welling's two-layer GCN, batched over graphs: dropout 0.5, A X W (hidden 32), ReLU, dropout
+    0.5, A H W to the class logits of every node."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(GCN_FEATURES, hidden)
+        self.w2 = nn.Linear(hidden, GCN_CLASSES)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        adj, feats = x[..., :GCN_NODES], x[..., GCN_NODES:]
+        h = torch.relu(adj @ self.w1(self.drop(feats)))
+        return adj @ self.w2(self.drop(h))
+
+
+def gcn_csbm_adam_l2() -> Task:
+    data = _csbm_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(p, lr=lr, weight_decay=5e-4)
+
+    return Task(
+        "gcn_csbm_adam_l2",
+        data,
+        GCN,
+        opt,
+        _ce,
+        steps=300,
+        batch=16,
+        chance=_prior_chance(data, GCN_CLASSES),
+        grid=(-20, 4),
+        what=f"node classification in contextual SBM graphs ({GCN_NODES} nodes, {GCN_CLASSES} communities, "
+        "noisy community features): 2-layer GCN (hidden 32, dropout 0.5), Adam with L2 weight decay 5e-4, "
+        "constant LR, per-node cross-entropy, batch 16 graphs, 300 steps",
+        chance_what="predict the training community frequencies",
+    )
+
+
+# ----- v. simclr_ntxent_sgd: a contrastive encoder of digits, NT-Xent, SGD momentum at batch 256
+NTXENT_TEMPERATURE = 0.2
+
+
+def _augment(x: torch.Tensor, g: torch.Generator | None) -> torch.Tensor:
+    """A random view of flat 8x8 digits: shifted by up to a pixel each way (zeros in), 20 % of the pixels
+    dropped, Gaussian noise 0.1."""
+    b = x.shape[0]
+    padded = nn.functional.pad(x.view(b, 8, 8), (1, 1, 1, 1))
+    offset = torch.randint(0, 3, (b, 2), generator=g)
+    rows = (offset[:, :1] + torch.arange(8))[:, :, None]
+    cols = (offset[:, 1:] + torch.arange(8))[:, None, :]
+    out = padded[torch.arange(b)[:, None, None], rows, cols]
+    out = out * (torch.rand(out.shape, generator=g) > 0.2) + 0.1 * torch.randn(out.shape, generator=g)
+    return out.reshape(b, 64)
+
+
+class SimCLR(nn.Module):
+    """Two random views of each digit (drawn afresh at every step in training; in evaluation, the same
+    views every time: a fixed generator), an MLP encoder (64-256-128, ReLU) and a projection head (128-64)
+    on both; the output, the two views' projections, L2-normalised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 128))
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(128, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = None if self.training else torch.Generator().manual_seed(71)
+        views = torch.stack([_augment(x, g), _augment(x, g)], dim=1)
+        return nn.functional.normalize(self.head(self.encoder(views)), dim=-1)
+
+
+def _ntxent(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """SimCLR's NT-Xent over the batch: each of the 2n views must pick its partner among the other 2n - 1
+    by cosine similarity / temperature (cross-entropy); ``y`` is unused."""
+    n = out.shape[0]
+    z = torch.cat([out[:, 0], out[:, 1]])
+    sim = (z @ z.T) / NTXENT_TEMPERATURE
+    sim = sim.masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
+    partner = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+    return nn.functional.cross_entropy(sim, partner)
+
+
+def simclr_ntxent_sgd() -> Task:
+    data = _digits()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr, momentum=0.9, weight_decay=1e-6)
+
+    n_val = len(data[2])
+    return Task(
+        "simclr_ntxent_sgd",
+        data,
+        SimCLR,
+        opt,
+        _ntxent,
+        steps=300,
+        batch=256,
+        chance=math.log(2 * n_val - 1),
+        grid=(-16, 8),
+        schedule=WarmupCosine,
+        what="contrastive learning on two random views of each digit (shift, 20 % pixel dropout, noise "
+        f"0.1): MLP encoder 256-128 + projection 64, NT-Xent (temperature {NTXENT_TEMPERATURE}; "
+        f"held out: all {n_val} pairs at once), SGD momentum 0.9 wd 1e-6, 10 % warm-up + cosine, batch 256, "
+        "300 steps; a suggestion is the peak LR",
+        chance_what=f"a constant embedding: log({2 * n_val - 1}) (every candidate equally likely)",
+    )
+
+
+# ----- w. kd_student_sgd_step: a small student distilled from a digits MLP teacher, the KD recipe
+KD_TEMPERATURE, KD_ALPHA = 4.0, 0.9
+
+
+def _teacher_data() -> Data:
+    """Digits; the target, the teacher's 10 logits beside the label. The teacher: an MLP 256-256 trained here
+    once on the training split (Adam 1e-3, batches of 64 drawn with replacement, 600 steps, seed 73)."""
+    xtr, ytr, xva, yva = _digits()
+    torch.manual_seed(73)
+    teacher = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    opt = torch.optim.Adam(teacher.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(73)
+    for _ in range(600):
+        idx = torch.randint(len(xtr), (64,), generator=g)
+        loss = nn.functional.cross_entropy(teacher(xtr[idx]), ytr[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        ttr, tva = teacher(xtr), teacher(xva)
+    return xtr, torch.cat([ttr, ytr[:, None].float()], 1), xva, torch.cat([tva, yva[:, None].float()], 1)
+
+
+def _distill(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Hinton et al.'s loss: ``alpha`` T^2 KL(teacher || student) of the softmaxes at temperature T, plus
+    ``1 - alpha`` times the cross-entropy with the label (``y``: the teacher's logits, then the label)."""
+    t = KD_TEMPERATURE
+    teacher, label = y[:, :-1], y[:, -1].long()
+    log_s = nn.functional.log_softmax(out / t, dim=-1)
+    log_t = nn.functional.log_softmax(teacher / t, dim=-1)
+    kl = nn.functional.kl_div(log_s, log_t, log_target=True, reduction="batchmean")
+    return KD_ALPHA * t * t * kl + (1 - KD_ALPHA) * nn.functional.cross_entropy(out, label)
+
+
+def kd_student_sgd_step() -> Task:
+    data = _teacher_data()
+
+    def student() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+
+    return Task(
+        "kd_student_sgd_step",
+        data,
+        student,
+        opt,
+        _distill,
+        steps=300,
+        batch=64,
+        chance=_loss_at_prior(_distill, data, 10),
+        grid=(-16, 4),
+        schedule=TenthSteps,
+        what="digits: an MLP 32 student distilled from an MLP 256-256 teacher (trained once, fixed), "
+        f"{KD_ALPHA} T^2 KL at T = {KD_TEMPERATURE:g} + {1 - KD_ALPHA:.1f} cross-entropy, SGD Nesterov "
+        "momentum 0.9 wd 5e-4, LR / 10 at 50 % and 75 %, batch 64, 300 steps; a suggestion is the initial LR",
+        chance_what="predict the training class frequencies (the same loss)",
+    )
+
+
+# ----- x. fasttext_sgd_linear: a bag-of-embeddings text classifier, fastText's recipe
+FT_VOCAB, FT_LEN, FT_CLASSES, FT_DIM, FT_KEYWORDS = 5000, 32, 5, 32, 50
+
+
+def _documents_data() -> Data:
+    """5000 documents of 8..32 tokens (id 0: padding) over 5000 words, in 5 topics: each token one of its
+    topic's 50 keywords with probability 0.15, otherwise a Zipf-distributed word of any topic; the label, the
+    topic."""
+    rng = np.random.default_rng(79)
+    n = 5000
+    y = rng.integers(0, FT_CLASSES, size=n)
+    words = np.arange(1, FT_VOCAB)
+    keywords = rng.permutation(words)[: FT_CLASSES * FT_KEYWORDS].reshape(FT_CLASSES, FT_KEYWORDS)
+    zipf = 1.0 / words
+    common = rng.choice(words, size=(n, FT_LEN), p=zipf / zipf.sum())
+    topical = keywords[y[:, None], rng.integers(0, FT_KEYWORDS, size=(n, FT_LEN))]
+    x = np.where(rng.random((n, FT_LEN)) < 0.15, topical, common)
+    x[np.arange(FT_LEN)[None, :] >= rng.integers(8, FT_LEN + 1, size=(n, 1))] = 0
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=79, stratify=y)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
+class FastText(nn.Module):
+    """fastText's classifier: the mean of the words' embeddings (``EmbeddingBag``, padding excluded; init
+    uniform +-1/dim), a linear layer to the topics (init 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.EmbeddingBag(FT_VOCAB, FT_DIM, mode="mean", padding_idx=0)
+        self.out = nn.Linear(FT_DIM, FT_CLASSES)
+        nn.init.uniform_(self.embed.weight, -1.0 / FT_DIM, 1.0 / FT_DIM)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(x))
+
+
+def fasttext_sgd_linear() -> Task:
+    data = _documents_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD(p, lr=lr)
+
+    return Task(
+        "fasttext_sgd_linear",
+        data,
+        FastText,
+        opt,
+        _ce,
+        steps=400,
+        batch=16,
+        chance=_prior_chance(data, FT_CLASSES),
+        grid=(-12, 12),
+        schedule=partial(PolyDecay, power=1.0),
+        what=f"topic of synthetic documents ({FT_CLASSES} topics, {FT_VOCAB} words, 8..{FT_LEN} tokens, "
+        f"{FT_KEYWORDS} keywords per topic among Zipf words): fastText-style mean of embeddings (dim "
+        f"{FT_DIM}) + linear, plain SGD, linear decay to 0, batch 16, 400 steps; a suggestion is the "
+        "initial LR",
+        chance_what="predict the training topic frequencies",
+    )
+
+
+# ----- y. unet1d_radam_huber: denoising 1-D signals with impulse noise, a small U-Net, Huber loss, RAdam
+UNET_LEN = 64
+
+
+def _signals_data() -> Data:
+    """3000 signals of 64 samples: piecewise constant (2 to 4 jumps, levels N(0, 1)) plus a sine (amplitude
+    0..0.5, period 8..32); the input, the signal plus Gaussian noise 0.2 and, at 5 % of the samples, an
+    impulse of +-2..4; the target, the clean signal."""
+    rng = np.random.default_rng(83)
+    n = 3000
+    t = np.arange(UNET_LEN)
+    clean = np.zeros((n, UNET_LEN))
+    for i in range(n):
+        cuts = np.sort(rng.choice(np.arange(4, UNET_LEN - 4), size=rng.integers(2, 5), replace=False))
+        clean[i] = rng.normal(size=len(cuts) + 1)[np.searchsorted(cuts, t, side="right")]
+    period, phase = rng.uniform(8, 32, size=(n, 1)), rng.uniform(0, 2 * np.pi, size=(n, 1))
+    clean += rng.uniform(0, 0.5, size=(n, 1)) * np.sin(2 * np.pi * t / period + phase)
+    impulses = rng.choice([-1.0, 1.0], size=clean.shape) * rng.uniform(2, 4, size=clean.shape)
+    noisy = clean + rng.normal(0.0, 0.2, size=clean.shape) + (rng.random(clean.shape) < 0.05) * impulses
+    xtr, xva, ytr, yva = train_test_split(noisy, clean, test_size=0.25, random_state=83)
+    return tuple(torch.tensor(a.astype(np.float32)) for a in (xtr, ytr, xva, yva))  # type: ignore[return-value]
+
+
+def _double_conv(cin: int, cout: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv1d(cin, cout, 3, padding=1), nn.ReLU(), nn.Conv1d(cout, cout, 3, padding=1), nn.ReLU()
+    )
+
+
+class UNet1d(nn.Module):
+    """A 1-D U-Net: two levels of double 3-convs (16, 32) and max-pooling, a bottom of 64, transposed-conv
+    upsampling with skip connections back up, a 1x1 conv out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down1, self.down2, self.bottom = _double_conv(1, 16), _double_conv(16, 32), _double_conv(32, 64)
+        self.up2, self.dec2 = nn.ConvTranspose1d(64, 32, 2, stride=2), _double_conv(64, 32)
+        self.up1, self.dec1 = nn.ConvTranspose1d(32, 16, 2, stride=2), _double_conv(32, 16)
+        self.out = nn.Conv1d(16, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e1 = self.down1(x.unsqueeze(1))
+        e2 = self.down2(nn.functional.max_pool1d(e1, 2))
+        b = self.bottom(nn.functional.max_pool1d(e2, 2))
+        d2 = self.dec2(torch.cat([self.up2(b), e2], dim=1))
+        d1 = self.dec1(torch.cat([self.up1(d2), e1], dim=1))
+        return self.out(d1).squeeze(1)
+
+
+def _huber(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.huber_loss(out, y, delta=1.0)
+
+
+def unet1d_radam_huber() -> Task:
+    data = _signals_data()
+
+    def opt(p: Any, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.RAdam(p, lr=lr)
+
+    ytr, yva = data[1], data[3]
+    return Task(
+        "unet1d_radam_huber",
+        data,
+        UNet1d,
+        opt,
+        _huber,
+        steps=300,
+        batch=32,
+        chance=float(_huber(ytr.mean(0).expand_as(yva), yva)),
+        grid=(-20, 2),
+        what=f"denoising 1-D signals of {UNET_LEN} (steps + a sine; Gaussian noise 0.2 and 5 % impulses): "
+        "U-Net 16-32-64 with skips, RAdam, Huber loss (delta 1), constant LR, batch 32, 300 steps",
+        chance_what="predict the mean training signal",
+    )
+
+
+HELD_OUT_5 = {
+    "gcn_csbm_adam_l2": gcn_csbm_adam_l2,
+    "simclr_ntxent_sgd": simclr_ntxent_sgd,
+    "kd_student_sgd_step": kd_student_sgd_step,
+    "fasttext_sgd_linear": fasttext_sgd_linear,
+    "unet1d_radam_huber": unet1d_radam_huber,
+}
+
+
 # ----- f. the easy tasks of benchmarks/lr_finder.py
 def easy_tasks() -> list[Task]:
     from lr_finder import BATCH, tasks  # imported here: only these two tasks need that script
@@ -1723,12 +2092,13 @@ SETS = {
     "heldout2": tuple(HELD_OUT_2),
     "heldout3": tuple(HELD_OUT_3),
     "heldout4": tuple(HELD_OUT_4),
-    "all": (*TASK_NAMES, *HELD_OUT, *HELD_OUT_2, *HELD_OUT_3, *HELD_OUT_4),
+    "heldout5": tuple(HELD_OUT_5),
+    "all": (*TASK_NAMES, *HELD_OUT, *HELD_OUT_2, *HELD_OUT_3, *HELD_OUT_4, *HELD_OUT_5),
 }
 
 
 def build_tasks(names: list[str]) -> list[Task]:
-    builders = {**HARD, **HELD_OUT, **HELD_OUT_2, **HELD_OUT_3, **HELD_OUT_4}
+    builders = {**HARD, **HELD_OUT, **HELD_OUT_2, **HELD_OUT_3, **HELD_OUT_4, **HELD_OUT_5}
     out = [builders[n]() for n in names if n in builders]
     if any(n in EASY for n in names):
         out += [t for t in easy_tasks() if t.name in names]

@@ -3,7 +3,8 @@
 Four finders, side by side, each at its defaults as a user would run it:
 
 * ``ours``: ``lightning_gradguard.lr_find`` (LRFinderPlus in a throwaway Trainer; 1e-7..1, 100 points, then
-  the search inside the sweep's bracket, ``search_steps=300``);
+  the search inside the sweep's bracket, ``search_steps=300``, run again with trials twice as long up to
+  twice where its trials learned nothing it can rank by, ``search_retries=2``);
 * ``ours_sweep``: the same with ``search_steps=0``: the range test alone, as before the search;
 * ``lightning``: ``Tuner(trainer).lr_find`` and its ``suggestion()`` (1e-8..1, 100 points);
 * ``torch_lr_finder``: the plain-PyTorch package ``torch-lr-finder`` (``range_test`` 1e-7..10, 100
@@ -136,6 +137,7 @@ FINDERS = ("ours", "ours_sweep", "lightning", "torch_lr_finder")
 SEEDS = (0, 1, 2)
 PER_DECADE = 4  # grid points per decade (``--quick``: 2)
 SEARCH_STEPS: int | None = None  # ours' search_steps (``--search-steps``; None: lr_find's default)
+SEARCH_RETRIES: int | None = None  # ours' search_retries (``--search-retries``; None: lr_find's default)
 
 Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -2279,6 +2281,8 @@ def run_ours(task: Task, seed: int, search: bool = True) -> dict[str, Any]:
         extra["search_steps"] = 0
     elif SEARCH_STEPS is not None:
         extra["search_steps"] = SEARCH_STEPS
+    if search and SEARCH_RETRIES is not None:
+        extra["search_retries"] = SEARCH_RETRIES
     started = time.perf_counter()
     # a temporary root dir only so that the refusal alerts' JSONL does not land in the working directory
     with tempfile.TemporaryDirectory(prefix="lr-hard-") as root, _quiet():
@@ -2574,13 +2578,15 @@ def search_cost(rows: list[dict[str, Any]]) -> None:
     """What the search after the sweep cost (mean over the seeds), and what it chose against the sweep."""
     print("\n## The search after the sweep (ours; mean over the seeds)\n")
     print(
-        "| task | sweep suggestion | search chose | search steps | search s | lr_find s (with search) "
-        "| extended to |"
+        "| task | sweep suggestion | search chose | search steps | retried | search s "
+        "| lr_find s (with search) | extended to |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         sweeps = r["finders"]["ours"]["sweeps"]
         steps = np.mean([sw.get("search_steps", 0) for sw in sweeps])
+        retries = [(sw.get("search") or {}).get("retries") or 0 for sw in sweeps]
+        retried = ", ".join(str(n) for n in retries) if any(retries) else "-"
         secs = np.mean([sw.get("search_seconds", 0.0) for sw in sweeps])
         total = np.mean([sw["seconds"] for sw in sweeps])
         before = geomean([sw.get("sweep_suggestion") for sw in sweeps])
@@ -2588,7 +2594,7 @@ def search_cost(rows: list[dict[str, Any]]) -> None:
         ext = ", ".join(_lr(v) for v in extended) if any(v is not None for v in extended) else "-"
         print(
             f"| {r['task']} | {_lr(before)} | {_lr(r['finders']['ours']['geomean'])} | {steps:.0f} | "
-            f"{secs:.1f} | {total:.1f} | {ext} |"
+            f"{retried} | {secs:.1f} | {total:.1f} | {ext} |"
         )
 
 
@@ -2713,6 +2719,7 @@ def main() -> None:
     )
     parser.add_argument("--real", action="store_true", help="also ours on real_models.py's mobilenet_v2, vit")
     parser.add_argument("--search-steps", type=int, default=None, help="ours' search_steps (default 300)")
+    parser.add_argument("--search-retries", type=int, default=None, help="ours' search_retries (default 2)")
     parser.add_argument(
         "--finder-seeds",
         type=int,
@@ -2720,8 +2727,8 @@ def main() -> None:
         help="run each finder on this many seeds (default: the grid's 3); the grid keeps its seeds",
     )
     args = parser.parse_args()
-    global SEARCH_STEPS
-    SEARCH_STEPS = args.search_steps
+    global SEARCH_STEPS, SEARCH_RETRIES
+    SEARCH_STEPS, SEARCH_RETRIES = args.search_steps, args.search_retries
     torch.set_num_threads(1)
     started = time.perf_counter()
     names = [n for n in args.tasks.split(",") if n] or list(SETS[args.set])

@@ -44,10 +44,13 @@ TARGET_KEYS = ("labels", "label", "targets", "target", "y")
 
 
 def mismatched(batch: Any) -> Any | None:
-    """``batch`` with every sample's inputs paired with another sample's targets (rolled by one along the
-    batch), or ``None`` where inputs and targets cannot be told apart. A tuple or list of two or more:
-    its first element is the inputs; a dict: every key but :data:`TARGET_KEYS`. Only tensors whose
-    leading dimension is the batch size (at least 2) are rolled."""
+    """``batch`` with every sample's inputs paired with another sample's targets, or ``None`` where inputs
+    and targets cannot be told apart. The targets move (rolled by one along the batch) and the inputs stay
+    where they are, so a model whose forward pass depends on a sample's place in the batch (augmentations
+    drawn in order from a seeded generator) gives the same outputs, and a loss that never reads the targets
+    (a self-supervised one beside a dataset's unused labels) gives the same value. A tuple or list of two or
+    more: its first element is the inputs, the rest the targets; a dict: :data:`TARGET_KEYS` are the
+    targets. Only tensors whose leading dimension is the batch size (at least 2) are rolled."""
     n = batch_size_of(batch)
     if n is None or n < 2:
         return None
@@ -56,12 +59,12 @@ def mismatched(batch: Any) -> Any | None:
         return torch.roll(t, 1, dims=0) if t.dim() >= 1 and t.shape[0] == n else t
 
     if isinstance(batch, (tuple, list)) and len(batch) >= 2 and any(True for _ in tensors_in(batch[0])):
-        rolled = [apply_to_collection(batch[0], Tensor, roll), *batch[1:]]
+        rolled = [batch[0], *(apply_to_collection(b, Tensor, roll) for b in batch[1:])]
         return tuple(rolled) if isinstance(batch, tuple) else rolled
     if isinstance(batch, dict):
         targets = [k for k in batch if k in TARGET_KEYS]
         if targets and len(targets) < len(batch):
-            return {k: v if k in targets else apply_to_collection(v, Tensor, roll) for k, v in batch.items()}
+            return {k: apply_to_collection(v, Tensor, roll) if k in targets else v for k, v in batch.items()}
     return None
 
 

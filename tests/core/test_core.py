@@ -101,13 +101,14 @@ def test_batches_nested_tensors_sizes_and_slices() -> None:
 def test_mismatched_batches_pair_each_samples_inputs_with_another_samples_targets() -> None:
     x, y, mask = torch.arange(8.0).reshape(4, 2), torch.arange(4), torch.ones(3)
     rolled = mismatched((x, y))
-    assert isinstance(rolled, tuple) and rolled[1] is y
-    assert rolled[0][:, 0].tolist() == [6.0, 0.0, 2.0, 4.0]  # sample i's inputs are sample i-1's
-    nested = mismatched([[x, mask], y])
-    assert isinstance(nested, list) and nested[0][1] is mask and nested[0][0][0].tolist() == [6.0, 7.0]
+    assert isinstance(rolled, tuple) and rolled[0] is x  # the inputs stay where they are
+    assert rolled[1].tolist() == [3, 0, 1, 2]  # sample i meets sample i-1's target
+    weighted = mismatched([x, y, 2 * y, mask])  # every target moves together; a tensor not of the batch stays
+    assert isinstance(weighted, list) and weighted[0] is x and weighted[3] is mask
+    assert weighted[1].tolist() == [3, 0, 1, 2] and weighted[2].tolist() == [6, 0, 2, 4]
     named = mismatched({"input_ids": x, "attention_mask": x, "labels": y})
-    assert named is not None and named["labels"] is y
-    assert named["input_ids"][0].tolist() == named["attention_mask"][0].tolist() == [6.0, 7.0]
+    assert named is not None and named["input_ids"] is x and named["attention_mask"] is x
+    assert named["labels"].tolist() == [3, 0, 1, 2]
     # where inputs and targets cannot be told apart, or one sample has nobody to swap with: nothing
     assert mismatched(x) is None and mismatched({"a": x, "b": y}) is None and mismatched((x,)) is None
     assert mismatched((x[:1], y[:1])) is None and mismatched({"labels": y}) is None

@@ -524,12 +524,35 @@ class NoisyInputs(Classifier):
         return nn.functional.cross_entropy(self.net(x + 0.3 * torch.randn_like(x)), y)
 
 
-@pytest.mark.parametrize("module", [AutoEncoder, NoisyInputs])
+class Contrastive(Classifier):
+    """A SimCLR-style encoder of the 16 features: two noisy views of each sample (in evaluation the same
+    ones every time, drawn in order from a seeded generator), each of the 2n views to pick its partner by
+    cosine similarity (NT-Xent). The labels in the batch go unused, as a self-supervised run's dataset
+    labels do."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__(lr)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        g = None if self.training else torch.Generator().manual_seed(0)
+        views = torch.cat([x + torch.randn(x.shape, generator=g), x + torch.randn(x.shape, generator=g)])
+        z = nn.functional.normalize(self.net(views), dim=-1)
+        n = len(x)
+        sim = (z @ z.T / 0.2).masked_fill(torch.eye(2 * n, dtype=torch.bool), -math.inf)
+        return nn.functional.cross_entropy(sim, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]))
+
+
+@pytest.mark.parametrize("module", [AutoEncoder, NoisyInputs, Contrastive])
 def test_the_inputs_check_stays_silent_where_it_cannot_tell(module: type[pl.LightningModule]) -> None:
     """An autoencoder's loss does not depend on how inputs and labels are paired; a loss with noise in it
     differs between two evaluations of the same batches, and on labels that do not follow the inputs its
     noise could pass for either answer. Neither gives evidence, and the search chooses as it would
-    without the check."""
+    without the check. Regression (the contrastive encoder): the check moved the inputs, whose views are
+    drawn by their place in the batch, so a loss that never reads the labels changed by a percent or two
+    either way and the check fired (held-out SimCLR of ``make bench-lr-hard``: the search chose nothing,
+    three times). The targets move now, and that loss stays the same."""
     torch.manual_seed(0)
     kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
     result = lr_find(module(), _classes(informative=False), **kw)

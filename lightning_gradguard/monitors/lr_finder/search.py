@@ -325,7 +325,8 @@ def choose(last: list[Trial], prior: float | None = None) -> Trial:
 #: frequencies, a VAE at the mean image) by -0.1 to 4 %, when 0.1 was chosen, between the two. With the
 #: schedule read right (schedule.guessed_end), the tagger's trials learn a little more: 1.9-14 %, below
 #: 0.1 on 5 of 6 seeds. On the 34 healthy transformers runs of ``benchmarks/real_models.py`` (lr_find at its
-#: defaults, 33 searches) it fired on none; the lowest winners: a ViT 15.7 %, T5 18.3 %, DeiT 20.1 %
+#: defaults, 33 searches) it fired on none, before and after the targets took the inputs' place as what
+#: moves; the lowest winners (targets moved): a ViT 15-17 %, T5 18.7 %, DeiT 20.5 %
 INPUT_SHARE = 0.1
 
 

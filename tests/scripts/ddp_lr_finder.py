@@ -3,7 +3,8 @@
 Run: ``python ddp_lr_finder.py OUTDIR``.
 
 Both ranks run LRFinderPlus at fit start and again at the start of epoch 1; each writes what it saw (the
-curves, the suggestions, the LR its optimizer got, its own first sweep loss) to ``rank<r>.json``.
+curves, the suggestions, the LR its optimizer got, its own first sweep loss) to ``rank<r>.json``. Then a fit
+of a model that meets its own labels late, whose search runs again: ``retry_rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,27 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-def main(out: Path) -> None:
-    pl.seed_everything(0)
+class LateStarter(Model):
+    """Meets its own labels only after its first 30 training steps (before, each sample meets the next
+    one's): the search's first trials learn nothing it can rank by, and it runs again with longer ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.training:
+            self.seen += 1
+            if int(self.seen) <= 30:
+                y = y.roll(1)
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _digits_loader() -> Any:
     # 512 scikit-learn digits: 8 batches a rank an epoch; the 40-step sweeps start the loader over, and so
     # do the search's 10-step trials (its held-out samples are then a quarter of the data). (Random data of
     # 64 samples in batches of 8 gave sweeps whose fall did not stand out of their noise.)
@@ -49,7 +69,43 @@ def main(out: Path) -> None:
     x = torch.tensor(digits.data[:512], dtype=torch.float32)
     x = (x - x.mean(0)) / (x.std(0) + 1e-3)
     y = torch.tensor(digits.target[:512], dtype=torch.long)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+
+
+def retried(out: Path) -> None:
+    """A fit whose search runs again: both ranks must take the same decision, or one would wait forever."""
+    pl.seed_everything(0)
+    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False, search_steps=110)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=1,
+        logger=False,
+        callbacks=[finder],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(LateStarter(), _digits_loader())
+    search = finder.results[0].search
+    assert search is not None
+    (out / f"retry_rank{trainer.global_rank}.json").write_text(
+        json.dumps(
+            {
+                "retries": search.retries,
+                "trials": [[t.round, t.lr, t.steps, t.loss] for t in search.trials],
+                "winner": search.winner,
+                "reason": search.reason,
+                "applied_lr": trainer.optimizers[0].param_groups[0]["lr"],
+            }
+        )
+    )
+
+
+def main(out: Path) -> None:
+    pl.seed_everything(0)
+    loader = _digits_loader()
     model = Model()
     finder = LRFinderPlus(
         min_lr=1e-4,
@@ -94,6 +150,7 @@ def main(out: Path) -> None:
             }
         )
     )
+    retried(out)
 
 
 if __name__ == "__main__":

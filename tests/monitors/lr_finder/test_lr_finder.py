@@ -1090,6 +1090,18 @@ def test_ddp_two_processes_same_sweep_same_suggestion(tmp_path: Path) -> None:
     assert hparams["lr_finder/applied_lr_epoch1"] == ranks[0]["applied_lr"]
 
 
+def test_ddp_ranks_run_the_search_again_together(tmp_path: Path) -> None:
+    """The search's first trials learn nothing (the model meets its own labels after 30 steps): both ranks
+    decide on the ranks' mean losses to run it again, train the same longer trials and choose the same LR;
+    neither waits for the other forever."""
+    proc = run_ddp_script("ddp_lr_finder.py", tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"retry_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["retries"] >= 1 and ranks[0]["winner"] is not None and not ranks[0]["reason"]
+    assert max(round_ for round_, _, _, _ in ranks[0]["trials"]) == 2 * ranks[0]["retries"] + 1
+
+
 class _SeesBatches(Net):
     """Records the fingerprint of every batch the real run trains on (its batch order)."""
 

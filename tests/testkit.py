@@ -1,5 +1,6 @@
 """What the tests share that needs torch and Lightning: a real in-memory Logger, a small classifier that
-records the true norms, the random loader, the Trainer the tests use and the list of public callbacks.
+records the true norms, the random loader, labels met late, the Trainer the tests use and the list of
+public callbacks.
 
 Imported on first use through ``conftest`` (``from conftest import make_trainer`` still works): the
 pytest-xdist controller, which runs no test, never imports torch or Lightning.
@@ -102,6 +103,24 @@ class RecordingMLP(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class LateLabels(nn.Module):
+    """What a model that needs long to use its inputs shows short trainings: for its first ``after`` training
+    steps every sample meets the next sample's label (rolled by one), so nothing it learns there depends on
+    its inputs; then its own. The count is a buffer, so a restored snapshot starts it again (the LR
+    search's trials each begin at the same count). Call it on a training step's labels."""
+
+    def __init__(self, after: int = 30) -> None:
+        super().__init__()
+        self.after = after
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, y: torch.Tensor, training: bool) -> torch.Tensor:
+        if not training:
+            return y
+        self.seen += 1
+        return y.roll(1) if int(self.seen) <= self.after else y
 
 
 def public_callbacks() -> list[type]:

@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_gradguard import LRFinderPlus
+from tests.testkit import LateLabels
 
 
 class Model(pl.LightningModule):
@@ -40,20 +41,16 @@ class Model(pl.LightningModule):
 
 
 class LateStarter(Model):
-    """Meets its own labels only after its first 30 training steps (before, each sample meets the next
-    one's): the search's first trials learn nothing it can rank by, and it runs again with longer ones."""
+    """Meets its own labels only after its first 30 training steps (``tests.testkit.LateLabels``): the
+    search's first trials learn nothing it can rank by, and it runs again with longer ones."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.late = LateLabels(after=30)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        if self.training:
-            self.seen += 1
-            if int(self.seen) <= 30:
-                y = y.roll(1)
-        return nn.functional.cross_entropy(self.net(x), y)
+        return nn.functional.cross_entropy(self.net(x), self.late(y, self.training))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=1e-3)

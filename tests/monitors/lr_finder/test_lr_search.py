@@ -34,7 +34,7 @@ from lightning_gradguard.monitors.lr_finder.search import (
 )
 from lightning_gradguard.report.read import read_run
 from tests.monitors.lr_finder.test_lr_finder import Net, Probe, _equal_nested, _loader, _same_state
-from tests.testkit import make_trainer
+from tests.testkit import LateLabels, make_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -460,21 +460,16 @@ def test_trials_that_learn_only_the_label_frequencies_do_not_choose() -> None:
 
 
 class LateStarter(Classifier):
-    """Learns from its labels only after its first 30 training steps: before, every sample of a batch meets
-    the next sample's label (a model that needs longer than short trials to use its inputs, as a ViT or a
-    transformer tagger does). The count is a buffer, so each trial starts it again from the snapshot."""
+    """Meets its own labels only after its first 30 training steps (:class:`~tests.testkit.LateLabels`): a
+    model that needs longer than short trials to use its inputs, as a ViT or a transformer tagger does."""
 
     def __init__(self, lr: float = 1e-3) -> None:
         super().__init__(lr)
-        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.late = LateLabels(after=30)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        if self.training:
-            self.seen += 1
-            if int(self.seen) <= 30:
-                y = y.roll(1)
-        return nn.functional.cross_entropy(self.net(x), y)
+        return nn.functional.cross_entropy(self.net(x), self.late(y, self.training))
 
 
 def test_trials_too_short_to_learn_the_task_run_again_twice_as_long() -> None:

@@ -111,6 +111,8 @@ class LateLabels(nn.Module):
     its inputs; then its own. The count is a buffer, so a restored snapshot starts it again (the LR
     search's trials each begin at the same count). Call it on a training step's labels."""
 
+    seen: torch.Tensor
+
     def __init__(self, after: int = 30) -> None:
         super().__init__()
         self.after = after

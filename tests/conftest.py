@@ -120,11 +120,20 @@ def _launch(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]
 
     One retry, only for gloo's known abort at interpreter exit (SIGABRT with "terminate called without
     an active exception" after the run finished): that is a shutdown race in the C++ library, not in
-    the code under test, and the scripts already destroy their process group to make it rare.
+    the code under test, and the scripts already destroy their process group to make it rare. The retry
+    first removes what the first attempt wrote into the output folder (``args[1]``), so the tests read
+    one run's files.
     """
     env = dict(os.environ, PYTHONPATH=other_machine.subprocess_path(str(ROOT)), OMP_NUM_THREADS="1")
     env.pop("PL_DISABLE_FORK", None)
+    out = Path(args[1]) if len(args) > 1 else None
+    before = set(out.iterdir()) if out is not None and out.is_dir() else set()
     for attempt in range(2):
+        if attempt and out is not None and out.is_dir():
+            # the retry starts clean: the first attempt's files would sit beside the second's (a
+            # TensorBoardLogger of a fixed version adds a second event file to the same folder)
+            for path in set(out.iterdir()) - before:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         proc = subprocess.run(
             [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout
         )

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_ddp_script
+from conftest import _launch, run_ddp_script
 
 
 def test_ddp_two_processes_rank_zero_logs_all_reduced_norms(tmp_path: Path) -> None:
@@ -47,3 +47,31 @@ def test_ddp_nan_on_one_rank_fails_every_rank_the_same_way(tmp_path: Path) -> No
     assert abs(results[0]["time"] - results[1]["time"]) < 10
     folder = tmp_path / "nan_report" / "step_3"
     assert {"report.json", "batch.pt", "last_good.ckpt"} <= {p.name for p in folder.iterdir()}
+
+
+ABORTS_ONCE = """
+import os, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+marker = out.parent / "attempts"
+first = not marker.exists()
+marker.write_text("x")
+(out / ("first.txt" if first else "second.txt")).write_text("written")
+if first:  # gloo's shutdown race: the run finished, then the interpreter aborted at exit
+    sys.stderr.write("terminate called without an active exception\\n")
+    sys.stderr.flush()
+    os.abort()
+"""
+
+
+def test_a_launch_retried_after_gloos_abort_at_exit_leaves_only_the_second_runs_files(tmp_path: Path) -> None:
+    """Regression: the retry ran into the same folder, so the first attempt's files stayed beside the
+    second's; a scenario's TensorBoardLogger (version 0) then held two event files, and the test that
+    expects one failed once in a full run. The folder's earlier contents stay."""
+    script, out = tmp_path / "aborts_once.py", tmp_path / "out"
+    script.write_text(ABORTS_ONCE)
+    out.mkdir()
+    (out / "launch.lock").write_text("")  # what was there before the launch (the suite's lock file)
+    proc = _launch([str(script), str(out)], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["launch.lock", "second.txt"]

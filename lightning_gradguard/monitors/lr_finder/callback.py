@@ -114,11 +114,10 @@ class LRFinderPlus(GradGuardCallback):
     loss on held-out batches (the validation loader's when the run has one, else training batches the
     trials skip); the best two and one refinement point train twice as long, and the winner's LR over 1.25
     (short trials favour large LRs) is the suggestion (``result.search``; the curve's own in
-    ``result.sweep_suggestion``). Trials that learned
-    nothing to rank the LRs by run again, twice as long (``search_retries``). A sweep still falling
-    at ``max_lr`` is first extended, up to two decades. Everything is restored exactly afterwards, as
-    after the sweep. Candidates and their losses go to TensorBoard (``lr_finder/search_*``),
-    ``lr_search.csv`` and the summary line.
+    ``result.sweep_suggestion``). Trials that learned nothing to rank the LRs by run again, twice as long
+    (``search_retries``). A sweep still falling at ``max_lr`` is first extended, up to two decades.
+    Everything is restored exactly afterwards, as after the sweep. Candidates and their losses go to
+    TensorBoard (``lr_finder/search_*``), ``lr_search.csv`` and the summary line.
 
     Args:
         min_lr: first learning rate of the sweep.

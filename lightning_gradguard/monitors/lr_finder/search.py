@@ -14,8 +14,10 @@ Successive halving keeps the cost small: every candidate trains ``r`` steps; the
 point (between them where the losses' parabola in log-LR has its low, or half a grid step past the
 bracket's edge when the best sits on it), train ``2 r`` steps; the lowest loss of that round wins, and the
 search chooses the winner's LR over :data:`SHORT_HORIZON` (short trials favour large LRs). The
-search chooses nothing, and the sweep's suggestion stands, when no candidate got clearly below the loss
-before training. When twice the steps did not get the second round's best clearly below the first round's,
+search chooses nothing when no candidate got clearly below the loss before training, or when what the
+winner learned does not depend on its inputs (:data:`INPUT_SHARE`); the engine then runs it again with
+trials twice as long (:func:`too_short`, :func:`joined`), and where even those learn nothing, the sweep's
+suggestion stands. When twice the steps did not get the second round's best clearly below the first round's,
 the trials learned nothing more: the search says so (``SearchResult.note``). The caller restores
 everything afterwards.
 """

@@ -621,6 +621,35 @@ def test_a_schedule_that_never_settles_is_squeezed_from_a_guessed_run_not_100000
     assert trial[-1] == pytest.approx((30 / 300) ** 0.5, rel=0.05)  # not 30 / 100,000 ** 0.5 = 0.017
 
 
+class DecayPerEpoch(InverseSqrt):
+    """The recording classifier under the PyTorch MNIST example's schedule: the LR times 0.7 every epoch of
+    22 batches, with no end of its own (its factor underflows to zero after about 45,000 steps)."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7 ** (s // 22))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+
+def test_a_decay_that_reaches_zero_only_by_underflow_is_squeezed_from_a_guessed_run() -> None:
+    """Regression: a geometric decay reaches zero where its factor underflows, and that was read as the run's
+    end, about 45,000 steps away: squeezed into a trial, every step after the first ran below 1e-30 of the
+    candidate's LR (the MNIST example under Adadelta learned nothing in trials of up to 432 steps). The run
+    is now taken to end where the LR has fallen to a tenth (after 7 epochs, 155 steps): a trial starts at
+    its candidate's LR and ends at 0.7 ** 7 of it."""
+    torch.manual_seed(0)
+    model = DecayPerEpoch()
+    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
+    result = lr_find(model, _classes(informative=True), max_lr=1.0, **kw)
+    assert result is not None and result.search is not None and result.search.trials
+    first = result.search.trials[0]
+    done = len(model.seen) - sum(t.steps for t in result.search.trials)
+    trial = [lr / first.lr for lr in model.seen[done : done + first.steps]]
+    assert len(trial) == first.steps == 10
+    assert trial[0] == pytest.approx(1.0) and trial[1] == pytest.approx(1.0)  # was 0.7 ** 229 after step 1
+    assert trial[-1] == pytest.approx(0.7**7, rel=1e-6)
+
+
 def test_the_refinement_is_a_trained_candidate_never_trusted_untrained() -> None:
     """The parabola's low point between the first round's best and its neighbours is trained in the second
     round beside the best two; the choice is one of the LRs trained there."""

@@ -1,6 +1,6 @@
 """What the tests share that needs torch and Lightning: a real in-memory Logger, a small classifier that
-records the true norms, the random loader, labels met late, the Trainer the tests use and the list of
-public callbacks.
+records the true norms, the random loader, labels met late, the Trainer the tests use, the list of public
+callbacks and the search budget of a fit's test.
 
 Imported on first use through ``conftest`` (``from conftest import make_trainer`` still works): the
 pytest-xdist controller, which runs no test, never imports torch or Lightning.
@@ -14,6 +14,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers.logger import Logger, rank_zero_experiment
 from torch import nn
+
+#: the LR search's budget in tests that run it only as part of a fit (not to judge what it chooses): every
+#: round runs (5 trials of 10 steps, up to 3 of 20) in a fifth of the default's 600 steps
+SEARCH_STEPS = 110
 
 
 def reference_total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:

@@ -34,6 +34,7 @@ from lightning_gradguard import (
 )
 from lightning_gradguard.core.compile import Uncompiled
 from lightning_gradguard.monitors.vanishing.order import ForwardOrder
+from tests.testkit import SEARCH_STEPS
 
 STEPS = 30
 pytestmark = pytest.mark.filterwarnings(
@@ -142,7 +143,7 @@ def test_every_callback_together_adds_no_graph_no_recompile_no_break(
         LossSpikeGuard(),
         OverfitBatchSanity(action="warn"),
         check,
-        LRFinderPlus(),
+        LRFinderPlus(search_steps=SEARCH_STEPS),
         ranges := ActivationRangeMonitor(sample_every_n_steps=10),
     ]
     found, _ = _fit(callbacks, True, tmp_path, "all")

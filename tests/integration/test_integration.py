@@ -44,6 +44,7 @@ from lightning_gradguard.monitors.nan.callback import NaNSentinel
 from lightning_gradguard.monitors.overfit.callback import OverfitBatchSanity
 from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 from tests.conftest import MemoryLogger
+from tests.testkit import SEARCH_STEPS
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`"),
@@ -56,6 +57,13 @@ N_SAMPLES, BATCH = 256, 16
 STEPS_PER_EPOCH = N_SAMPLES // BATCH  # 16
 LOG_EVERY = 4
 SWEEP = 30
+
+
+def range_test() -> LRFinderPlus:
+    """The range test of the README's callbacks, with a test's search budget."""
+    return LRFinderPlus(
+        min_lr=1e-4, max_lr=10.0, num_training=SWEEP, search_steps=SEARCH_STEPS, progress=False, plot=False
+    )
 
 
 def dataset(seed: int = 0) -> torch.utils.data.TensorDataset:
@@ -141,7 +149,7 @@ def seven(**sentinel: Any) -> list[GradGuardCallback]:
     return [
         OverfitBatchSanity(),
         GradientCheck(),
-        LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=SWEEP, progress=False, plot=False),
+        range_test(),
         GradientNormLogger(histogram_every_n_steps=8),
         VanishingExplodingDetector(),
         DeadReLUMonitor(sample_every_n_steps=5),
@@ -363,7 +371,7 @@ def test_every_alert_in_one_jsonl_and_every_chart_once_in_the_layout(tmp_path: P
     callbacks = [
         OverfitBatchSanity(action="warn", max_steps=20),
         GradientCheck(),
-        LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=SWEEP, progress=False, plot=False),
+        range_test(),
         GradientNormLogger(histogram_every_n_steps=8, clip_window=10),
         VanishingExplodingDetector(),
         DeadReLUMonitor(sample_every_n_steps=2),
@@ -682,7 +690,9 @@ def test_resume_does_not_rerun_the_preflight_checks(tmp_path: Path) -> None:
 
 
 def test_second_fresh_fit_with_the_same_finder_runs_the_range_test_again(tmp_path: Path) -> None:
-    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=30, progress=False, plot=False)
+    finder = LRFinderPlus(
+        min_lr=1e-4, max_lr=10.0, num_training=30, search_steps=SEARCH_STEPS, progress=False, plot=False
+    )
     for attempt in range(2):
         torch.manual_seed(0)
         trainer_for([finder], tmp_path / str(attempt)).fit(Net(), loader())

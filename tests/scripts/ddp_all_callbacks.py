@@ -34,7 +34,7 @@ from lightning_gradguard.monitors.overfit.callback import OverfitBatchSanity
 from lightning_gradguard.monitors.vanishing.callback import VanishingExplodingDetector
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: testkit's reference norm
-from testkit import reference_total_norm
+from testkit import SEARCH_STEPS, reference_total_norm
 
 NAN_AT = 3
 N_SAMPLES, BATCH = 192, 8  # 12 optimizer steps per rank and epoch
@@ -71,7 +71,9 @@ def callbacks() -> list[Any]:
     return [
         OverfitBatchSanity(),
         GradientCheck(),
-        LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=20, progress=False, plot=False),
+        LRFinderPlus(
+            min_lr=1e-4, max_lr=10.0, num_training=20, search_steps=SEARCH_STEPS, progress=False, plot=False
+        ),
         GradientNormLogger(histogram_every_n_steps=4),
         VanishingExplodingDetector(),
         DeadReLUMonitor(sample_every_n_steps=3),

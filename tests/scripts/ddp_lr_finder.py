@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_gradguard import LRFinderPlus
-from tests.testkit import LateLabels
+from tests.testkit import SEARCH_STEPS, LateLabels
 
 
 class Model(pl.LightningModule):
@@ -72,7 +72,7 @@ def _digits_loader() -> Any:
 def retried(out: Path) -> None:
     """A fit whose search runs again: both ranks must take the same decision, or one would wait forever."""
     pl.seed_everything(0)
-    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False, search_steps=110)
+    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False, search_steps=SEARCH_STEPS)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

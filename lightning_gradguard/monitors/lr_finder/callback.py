@@ -36,11 +36,15 @@ from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
 from lightning_gradguard.monitors.lr_finder.rules import RULES, Tested
 from lightning_gradguard.monitors.lr_finder.tags import CHARTS
 
-#: the search's default budget in optimizer steps (see docs/lr_finder.md for what it costs)
-DEFAULT_SEARCH_STEPS = 300
+#: the search's default budget in optimizer steps: 5 trials of 54 steps and up to 3 of 108. A run that
+#: blows up (or collapses to a constant output) only after a hundred steps at a large LR, as SGD with
+#: momentum often does, looks best in a 54-step trial; a 108-step one sees the blow-up. On the 38 tasks of
+#: ``benchmarks/lr_hard.py`` (six seeds), 300 -> 600 -> 1,200 steps gave a mean ratio to the best loss of
+#: 2.89 -> 1.94 -> 1.73 (docs/lr_finder.md, *Budget*; what it costs: docs/benchmarks.md)
+DEFAULT_SEARCH_STEPS = 600
 
 #: how many times the search runs again with trials twice as long when its trials learned nothing it can
-#: rank by: a model that needs longer than the default's 27- and 54-step trials to use its inputs (a ViT, a
+#: rank by: a model that needs longer than the default's 54- and 108-step trials to use its inputs (a ViT, a
 #: transformer tagger; docs/lr_finder.md); paid only there. ``MAX_SEARCH_RETRIES``: 64 times the trials
 DEFAULT_SEARCH_RETRIES = 2
 MAX_SEARCH_RETRIES = 6

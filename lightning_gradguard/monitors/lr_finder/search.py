@@ -62,11 +62,11 @@ Batches = Iterator[tuple[Any, int]]
 
 #: the search chooses its winner's LR over this. Trials of a few dozen steps favour large LRs: a large LR
 #: makes the most of a few steps, and the noise it keeps, or the blow-up it risks, shows over a long run.
-#: Training every LR of the brute-force grid for 54 steps (the default's second round), its best sat a median
-#: 1.33x above the 150-1,500-step run's best on 18 tasks; and a run's loss rises slowly below its best LR and
-#: steeply above it, so a pick too high costs more than one as far too low. On the 23 tasks of
-#: ``benchmarks/lr_hard.py`` (six seeds), any divisor from 1.2 to 1.5 lowered the mean ratio to the best
-#: about equally (docs/benchmarks.md), so the value is no knife-edge; 1.25 sits low in that range
+#: Training every LR of the brute-force grid for 54 steps (the second round of a 300-step budget), its best
+#: sat a median 1.33x above the 150-1,500-step run's best on 18 tasks; and a run's loss rises slowly below its
+#: best LR and steeply above it, so a pick too high costs more than one as far too low. On the 23 tasks of
+#: ``benchmarks/lr_hard.py`` (six seeds), any divisor from 1.2 to 1.5 lowered the mean ratio to the best about
+#: equally (docs/benchmarks.md), so the value is no knife-edge; 1.25 sits low in that range
 SHORT_HORIZON = 1.25
 
 #: a run at one LR from start to end, unclipped, is searched up to its divergence edge over this: a short

@@ -655,6 +655,7 @@ def test_lr_find_sweeps_an_lbfgs_model_and_leaves_it_unchanged() -> None:
         max_lr=1.0,
         num_training=15,
         divergence_threshold=None,
+        search_steps=110,  # the search runs, at a small budget: an LBFGS step is up to 20 evaluations
         progress=False,
         trainer_kwargs={"accelerator": "cpu"},
     )

@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_gradguard import LRFinderPlus, lr_find
+from lightning_gradguard.monitors.lr_finder.callback import DEFAULT_SEARCH_STEPS
 from lightning_gradguard.monitors.lr_finder.holdout import IndexSampler, split
 from lightning_gradguard.monitors.lr_finder.result import Trial
 from lightning_gradguard.monitors.lr_finder.schedule import compressed, schedule_factors
@@ -600,23 +601,26 @@ class InverseSqrt(Classifier):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
 
 
+def _first_trial_factors(model: InverseSqrt) -> list[float]:
+    """``lr_find`` on ``model`` with a 110-step search: the LR of each step of its first trial (recorded by
+    the model), over the trial's candidate LR."""
+    torch.manual_seed(0)
+    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
+    result = lr_find(model, _classes(informative=True), max_lr=1.0, **kw)
+    assert result is not None and result.search is not None and result.search.trials
+    first = result.search.trials[0]
+    done = len(model.seen) - sum(t.steps for t in result.search.trials)
+    return [lr / first.lr for lr in model.seen[done : done + first.steps]]
+
+
 def test_a_schedule_that_never_settles_is_squeezed_from_a_guessed_run_not_100000_steps() -> None:
     """Regression: ``lr_find`` does not know the run's length, and an inverse-square-root schedule never
     stops changing, so it was read to its 100,000-step limit and squeezed into each trial: after its first
     step a trial ran at 2-9 % of the LR it stood for (a held-out transformer tagger's search then picked
     LRs whose runs end at chance). The run is now taken to be ten times the warm-up: a trial warms up to
     its candidate's LR and ends at sqrt(30 / 300) of it."""
-    torch.manual_seed(0)
-    model = InverseSqrt()
-    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
-    result = lr_find(model, _classes(informative=True), max_lr=1.0, **kw)
-    assert result is not None and result.search is not None and result.search.trials
-    first = result.search.trials[0]
-    trial = [
-        lr / first.lr for lr in model.seen[len(model.seen) - sum(t.steps for t in result.search.trials) :]
-    ]
-    trial = trial[: first.steps]
-    assert len(trial) == first.steps == 10
+    trial = _first_trial_factors(InverseSqrt())
+    assert len(trial) == 10
     assert max(trial) > 0.9  # near the warm-up's end (the squeeze samples step 33 of 300): the candidate's LR
     assert trial[-1] == pytest.approx((30 / 300) ** 0.5, rel=0.05)  # not 30 / 100,000 ** 0.5 = 0.017
 
@@ -637,17 +641,38 @@ def test_a_decay_that_reaches_zero_only_by_underflow_is_squeezed_from_a_guessed_
     candidate's LR (the MNIST example under Adadelta learned nothing in trials of up to 432 steps). The run
     is now taken to end where the LR has fallen to a tenth (after 7 epochs, 155 steps): a trial starts at
     its candidate's LR and ends at 0.7 ** 7 of it."""
-    torch.manual_seed(0)
-    model = DecayPerEpoch()
-    kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False, "search_steps": 110}
-    result = lr_find(model, _classes(informative=True), max_lr=1.0, **kw)
-    assert result is not None and result.search is not None and result.search.trials
-    first = result.search.trials[0]
-    done = len(model.seen) - sum(t.steps for t in result.search.trials)
-    trial = [lr / first.lr for lr in model.seen[done : done + first.steps]]
-    assert len(trial) == first.steps == 10
+    trial = _first_trial_factors(DecayPerEpoch())
+    assert len(trial) == 10
     assert trial[0] == pytest.approx(1.0) and trial[1] == pytest.approx(1.0)  # was 0.7 ** 229 after step 1
     assert trial[-1] == pytest.approx(0.7**7, rel=1e-6)
+
+
+class Recording(InverseSqrt):
+    """The recording classifier under a constant LR."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def test_the_default_budget_trains_trials_long_enough_to_see_a_late_blow_up() -> None:
+    """At the default budget the second round's trials are 108 steps (5 of 54, then 3 of 108, counted
+    apart from the library, one ``training_step`` with gradients each): a 54-step trial, the longest of a
+    300-step budget, cannot see a run that blows up after a hundred steps at a large LR (SGD momentum on
+    ``make bench-lr-hard``: a distilled student 29 times the best loss, a triplet network 3.9; 1.25 and
+    1.40 at this budget)."""
+    torch.manual_seed(0)
+    model = Recording()
+    result = lr_find(model, _classes(informative=True), max_lr=1.0, trainer_kwargs={"accelerator": "cpu"})
+    assert result is not None and result.search is not None and result.search.retries == 0
+    trials = result.search.trials
+    assert [t.round for t in trials] == [0] * 5 + [1] * (len(trials) - 5)
+    finite = [t for t in trials if math.isfinite(t.loss)]
+    assert [t.steps for t in finite] == [54 if t.round == 0 else 108 for t in finite]
+    seen = model.seen[len(model.seen) - sum(t.steps for t in trials) :]  # the search's steps, last
+    for t in trials:
+        assert seen[: t.steps] == pytest.approx([t.lr] * t.steps)
+        seen = seen[t.steps :]
+    assert result.search.steps == sum(t.steps for t in trials) <= DEFAULT_SEARCH_STEPS == 600
 
 
 def test_the_refinement_is_a_trained_candidate_never_trusted_untrained() -> None:

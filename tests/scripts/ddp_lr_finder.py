@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_gradguard import LRFinderPlus
-from tests.testkit import SEARCH_STEPS, LateLabels
+from tests.testkit import LateLabels
 
 
 class Model(pl.LightningModule):
@@ -72,7 +72,8 @@ def _digits_loader() -> Any:
 def retried(out: Path) -> None:
     """A fit whose search runs again: both ranks must take the same decision, or one would wait forever."""
     pl.seed_everything(0)
-    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False, search_steps=SEARCH_STEPS)
+    # trials of 10 and 20 steps, shorter than the 30 steps LateLabels takes: the search must run again
+    finder = LRFinderPlus(min_lr=1e-4, max_lr=10.0, num_training=40, plot=False, search_steps=110)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

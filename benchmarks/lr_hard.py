@@ -191,6 +191,15 @@ def _standardise(xtr: np.ndarray, xva: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return ((xtr - mu) / sd).astype(np.float32), ((xva - mu) / sd).astype(np.float32)
 
 
+def _class_split(x: np.ndarray, y: np.ndarray, seed: int, standardise: bool = False) -> Data:
+    """Split 75/25, stratified by class; with ``standardise``, the features scaled by the training
+    statistics."""
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
+    if standardise:
+        xtr, xva = _standardise(xtr, xva)
+    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+
+
 def _regression_data(x: np.ndarray, y: np.ndarray, seed: int) -> Data:
     """Split 75/25, standardise the features and the target with the training statistics."""
     xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=seed)
@@ -577,9 +586,7 @@ def mlp_adam_b4_cls() -> Task:
     x, y = make_classification(
         n_samples=1600, n_features=20, n_informative=10, n_classes=4, class_sep=1.0, random_state=3
     )
-    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=3, stratify=y)
-    xtr, xva = _standardise(xtr, xva)
-    data = (torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva))
+    data = _class_split(x, y, 3, standardise=True)
 
     def mlp() -> nn.Module:
         return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
@@ -690,8 +697,7 @@ def _sequence_data() -> Data:
     for i in np.flatnonzero(y):
         at = rng.integers(0, SEQ_LEN - 3)
         x[i, at : at + 3] += np.array([1.5, -1.5, 1.5], dtype=np.float32)
-    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=7, stratify=y)
-    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+    return _class_split(x, y, 7)
 
 
 class MotifConv(nn.Module):
@@ -766,9 +772,7 @@ def logreg_l2_adagrad() -> Task:
     x, y = make_classification(
         n_samples=1500, n_features=60, n_informative=15, n_classes=3, class_sep=0.8, random_state=11
     )
-    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=11, stratify=y)
-    xtr, xva = _standardise(xtr, xva)
-    data = (torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva))
+    data = _class_split(x, y, 11, standardise=True)
 
     def opt(p: Any, lr: float) -> torch.optim.Optimizer:
         return torch.optim.Adagrad(p, lr=lr, weight_decay=1e-3)
@@ -1007,8 +1011,7 @@ def _sorted_data() -> Data:
             else:
                 a = int(rng.integers(0, SORT_LEN - 1))
                 x[i, a], x[i, a + 1] = x[i, a + 1], x[i, a]
-    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=31, stratify=y)
-    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+    return _class_split(x, y, 31)
 
 
 class SortedEncoder(nn.Module):
@@ -1080,8 +1083,7 @@ def _shapes_data() -> Data:
             patch[np.arange(2 * s + 1), np.arange(2 * s + 1)] = 1.0
             patch[np.arange(2 * s + 1), np.arange(2 * s, -1, -1)] = 1.0
         x[i, 0, rows[:, None], cols[None, :]] += v * patch
-    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=37, stratify=y)
-    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+    return _class_split(x, y, 37)
 
 
 class _ResBlock(nn.Module):
@@ -1226,9 +1228,7 @@ def tabular_ln_dropout_sgd_b8() -> Task:
         class_sep=1.5,
         random_state=43,
     )
-    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=43, stratify=y)
-    xtr, xva = _standardise(xtr, xva)
-    data = (torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva))
+    data = _class_split(x, y, 43, standardise=True)
 
     def mlp() -> nn.Module:
         def block(i: int, o: int) -> list[nn.Module]:
@@ -1935,8 +1935,7 @@ def _documents_data() -> Data:
     topical = keywords[y[:, None], rng.integers(0, FT_KEYWORDS, size=(n, FT_LEN))]
     x = np.where(rng.random((n, FT_LEN)) < 0.15, topical, common)
     x[np.arange(FT_LEN)[None, :] >= rng.integers(8, FT_LEN + 1, size=(n, 1))] = 0
-    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=79, stratify=y)
-    return torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva)
+    return _class_split(x, y, 79)
 
 
 class FastText(nn.Module):
@@ -2090,9 +2089,7 @@ def tabular_bn_onecycle_nesterov() -> Task:
         class_sep=0.8,
         random_state=89,
     )
-    xtr, xva, ytr, yva = train_test_split(x, y, test_size=0.25, random_state=89, stratify=y)
-    xtr, xva = _standardise(xtr, xva)
-    data = (torch.tensor(xtr), torch.tensor(ytr), torch.tensor(xva), torch.tensor(yva))
+    data = _class_split(x, y, 89, standardise=True)
 
     def mlp() -> nn.Module:
         def block(cin: int, cout: int) -> list[nn.Module]:

@@ -203,6 +203,45 @@ def test_divergence_rule_ignores_a_low_first_batch() -> None:
     assert 30 < _monitor_stop(rising, beta=0.9) < 40
 
 
+class _ZeroHead(pl.LightningModule):
+    """fastText's shape on digits: small input weights and a zero-initialised output layer, plain SGD. Every
+    batch gives exactly ``ln(10)`` until the weights move, so the first losses show no noise at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 0.1
+        self.net = nn.Sequential(nn.Linear(FEATURES, 32), nn.Linear(32, CLASSES))
+        nn.init.uniform_(self.net[0].weight, -1 / 256, 1 / 256)
+        nn.init.zeros_(self.net[0].bias)
+        nn.init.zeros_(self.net[1].weight)
+        nn.init.zeros_(self.net[1].bias)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def test_a_flat_start_without_noise_does_not_stop_on_a_rise_that_does_not_matter() -> None:
+    # the noise read from identical first losses is zero: the sweep used to stop as "diverged" near lr 2e-4
+    # (every seed), on a loss that had moved by less than 1e-5 of its level, and suggested nothing
+    torch.manual_seed(0)
+    result = lr_find(
+        _ZeroHead(),
+        _loader(batch_size=4, shuffle=True),
+        min_lr=1e-7,
+        max_lr=10.0,
+        num_training=100,
+        search_steps=0,
+        progress=False,
+        trainer_kwargs=dict(logger=False, enable_checkpointing=False, enable_model_summary=False),
+    )
+    assert result is not None
+    assert result.losses[:5] == [pytest.approx(math.log(CLASSES), abs=1e-6)] * 5
+    assert result.lrs[-1] > 0.1  # on to where plain SGD moves these weights
+
+
 # ---------------------------------------------------------------------------------------------- modules
 #: the sweeps' data: the first 384 scikit-learn digits (real data), 12 batches of 32 an epoch
 SAMPLES, BATCH, FEATURES, CLASSES = 384, 32, 64, 10

@@ -78,8 +78,8 @@ smoothing and cosine warm restarts, an encoder-decoder ``nn.Transformer`` revers
 a constant LR, the PyTorch examples' MNIST recipe (a CNN with dropout under Adadelta, LR x 0.7 every epoch)
 on digits, and a CORAL ordinal regressor under Adam at batch 256.
 
-An eighth held-out set, ``--set heldout8``, is written to judge the next rule change once, and so is not in
-``--set all`` until then (run it with ``--set heldout8``, or name its tasks with ``--tasks``): a digits MLP
+An eighth held-out set, ``--set heldout8``, judged the next rule change once (a rise smaller than 1 % of the
+loss's level no longer stops a sweep; in ``--set all`` since): a digits MLP
 with a zero-initialised output layer under plain SGD with LR / 10 at 30, 60 and 90 %, an MLP autoencoder of
 digits under SGD Nesterov with a quadratic decay, a two-tower retrieval model (in-batch softmax) under
 Adagrad, a temporal convolutional network forecasting a series under AdamW with warm-up then a constant LR,
@@ -2713,8 +2713,8 @@ HELD_OUT_7 = {
 
 # ------------------------------------------------------------------------------------------- held-out set 8
 # An eighth check on ourselves, written before any result of ours on it was seen (only the grid and the two
-# third-party finders were run on it): it is to judge the next rule change once (``--set heldout8``), never
-# to choose a rule, so it stays out of ``SETS["all"]`` until then. Each task is a recipe of a family, an
+# third-party finders were run on it). It judged the next rule change once (a rise below 1 % of the loss's
+# level never stops a sweep), never to choose a rule, and is in ``SETS["all"]`` since. Each task is a recipe of a family, an
 # optimizer, a schedule or a loss none of the 43 above has: a digits MLP whose output layer starts at zero
 # (every batch's first loss is log 10) under plain SGD with LR / 10 at 30, 60 and 90 %, an undercomplete MLP
 # autoencoder of digits under SGD Nesterov with a quadratic decay, a two-tower retrieval model (in-batch
@@ -3072,7 +3072,7 @@ SETS = {
     "heldout5": tuple(HELD_OUT_5),
     "heldout6": tuple(HELD_OUT_6),
     "heldout7": tuple(HELD_OUT_7),
-    "heldout8": tuple(HELD_OUT_8),  # not in "all" until the next rule change is judged on it
+    "heldout8": tuple(HELD_OUT_8),
     "all": (
         *TASK_NAMES,
         *HELD_OUT,
@@ -3082,6 +3082,7 @@ SETS = {
         *HELD_OUT_5,
         *HELD_OUT_6,
         *HELD_OUT_7,
+        *HELD_OUT_8,
     ),
 }
 
@@ -3729,7 +3730,7 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
     names = [n for n in args.tasks.split(",") if n] or list(SETS[args.set])
-    known = dict.fromkeys(n for names_ in SETS.values() for n in names_)  # heldout8 is not in "all"
+    known = dict.fromkeys(n for names_ in SETS.values() for n in names_)
     unknown = [n for n in names if n not in known]
     finders = [f for f in args.finders.split(",") if f]
     if unknown or any(f not in FINDERS for f in finders):

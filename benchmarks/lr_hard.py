@@ -2714,12 +2714,13 @@ HELD_OUT_7 = {
 # ------------------------------------------------------------------------------------------- held-out set 8
 # An eighth check on ourselves, written before any result of ours on it was seen (only the grid and the two
 # third-party finders were run on it). It judged the next rule change once (a rise below 1 % of the loss's
-# level never stops a sweep), never to choose a rule, and is in ``SETS["all"]`` since. Each task is a recipe of a family, an
-# optimizer, a schedule or a loss none of the 43 above has: a digits MLP whose output layer starts at zero
-# (every batch's first loss is log 10) under plain SGD with LR / 10 at 30, 60 and 90 %, an undercomplete MLP
-# autoencoder of digits under SGD Nesterov with a quadratic decay, a two-tower retrieval model (in-batch
-# softmax) under Adagrad, a temporal convolutional network forecasting a series under AdamW with warm-up then
-# a constant LR, and a classifier trained on noisy labels with the symmetric cross-entropy under AMSGrad.
+# level never stops a sweep), never to choose a rule, and is in ``SETS["all"]`` since. Each task is a recipe
+# of a family, an optimizer, a schedule or a loss none of the 43 above has: a digits MLP whose output layer
+# starts at zero (every batch's first loss is log 10) under plain SGD with LR / 10 at 30, 60 and 90 %, an
+# undercomplete MLP autoencoder of digits under SGD Nesterov with a quadratic decay, a two-tower retrieval
+# model (in-batch softmax) under Adagrad, a temporal convolutional network forecasting a series under AdamW
+# with warm-up then a constant LR, and a classifier trained on noisy labels with the symmetric cross-entropy
+# under AMSGrad.
 class MultiStep:
     """LR multiplier of ``MultiStepLR(gamma)`` with milestones at the given fractions of ``total`` steps."""
 

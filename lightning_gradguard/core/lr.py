@@ -20,6 +20,7 @@ same rescaling with the inverse function puts it back.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,25 @@ def group_lr(group: Mapping[str, Any]) -> float | None:
     if isinstance(lr, (int, float)) and not isinstance(lr, bool):
         return float(lr)
     return None
+
+
+def step_cap(optimizer: Any) -> float | None:
+    """The largest learning rate group 0's next step can use, where the optimizer caps it; ``None`` where
+    it does not (every optimizer but one).
+
+    ``torch.optim.Adafactor`` steps by ``min(lr, 1 / sqrt(t))`` times the parameters' RMS at its ``t``-th
+    step: above that cap every LR takes the same step. Its step count is read from the state of group 0's
+    first parameter that has one (0 before the first step)."""
+    adafactor = getattr(torch.optim, "Adafactor", None)  # torch 2.5 on
+    if adafactor is None or not isinstance(optimizer, adafactor):
+        return None
+    done = 0.0
+    for param in optimizer.param_groups[0]["params"]:
+        state = optimizer.state.get(param)
+        if state and "step" in state:
+            done = float(state["step"])
+            break
+    return 1.0 / math.sqrt(done + 1.0)
 
 
 def rescale_learning_rates(trainer: pl.Trainer, optimizer: Any, scaled: Callable[[float], float]) -> None:

@@ -25,12 +25,13 @@ class DivergenceMonitor:
     * a reference level and a noise level are taken from the first ``warmup`` raw losses (at the tiny
       starting LR the loss barely moves, so their spread is the batch-to-batch noise);
     * afterwards the sweep has diverged when ``smoothed - best > threshold * max(reference - best,
-      noise_factor * noise, floor)``: with ``threshold = 1`` the smoothed loss has climbed back as far
-      above its best as the best ever got below the start; the noise term keeps an early flat curve from
-      stopping on one unlucky batch, and the floor (:data:`MATERIAL_RISE` of ``|reference|``) keeps a
-      flat curve whose first losses showed no noise from stopping on a rise that does not matter. The best counts from the ``warmup``-th smoothed value on: the
-      first few averages are hardly smoothed (the very first is one raw loss), and one low batch among
-      them would otherwise set a best that the flat start then seems to climb away from.
+      noise_factor * noise, floor)``: with ``threshold = 1`` the smoothed loss has climbed back as far above
+      its best as the best ever got below the start; the noise term keeps an early flat curve from stopping on
+      one unlucky batch, and the floor (:data:`MATERIAL_RISE` of ``|reference|``) keeps a flat curve whose
+      first losses showed no noise from stopping on a rise that does not matter. The best counts from the
+      ``warmup``-th smoothed value on: the first few averages are hardly smoothed (the very first is one raw
+      loss), and one low batch among them would otherwise set a best that the flat start then seems to climb
+      away from.
 
     A non-finite loss stops the sweep at once (and is not recorded by the callers).
 

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_gradguard.core.batch import prepare_batch
 from lightning_gradguard.core.cadence import steps_per_epoch
-from lightning_gradguard.core.lr import clip_setting, group_lr, rescale_learning_rates
+from lightning_gradguard.core.lr import clip_setting, group_lr, rescale_learning_rates, step_cap
 from lightning_gradguard.core.snapshot import RNGState, TrainingSnapshot, train_loader_generators
 from lightning_gradguard.core.state import info_once, warn_once
 from lightning_gradguard.core.stats import active_scaler
@@ -79,6 +79,12 @@ EXTEND_DECADES = 2.0
 
 #: the extension's points per decade in a linear sweep (an exponential one keeps its own spacing)
 EXTEND_PER_DECADE = 20
+
+#: the sweep's stop reason where the optimizer caps its step below the next LR (``core.lr.step_cap``:
+#: torch's Adafactor). Past it the curve would plot more steps at the cap against LRs that do nothing: a
+#: transformer under Adafactor kept falling to the sweep's end and on through its extension to 112, so the
+#: curve's steep point sat at 0.5 (the best 300-step run's LR is 0.1, and 0.18 already fails)
+CAPPED = "capped"
 
 
 @dataclass(frozen=True)
@@ -614,6 +620,9 @@ class _Sweep:
         same micro-batches. The point recorded is its first loss: the loss at the parameters the step
         started from, as for every other optimizer.
         """
+        cap = step_cap(self.optimizer)
+        if cap is not None and lr * self.ratios[0] > cap:  # from here every LR takes the same step
+            raise _SweepStopped(CAPPED)
         for group, ratio in zip(self.optimizer.param_groups, self.ratios, strict=True):
             group["lr"] = lr * ratio
         closure = TrialClosure(

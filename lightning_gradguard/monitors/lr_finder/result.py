@@ -107,9 +107,10 @@ class LRFinderResult:
             (``None``: no such tail).
         epoch: the epoch at whose start the test ran.
         stop_reason: why the sweep ended: ``"completed"`` (all its steps), ``"diverged"``
-            (the stop rule fired), ``"non-finite loss"``, ``"no loss"`` (``training_step`` returned no
-            loss), ``"no data"`` (the training dataloader yielded no batch), or ``"not run"`` (an
-            unsupported setup: see ``reason``).
+            (the stop rule fired), ``"non-finite loss"``, ``"capped"`` (the optimizer caps its step below
+            the next LR: torch's Adafactor takes ``min(lr, 1 / sqrt(t))``), ``"no loss"``
+            (``training_step`` returned no loss), ``"no data"`` (the training dataloader yielded no batch),
+            or ``"not run"`` (an unsupported setup: see ``reason``).
         reason: why there is no suggestion (empty when there is one).
         descent: how far the smoothed curve falls to its minimum against its own noise (``None`` without
             points); with ``descent.stands_out`` false no method suggests anything.

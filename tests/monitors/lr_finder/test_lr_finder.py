@@ -242,6 +242,39 @@ def test_a_flat_start_without_noise_does_not_stop_on_a_rise_that_does_not_matter
     assert result.lrs[-1] > 0.1  # on to where plain SGD moves these weights
 
 
+class _AdafactorNet(pl.LightningModule):
+    """A digits MLP under torch's Adafactor, recording the LR of every ``training_step``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 1e-3
+        self.net = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+        self.seen: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append(float(self.trainer.optimizers[0].param_groups[0]["lr"]))
+        return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adafactor(self.parameters(), lr=self.lr)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor: torch 2.5 on")
+def test_the_sweep_ends_where_adafactor_caps_its_step() -> None:
+    # Adafactor's t-th step is min(lr, 1/sqrt(t)) of the parameters' RMS: past that every LR steps alike, and
+    # a transformer's sweep went on falling to 112, far past its best LR (0.1), the steep point at 0.5
+    torch.manual_seed(0)
+    model = _AdafactorNet()
+    kw: dict[str, Any] = dict(min_lr=1e-4, max_lr=10.0, num_training=60, search_steps=0, progress=False)
+    result = lr_find(model, _loader(shuffle=True), trainer_kwargs={"logger": False}, **kw)
+    assert result is not None and result.stop_reason == "capped"
+    n = len(result.lrs)
+    assert model.seen[:n] == pytest.approx(result.lrs)  # the LRs the steps ran at, from the model
+    assert all(lr <= 1 / math.sqrt(t) for t, lr in enumerate(result.lrs, start=1))
+    assert sweep_lrs(1e-4, 10.0, 60)[n] > 1 / math.sqrt(n + 1)  # the next one would have been capped
+    assert result.suggestion is not None and result.suggestion <= result.lrs[-1]
+
+
 # ---------------------------------------------------------------------------------------------- modules
 #: the sweeps' data: the first 384 scikit-learn digits (real data), 12 batches of 32 an epoch
 SAMPLES, BATCH, FEATURES, CLASSES = 384, 32, 64, 10

@@ -647,6 +647,27 @@ def test_a_decay_that_reaches_zero_only_by_underflow_is_squeezed_from_a_guessed_
     assert trial[-1] == pytest.approx(0.7**7, rel=1e-6)
 
 
+class StepDecay(InverseSqrt):
+    """The recording classifier under a step decay: LR / 10 at 90, 180 and 270 steps (30, 60 and 90 % of a
+    300-step run), then a thousandth of it for good."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        decay = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[90, 180, 270], gamma=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+
+def test_a_step_decay_holds_its_last_level_as_long_as_the_one_before_not_nine_times_the_decay() -> None:
+    """Regression: a schedule that stopped changing at a level below its peak was read as a warm-up to a
+    constant LR, held for nine times its changing part (2,710 steps here): squeezed into a trial, it spent
+    one step at the candidate's LR and the rest at a hundredth to a thousandth of it (a digits MLP under
+    this schedule learned nearly nothing in its trials, and the search chose three times the best LR). The
+    last level now lasts as long as the one before (90 steps, a 360-step run): a trial holds each level for
+    its share of the run, the candidate's LR for 3 of its 10 steps."""
+    trial = _first_trial_factors(StepDecay())
+    assert trial == pytest.approx([1.0, 1.0, 1.0, 0.1, 0.1, 0.01, 0.01, 0.001, 0.001, 0.001], rel=1e-6)
+
+
 class Recording(InverseSqrt):
     """The recording classifier under a constant LR."""
 

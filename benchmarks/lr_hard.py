@@ -118,6 +118,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -3535,6 +3536,15 @@ class Module(pl.LightningModule):
 
 
 # ---------------------------------------------------------------------------------------------- cache
+def _merge_into(mine: dict[str, Any], other: dict[str, Any]) -> None:
+    """Add to ``mine`` what only ``other`` holds, at every depth (``mine`` wins where both hold a value)."""
+    for key, value in other.items():
+        if isinstance(mine.get(key), dict) and isinstance(value, dict):
+            _merge_into(mine[key], value)
+        else:
+            mine.setdefault(key, value)
+
+
 class Cache:
     """Held-out losses by task fingerprint, LR and seed, and the third-party finders' results, in JSON."""
 
@@ -3548,12 +3558,20 @@ class Cache:
         self.trained = 0
 
     def save(self) -> None:
+        """Write the cache, merged with what other runs saved to the same file meanwhile (under a lock, from a
+        file of this process's own: two runs sharing one temporary name once crashed one of them)."""
         if not self.path:
             return
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(self.data, fh)
-        os.replace(tmp, self.path)
+        with open(self.path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(self.path):
+                with open(self.path) as fh:
+                    on_disk = json.load(fh)
+                _merge_into(self.data, on_disk)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as fh:
+                json.dump(self.data, fh)
+            os.replace(tmp, self.path)
 
     def loss(self, task: Task, key: str, lr: float, seed: int) -> float:
         runs = self.data["runs"].setdefault(f"{task.name}|{key}", {}).setdefault(repr(float(lr)), {})

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_gradguard.alerts import Finding, Rule, declare
-from lightning_gradguard.monitors.lr_finder.engine import Unsupported
+from lightning_gradguard.monitors.lr_finder.engine import CAPPED, Unsupported
 from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
 
 #: a sweep whose smoothed loss fell by less than this share of its level is flat (no descent to read)
@@ -53,6 +53,12 @@ def _hint(result: LRFinderResult, min_points: int) -> str:
             "limit_train_batches (or overfit_batches), or run lr_find() without the limit."
         )
     check = result.descent
+    if result.stop_reason == CAPPED and result.lrs and (len(result.lrs) < min_points or check is None):
+        return (
+            f"The optimizer caps its step from lr {result.lrs[-1]:.2e} on (torch's Adafactor steps by "
+            "min(lr, 1/sqrt(t))), so a higher max_lr changes nothing: lower min_lr or raise num_training "
+            "for more points below the cap."
+        )
     if len(result.lrs) < min_points or check is None or check.stands_out:
         return (
             "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
@@ -93,8 +99,20 @@ def _plateau_hint(result: LRFinderResult) -> str:
         f"a plateau that a {len(result.lrs)}-step sweep cannot see: deep tanh or sigmoid stacks and ViTs "
         f"break away only after hundreds of steps. Sweep with num_training of 500 to 1000 to see where the "
         f"plateau ends, or train a few hundred steps{scale} and watch the loss"
-        + (", or raise max_lr if it never blew up." if blew_up is None else ".")
+        + _past_the_top(result, blew_up)
     )
+
+
+def _past_the_top(result: LRFinderResult, blew_up: float | None) -> str:
+    """The plateau hint's last words: whether a higher ``max_lr`` could show more."""
+    if blew_up is not None:
+        return "."
+    if result.stop_reason == CAPPED:
+        return (
+            "; every LR above the sweep's last takes the same capped step (torch's Adafactor), so a higher "
+            "max_lr changes nothing."
+        )
+    return ", or raise max_lr if it never blew up."
 
 
 def _blow_up_lr(result: LRFinderResult) -> float | None:

@@ -275,6 +275,22 @@ def test_the_sweep_ends_where_adafactor_caps_its_step() -> None:
     assert result.suggestion is not None and result.suggestion <= result.lrs[-1]
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch.optim.Adafactor: torch 2.5 on")
+def test_a_capped_flat_sweep_does_not_advise_a_higher_max_lr() -> None:
+    class FlatAdafactor(_AdafactorNet):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return 0.0 * self.net(batch[0]).sum() + 1.0  # does not depend on the learning rate
+
+    model = FlatAdafactor()
+    finder = _finder(min_lr=1e-4, max_lr=10.0, num_training=60)
+    _fit(model, [finder], loader=_loader(), max_steps=1)
+    assert finder.result is not None and finder.result.stop_reason == "capped"
+    assert finder.result.suggestion is None
+    assert [a.kind for a in finder.alerts] == ["lr_finder_failed"]
+    hint = finder.alerts[0].hint
+    assert "same capped step" in hint and "raise max_lr" not in hint
+
+
 # ---------------------------------------------------------------------------------------------- modules
 #: the sweeps' data: the first 384 scikit-learn digits (real data), 12 batches of 32 an epoch
 SAMPLES, BATCH, FEATURES, CLASSES = 384, 32, 64, 10

@@ -54,8 +54,9 @@ def step_cap(optimizer: Any) -> float | None:
     it does not (every optimizer but one).
 
     ``torch.optim.Adafactor`` steps by ``min(lr, 1 / sqrt(t))`` times the parameters' RMS at its ``t``-th
-    step: above that cap every LR takes the same step. Its step count is read from the state of group 0's
-    first parameter that has one (0 before the first step)."""
+    step: above that cap every LR takes the same gradient step (only its weight decay, ``lr *
+    weight_decay``, still grows with the LR). Its step count is read from the state of group 0's first
+    parameter that has one (0 before the first step)."""
     adafactor = getattr(torch.optim, "Adafactor", None)  # torch 2.5 on
     if adafactor is None or not isinstance(optimizer, adafactor):
         return None

@@ -119,8 +119,8 @@ def schedule_factors(
     run's length in scheduler steps when known (a fit inside its Trainer), read that far or to the
     schedule's end (``OneCycleLR`` refuses to step past it). Unknown (``lr_find``'s throwaway Trainer), the
     schedule is read until it has not changed for as long as it took to get there (at least
-    :data:`FLAT_STEPS`), and ends where :func:`settled_end` puts the run's end. One that
-    never stops changing (an inverse square root, an exponential decay), or reaches zero only by underflow
+    :data:`FLAT_STEPS`), and ends where :func:`settled_end` puts the run's end. One that never stops
+    changing (an inverse square root, an exponential decay), or reaches zero only by underflow
     (:func:`decayed_away`), is cut where :func:`guessed_end` puts the run's end. Read on copies of the
     schedulers (:func:`_factors`).
     """

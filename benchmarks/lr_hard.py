@@ -39,7 +39,8 @@ Tasks (offline data only):
 * ``lm_warmup_cosine``: a 2-layer causal transformer character LM on the source of a few stdlib modules,
   AdamW, linear warm-up then cosine decay (``LambdaLR``, per step);
 * ``deep_tanh``: a 10-layer tanh MLP on digits, plain SGD: the loss stays flat for the whole sweep and
-  breaks away only after hundreds of steps at a good LR (a refusal is the expected answer here);
+  breaks away only after hundreds of steps at a good LR (the sweep alone refuses it; the blind search's
+  trials of a few hundred steps can learn it);
 * ``gru_lm_sgd_clip``: a GRU character LM under plain SGD with ``gradient_clip_val=1`` (large LRs are safe);
 * ``vit_onecycle``: a small ViT on digits (16 patches of 2x2) under AdamW and ``OneCycleLR(max_lr)``;
 * ``linreg_unscaled_sgd``: linear regression on features scaled 0.1..10 (not standardised), plain SGD;

@@ -119,7 +119,9 @@ class LRFinderPlus(GradGuardCallback):
     trials skip); the best two and one refinement point train twice as long, and the winner's LR over 1.25
     (short trials favour large LRs) is the suggestion (``result.search``; the curve's own in
     ``result.sweep_suggestion``). Trials that learned nothing to rank the LRs by run again, twice as long
-    (``search_retries``). A sweep still falling at ``max_lr`` is first extended, up to two decades.
+    (``search_retries``). A sweep still falling at ``max_lr`` is first extended, up to two decades. A
+    sweep whose descent does not stand out of its noise is searched blind, over the two decades below its
+    top (``result.search.blind``); where those trials learn nothing either, the refusal stands.
     Everything is restored exactly afterwards, as after the sweep. Candidates and their losses go to
     TensorBoard (``lr_finder/search_*``), ``lr_search.csv`` and the summary line.
 

@@ -55,6 +55,7 @@ from lightning_gradguard.monitors.lr_finder.search import (
     MIN_TRIAL_STEPS,
     SECOND_ROUND,
     CandidateSearch,
+    blind_bracket,
     bracket,
     eval_batch_count,
     joined,
@@ -150,7 +151,7 @@ class RangeTest:
         try:
             schedule = read_schedule(trainer, optimizer, base[0])  # on copies of the schedulers
             result = self.sweeps(trainer, pl_module, optimizer, base, snapshot, epoch, schedule)
-            result.sweep_suggestion = result.suggestion
+            result.sweep_suggestion, result.sweep_reason = result.suggestion, result.reason
             if self.search_steps:
                 self.search(trainer, pl_module, optimizer, base, snapshot, result, schedule)
         finally:
@@ -380,11 +381,16 @@ class RangeTest:
     ) -> None:
         """Train candidates inside the sweep's bracket (:mod:`.search`) and make the best the suggestion.
 
-        Nothing to search without a suggestion (a refusal stays one). The budget is ``search_steps``
+        A sweep refused because its descent did not stand out of its noise is searched blind
+        (:func:`~.search.blind_bracket`: the trials alone decide, and where they learn nothing the refusal
+        stands); any other refusal stays one. The budget is ``search_steps``
         optimizer steps (a float: that share of the first epoch's); too small a budget for
         ``MIN_TRIAL_STEPS``-step trials is said in ``result.search.reason``. The caller restores
         everything afterwards."""
-        span = bracket(result, schedule, clipped=clip_setting(trainer) is not None)
+        clipped = clip_setting(trainer) is not None
+        span, blind = bracket(result, schedule, clipped=clipped), False
+        if span is None and len(result.lrs) >= self.min_points:  # a refusal for noise: trials may see more
+            span, blind = blind_bracket(result, schedule, clipped=clipped), True
         if span is None:
             return
         budget = self.search_budget(trainer)
@@ -397,7 +403,7 @@ class RangeTest:
                     f"search_steps={self.search_steps} is a share of the first epoch, whose length is "
                     "unknown (an iterable dataset without a length): give search_steps as an int"
                 )
-            result.search = SearchResult(reason=reason)
+            result.search = SearchResult(reason=reason, blind=blind)
             return
         snapshot.restore()
         factors = schedule_factors(trainer, optimizer, base[0], self.horizon(trainer, schedule))
@@ -420,8 +426,8 @@ class RangeTest:
         while too_short(attempts[-1]) and len(attempts) <= self.search_retries:
             attempts.append(attempt(steps << len(attempts), 2 * len(attempts)))
         result.search = joined(attempts)
-        if result.search.chosen is not None:
-            result.suggestion = result.search.chosen
+        result.search.blind = blind
+        _settle(result)
 
     def candidate_search(
         self,
@@ -514,6 +520,22 @@ class RangeTest:
             epoch=epoch,
             stop_reason="not run",
             reason=reason,
+        )
+
+
+def _settle(result: LRFinderResult) -> None:
+    """The search's choice as the suggestion; after a refusal for noise (a blind search) that chose
+    nothing, the refusal stands, its reason saying what the trials saw."""
+    search = result.search
+    if search is None:
+        return
+    if search.chosen is not None:
+        result.suggestion, result.reason = search.chosen, ""
+    elif search.blind and search.trials:
+        longest = max(t.steps for t in search.trials)
+        result.reason += (
+            f"; nor did training: candidates from {search.bracket[0]:.2e} to {search.bracket[1]:.2e}, "
+            f"trained up to {longest} steps each, chose nothing ({search.reason})"
         )
 
 

@@ -95,8 +95,9 @@ def search_in_words(result: LRFinderResult) -> str:
         chose = f"chose none ({search.reason})"
     if search.note:
         chose += f" ({search.note})"
+    blind = " (blind: the sweep's descent did not stand out of its noise)" if search.blind else ""
     return (
-        f"; search in [{search.bracket[0]:.2e}, {search.bracket[1]:.2e}] by the loss on "
+        f"; search{blind} in [{search.bracket[0]:.2e}, {search.bracket[1]:.2e}] by the loss on "
         f"{search.evaluated_on} ({tried}) {chose}, {search.steps} steps, {search.seconds:.1f}s"
     )
 

@@ -71,6 +71,9 @@ class SearchResult:
             trials before chose nothing though a candidate trained without diverging (at most the
             ``search_retries`` setting); ``steps``, ``seconds`` and ``trials`` count every run, whose
             rounds follow on (a retry's are 2 and 3, the next one's 4 and 5).
+        blind: the sweep gave no suggestion (its descent did not stand out of its noise), so the bracket
+            is the ``search.BLIND_DECADES`` below the sweep's top and no suggestion of the curve's breaks a
+            tie: the trials alone decide, and where they learn nothing the refusal stands.
     """
 
     trials: list[Trial] = field(default_factory=list)
@@ -84,6 +87,7 @@ class SearchResult:
     start_loss: float = math.nan
     note: str = ""
     retries: int = 0
+    blind: bool = False
 
 
 @dataclass
@@ -123,6 +127,7 @@ class LRFinderResult:
             optimizer (the LR a scheduler scales from, e.g. OneCycleLR's peak): the suggestion. ``None``
             when nothing was applied. It is also written to the loggers' hyperparameters.
         sweep_suggestion: the suggestion the curve alone gave (``suggestion`` before the search).
+        sweep_reason: why the curve alone gave none (``reason`` before the search; empty when it gave one).
         search: the search after the sweep (``None``: ``search_steps=0``, or no bracket to search).
         extended_to: the LR the sweep was extended to past ``max_lr`` because its loss was still falling
             there (``None``: not extended).
@@ -150,6 +155,7 @@ class LRFinderResult:
     applied: bool = False
     applied_lr: float | None = None
     sweep_suggestion: float | None = None
+    sweep_reason: str = ""
     search: SearchResult | None = None
     extended_to: float | None = None
     still_falling: bool = False

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from lightning_gradguard.alerts import Finding, Rule, declare
 from lightning_gradguard.monitors.lr_finder.engine import CAPPED, Unsupported
-from lightning_gradguard.monitors.lr_finder.result import LRFinderResult
+from lightning_gradguard.monitors.lr_finder.result import LRFinderResult, SearchResult
 
 #: a sweep whose smoothed loss fell by less than this share of its level is flat (no descent to read)
 FLAT_SHARE = 0.02
@@ -64,6 +64,8 @@ def _hint(result: LRFinderResult, min_points: int) -> str:
             "Widen the sweep (lower min_lr if it diverged at once, raise max_lr if the loss never fell), "
             "raise num_training, or check that the loss depends on the learning rate at all."
         )
+    if result.search is not None and result.search.blind and result.search.trials:
+        return _searched_hint(result.search)
     if _flat(result):
         return _plateau_hint(result)
     averaged = f"the mean of {result.sweeps} sweeps was still too noisy; " if result.sweeps > 1 else ""
@@ -72,6 +74,19 @@ def _hint(result: LRFinderResult, min_points: int) -> str:
         "accumulate_grad_batches, more sweeps averaged (max_sweeps), or num_training (more points in the "
         "descent). If it should not, check that it depends on the trained weights (a detached output, "
         "frozen layers, a loss computed from constants)."
+    )
+
+
+def _searched_hint(search: SearchResult) -> str:
+    """What to change after a sweep refused for noise whose blind search learned nothing either."""
+    longest = max(t.steps for t in search.trials)
+    return (
+        f"Candidate LRs trained up to {longest} steps each did not get the held-out loss clearly below its "
+        "start either. Either the loss cannot fall (check that it depends on the trained weights: a "
+        "detached output, frozen layers, a loss computed from constants), or the model leaves its start "
+        "only after longer training (deep tanh or sigmoid stacks, recurrent nets on long-range tasks): "
+        "raise search_steps or search_retries for longer trials, or sweep with num_training of 500 to 1000 "
+        "to see where the plateau ends."
     )
 
 
@@ -132,8 +147,9 @@ LR_FINDER_FAILED: Rule[Tested] = Rule(
     when=(
         "the range test gave no suggestion (too few points before divergence or NaN, a curve that "
         "never falls, a fall smaller than 6 times its own noise (measured margins: a loss that "
-        "cannot fall ≤ 5.1 with 20 to 100 points, models learning at batch size ≥ 4 ≥ 7.8), an "
-        "unsupported setup); the learning rate is left as it was. See [LR finder](lr_finder.md)."
+        "cannot fall ≤ 5.1 with 20 to 100 points, models learning at batch size ≥ 4 ≥ 7.8) where "
+        "short trainings across the sweep's range then learned nothing either, an unsupported "
+        "setup); the learning rate is left as it was. See [LR finder](lr_finder.md)."
     ),
     check=range_test_failed,
 )

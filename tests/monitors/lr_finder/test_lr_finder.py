@@ -842,8 +842,8 @@ def test_lr_find_respects_limit_train_batches_in_its_trainer_kwargs() -> None:
     assert model.seen == _first_features(4)  # the sweep only: lr_find trains nothing
     assert result is not None and len(result.lrs) == 4 and result.limited_to == 4
     model = _SeesEveryBatch()  # no end to the run: num_training steps, cycling the 4 batches
-    kwargs = {**kwargs, "max_epochs": -1}
-    result = lr_find(model, _loader(), num_training=12, progress=False, trainer_kwargs=kwargs)
+    kwargs = {**kwargs, "max_epochs": -1}  # (the sweep alone: a search would train its trials on them too)
+    result = lr_find(model, _loader(), num_training=12, progress=False, trainer_kwargs=kwargs, search_steps=0)
     assert model.seen == _first_features(4) * 3
     assert result is not None and len(result.lrs) == 12 and result.limited_to is None
 

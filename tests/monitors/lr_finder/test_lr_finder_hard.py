@@ -218,13 +218,14 @@ def test_a_loss_that_cannot_fall_is_still_refused_after_repeats() -> None:
 def test_a_flat_sweep_says_what_to_do_about_a_plateau() -> None:
     """A 10-layer tanh MLP at PyTorch's init: its loss stays at chance for the whole sweep (it breaks away
     only after hundreds of steps at 0.03 to 0.3, benchmarks/lr_hard.py's deep_tanh). No suggestion, and the
-    hint says both things it can be and what to do about each."""
+    hint says both things it can be and what to do about each. (With the search, the default, trials of a
+    few hundred steps below the sweep's top then learn: test_lr_search.py tests that blind search.)"""
     torch.manual_seed(0)
     layers: list[nn.Module] = [nn.Linear(64, 64), nn.Tanh()]
     for _ in range(8):
         layers += [nn.Linear(64, 64), nn.Tanh()]
     model = Model(nn.Sequential(*layers, nn.Linear(64, 10)), nn.functional.cross_entropy, torch.optim.SGD)
-    finder = LRFinderPlus(progress=False, plot=False, max_sweeps=1)
+    finder = LRFinderPlus(progress=False, plot=False, max_sweeps=1, search_steps=0)
     _fit(model, finder, _loader(_digits(), 32))
     result = finder.result
     assert result is not None and result.suggestion is None and result.descent is not None

@@ -22,11 +22,14 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_gradguard import LRFinderPlus, lr_find
+from lightning_gradguard.monitors.lr_finder import rules
 from lightning_gradguard.monitors.lr_finder.callback import DEFAULT_SEARCH_STEPS
 from lightning_gradguard.monitors.lr_finder.holdout import IndexSampler, split
 from lightning_gradguard.monitors.lr_finder.result import Trial
 from lightning_gradguard.monitors.lr_finder.schedule import compressed, schedule_factors
 from lightning_gradguard.monitors.lr_finder.search import (
+    BLIND_DECADES,
+    CONSTANT_MARGIN,
     INPUT_SHARE,
     SHORT_HORIZON,
     choose,
@@ -223,10 +226,19 @@ class CannotFall(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_a_refusal_stays_a_refusal_and_no_search_runs() -> None:
+def test_a_loss_that_cannot_fall_stays_refused_after_one_blind_search() -> None:
+    """The sweep's descent does not stand out of its noise, so the search trains candidates blind; none
+    moves the held-out loss at all, so it runs once (longer trials cannot move it either) and the refusal
+    stands, its reason and hint saying what the trials saw."""
     result = lr_find(CannotFall(), _loader(shuffle=True), progress=False, search_steps=60, max_sweeps=1)
-    assert result is not None and result.suggestion is None and result.search is None
-    assert result.reason
+    assert result is not None and result.suggestion is None and result.sweep_suggestion is None
+    search = result.search
+    assert search is not None and search.blind and search.trials and search.chosen is None
+    assert search.retries == 0 and search.steps == sum(t.steps for t in search.trials)
+    assert result.reason.startswith(result.sweep_reason) and "does not stand out" in result.sweep_reason
+    assert "nor did training" in result.reason
+    finding = rules.range_test_failed(rules.Tested(result=result, epoch=0, min_points=10))
+    assert finding is not None and "search_steps" in finding.hint
 
 
 def test_a_budget_too_small_for_the_trials_is_said_and_the_sweep_decides() -> None:
@@ -460,6 +472,46 @@ def test_trials_that_learn_only_the_label_frequencies_do_not_choose() -> None:
     assert won.input_dependence > 0.5 and task.suggestion == task.search.chosen
 
 
+class NoisyTraining(Classifier):
+    """A classifier whose training loss carries a large noise that does not depend on the weights (as heavy
+    augmentation or a tiny batch does): its range test's descent is lost in that noise; trained models,
+    scored in eval mode on held-out samples, show what they learned."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        return loss + 3.0 * torch.randn(()) if self.training else loss
+
+
+def test_a_sweep_lost_in_its_noise_gets_its_lr_from_trials_below_its_top() -> None:
+    """Regression: a sweep whose descent does not stand out of its noise suggested nothing, and no search ran:
+    the run kept its LR. The search now trains candidates over the two decades below the sweep's top (its last
+    LR before the diverging tail, a third of it for a constant LR), and the trials, scored without that noise,
+    choose; ``search_steps=0`` keeps the refusal."""
+    kw: dict[str, Any] = {
+        "trainer_kwargs": {"accelerator": "cpu"},
+        "progress": False,
+        "max_sweeps": 1,
+        "num_training": 50,
+    }
+    torch.manual_seed(0)
+    result = lr_find(NoisyTraining(), _classes(informative=True), search_steps=110, **kw)
+    assert result is not None and result.sweep_suggestion is None
+    assert "does not stand out of its noise" in result.sweep_reason
+    search = result.search
+    assert search is not None and search.blind and search.chosen is not None
+    assert result.suggestion == search.chosen and result.reason == ""
+    top = result.lrs[result.divergence_at - 1] if result.divergence_at else result.lrs[-1]
+    assert search.bracket == pytest.approx((top / CONSTANT_MARGIN / 10**BLIND_DECADES, top / CONSTANT_MARGIN))
+    won = next(
+        t for t in search.trials if t.lr == search.winner and t.round == max(x.round for x in search.trials)
+    )
+    assert won.input_dependence > 0.5  # it learned the task
+    torch.manual_seed(0)
+    sweep_only = lr_find(NoisyTraining(), _classes(informative=True), search_steps=0, **kw)
+    assert sweep_only is not None and sweep_only.suggestion is None and sweep_only.search is None
+
+
 class LateStarter(Classifier):
     """Meets its own labels only after its first 30 training steps (:class:`~tests.testkit.LateLabels`): a
     model that needs longer than short trials to use its inputs, as a ViT or a transformer tagger does."""
@@ -655,6 +707,46 @@ class StepDecay(InverseSqrt):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr)
         decay = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[90, 180, 270], gamma=0.1)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+
+def _warm_then_hold(step: int) -> float:
+    return min(1.0, (step + 1) / 30)
+
+
+def _warm_then_decay(step: int) -> float:
+    return min((step + 1) / 30, max(0.0, (300 - step) / 270))
+
+
+class WarmUp(Classifier):
+    """The classifier under Adam with a 30-step linear warm-up, then the LR it reached for good (``hold``),
+    or a linear decay to zero at step 300."""
+
+    def __init__(self, hold: bool) -> None:
+        super().__init__()
+        self.hold = hold
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        warm = torch.optim.lr_scheduler.LambdaLR(opt, _warm_then_hold if self.hold else _warm_then_decay)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": warm, "interval": "step"}}
+
+
+def test_a_warm_up_to_a_held_lr_is_searched_below_its_edge_as_a_constant_lr_is() -> None:
+    """Regression: any warm-up counted as making the sweep's edge safe, so a run that warms up to an LR and
+    then holds it was searched up to that edge; it spends its run at that LR, as a constant-LR run does,
+    and short trials near the edge chose LRs that its full run could not hold (a CTC recogniser: 6.83
+    times the best loss). Its search now stops :data:`CONSTANT_MARGIN` below the edge; one that decays
+    from its peak still goes up to it."""
+    tops = {}
+    for hold in (True, False):
+        torch.manual_seed(0)
+        kw: dict[str, Any] = {"trainer_kwargs": {"accelerator": "cpu"}, "progress": False}
+        result = lr_find(WarmUp(hold), _classes(informative=True), max_lr=10.0, search_steps=110, **kw)
+        assert result is not None and result.search is not None and result.divergence_at is not None
+        assert result.schedule is not None and result.schedule.warms_up
+        edge = result.lrs[result.divergence_at - 1] / result.schedule.peak
+        tops[hold] = result.search.bracket[1] / edge
+    assert tops[True] == pytest.approx(1 / CONSTANT_MARGIN) and tops[False] == pytest.approx(1.0)
 
 
 def test_a_step_decay_holds_its_last_level_as_long_as_the_one_before_not_nine_times_the_decay() -> None:

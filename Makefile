@@ -104,9 +104,10 @@ bench-lr: $(STAMP)
 	$(PY) benchmarks/lr_finder.py
 	$(MAKE) bench-lr-hard
 
-# LRFinderPlus (with and without its search), Lightning's lr_find and torch-lr-finder on the 23 hard tasks of all four
-# sets, each finder on six seeds, scored against a brute-force LR grid of three (about 35 minutes with a cold grid
-# cache, benchmarks/.lr_hard_grid.json, on a busy 2-core machine; a rerun trains only at new suggestions: about 5 minutes).
+# LRFinderPlus (with and without its search), Lightning's lr_find and torch-lr-finder on the 63 hard tasks of all twelve
+# sets, each finder on six seeds, scored against a brute-force LR grid of three (about three hours with a cold grid
+# cache, benchmarks/.lr_hard_grid.json, on a 2-core machine; with a warm cache our two finders still run, and the
+# trainings at their new suggestions: about 40 minutes).
 # torch-lr-finder is installed with --no-deps: a benchmark-only comparison, never a dependency of ours.
 bench-lr-hard: $(STAMP)
 	$(PIP) install --quiet --no-deps torch-lr-finder==0.2.2

@@ -34,9 +34,11 @@ ACROSS_LAYERS = f"{_ACROSS}/"
 #: the scalar tag families GradGuard writes (docs/tags.md)
 GRADGUARD_PREFIXES = SCALAR_PREFIXES
 #: the tags whose x is not the run's step: a range test's sweep step (``lr_finder/loss``, ``smoothed_loss``
-#: and ``lr``, with their ``_epoch<N>`` variants) and the overfit check's own step (``preflight/*``)
+#: and ``lr``, with their ``_epoch<N>`` variants), its search's candidate index (``lr_finder/search_lr``,
+#: ``search_round`` and ``search_loss``) and the overfit check's own step (``preflight/*``)
 OWN_AXIS = re.compile(
-    rf"{re.escape(LR_FINDER.prefix)}(?:loss|smoothed_loss|lr)(?:_epoch\d+)?$|{re.escape(PREFLIGHT.prefix)}"
+    rf"{re.escape(LR_FINDER.prefix)}(?:loss|smoothed_loss|lr|search_lr|search_round|search_loss)(?:_epoch\d+)?$"
+    rf"|{re.escape(PREFLIGHT.prefix)}"
 )
 
 

@@ -412,7 +412,9 @@ def test_a_negative_loss_is_drawn_and_an_all_nan_loss_chart_says_why(
 
 def test_the_step_range_is_the_runs_not_the_range_tests_sweep(tmp_path: Path) -> None:
     """A 40-point LR range test and a 30-step overfit check write their curves at their own steps 0..39 and
-    0..30; the run itself has 10 steps: the report says steps 0-9."""
+    0..30, and the range test's search (blind: this sweep is refused) its candidates at their index; the
+    run itself has 10 steps: the report says steps 0-9. (Regression: the search's candidate index was read
+    as the run's step, so a search of more candidates than the run has steps stretched the range.)"""
     from lightning_gradguard import OverfitBatchSanity
 
     torch.manual_seed(0)
@@ -424,6 +426,7 @@ def test_the_step_range_is_the_runs_not_the_range_tests_sweep(tmp_path: Path) ->
     log_dir = _fit(tmp_path, RecordingMLP(), callbacks, random_loader(n=512), max_steps=10)
     run = read_run(find_run(log_dir))
     assert max(run.scalars["lr_finder/loss"].steps) == 39  # the sweep is in the event file
+    assert max(run.scalars["lr_finder/search_loss"].steps) > 9  # and the search's candidates
     assert max(run.scalars["preflight/overfit_loss"].steps) == 30  # its initial loss, then 30 steps
     assert max(run.scalars["train_loss"].steps) == 9
     assert run.step_range() == (0, 9)

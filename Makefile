@@ -104,7 +104,7 @@ bench-lr: $(STAMP)
 	$(PY) benchmarks/lr_finder.py
 	$(MAKE) bench-lr-hard
 
-# LRFinderPlus (with and without its search), Lightning's lr_find and torch-lr-finder on the 63 hard tasks of all twelve
+# LRFinderPlus (with and without its search), Lightning's lr_find and torch-lr-finder on the 68 hard tasks of all thirteen
 # sets, each finder on six seeds, scored against a brute-force LR grid of three (about three hours with a cold grid
 # cache, benchmarks/.lr_hard_grid.json, on a 2-core machine; with a warm cache our two finders still run, and the
 # trainings at their new suggestions: about 40 minutes).
